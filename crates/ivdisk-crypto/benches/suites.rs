@@ -1,0 +1,102 @@
+//! Per-core throughput of every suite on 4 KiB sectors, in runs of 1 and 256 sectors.
+//!
+//! `scripts/bench-crypto` runs this next to `openssl speed -evp` and prints the ratios that
+//! docs/BENCHMARKS.md records. Benchmark ids: `<target>/<encrypt|decrypt>/<run length>`, where
+//! target is a suite name, or `<suite>+sector-nonce` for the deterministic counterpart of a
+//! randomized suite (same code, the sector number in place of the random nonce: shows what the
+//! random source costs; insecure, bench only).
+
+use std::time::Duration;
+
+use cpu_time::ThreadTime;
+use criterion::measurement::{Measurement, ValueFormatter};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
+use ivdisk_crypto::{
+    insecure_cipher_with_sector_number_nonces, new_cipher, CipherParams, ImageId, SectorCipher,
+    Suite, VolumeKey,
+};
+
+const SECTOR: usize = 4096;
+
+/// Criterion measures this thread's CPU time, not wall time: on a shared virtual machine the
+/// time the host gives to other guests (steal) would otherwise land in our numbers at random.
+/// `openssl speed` divides by CPU time as well, so the ratios compare like with like.
+struct ThreadCpuTime;
+
+impl Measurement for ThreadCpuTime {
+    type Intermediate = ThreadTime;
+    type Value = Duration;
+
+    fn start(&self) -> Self::Intermediate {
+        ThreadTime::now()
+    }
+    fn end(&self, start: Self::Intermediate) -> Self::Value {
+        start.elapsed()
+    }
+    fn add(&self, v1: &Self::Value, v2: &Self::Value) -> Self::Value {
+        *v1 + *v2
+    }
+    fn zero(&self) -> Self::Value {
+        Duration::ZERO
+    }
+    fn to_f64(&self, value: &Self::Value) -> f64 {
+        value.as_nanos() as f64
+    }
+    fn formatter(&self) -> &dyn ValueFormatter {
+        criterion::measurement::WallTime.formatter()
+    }
+}
+const FIRST_SECTOR: u64 = 1000;
+
+fn bench_cipher(c: &mut Criterion<ThreadCpuTime>, name: &str, cipher: &dyn SectorCipher) {
+    let mut group = c.benchmark_group(name);
+    for run in [1usize, 256] {
+        let mut data = vec![0xa5u8; run * SECTOR];
+        let mut metadata = vec![0u8; run * cipher.metadata_len()];
+        group.throughput(Throughput::Bytes((run * SECTOR) as u64));
+        group.bench_with_input(BenchmarkId::new("encrypt", run), &run, |b, _| {
+            b.iter(|| {
+                cipher
+                    .encrypt_sectors(FIRST_SECTOR, &mut data, &mut metadata)
+                    .unwrap()
+            })
+        });
+        // Decrypt real ciphertext (AEAD tags must verify). Decryption is in place, so each
+        // iteration gets a fresh copy; the copy is made outside the timed part.
+        cipher
+            .encrypt_sectors(FIRST_SECTOR, &mut data, &mut metadata)
+            .unwrap();
+        group.bench_with_input(BenchmarkId::new("decrypt", run), &run, |b, _| {
+            b.iter_batched_ref(
+                || data.clone(),
+                |d| cipher.decrypt_sectors(FIRST_SECTOR, d, &metadata).unwrap(),
+                BatchSize::LargeInput,
+            )
+        });
+    }
+    group.finish();
+}
+
+fn suites(c: &mut Criterion<ThreadCpuTime>) {
+    let params = CipherParams::new(SECTOR, ImageId([9; 16]));
+    for suite in Suite::ALL {
+        let key = VolumeKey::generate(suite.default_key_len()).expect("OS random source");
+        let cipher = new_cipher(suite, &key, &params).expect("valid parameters");
+        bench_cipher(c, suite.name(), cipher.as_ref());
+        if suite.is_randomized() {
+            let det = insecure_cipher_with_sector_number_nonces(suite, &key, &params)
+                .expect("valid parameters");
+            bench_cipher(c, &format!("{}+sector-nonce", suite.name()), det.as_ref());
+        }
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .with_measurement(ThreadCpuTime)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = suites
+}
+criterion_main!(benches);

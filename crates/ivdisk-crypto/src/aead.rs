@@ -1,0 +1,363 @@
+//! The AEAD suites: `aegis128l-random` (default), `aegis256-random`, `aes-gcm-random`.
+//!
+//! Per write: a fresh random nonce from [`crate::rng`]; AAD = image id (16 bytes) || sector
+//! number (u64 little endian), so a sector moved to another place or image fails
+//! authentication. Metadata per sector = nonce || tag (|| zero padding for GCM, checked on read
+//! so that every metadata bit is covered).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use aegis::aegis128l::Aegis128L;
+use aegis::aegis256::Aegis256;
+use openssl::cipher::Cipher;
+use openssl::cipher_ctx::CipherCtxRef;
+use zeroize::Zeroizing;
+
+use crate::evp::{ContextPool, Direction};
+use crate::rng::NonceSource;
+use crate::suite::{check_key_len, check_run, check_sector_size};
+use crate::{CipherParams, CryptoError, ImageId, Suite};
+
+/// Random 96-bit nonces: NIST SP 800-38D section 8.3 caps invocations under one key at 2^32 so
+/// the chance of a nonce collision (which reveals GCM's authentication key) stays below 2^-32.
+pub const GCM_RANDOM_NONCE_WRITE_LIMIT: u64 = 1 << 32;
+
+const TAG_LEN: usize = 16;
+const AAD_LEN: usize = 24;
+const GCM_NONCE_LEN: usize = 12;
+
+fn aad(image_id: &ImageId, sector: u64) -> [u8; AAD_LEN] {
+    let mut aad = [0u8; AAD_LEN];
+    aad[..16].copy_from_slice(&image_id.0);
+    aad[16..].copy_from_slice(&sector.to_le_bytes());
+    aad
+}
+
+enum Engine {
+    Aegis128L(Zeroizing<[u8; 16]>),
+    Aegis256(Zeroizing<[u8; 32]>),
+    Gcm(Box<GcmEngine>),
+}
+
+struct GcmEngine {
+    encrypt: ContextPool,
+    decrypt: ContextPool,
+    writes_used: AtomicU64,
+}
+
+pub(crate) struct AeadSuite {
+    suite: Suite,
+    sector_size: usize,
+    image_id: ImageId,
+    engine: Engine,
+    nonces: NonceSource,
+}
+
+impl std::fmt::Debug for AeadSuite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AeadSuite")
+            .field("suite", &self.suite)
+            .field("sector_size", &self.sector_size)
+            .field("image_id", &self.image_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AeadSuite {
+    pub(crate) fn new(
+        suite: Suite,
+        key: &[u8],
+        params: &CipherParams,
+        nonces: NonceSource,
+    ) -> Result<Self, CryptoError> {
+        check_key_len(suite, key)?;
+        check_sector_size(params.sector_size)?;
+        let engine = match suite {
+            Suite::Aegis128lRandom => {
+                Engine::Aegis128L(Zeroizing::new(key.try_into().expect("length checked")))
+            }
+            Suite::Aegis256Random => {
+                Engine::Aegis256(Zeroizing::new(key.try_into().expect("length checked")))
+            }
+            Suite::AesGcmRandom => {
+                let cipher = gcm_cipher(key);
+                Engine::Gcm(Box::new(GcmEngine {
+                    encrypt: ContextPool::new(cipher, key, Direction::Encrypt),
+                    decrypt: ContextPool::new(cipher, key, Direction::Decrypt),
+                    writes_used: AtomicU64::new(params.writes_used),
+                }))
+            }
+            _ => unreachable!("not an AEAD suite: {suite}"),
+        };
+        Ok(AeadSuite {
+            suite,
+            sector_size: params.sector_size,
+            image_id: params.image_id,
+            engine,
+            nonces,
+        })
+    }
+
+    fn nonce_len(&self) -> usize {
+        match self.engine {
+            Engine::Aegis128L(_) => 16,
+            Engine::Aegis256(_) => 32,
+            Engine::Gcm(_) => GCM_NONCE_LEN,
+        }
+    }
+
+    /// Count `n` more writes against GCM's limit, refusing the whole run if it would pass it.
+    fn reserve_writes(&self, n: u64) -> Result<(), CryptoError> {
+        let Engine::Gcm(gcm) = &self.engine else {
+            return Ok(());
+        };
+        gcm.writes_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n)
+                    .filter(|&u| u <= GCM_RANDOM_NONCE_WRITE_LIMIT)
+            })
+            .map(|_| ())
+            .map_err(|used| CryptoError::NonceBudgetExhausted {
+                suite: self.suite,
+                used,
+                limit: GCM_RANDOM_NONCE_WRITE_LIMIT,
+            })
+    }
+}
+
+impl crate::SectorCipher for AeadSuite {
+    fn suite(&self) -> Suite {
+        self.suite
+    }
+
+    fn sector_size(&self) -> usize {
+        self.sector_size
+    }
+
+    fn encrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let n = check_run(
+            self.suite,
+            self.sector_size,
+            first_sector,
+            data.len(),
+            metadata.len(),
+        )?;
+        self.reserve_writes(n as u64)?;
+        let md_len = self.suite.metadata_len();
+        let nonce_len = self.nonce_len();
+        let sectors = data.chunks_exact_mut(self.sector_size);
+        let metas = metadata.chunks_exact_mut(md_len);
+        let seal = |i: usize,
+                    sector: &mut [u8],
+                    md: &mut [u8],
+                    gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
+            let number = first_sector + i as u64;
+            let aad = aad(&self.image_id, number);
+            let (nonce, rest) = md.split_at_mut(nonce_len);
+            self.nonces.fill(number, nonce)?;
+            let tag = match (&self.engine, gcm) {
+                (Engine::Aegis128L(key), _) => aegis128l_seal(key, nonce, &aad, sector),
+                (Engine::Aegis256(key), _) => aegis256_seal(key, nonce, &aad, sector),
+                (Engine::Gcm(_), Some((pool, ctx))) => gcm_seal(pool, ctx, nonce, &aad, sector)?,
+                (Engine::Gcm(_), None) => unreachable!("GCM runs with a context"),
+            };
+            rest[..TAG_LEN].copy_from_slice(&tag);
+            rest[TAG_LEN..].fill(0);
+            Ok::<(), CryptoError>(())
+        };
+        match &self.engine {
+            Engine::Gcm(gcm) => gcm.encrypt.with(|ctx| {
+                for (i, (sector, md)) in sectors.zip(metas).enumerate() {
+                    seal(i, sector, md, Some((&gcm.encrypt, &mut *ctx)))?;
+                }
+                Ok(())
+            }),
+            _ => {
+                for (i, (sector, md)) in sectors.zip(metas).enumerate() {
+                    seal(i, sector, md, None)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn decrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError> {
+        check_run(
+            self.suite,
+            self.sector_size,
+            first_sector,
+            data.len(),
+            metadata.len(),
+        )?;
+        let md_len = self.suite.metadata_len();
+        let nonce_len = self.nonce_len();
+        let mut failed = Vec::new();
+        let mut open_all = |mut gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
+            for (i, (sector, md)) in data
+                .chunks_exact_mut(self.sector_size)
+                .zip(metadata.chunks_exact(md_len))
+                .enumerate()
+            {
+                let number = first_sector + i as u64;
+                let aad = aad(&self.image_id, number);
+                let (nonce, rest) = md.split_at(nonce_len);
+                let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
+                let padding_clean = rest[TAG_LEN..].iter().all(|&b| b == 0);
+                let ok = padding_clean
+                    && match (&self.engine, gcm.as_mut()) {
+                        (Engine::Aegis128L(key), _) => {
+                            aegis128l_open(key, nonce, &aad, sector, tag)
+                        }
+                        (Engine::Aegis256(key), _) => aegis256_open(key, nonce, &aad, sector, tag),
+                        (Engine::Gcm(_), Some((pool, ctx))) => {
+                            gcm_open(pool, ctx, nonce, &aad, sector, tag)?
+                        }
+                        (Engine::Gcm(_), None) => unreachable!("GCM runs with a context"),
+                    };
+                if !ok {
+                    // Never hand out unauthenticated plaintext.
+                    sector.fill(0);
+                    failed.push(number);
+                }
+            }
+            Ok::<(), CryptoError>(())
+        };
+        match &self.engine {
+            Engine::Gcm(gcm) => gcm
+                .decrypt
+                .with(|ctx| open_all(Some((&gcm.decrypt, ctx))))?,
+            _ => open_all(None)?,
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(CryptoError::Authentication { sectors: failed })
+        }
+    }
+
+    fn writes_used(&self) -> Option<u64> {
+        match &self.engine {
+            Engine::Gcm(gcm) => Some(gcm.writes_used.load(Ordering::Acquire)),
+            _ => None,
+        }
+    }
+}
+
+fn gcm_cipher(key: &[u8]) -> &'static openssl::cipher::CipherRef {
+    match key.len() {
+        32 => Cipher::aes_256_gcm(),
+        24 => Cipher::aes_192_gcm(),
+        _ => Cipher::aes_128_gcm(),
+    }
+}
+
+/// AEGIS-128L seal of `data` in place; returns the 128-bit tag.
+pub fn aegis128l_seal(key: &[u8; 16], nonce: &[u8], aad: &[u8], data: &mut [u8]) -> [u8; TAG_LEN] {
+    let nonce: &[u8; 16] = nonce.try_into().expect("AEGIS-128L nonce is 16 bytes");
+    Aegis128L::<TAG_LEN>::new(key, nonce).encrypt_in_place(data, aad)
+}
+
+/// AEGIS-128L open of `data` in place; false if the tag does not verify.
+pub fn aegis128l_open(
+    key: &[u8; 16],
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+    tag: &[u8; TAG_LEN],
+) -> bool {
+    let nonce: &[u8; 16] = nonce.try_into().expect("AEGIS-128L nonce is 16 bytes");
+    Aegis128L::<TAG_LEN>::new(key, nonce)
+        .decrypt_in_place(data, tag, aad)
+        .is_ok()
+}
+
+/// AEGIS-256 seal of `data` in place; returns the 128-bit tag.
+pub fn aegis256_seal(key: &[u8; 32], nonce: &[u8], aad: &[u8], data: &mut [u8]) -> [u8; TAG_LEN] {
+    let nonce: &[u8; 32] = nonce.try_into().expect("AEGIS-256 nonce is 32 bytes");
+    Aegis256::<TAG_LEN>::new(key, nonce).encrypt_in_place(data, aad)
+}
+
+/// AEGIS-256 open of `data` in place; false if the tag does not verify.
+pub fn aegis256_open(
+    key: &[u8; 32],
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+    tag: &[u8; TAG_LEN],
+) -> bool {
+    let nonce: &[u8; 32] = nonce.try_into().expect("AEGIS-256 nonce is 32 bytes");
+    Aegis256::<TAG_LEN>::new(key, nonce)
+        .decrypt_in_place(data, tag, aad)
+        .is_ok()
+}
+
+fn gcm_seal(
+    pool: &ContextPool,
+    ctx: &mut CipherCtxRef,
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+) -> Result<[u8; TAG_LEN], CryptoError> {
+    pool.set_iv(ctx, nonce)?;
+    ctx.cipher_update(aad, None)?;
+    let len = data.len();
+    ctx.cipher_update_inplace(data, len)?;
+    ctx.cipher_final(&mut [0u8; 16])?;
+    let mut tag = [0u8; TAG_LEN];
+    ctx.tag(&mut tag)?;
+    Ok(tag)
+}
+
+/// Ok(false) when the tag does not verify; Err only for OpenSSL failures.
+fn gcm_open(
+    pool: &ContextPool,
+    ctx: &mut CipherCtxRef,
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+    tag: &[u8; TAG_LEN],
+) -> Result<bool, CryptoError> {
+    pool.set_iv(ctx, nonce)?;
+    ctx.cipher_update(aad, None)?;
+    let len = data.len();
+    ctx.cipher_update_inplace(data, len)?;
+    ctx.set_tag(tag)?;
+    // EVP_DecryptFinal fails exactly when the tag does not match.
+    Ok(ctx.cipher_final(&mut [0u8; 16]).is_ok())
+}
+
+/// AES-GCM seal with a 96-bit nonce, for the NIST known-answer tests: the same code path as
+/// the suite's, with the context built for one call.
+#[doc(hidden)]
+pub fn gcm_seal_once(
+    key: &[u8],
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+) -> Result<[u8; TAG_LEN], CryptoError> {
+    let pool = ContextPool::new(gcm_cipher(key), key, Direction::Encrypt);
+    pool.with(|ctx| gcm_seal(&pool, ctx, nonce, aad, data))
+}
+
+/// Inverse of [`gcm_seal_once`]; false when the tag does not verify.
+#[doc(hidden)]
+pub fn gcm_open_once(
+    key: &[u8],
+    nonce: &[u8],
+    aad: &[u8],
+    data: &mut [u8],
+    tag: &[u8; TAG_LEN],
+) -> Result<bool, CryptoError> {
+    let pool = ContextPool::new(gcm_cipher(key), key, Direction::Decrypt);
+    pool.with(|ctx| gcm_open(&pool, ctx, nonce, aad, data, tag))
+}

@@ -1,0 +1,73 @@
+//! The crate's only `unsafe`: registering a fork handler with the C library.
+//!
+//! Why: the nonce generator keeps its state in user space. After `fork()` parent and child
+//! would hold the same state and draw the same "random" nonces, which for GCM reveals the
+//! authentication key. A `pthread_atfork` child handler bumps a generation counter; the
+//! generator compares it (one relaxed atomic load) before every draw and reseeds from the OS
+//! when it changed. No syscall on the hot path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Once;
+
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+static REGISTER: Once = Once::new();
+
+extern "C" fn on_fork_in_child() {
+    // Only an atomic increment: async-signal-safe, as a post-fork handler must be.
+    FORK_GENERATION.fetch_add(1, Ordering::SeqCst);
+}
+
+/// The number of forks this process is removed from its original (0 in the original).
+pub(crate) fn fork_generation() -> u64 {
+    REGISTER.call_once(|| {
+        // SAFETY: pthread_atfork only records the function pointers; `on_fork_in_child` is a
+        // plain `extern "C"` function with no captured state that performs one atomic add,
+        // which is allowed in a post-fork child before exec.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(on_fork_in_child)) };
+        assert_eq!(
+            rc, 0,
+            "pthread_atfork failed: cannot make the nonce generator fork-safe"
+        );
+    });
+    FORK_GENERATION.load(Ordering::Relaxed)
+}
+
+/// Set a new IV on an initialised cipher context, keeping its key schedule.
+///
+/// Why not `CipherCtxRef::encrypt_init(None, None, Some(iv))`: that wrapper first asks OpenSSL
+/// for the context's IV length, which in OpenSSL 3 is a provider parameter query with string
+/// compares; per 4 KiB sector it cost several percent. The length is checked here against the
+/// value the suite fixed when it built the context.
+pub(crate) fn reset_iv(
+    ctx: &mut openssl::cipher_ctx::CipherCtxRef,
+    iv: &[u8],
+    expected_iv_len: usize,
+    encrypt: bool,
+) -> Result<(), openssl::error::ErrorStack> {
+    use foreign_types::ForeignTypeRef;
+    assert_eq!(
+        iv.len(),
+        expected_iv_len,
+        "IV length does not match the cipher"
+    );
+    // SAFETY: `ctx` is a valid, initialised EVP_CIPHER_CTX (a live `CipherCtxRef`, borrowed
+    // mutably so no one else uses it); cipher, engine and key are NULL, which OpenSSL documents
+    // as "keep the current ones"; `iv` points to `expected_iv_len` readable bytes, which equals
+    // the IV length of the cipher the context was initialised with (asserted by the caller's
+    // construction and above), and OpenSSL copies the IV before returning.
+    let rc = unsafe {
+        openssl_sys::EVP_CipherInit_ex(
+            ctx.as_ptr(),
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            iv.as_ptr(),
+            encrypt as libc::c_int,
+        )
+    };
+    if rc == 1 {
+        Ok(())
+    } else {
+        Err(openssl::error::ErrorStack::get())
+    }
+}

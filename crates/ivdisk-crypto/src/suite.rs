@@ -1,0 +1,265 @@
+//! Suite names, their fixed parameters, and the one interface every suite implements.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::CryptoError;
+
+/// A sector cipher suite: how a sector's ciphertext and metadata are made.
+///
+/// The names are cryptsetup's where one exists (`aes-xts-plain64`, `aes-hctr2-plain64`);
+/// `-random` means a fresh random IV or nonce per write, stored in the sector's metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Suite {
+    /// AES-XTS, tweak = byte offset / 512 (cryptsetup and librbd compatible). No metadata.
+    AesXtsPlain64,
+    /// AES-XTS with a random 16-byte value per write, bound to the sector number. 16 bytes.
+    AesXtsRandom,
+    /// AEGIS-128L AEAD, random 128-bit nonce. 32 bytes (nonce + tag). The default.
+    Aegis128lRandom,
+    /// AEGIS-256 AEAD, random 256-bit nonce. 48 bytes (nonce + tag).
+    Aegis256Random,
+    /// AES-GCM AEAD, random 96-bit nonce, at most 2^32 writes per key. 32 bytes.
+    AesGcmRandom,
+    /// HCTR2 wide-block cipher, tweak = byte offset / 512. No metadata.
+    AesHctr2Plain64,
+}
+
+impl Suite {
+    /// Every suite, in the order `--help` lists them.
+    pub const ALL: [Suite; 6] = [
+        Suite::Aegis128lRandom,
+        Suite::Aegis256Random,
+        Suite::AesGcmRandom,
+        Suite::AesXtsRandom,
+        Suite::AesXtsPlain64,
+        Suite::AesHctr2Plain64,
+    ];
+
+    /// The suite new images get when the user names none.
+    pub const DEFAULT: Suite = Suite::Aegis128lRandom;
+
+    /// The name used on the command line and in the image header.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Suite::AesXtsPlain64 => "aes-xts-plain64",
+            Suite::AesXtsRandom => "aes-xts-random",
+            Suite::Aegis128lRandom => "aegis128l-random",
+            Suite::Aegis256Random => "aegis256-random",
+            Suite::AesGcmRandom => "aes-gcm-random",
+            Suite::AesHctr2Plain64 => "aes-hctr2-plain64",
+        }
+    }
+
+    /// Bytes of per-sector metadata stored next to each sector's ciphertext.
+    pub const fn metadata_len(self) -> usize {
+        match self {
+            Suite::AesXtsPlain64 | Suite::AesHctr2Plain64 => 0,
+            Suite::AesXtsRandom => 16,
+            Suite::Aegis128lRandom | Suite::AesGcmRandom => 32,
+            Suite::Aegis256Random => 48,
+        }
+    }
+
+    /// Accepted volume key lengths in bytes; the first is the default.
+    pub const fn key_lens(self) -> &'static [usize] {
+        match self {
+            // XTS keys are two AES keys: 64 bytes = AES-256-XTS ("512-bit"), 32 = AES-128-XTS.
+            Suite::AesXtsPlain64 | Suite::AesXtsRandom => &[64, 32],
+            Suite::Aegis128lRandom => &[16],
+            Suite::Aegis256Random => &[32],
+            Suite::AesGcmRandom | Suite::AesHctr2Plain64 => &[32, 16],
+        }
+    }
+
+    /// The default volume key length in bytes.
+    pub const fn default_key_len(self) -> usize {
+        self.key_lens()[0]
+    }
+
+    /// Whether a changed ciphertext or metadata byte is detected (AEAD suites).
+    pub const fn is_authenticated(self) -> bool {
+        matches!(
+            self,
+            Suite::Aegis128lRandom | Suite::Aegis256Random | Suite::AesGcmRandom
+        )
+    }
+
+    /// Whether each write gets a fresh random IV/nonce (so overwrites are unlinkable).
+    pub const fn is_randomized(self) -> bool {
+        self.metadata_len() > 0
+    }
+
+    /// The number of writes under one key the suite allows, if it enforces a bound.
+    pub const fn write_limit(self) -> Option<u64> {
+        match self {
+            Suite::AesGcmRandom => Some(crate::aead::GCM_RANDOM_NONCE_WRITE_LIMIT),
+            _ => None,
+        }
+    }
+
+    /// One line for `--help` and `ivdisk info`.
+    pub const fn summary(self) -> &'static str {
+        match self {
+            Suite::AesXtsPlain64 => "AES-XTS, tweak = offset/512; no metadata; LUKS2/librbd compatible, deterministic",
+            Suite::AesXtsRandom => "AES-XTS with a random tweak per write bound to the sector; 16 B metadata; no integrity",
+            Suite::Aegis128lRandom => "AEGIS-128L AEAD, random 128-bit nonce; 32 B metadata; integrity (default)",
+            Suite::Aegis256Random => "AEGIS-256 AEAD, random 256-bit nonce; 48 B metadata; integrity",
+            Suite::AesGcmRandom => "AES-GCM AEAD, random 96-bit nonce; 32 B metadata; integrity; refuses writes past 2^32 per key",
+            Suite::AesHctr2Plain64 => "HCTR2 wide-block, tweak = offset/512; no metadata; one flipped bit garbles the sector",
+        }
+    }
+}
+
+impl fmt::Display for Suite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Suite {
+    type Err = CryptoError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        Suite::ALL
+            .into_iter()
+            .find(|s| s.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| CryptoError::UnknownSuite {
+                name: name.to_owned(),
+                expected: Suite::ALL.map(Suite::name).join(", "),
+            })
+    }
+}
+
+/// A 16-byte image identity bound into the AAD of the AEAD suites, so that a sector copied
+/// into another image does not authenticate. The image layer stores it in the header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct ImageId(pub [u8; 16]);
+
+/// Parameters a suite is built with, besides its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CipherParams {
+    /// Bytes per sector: 512, 1024, 2048 or 4096.
+    pub sector_size: usize,
+    /// Identity of the image the sectors belong to.
+    pub image_id: ImageId,
+    /// Writes already made under this key (from the header), for suites with a write limit.
+    pub writes_used: u64,
+}
+
+impl CipherParams {
+    /// Parameters for an image with the given sector size and identity, no writes yet.
+    pub fn new(sector_size: usize, image_id: ImageId) -> Self {
+        CipherParams {
+            sector_size,
+            image_id,
+            writes_used: 0,
+        }
+    }
+}
+
+/// One interface for all suites: a run of consecutive sectors in, ciphertext and packed
+/// per-sector metadata out, and back.
+///
+/// Sector numbers count `sector_size` units from the start of the disk. `data` holds a whole
+/// number of sectors (sector `first_sector + i` at `data[i * sector_size..]`) and is transformed
+/// in place; `metadata` holds `metadata_len()` bytes per sector, packed in the same order.
+/// Runs are the unit of work: the hot path hands a whole IO's sectors over at once.
+pub trait SectorCipher: Send + Sync + fmt::Debug {
+    /// The suite this cipher implements.
+    fn suite(&self) -> Suite;
+
+    /// Bytes per sector.
+    fn sector_size(&self) -> usize;
+
+    /// Encrypt `data` in place and write each sector's metadata.
+    fn encrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError>;
+
+    /// Decrypt `data` in place using each sector's metadata.
+    ///
+    /// On [`CryptoError::Authentication`] the listed sectors are zeroed and every other sector
+    /// of the run holds its plaintext, so a caller can fail exactly those sectors.
+    fn decrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError>;
+
+    /// Bytes of metadata per sector.
+    fn metadata_len(&self) -> usize {
+        self.suite().metadata_len()
+    }
+
+    /// Writes counted under this key so far, for suites that enforce a write limit.
+    fn writes_used(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Check a run's buffers against the cipher's geometry; returns the number of sectors.
+pub(crate) fn check_run(
+    suite: Suite,
+    sector_size: usize,
+    first_sector: u64,
+    data_len: usize,
+    metadata_len: usize,
+) -> Result<usize, CryptoError> {
+    if data_len == 0 || data_len % sector_size != 0 {
+        return Err(CryptoError::BufferLength {
+            len: data_len,
+            sector_size,
+        });
+    }
+    let sectors = data_len / sector_size;
+    let expected = sectors * suite.metadata_len();
+    if metadata_len != expected {
+        return Err(CryptoError::MetadataLength {
+            suite,
+            sectors,
+            expected,
+            got: metadata_len,
+        });
+    }
+    if first_sector.checked_add(sectors as u64 - 1).is_none() {
+        return Err(CryptoError::SectorOverflow {
+            first: first_sector,
+            count: sectors,
+        });
+    }
+    Ok(sectors)
+}
+
+pub(crate) fn check_sector_size(sector_size: usize) -> Result<(), CryptoError> {
+    match sector_size {
+        512 | 1024 | 2048 | 4096 => Ok(()),
+        got => Err(CryptoError::SectorSize { got }),
+    }
+}
+
+pub(crate) fn check_key_len(suite: Suite, key: &[u8]) -> Result<(), CryptoError> {
+    if suite.key_lens().contains(&key.len()) {
+        Ok(())
+    } else {
+        Err(CryptoError::KeyLength {
+            suite,
+            expected: suite.key_lens(),
+            got: key.len(),
+        })
+    }
+}
+
+/// The tweak/IV of the `plain64` suites: the sector's byte offset / 512, little endian, in
+/// `len` bytes (16 for XTS, 32 for HCTR2), exactly as dm-crypt, cryptsetup and librbd compute
+/// it for LUKS2 (4096-byte sectors step it by 8).
+pub(crate) fn plain64_iv<const N: usize>(sector: u64, sector_size: usize) -> [u8; N] {
+    let mut iv = [0u8; N];
+    let units = sector.wrapping_mul((sector_size / 512) as u64);
+    iv[..8].copy_from_slice(&units.to_le_bytes());
+    iv
+}
