@@ -4,7 +4,8 @@
 //! docs/BENCHMARKS.md records. Benchmark ids: `<target>/<encrypt|decrypt>/<run length>`, where
 //! target is a suite name, or `<suite>+sector-nonce` for the deterministic counterpart of a
 //! randomized suite (same code, the sector number in place of the random nonce: shows what the
-//! random source costs; insecure, bench only).
+//! random source costs; insecure, bench only). Suites run with their default key size (AES-256
+//! for XTS and GCM); `aes-gcm-random@aes128` is GCM with a 128-bit key.
 
 use std::time::Duration;
 
@@ -83,6 +84,15 @@ fn suites(c: &mut Criterion<ThreadCpuTime>) {
         let key = VolumeKey::generate(suite.default_key_len()).expect("OS random source");
         let cipher = new_cipher(suite, &key, &params).expect("valid parameters");
         bench_cipher(c, suite.name(), cipher.as_ref());
+        if suite == Suite::AesGcmRandom {
+            // GCM also with a 128-bit key, to compare with `openssl speed -evp aes-128-gcm`.
+            let key = VolumeKey::generate(16).expect("OS random source");
+            let cipher = new_cipher(suite, &key, &params).expect("valid parameters");
+            bench_cipher(c, "aes-gcm-random@aes128", cipher.as_ref());
+            let det = insecure_cipher_with_sector_number_nonces(suite, &key, &params)
+                .expect("valid parameters");
+            bench_cipher(c, "aes-gcm-random@aes128+sector-nonce", det.as_ref());
+        }
         if suite.is_randomized() {
             let det = insecure_cipher_with_sector_number_nonces(suite, &key, &params)
                 .expect("valid parameters");

@@ -261,7 +261,8 @@ fn gcm_cipher(key: &[u8]) -> &'static openssl::cipher::CipherRef {
     }
 }
 
-/// AEGIS-128L seal of `data` in place; returns the 128-bit tag.
+/// AEGIS-128L seal of `data` in place (libaegis, AES-NI where the CPU has it); returns the
+/// 128-bit tag.
 pub fn aegis128l_seal(key: &[u8; 16], nonce: &[u8], aad: &[u8], data: &mut [u8]) -> [u8; TAG_LEN] {
     let nonce: &[u8; 16] = nonce.try_into().expect("AEGIS-128L nonce is 16 bytes");
     Aegis128L::<TAG_LEN>::new(key, nonce).encrypt_in_place(data, aad)

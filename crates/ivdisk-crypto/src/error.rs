@@ -68,13 +68,16 @@ pub enum CryptoError {
         got: usize,
     },
 
-    /// A run of sectors that would go past sector number 2^64 - 1.
-    #[error("sector run starting at {first} with {count} sectors overflows the sector number")]
+    /// A run of sectors reaching past the last sector number whose byte offset / 512 fits 64
+    /// bits (the IV of the plain64 suites); no disk is that large.
+    #[error("sector run starting at {first} with {count} sectors goes past the last addressable sector {last_allowed}")]
     SectorOverflow {
         /// First sector of the run.
         first: u64,
         /// Number of sectors.
         count: usize,
+        /// The highest sector number allowed for this sector size.
+        last_allowed: u64,
     },
 
     /// Authentication failed for these sectors: their ciphertext or metadata was changed, moved

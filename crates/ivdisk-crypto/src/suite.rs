@@ -226,11 +226,18 @@ pub(crate) fn check_run(
             got: metadata_len,
         });
     }
-    if first_sector.checked_add(sectors as u64 - 1).is_none() {
-        return Err(CryptoError::SectorOverflow {
-            first: first_sector,
-            count: sectors,
-        });
+    // The last sector's byte offset / 512 must fit 64 bits: that is the plain64 tweak, and past
+    // it two sector numbers would share one (no disk is that large: 2^73 bytes).
+    let last_allowed = u64::MAX / (sector_size / 512) as u64;
+    match first_sector.checked_add(sectors as u64 - 1) {
+        Some(last) if last <= last_allowed => {}
+        _ => {
+            return Err(CryptoError::SectorOverflow {
+                first: first_sector,
+                count: sectors,
+                last_allowed,
+            })
+        }
     }
     Ok(sectors)
 }
@@ -259,7 +266,8 @@ pub(crate) fn check_key_len(suite: Suite, key: &[u8]) -> Result<(), CryptoError>
 /// it for LUKS2 (4096-byte sectors step it by 8).
 pub(crate) fn plain64_iv<const N: usize>(sector: u64, sector_size: usize) -> [u8; N] {
     let mut iv = [0u8; N];
-    let units = sector.wrapping_mul((sector_size / 512) as u64);
+    // check_run has refused sectors whose offset / 512 does not fit 64 bits.
+    let units = sector * (sector_size / 512) as u64;
     iv[..8].copy_from_slice(&units.to_le_bytes());
     iv
 }
