@@ -11,16 +11,7 @@ cd "$(dirname "$0")/.."
 IMAGE=${1:-demo.ivd}
 SIZE=${2:-1G}
 
-PACKAGES=(openssl libssl-dev pkg-config gcc make)
-missing=()
-for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
-fi
+source scripts/install-deps.sh
 
 cargo build --release -p ivdisk
 IVDISK=target/release/ivdisk

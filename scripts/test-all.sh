@@ -11,24 +11,8 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n== %s\n' "$*" >&2; }
 
-# Debian packages: OpenSSL (library for the cipher suites, command line for the cross-checks),
-# a C compiler and pkg-config for the crates that build C (libaegis, openssl-sys).
-PACKAGES=(openssl libssl-dev pkg-config gcc make)
-missing=()
-for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  log "installing Debian packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
-fi
+source scripts/install-deps.sh
 
-if ! command -v cargo >/dev/null; then
-  echo "cargo not found: install Rust (stable) with rustup first" >&2
-  exit 1
-fi
 if command -v rustup >/dev/null; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi

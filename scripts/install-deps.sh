@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install the Debian packages ivdisk builds and tests with, if missing. Sourced by
+# scripts/quickstart.sh and scripts/test-all.sh; runnable alone.
+#
+# openssl, libssl-dev: the cipher suites' library and the command line of the cross-checks;
+# gcc, make, pkg-config: the crates that build C (libaegis, openssl-sys).
+set -euo pipefail
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make)
+missing=()
+for p in "${IVDISK_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing Debian packages: ${missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found: install a stable Rust toolchain (rustup) first" >&2
+  exit 1
+fi
