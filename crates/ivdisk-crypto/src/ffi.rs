@@ -1,6 +1,8 @@
-//! The crate's only `unsafe`: calls into C libraries that the Rust compiler cannot check (a
-//! fork handler registered with libc, one OpenSSL call). Every `unsafe` block says why it is
-//! sound in a `// SAFETY:` line.
+//! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
+//! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
+//! `core::arch` (XTS with VAES in `xts_vaes`: callable only once the CPU is known to have them,
+//! with unaligned SIMD loads and stores). Every `unsafe` block says why it is sound in a
+//! `// SAFETY:` line.
 //!
 //! Fork handler:
 //! Why: the nonce generator keeps its state in user space. After `fork()` parent and child
@@ -8,6 +10,9 @@
 //! authentication key. A `pthread_atfork` child handler bumps a generation counter; the
 //! generator compares it (one relaxed atomic load) before every draw and reseeds from the OS
 //! when it changed. No syscall on the hot path.
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod xts_vaes;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Once;

@@ -102,7 +102,7 @@ impl Hctr2 {
 
     /// POLYVAL state after the length block and the tweak (shared by both hashes of a call).
     fn hashed_tweak(&self, tweak: &[u8; TWEAK_LEN], message_len: usize) -> Polyval {
-        let mut p = if message_len % 16 == 0 {
+        let mut p = if message_len.is_multiple_of(16) {
             self.hash_whole.clone()
         } else {
             self.hash_partial.clone()

@@ -210,7 +210,7 @@ pub(crate) fn check_run(
     data_len: usize,
     metadata_len: usize,
 ) -> Result<usize, CryptoError> {
-    if data_len == 0 || data_len % sector_size != 0 {
+    if data_len == 0 || !data_len.is_multiple_of(sector_size) {
         return Err(CryptoError::BufferLength {
             len: data_len,
             sector_size,

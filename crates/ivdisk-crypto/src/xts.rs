@@ -9,9 +9,10 @@
 //! sector s' or into another image gives another tweak, so it decrypts to garbage; forging an R'
 //! that yields the same tweak at s' requires `K_t`.
 //!
-//! The data path is OpenSSL's XTS (AES-NI, many blocks in flight, SIMD tweak updates) with
-//! reused contexts: only the 16-byte tweak is set per sector. For `aes-xts-random` the tweaks
-//! of a run are derived in batches, so that AES runs many blocks wide there too.
+//! The rounds run in our VAES code where the CPU has VAES/AVX-512 (`ffi::xts_vaes`: the tweak is
+//! an argument, four blocks per instruction) and in OpenSSL's AES-NI XTS otherwise, with reused
+//! contexts where only the tweak is set per sector. Tests hold the two to the IEEE vectors and
+//! to each other.
 
 use aes::cipher::generic_array::GenericArray;
 use aes::cipher::{BlockEncrypt, KeyInit};
@@ -19,24 +20,110 @@ use aes::Aes256;
 use openssl::cipher::{Cipher, CipherRef};
 
 use crate::evp::{ContextPool, Direction};
+#[cfg(target_arch = "x86_64")]
+use crate::ffi::xts_vaes::{AesBlockCipher, XtsVaes};
 use crate::key::derive_subkey;
 use crate::rng::NonceSource;
 use crate::suite::{check_key_len, check_run, check_sector_size, plain64_iv};
 use crate::{CipherParams, CryptoError, Suite};
 
-/// Sectors whose random tweaks are derived per batch: enough to keep AES-NI's 8-block pipeline
-/// full, small enough that zeroing the stack buffer does not show on one-sector runs.
-const TWEAK_BATCH: usize = 16;
+/// AES-256 under `K_t`, the key that maps `aes-xts-random`'s R to the XTS tweak. With the VAES
+/// engine its AES-NI single-block code (no dispatch per call); otherwise the `aes` crate
+/// (AES-NI, 8 blocks in flight) rather than an OpenSSL ECB context, whose EVP call and context
+/// pool would cost more than the AES rounds for one sector.
+enum TweakKey {
+    #[cfg(target_arch = "x86_64")]
+    Vaes(Box<AesBlockCipher>),
+    Soft(Box<Aes256>),
+}
+
+impl TweakKey {
+    fn new(key: &[u8; 32]) -> TweakKey {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(aes) = AesBlockCipher::new(key) {
+            return TweakKey::Vaes(Box::new(aes));
+        }
+        TweakKey::Soft(Box::new(Aes256::new(GenericArray::from_slice(key))))
+    }
+
+    /// The XTS tweak value of sector `sector` written with random value `r`:
+    /// `AES-256(K_t, r) xor LE128(sector)`.
+    fn tweak(&self, r: &[u8], sector: u64) -> [u8; 16] {
+        let mut t: [u8; 16] = r.try_into().expect("16-byte metadata");
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            TweakKey::Vaes(aes) => aes.encrypt_block(&mut t),
+            TweakKey::Soft(aes) => aes.encrypt_block(GenericArray::from_mut_slice(&mut t)),
+        }
+        (u128::from_le_bytes(t) ^ u128::from(sector)).to_le_bytes()
+    }
+}
+
+/// Who runs the XTS rounds: our VAES code where the CPU has it (the tweak is an argument, four
+/// blocks per instruction), OpenSSL's AES-NI XTS otherwise (one IV reset per sector).
+enum Engine {
+    #[cfg(target_arch = "x86_64")]
+    Vaes(XtsVaes),
+    OpenSsl {
+        encrypt: ContextPool,
+        decrypt: ContextPool,
+    },
+}
+
+impl Engine {
+    fn new(key: &[u8]) -> Engine {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(vaes) = XtsVaes::new(key) {
+            return Engine::Vaes(vaes);
+        }
+        Engine::openssl(key)
+    }
+
+    fn openssl(key: &[u8]) -> Engine {
+        Engine::OpenSsl {
+            encrypt: ContextPool::new(xts_cipher(key), key, Direction::Encrypt),
+            decrypt: ContextPool::new(xts_cipher(key), key, Direction::Decrypt),
+        }
+    }
+
+    /// Run `for_each` over the sectors of a run with a function that en- or decrypts one data
+    /// unit under a given tweak value.
+    fn run(
+        &self,
+        encrypt: bool,
+        for_each: impl FnOnce(
+            &mut dyn FnMut(&[u8; 16], &mut [u8]) -> Result<(), CryptoError>,
+        ) -> Result<(), CryptoError>,
+    ) -> Result<(), CryptoError> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Engine::Vaes(vaes) => for_each(&mut |tweak, unit| {
+                vaes.crypt(tweak, unit, encrypt);
+                Ok(())
+            }),
+            Engine::OpenSsl {
+                encrypt: enc,
+                decrypt: dec,
+            } => {
+                let pool = if encrypt { enc } else { dec };
+                pool.with(|ctx| {
+                    for_each(&mut |tweak, unit| {
+                        pool.set_iv(ctx, tweak)?;
+                        ctx.cipher_update_inplace(unit, unit.len())?;
+                        Ok(())
+                    })
+                })
+            }
+        }
+    }
+}
 
 pub(crate) struct AesXts {
     suite: Suite,
     sector_size: usize,
-    encrypt: ContextPool,
-    decrypt: ContextPool,
-    /// Present for `aes-xts-random`: AES-256 under the key that maps R to the tweak. The `aes`
-    /// crate (AES-NI, 8 blocks in flight) rather than an OpenSSL ECB context: for one sector the
-    /// EVP call and its context pool cost more than the AES rounds.
-    tweak_key: Option<Aes256>,
+    engine: Engine,
+    /// Present for `aes-xts-random`: AES-256 under the key that maps R to the tweak.
+    tweak_key: Option<TweakKey>,
     nonces: NonceSource,
 }
 
@@ -65,13 +152,12 @@ impl AesXts {
         }
         let tweak_key = (suite == Suite::AesXtsRandom).then(|| {
             let k = derive_subkey::<32>(key, &[b"aes-xts-random/tweak-key/", &params.image_id.0]);
-            Aes256::new(GenericArray::from_slice(k.as_ref()))
+            TweakKey::new(&k)
         });
         Ok(AesXts {
             suite,
             sector_size: params.sector_size,
-            encrypt: ContextPool::new(xts_cipher(key), key, Direction::Encrypt),
-            decrypt: ContextPool::new(xts_cipher(key), key, Direction::Decrypt),
+            engine: Engine::new(key),
             tweak_key,
             nonces,
         })
@@ -84,43 +170,15 @@ impl AesXts {
         metadata: &[u8],
         encrypt: bool,
     ) -> Result<(), CryptoError> {
-        let pool = if encrypt {
-            &self.encrypt
-        } else {
-            &self.decrypt
-        };
-        let batch_bytes = TWEAK_BATCH * self.sector_size;
         let md_len = self.suite.metadata_len();
-        pool.with(|ctx| {
-            for (b, data) in data.chunks_mut(batch_bytes).enumerate() {
-                let base = first_sector + (b * TWEAK_BATCH) as u64;
-                let n = data.len() / self.sector_size;
-                let mut tweaks = [aes::Block::default(); TWEAK_BATCH];
-                match &self.tweak_key {
-                    None => {
-                        for (i, sector) in data.chunks_exact_mut(self.sector_size).enumerate() {
-                            let iv = plain64_iv::<16>(base + i as u64, self.sector_size);
-                            pool.set_iv(ctx, &iv)?;
-                            ctx.cipher_update_inplace(sector, self.sector_size)?;
-                        }
-                        continue;
-                    }
-                    Some(tweak_key) => {
-                        let rs = &metadata[b * TWEAK_BATCH * md_len..][..n * md_len];
-                        for (t, r) in tweaks[..n].iter_mut().zip(rs.chunks_exact(md_len)) {
-                            t.copy_from_slice(r);
-                        }
-                        tweak_key.encrypt_blocks(&mut tweaks[..n]);
-                        for (i, t) in tweaks[..n].iter_mut().enumerate() {
-                            let v = u128::from_le_bytes((*t).into()) ^ u128::from(base + i as u64);
-                            *t = v.to_le_bytes().into();
-                        }
-                    }
-                }
-                for (sector, t) in data.chunks_exact_mut(self.sector_size).zip(&tweaks) {
-                    pool.set_iv(ctx, t)?;
-                    ctx.cipher_update_inplace(sector, self.sector_size)?;
-                }
+        self.engine.run(encrypt, |unit| {
+            for (i, sector) in data.chunks_exact_mut(self.sector_size).enumerate() {
+                let number = first_sector + i as u64;
+                let tweak = match &self.tweak_key {
+                    None => plain64_iv(number, self.sector_size),
+                    Some(k) => k.tweak(&metadata[i * md_len..][..md_len], number),
+                };
+                unit(&tweak, sector)?;
             }
             Ok(())
         })
@@ -188,31 +246,40 @@ impl crate::SectorCipher for AesXts {
     }
 }
 
-/// Raw XTS over one data unit with an explicit tweak, for the IEEE 1619 known-answer tests
-/// (whose data units are 32 and 512 bytes); the same OpenSSL path as the suites.
+/// Raw XTS over one data unit (whole 16-byte blocks) with an explicit tweak value, through the
+/// engine the suites use on this CPU; for the IEEE 1619 known-answer tests (data units of 32
+/// and 512 bytes).
 #[doc(hidden)]
-pub fn xts_encrypt_unit(key: &[u8], tweak: &[u8; 16], data: &mut [u8]) -> Result<(), CryptoError> {
-    xts_unit(key, tweak, data, Direction::Encrypt)
-}
-
-/// Inverse of [`xts_encrypt_unit`].
-#[doc(hidden)]
-pub fn xts_decrypt_unit(key: &[u8], tweak: &[u8; 16], data: &mut [u8]) -> Result<(), CryptoError> {
-    xts_unit(key, tweak, data, Direction::Decrypt)
-}
-
-fn xts_unit(
+pub fn xts_crypt_unit(
     key: &[u8],
     tweak: &[u8; 16],
     data: &mut [u8],
-    direction: Direction,
+    encrypt: bool,
 ) -> Result<(), CryptoError> {
     check_key_len(Suite::AesXtsPlain64, key)?;
-    let pool = ContextPool::new(xts_cipher(key), key, direction);
-    pool.with(|ctx| {
-        pool.set_iv(ctx, tweak)?;
-        let len = data.len();
-        ctx.cipher_update_inplace(data, len)?;
-        Ok(())
-    })
+    check_unit(data)?;
+    Engine::new(key).run(encrypt, |unit| unit(tweak, data))
+}
+
+/// The same through OpenSSL whatever the CPU, so tests can hold the two engines to each other.
+#[doc(hidden)]
+pub fn xts_crypt_unit_openssl(
+    key: &[u8],
+    tweak: &[u8; 16],
+    data: &mut [u8],
+    encrypt: bool,
+) -> Result<(), CryptoError> {
+    check_key_len(Suite::AesXtsPlain64, key)?;
+    check_unit(data)?;
+    Engine::openssl(key).run(encrypt, |unit| unit(tweak, data))
+}
+
+fn check_unit(data: &[u8]) -> Result<(), CryptoError> {
+    if data.is_empty() || !data.len().is_multiple_of(16) {
+        return Err(CryptoError::BufferLength {
+            len: data.len(),
+            sector_size: 16,
+        });
+    }
+    Ok(())
 }
