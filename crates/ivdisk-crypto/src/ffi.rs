@@ -1,7 +1,7 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
 //! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
-//! `core::arch` (XTS with VAES in `xts_vaes`: callable only once the CPU is known to have them,
-//! with unaligned SIMD loads and stores). Every `unsafe` block says why it is sound in a
+//! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`:
+//! callable only once the CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says why it is sound in a
 //! `// SAFETY:` line.
 //!
 //! Fork handler:
@@ -11,6 +11,8 @@
 //! generator compares it (one relaxed atomic load) before every draw and reseeds from the OS
 //! when it changed. No syscall on the hot path.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod aegis128l_vaes;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod xts_vaes;
 

@@ -15,9 +15,15 @@ use core::arch::x86_64::*;
 
 use zeroize::Zeroize;
 
-/// The CPU features this module needs, checked once per call (std caches the answer).
+/// Whether this module runs here: the CPU has the features it needs, and the environment does
+/// not set `IVDISK_CRYPTO_NO_VAES` (which tests and benchmarks use to run the OpenSSL fallback
+/// on a machine that has VAES). Checked when a key is set up, not per sector.
 pub(crate) fn available() -> bool {
-    std::arch::is_x86_feature_detected!("aes")
+    static FORCED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let forced_off =
+        *FORCED_OFF.get_or_init(|| std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some());
+    !forced_off
+        && std::arch::is_x86_feature_detected!("aes")
         && std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
         && std::arch::is_x86_feature_detected!("vaes")
