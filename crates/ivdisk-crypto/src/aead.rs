@@ -136,7 +136,7 @@ impl AeadSuite {
         data: &mut [u8],
         metadata: &mut [u8],
     ) -> Result<usize, CryptoError> {
-        use crate::ffi::aegis128l_vaes::{available, seal4, LANES};
+        use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         if !available() {
             return Ok(0);
         }
@@ -153,11 +153,12 @@ impl AeadSuite {
             for (i, nonce) in nonces.iter_mut().enumerate() {
                 self.nonces.fill(base + i as u64, nonce)?;
             }
-            let Some(tags) = seal4(
+            let Some(tags) = crypt4(
                 key,
                 nonces.each_ref(),
                 aads.each_ref().map(|a| &a[..]),
                 split_lanes(sectors, ss),
+                true,
             ) else {
                 break;
             };
@@ -180,7 +181,7 @@ impl AeadSuite {
         metadata: &[u8],
         failed: &mut Vec<u64>,
     ) -> usize {
-        use crate::ffi::aegis128l_vaes::{available, open4, LANES};
+        use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         if !available() {
             return 0;
         }
@@ -196,11 +197,12 @@ impl AeadSuite {
             let nonces: [&[u8; 16]; LANES] = std::array::from_fn(|i| {
                 metas[i * md_len..][..16].try_into().expect("16-byte nonce")
             });
-            let Some(tags) = open4(
+            let Some(tags) = crypt4(
                 key,
                 nonces,
                 aads.each_ref().map(|a| &a[..]),
                 split_lanes(sectors, ss),
+                false,
             ) else {
                 break;
             };

@@ -14,6 +14,8 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod aegis128l_vaes;
 #[cfg(target_arch = "x86_64")]
+mod simd;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod xts_vaes;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -10,6 +10,8 @@
 
 use core::arch::x86_64::*;
 
+use super::simd::{load128, load512, store512};
+
 /// Messages per call.
 pub(crate) const LANES: usize = 4;
 
@@ -25,37 +27,25 @@ pub(crate) fn available() -> bool {
     super::xts_vaes::available()
 }
 
-/// Encrypt four messages of equal length (a multiple of 64 bytes) in place under one key with
-/// their own nonces and associated data of 32 bytes or less; returns the four 128-bit tags.
-/// `None` when the CPU lacks the features or the shapes do not fit (the caller then goes one
-/// message at a time).
-pub(crate) fn seal4(
+/// Run four messages of equal length (a multiple of 64 bytes) through AEGIS-128L in place under
+/// one key, with their own nonces and associated data of 32 bytes or less. Encrypting returns
+/// the four tags; decrypting returns each tag as computed from the recovered plaintext, for the
+/// caller to compare with the stored one (and to zero the messages that do not match). `None`
+/// when the CPU lacks the features or the shapes do not fit: the caller then goes one message at
+/// a time.
+pub(crate) fn crypt4(
     key: &[u8; 16],
     nonces: [&[u8; 16]; LANES],
     aads: [&[u8]; LANES],
     data: [&mut [u8]; LANES],
+    encrypt: bool,
 ) -> Option<[[u8; 16]; LANES]> {
     if !available() || !fits(&aads, &data) {
         return None;
     }
     // SAFETY: the CPU has AVX-512F/BW, VAES and AES-NI (`available` above), the features of
-    // `crypt4`; the shapes it relies on were checked by `fits`.
-    Some(unsafe { crypt4(key, nonces, aads, data, true) })
-}
-
-/// Decrypt four messages in place; returns each one's tag as computed from its plaintext. The
-/// caller compares them with the stored tags (and zeroes the messages that do not match).
-pub(crate) fn open4(
-    key: &[u8; 16],
-    nonces: [&[u8; 16]; LANES],
-    aads: [&[u8]; LANES],
-    data: [&mut [u8]; LANES],
-) -> Option<[[u8; 16]; LANES]> {
-    if !available() || !fits(&aads, &data) {
-        return None;
-    }
-    // SAFETY: as in `seal4`.
-    Some(unsafe { crypt4(key, nonces, aads, data, false) })
+    // `crypt4_vaes`; the shapes it relies on were checked by `fits`.
+    Some(unsafe { crypt4_vaes(key, nonces, aads, data, encrypt) })
 }
 
 fn fits(aads: &[&[u8]; LANES], data: &[&mut [u8]; LANES]) -> bool {
@@ -65,30 +55,6 @@ fn fits(aads: &[&[u8]; LANES], data: &[&mut [u8]; LANES]) -> bool {
         && data.iter().all(|d| d.len() == len)
         && aad_len <= 32
         && aads.iter().all(|a| a.len() == aad_len)
-}
-
-#[inline]
-#[target_feature(enable = "aes")]
-fn load128(bytes: &[u8]) -> __m128i {
-    assert!(bytes.len() >= 16);
-    // SAFETY: 16 readable bytes (asserted); unaligned load.
-    unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn load512(bytes: &[u8]) -> __m512i {
-    assert!(bytes.len() >= 64);
-    // SAFETY: 64 readable bytes (asserted); unaligned load.
-    unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn store512(bytes: &mut [u8], v: __m512i) {
-    assert!(bytes.len() >= 64);
-    // SAFETY: 64 writable bytes (asserted); unaligned store.
-    unsafe { _mm512_storeu_si512(bytes.as_mut_ptr().cast(), v) }
 }
 
 /// Four 16-byte values into the four lanes of a register.
@@ -149,7 +115,7 @@ impl State {
 }
 
 #[target_feature(enable = "aes,avx512f,avx512bw,vaes")]
-fn crypt4(
+fn crypt4_vaes(
     key: &[u8; 16],
     nonces: [&[u8; 16]; LANES],
     aads: [&[u8]; LANES],

@@ -13,6 +13,8 @@
 
 use core::arch::x86_64::*;
 
+use super::simd::{load128, load512, store128, store512};
+
 use zeroize::Zeroize;
 
 /// Whether this module runs here: the CPU has the features it needs, and the environment does
@@ -113,38 +115,6 @@ fn encrypt_block(keys: &RoundKeys, block: &mut [u8; 16]) {
     }
     b = _mm_aesenclast_si128(b, load128(&keys.keys[keys.rounds]));
     store128(block, b);
-}
-
-#[inline]
-#[target_feature(enable = "aes")]
-fn load128(bytes: &[u8]) -> __m128i {
-    assert!(bytes.len() >= 16);
-    // SAFETY: 16 readable bytes (asserted); unaligned load.
-    unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) }
-}
-
-#[inline]
-#[target_feature(enable = "aes")]
-fn store128(bytes: &mut [u8], v: __m128i) {
-    assert!(bytes.len() >= 16);
-    // SAFETY: 16 writable bytes (asserted); unaligned store.
-    unsafe { _mm_storeu_si128(bytes.as_mut_ptr().cast(), v) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn load512(bytes: &[u8]) -> __m512i {
-    assert!(bytes.len() >= 64);
-    // SAFETY: 64 readable bytes (asserted); unaligned load.
-    unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn store512(bytes: &mut [u8], v: __m512i) {
-    assert!(bytes.len() >= 64);
-    // SAFETY: 64 writable bytes (asserted); unaligned store.
-    unsafe { _mm512_storeu_si512(bytes.as_mut_ptr().cast(), v) }
 }
 
 /// One step of the AES key schedule (FIPS 197 5.2) on four words at once: `prev` xor its
