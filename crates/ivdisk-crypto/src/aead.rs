@@ -149,10 +149,10 @@ impl AeadSuite {
             let base = first_sector + (g * LANES) as u64;
             let aads: [[u8; AAD_LEN]; LANES] =
                 std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
-            let mut nonces = [[0u8; 16]; LANES];
-            for (i, nonce) in nonces.iter_mut().enumerate() {
-                self.nonces.fill(base + i as u64, nonce)?;
-            }
+            let mut drawn = [0u8; 16 * LANES];
+            self.nonces.fill_each(base, &mut drawn, 16)?;
+            let nonces: [[u8; 16]; LANES] =
+                std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
             let Some(tags) = crypt4(
                 key,
                 nonces.each_ref(),

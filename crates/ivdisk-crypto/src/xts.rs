@@ -216,15 +216,8 @@ impl crate::SectorCipher for AesXts {
             metadata.len(),
         )?;
         if self.tweak_key.is_some() {
-            match self.nonces {
-                // One draw for the whole run.
-                NonceSource::Random => crate::rng::fill_random(metadata)?,
-                source => {
-                    for (i, r) in metadata.chunks_exact_mut(16).enumerate() {
-                        source.fill(first_sector + i as u64, r)?;
-                    }
-                }
-            }
+            // One draw for the whole run.
+            self.nonces.fill_each(first_sector, metadata, 16)?;
         }
         self.crypt(first_sector, data, metadata, true)
     }
