@@ -141,16 +141,20 @@ impl AeadSuite {
             return Ok(0);
         }
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let grouped = data.len() / (LANES * ss) * LANES;
+        // The nonces of all groups in one draw: at 20 GB/s a per-group call into the generator
+        // showed.
+        let mut drawn = vec![0u8; grouped * 16];
+        self.nonces.fill_each(first_sector, &mut drawn, 16)?;
         let mut done = 0;
         let groups = data
             .chunks_exact_mut(LANES * ss)
-            .zip(metadata.chunks_exact_mut(LANES * md_len));
-        for (g, (sectors, metas)) in groups.enumerate() {
+            .zip(metadata.chunks_exact_mut(LANES * md_len))
+            .zip(drawn.chunks_exact(16 * LANES));
+        for (g, ((sectors, metas), drawn)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
             let aads: [[u8; AAD_LEN]; LANES] =
                 std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
-            let mut drawn = [0u8; 16 * LANES];
-            self.nonces.fill_each(base, &mut drawn, 16)?;
             let nonces: [[u8; 16]; LANES] =
                 std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
             let Some(tags) = crypt4(
