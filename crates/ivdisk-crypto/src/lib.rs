@@ -45,7 +45,7 @@ pub mod primitives {
         aegis128l_open, aegis128l_seal, aegis256_open, aegis256_seal, gcm_open_once, gcm_seal_once,
     };
     pub use crate::hctr2::{Hctr2, TWEAK_LEN as HCTR2_TWEAK_LEN};
-    pub use crate::xts::{xts_crypt_unit, xts_crypt_unit_openssl};
+    pub use crate::xts::xts_crypt_unit;
 }
 
 /// Build the cipher of `suite` for a volume key and image parameters.

@@ -239,32 +239,26 @@ impl crate::SectorCipher for AesXts {
     }
 }
 
-/// Raw XTS over one data unit (whole 16-byte blocks) with an explicit tweak value, through the
-/// engine the suites use on this CPU; for the IEEE 1619 known-answer tests (data units of 32
-/// and 512 bytes).
+/// Raw XTS over one data unit (whole 16-byte blocks) with an explicit tweak value, for the
+/// IEEE 1619 known-answer tests (data units of 32 and 512 bytes): through the engine the suites
+/// use on this CPU, or with `openssl_only` through OpenSSL whatever the CPU, so tests can hold
+/// the two engines to each other.
 #[doc(hidden)]
 pub fn xts_crypt_unit(
     key: &[u8],
     tweak: &[u8; 16],
     data: &mut [u8],
     encrypt: bool,
+    openssl_only: bool,
 ) -> Result<(), CryptoError> {
     check_key_len(Suite::AesXtsPlain64, key)?;
     check_unit(data)?;
-    Engine::new(key).run(encrypt, |unit| unit(tweak, data))
-}
-
-/// The same through OpenSSL whatever the CPU, so tests can hold the two engines to each other.
-#[doc(hidden)]
-pub fn xts_crypt_unit_openssl(
-    key: &[u8],
-    tweak: &[u8; 16],
-    data: &mut [u8],
-    encrypt: bool,
-) -> Result<(), CryptoError> {
-    check_key_len(Suite::AesXtsPlain64, key)?;
-    check_unit(data)?;
-    Engine::openssl(key).run(encrypt, |unit| unit(tweak, data))
+    let engine = if openssl_only {
+        Engine::openssl(key)
+    } else {
+        Engine::new(key)
+    };
+    engine.run(encrypt, |unit| unit(tweak, data))
 }
 
 fn check_unit(data: &[u8]) -> Result<(), CryptoError> {
