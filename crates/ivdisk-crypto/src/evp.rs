@@ -63,11 +63,6 @@ impl ContextPool {
             Direction::Encrypt => ctx.encrypt_init(Some(self.cipher), Some(&self.key), None)?,
             Direction::Decrypt => ctx.decrypt_init(Some(self.cipher), Some(&self.key), None)?,
         }
-        // ECB batches are whole blocks: never pad or hold a block back. (Only for real block
-        // ciphers: on XTS/GCM the no-padding flag would cost a parameter call per IV reset.)
-        if self.cipher.block_size() > 1 {
-            ctx.set_padding(false);
-        }
         Ok(ctx)
     }
 
