@@ -3,9 +3,10 @@
 # scripts/quickstart.sh and scripts/test-all.sh; runnable alone.
 #
 # openssl, libssl-dev: the cipher suites' library and the command line of the cross-checks;
-# gcc, make, pkg-config: the crates that build C (libaegis, openssl-sys).
+# gcc, make, pkg-config: the crates that build C (libaegis, openssl-sys);
+# cryptsetup-bin: the header interoperability tests run cryptsetup itself.
 set -euo pipefail
-IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make)
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin)
 missing=()
 for p in "${IVDISK_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every test of ivdisk on a fresh machine: installs what the tests need (Debian packages,
-# Rust components), then format check, clippy, and the whole test suite.
+# Rust components, cryptsetup for the header interoperability tests), then format check,
+# clippy, the whole test suite, and a bounded fuzz run of the header parser.
 #
 #   scripts/test-all.sh
 #
@@ -33,3 +34,8 @@ log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VA
 # On a CPU with VAES the suites use our VAES XTS; run the crypto tests once more on the
 # OpenSSL path that CPUs without it take.
 IVDISK_CRYPTO_NO_VAES=1 cargo test -p ivdisk-crypto --tests
+
+log "fuzz the header parser for ${IVDISK_FUZZ_SECONDS:-60} s (cargo-fuzz, nightly)"
+# Installs the nightly toolchain and cargo-fuzz when missing; a crash fails the run and leaves
+# the input in fuzz/artifacts/header_parse/.
+scripts/fuzz-header

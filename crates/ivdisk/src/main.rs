@@ -1,6 +1,9 @@
-//! `ivdisk`: the command line. Today it lists the cipher suites and validates `create`'s
-//! options; images, serving over NBD and the rest arrive with the image and NBD layers (see
-//! README "Status" and docs/ARCHITECTURE.md).
+//! `ivdisk`: the command line. Today it lists the cipher suites, manages LUKS2-format headers
+//! and their keyslots (`header`, `key`), and validates `create`'s options; images, serving over
+//! NBD and the rest arrive with the image and NBD layers (see README "Status" and
+//! docs/ARCHITECTURE.md).
+
+mod keys;
 
 use std::process::ExitCode;
 
@@ -47,6 +50,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// LUKS2-format headers: format, dump, backup, restore.
+    #[command(subcommand)]
+    Header(keys::HeaderCommand),
+    /// Keyslots: add, remove, change and test passphrases, key files and volume keys.
+    #[command(subcommand)]
+    Key(keys::KeyCommand),
     /// Create an encrypted image (not available yet: arrives with the image layer).
     #[command(after_help = format!("Example:\n  ivdisk create disk.ivd --size 10G --cipher aegis128l-random\n\n{}", suites_help()))]
     Create {
@@ -64,7 +73,7 @@ enum Command {
     },
 }
 
-fn parse_size(text: &str) -> Result<u64> {
+pub(crate) fn parse_size(text: &str) -> Result<u64> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
@@ -132,6 +141,14 @@ fn list_suites(json: bool) {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
+        Command::Header(command) => {
+            keys::run_header(command)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Key(command) => {
+            keys::run_key(command)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Suites { json } => {
             list_suites(json);
             Ok(ExitCode::SUCCESS)

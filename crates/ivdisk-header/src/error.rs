@@ -1,0 +1,132 @@
+use std::io;
+
+/// Everything that can go wrong reading, unlocking or changing an image header.
+///
+/// Variants name the part of the header at fault and, where the user can act, what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HeaderError {
+    #[error("reading the header failed at byte {offset}: {source}")]
+    Io {
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "the header is truncated: {needed} bytes are needed at byte {offset}, but the device \
+         ends before that"
+    )]
+    Truncated { offset: u64, needed: u64 },
+
+    #[error(
+        "no LUKS header found (no LUKS magic at byte 0 or at any secondary header offset); if \
+         this held an image, restore a header backup with `ivdisk header restore`"
+    )]
+    NotLuks,
+
+    #[error("unsupported LUKS version {0} (ivdisk reads LUKS1 and LUKS2)")]
+    UnsupportedVersion(u16),
+
+    #[error("{which} header is invalid: {reason}")]
+    BinaryHeader { which: &'static str, reason: String },
+
+    #[error("{which} LUKS2 header checksum does not match (the header is damaged)")]
+    Checksum { which: &'static str },
+
+    #[error(
+        "both LUKS2 headers are damaged (primary: {primary}; secondary: {secondary}); restore a \
+         header backup with `ivdisk header restore`"
+    )]
+    BothHeadersDamaged { primary: String, secondary: String },
+
+    #[error("LUKS2 JSON metadata is invalid: {0}")]
+    Json(String),
+
+    #[error("LUKS2 metadata is out of spec: {0}")]
+    Metadata(String),
+
+    #[error(
+        "unsupported key derivation function `{0}` (ivdisk supports argon2id, argon2i and pbkdf2)"
+    )]
+    UnsupportedKdf(String),
+
+    #[error("unsupported hash `{0}` (ivdisk supports sha1, sha256, sha512)")]
+    UnsupportedHash(String),
+
+    #[error("unsupported cipher `{0}` for {1} (ivdisk supports aes-xts-plain64 there)")]
+    UnsupportedCipher(String, &'static str),
+
+    #[error("key derivation failed: {0}")]
+    Kdf(String),
+
+    #[error(
+        "no keyslot matches this passphrase ({tried} keyslot(s) tried{})",
+        unusable_note(*unusable)
+    )]
+    WrongPassphrase { tried: usize, unusable: usize },
+
+    #[error("keyslot {0} does not exist")]
+    NoSuchKeyslot(u32),
+
+    #[error("keyslot {slot} does not match this passphrase")]
+    KeyslotMismatch { slot: u32 },
+
+    #[error("keyslot {0} is already in use")]
+    KeyslotInUse(u32),
+
+    #[error("all {0} keyslots are in use; remove one first")]
+    KeyslotsFull(usize),
+
+    #[error("the keyslots area has no room for another {needed}-byte keyslot; remove one first")]
+    KeyslotAreaFull { needed: u64 },
+
+    #[error("the volume key does not match the header's digest (wrong volume key file?)")]
+    VolumeKeyMismatch,
+
+    #[error(
+        "keyslot {0} is the last one: removing it makes the image unopenable forever; pass \
+         --force if that is what you want"
+    )]
+    LastKeyslot(u32),
+
+    #[error("{0}")]
+    InvalidParameter(String),
+
+    #[error(
+        "this is a LUKS1 header; ivdisk opens LUKS1 volumes but changes keyslots only in LUKS2"
+    )]
+    Luks1ReadOnly,
+
+    #[error("the header backup is not usable: {0}")]
+    Backup(String),
+
+    #[error(transparent)]
+    Crypto(#[from] ivdisk_crypto::CryptoError),
+
+    #[error("the system random source failed: {0}")]
+    Random(String),
+}
+
+fn unusable_note(unusable: usize) -> String {
+    if unusable == 0 {
+        String::new()
+    } else {
+        format!(", {unusable} of them unusable: see the log with IVDISK_LOG=warn")
+    }
+}
+
+impl HeaderError {
+    pub(crate) fn io(offset: u64, len: usize) -> impl FnOnce(io::Error) -> HeaderError {
+        move |source| {
+            if source.kind() == io::ErrorKind::UnexpectedEof {
+                HeaderError::Truncated {
+                    offset,
+                    needed: len as u64,
+                }
+            } else {
+                HeaderError::Io { offset, source }
+            }
+        }
+    }
+}

@@ -1,0 +1,1030 @@
+//! The image header as users and the image layer see it: format, unlock, keyslot changes,
+//! backup and restore, over LUKS2 (read-write) and LUKS1 (read-only).
+
+use std::collections::BTreeMap;
+
+use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
+use serde_json::{json, Map, Value};
+
+use crate::binary::{self, BinaryHeader};
+use crate::io::{read_vec, HeaderIo};
+use crate::kdf::{Hash, PbkdfRequest};
+use crate::keyslot::{self, AreaCipher, KeyslotSpec};
+use crate::luks1::Luks1Header;
+use crate::metadata::{
+    AntiForensic, Area, Config, Digest, Kdf, Keyslot, Metadata, Requirements, Segment, MAX_KEYSLOTS,
+};
+use crate::HeaderError;
+
+/// The mandatory requirement ivdisk writes into every image that dm-crypt must not activate
+/// (any suite but `aes-xts-plain64` with layout `none`). cryptsetup refuses to activate or
+/// change a header with a requirement it does not know (docs/ARCHITECTURE.md, "Header").
+pub const IVDISK_REQUIREMENT: &str = "ivdisk-v1";
+/// The LUKS2 token type holding ivdisk's image parameters.
+pub const IVDISK_TOKEN_TYPE: &str = "ivdisk";
+/// The image format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// cryptsetup's LUKS2 defaults: 16 KiB headers, 16 MiB minus both headers of keyslots area.
+pub const DEFAULT_HEADER_SIZE: u64 = 16 << 10;
+pub const DEFAULT_KEYSLOTS_SIZE: u64 = (16 << 20) - 2 * DEFAULT_HEADER_SIZE;
+/// PBKDF2 iterations of the volume key digest when not benchmarked (cryptsetup's minimum).
+pub const MIN_DIGEST_ITERATIONS: u32 = 1000;
+
+/// ivdisk's own parameters of an image, kept in an `ivdisk` token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageParams {
+    pub format_version: u32,
+    /// Where per-sector metadata lives (`none`, `object-end`, `unaligned`, `omap`).
+    pub layout: String,
+    pub object_size: u64,
+    pub image_id: ImageId,
+}
+
+impl ImageParams {
+    fn to_token(&self) -> Value {
+        json!({
+            "type": IVDISK_TOKEN_TYPE,
+            "keyslots": [],
+            "format_version": self.format_version,
+            "layout": self.layout,
+            "object_size": self.object_size.to_string(),
+            "image_id": hex::encode(self.image_id.0),
+        })
+    }
+
+    fn from_token(token: &Value) -> Result<Self, HeaderError> {
+        let bad = |what: &str| HeaderError::Metadata(format!("the ivdisk token's {what}"));
+        let format_version = token
+            .get("format_version")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("format_version is missing"))?;
+        if format_version != FORMAT_VERSION as u64 {
+            return Err(HeaderError::Metadata(format!(
+                "image format version {format_version} is not supported by this ivdisk \
+                 (it reads version {FORMAT_VERSION}); upgrade ivdisk"
+            )));
+        }
+        let layout = token
+            .get("layout")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("layout is missing"))?
+            .to_owned();
+        let object_size = token
+            .get("object_size")
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse::<u64>().ok())
+            .filter(|n| n.is_power_of_two() && *n >= 4096)
+            .ok_or_else(|| bad("object_size is not a power-of-two byte count >= 4096"))?;
+        let id = token
+            .get("image_id")
+            .and_then(Value::as_str)
+            .and_then(|s| hex::decode(s).ok())
+            .and_then(|v| <[u8; 16]>::try_from(v).ok())
+            .ok_or_else(|| bad("image_id is not 32 hex digits"))?;
+        Ok(ImageParams {
+            format_version: FORMAT_VERSION,
+            layout,
+            object_size,
+            image_id: ImageId(id),
+        })
+    }
+}
+
+/// What a new header holds.
+#[derive(Debug, Clone)]
+pub struct FormatSpec {
+    /// Data segment cipher: an ivdisk suite name (`aes-xts-plain64` for dm-crypt compatible).
+    pub suite: Suite,
+    pub sector_size: u32,
+    /// Where the data starts on the header's device: 0 for a detached header (ivdisk images
+    /// keep data in data objects), or past the keyslots area for a LUKS file.
+    pub data_offset: u64,
+    /// Data size in bytes; `None` = up to the end of the device ("dynamic").
+    pub data_size: Option<u64>,
+    /// ivdisk image parameters (`None` for a plain LUKS2 volume).
+    pub image: Option<ImageParams>,
+    pub label: String,
+    pub pbkdf: PbkdfRequest,
+    /// Digest iterations; `None` = benchmark for 125 ms as cryptsetup does.
+    pub digest_iterations: Option<u32>,
+    pub header_size: u64,
+    pub keyslots_size: u64,
+}
+
+impl FormatSpec {
+    pub fn new(suite: Suite, sector_size: u32) -> Self {
+        FormatSpec {
+            suite,
+            sector_size,
+            data_offset: 0,
+            data_size: None,
+            image: None,
+            label: String::new(),
+            pbkdf: PbkdfRequest::default(),
+            digest_iterations: None,
+            header_size: DEFAULT_HEADER_SIZE,
+            keyslots_size: DEFAULT_KEYSLOTS_SIZE,
+        }
+    }
+
+    fn needs_requirement(&self) -> bool {
+        self.suite != Suite::AesXtsPlain64
+            || self.image.as_ref().is_some_and(|p| p.layout != "none")
+    }
+}
+
+/// The data segment: where the encrypted data is and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub cipher: String,
+    pub offset: u64,
+    pub size: Option<u64>,
+    pub sector_size: u32,
+    /// Added to the sector number of every IV (cryptsetup `iv_tweak`, in 512-byte units).
+    pub iv_tweak: u64,
+}
+
+impl SegmentInfo {
+    /// The ivdisk suite of this segment, if it is one.
+    pub fn suite(&self) -> Result<Suite, HeaderError> {
+        self.cipher
+            .parse()
+            .map_err(|_| HeaderError::UnsupportedCipher(self.cipher.clone(), "the data segment"))
+    }
+}
+
+/// The data segment opened with its volume key: where the sectors are and their cipher.
+#[derive(Debug)]
+pub struct DataSegment {
+    pub info: SegmentInfo,
+    pub suite: Suite,
+    pub cipher: Box<dyn SectorCipher>,
+}
+
+impl DataSegment {
+    /// The sector number (in units of the segment's sector size) to pass to the cipher for the
+    /// sector at `offset` bytes into the segment's data, `iv_tweak` included.
+    pub fn sector_number(&self, offset: u64) -> u64 {
+        let ss = self.info.sector_size as u64;
+        offset / ss + self.info.iv_tweak / (ss / 512)
+    }
+}
+
+/// A keyslot as `dump` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyslotInfo {
+    pub id: u32,
+    pub kdf: String,
+    pub kdf_params: String,
+    pub key_size: u32,
+    pub area_offset: u64,
+    pub area_size: u64,
+    pub priority: Option<u32>,
+}
+
+/// A volume key recovered from a keyslot.
+#[derive(Debug)]
+pub struct Unlocked {
+    pub keyslot: u32,
+    pub volume_key: VolumeKey,
+}
+
+#[derive(Debug, Clone)]
+enum Format {
+    Luks1(Box<Luks1Header>),
+    Luks2 {
+        binary: BinaryHeader,
+        metadata: Box<Metadata>,
+    },
+}
+
+/// A loaded LUKS1 or LUKS2 header.
+#[derive(Debug, Clone)]
+pub struct Header {
+    format: Format,
+    warning: Option<String>,
+}
+
+fn random_uuid() -> Result<String, HeaderError> {
+    let mut b = [0u8; 16];
+    crate::random_bytes(&mut b)?;
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex::encode(b);
+    Ok(format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    ))
+}
+
+impl Header {
+    /// Read the header at the start of `io`: LUKS2 (both copies checked, the valid newest
+    /// used) or LUKS1.
+    pub fn read(io: &dyn HeaderIo) -> Result<Header, HeaderError> {
+        let mut head = [0u8; 8];
+        match io.read_at(0, &mut head) {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(HeaderError::NotLuks)
+            }
+            other => other.map_err(HeaderError::io(0, head.len()))?,
+        }
+        let version = u16::from_be_bytes([head[6], head[7]]);
+        if head[..6] == binary::MAGIC_PRIMARY && version == 1 {
+            return Ok(Header {
+                format: Format::Luks1(Box::new(Luks1Header::read(io)?)),
+                warning: None,
+            });
+        }
+        if head[..6] == binary::MAGIC_PRIMARY && version != 2 {
+            return Err(HeaderError::UnsupportedVersion(version));
+        }
+        if head[..6] != binary::MAGIC_PRIMARY {
+            // A damaged primary is fine if a secondary exists; a device with neither is not LUKS.
+            let any_secondary = binary::HEADER_SIZES.iter().any(|&offset| {
+                let mut magic = [0u8; 6];
+                io.read_at(offset, &mut magic).is_ok() && magic == binary::MAGIC_SECONDARY
+            });
+            if !any_secondary {
+                return Err(HeaderError::NotLuks);
+            }
+        }
+        let loaded = binary::read_luks2(io)?;
+        if let Some(warning) = &loaded.warning {
+            tracing::warn!("{warning}");
+        }
+        Ok(Header {
+            format: Format::Luks2 {
+                binary: loaded.copy.binary,
+                metadata: Box::new(loaded.copy.metadata),
+            },
+            warning: loaded.warning,
+        })
+    }
+
+    /// Write a new LUKS2 header with one keyslot (slot 0) for `passphrase`.
+    pub fn format(
+        io: &mut dyn HeaderIo,
+        spec: &FormatSpec,
+        volume_key: &VolumeKey,
+        passphrase: &[u8],
+    ) -> Result<Header, HeaderError> {
+        if !spec.suite.key_lens().contains(&volume_key.len()) {
+            return Err(HeaderError::InvalidParameter(format!(
+                "{} takes a {}-byte volume key, not {}",
+                spec.suite,
+                spec.suite.default_key_len(),
+                volume_key.len()
+            )));
+        }
+        if !binary::HEADER_SIZES.contains(&spec.header_size) {
+            return Err(HeaderError::InvalidParameter(format!(
+                "header size {} is not one LUKS2 allows",
+                spec.header_size
+            )));
+        }
+        let metadata_end = 2 * spec.header_size + spec.keyslots_size;
+        if spec.data_offset != 0 && spec.data_offset < metadata_end {
+            return Err(HeaderError::InvalidParameter(format!(
+                "data offset {} would overlap the header, which ends at {metadata_end}",
+                spec.data_offset
+            )));
+        }
+        let digest_iterations = match spec.digest_iterations {
+            Some(n) => n.max(MIN_DIGEST_ITERATIONS),
+            None => PbkdfRequest {
+                kind: crate::PbkdfKind::Pbkdf2,
+                iter_time: std::time::Duration::from_millis(125),
+                ..PbkdfRequest::default()
+            }
+            .calibrate(volume_key.len())
+            .map(|p| match p {
+                crate::Pbkdf::Pbkdf2 { iterations, .. } => iterations,
+                _ => MIN_DIGEST_ITERATIONS,
+            })?,
+        };
+        let mut tokens = BTreeMap::new();
+        if let Some(image) = &spec.image {
+            tokens.insert(0, image.to_token());
+        }
+        let metadata = Metadata {
+            keyslots: BTreeMap::new(),
+            tokens,
+            segments: BTreeMap::from([(
+                0,
+                Segment {
+                    kind: "crypt".into(),
+                    offset: spec.data_offset,
+                    size: spec
+                        .data_size
+                        .map_or_else(|| "dynamic".to_owned(), |n| n.to_string()),
+                    iv_tweak: 0,
+                    encryption: spec.suite.name().into(),
+                    sector_size: spec.sector_size,
+                    integrity: None,
+                    flags: None,
+                    extra: Map::new(),
+                },
+            )]),
+            digests: BTreeMap::from([(0, Digest::new(volume_key.as_bytes(), digest_iterations)?)]),
+            config: Config {
+                json_size: spec.header_size - binary::BINARY_HEADER_LEN as u64,
+                keyslots_size: spec.keyslots_size,
+                flags: None,
+                requirements: spec.needs_requirement().then(|| Requirements {
+                    mandatory: vec![IVDISK_REQUIREMENT.into()],
+                    extra: Map::new(),
+                }),
+                extra: Map::new(),
+            },
+            extra: Map::new(),
+        };
+        metadata.validate(spec.header_size)?;
+        let mut header = Header {
+            format: Format::Luks2 {
+                binary: BinaryHeader {
+                    hdr_size: spec.header_size,
+                    seqid: 0,
+                    label: spec.label.clone(),
+                    checksum_alg: "sha256".into(),
+                    uuid: random_uuid()?,
+                    subsystem: String::new(),
+                },
+                metadata: Box::new(metadata),
+            },
+            warning: None,
+        };
+        io.ensure_len(metadata_end)
+            .map_err(|source| HeaderError::Io {
+                offset: metadata_end,
+                source,
+            })?;
+        header.add_keyslot_unchecked(io, volume_key, passphrase, Some(0), &spec.pbkdf)?;
+        Ok(header)
+    }
+
+    /// A warning about the header's state (a damaged or stale copy), if reading found one.
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
+    }
+
+    pub fn version(&self) -> u16 {
+        match self.format {
+            Format::Luks1(_) => 1,
+            Format::Luks2 { .. } => 2,
+        }
+    }
+
+    pub fn uuid(&self) -> &str {
+        match &self.format {
+            Format::Luks1(h) => &h.uuid,
+            Format::Luks2 { binary, .. } => &binary.uuid,
+        }
+    }
+
+    pub fn label(&self) -> &str {
+        match &self.format {
+            Format::Luks1(_) => "",
+            Format::Luks2 { binary, .. } => &binary.label,
+        }
+    }
+
+    /// LUKS2 sequence id (how many times the header was written), 0 for LUKS1.
+    pub fn seqid(&self) -> u64 {
+        match &self.format {
+            Format::Luks1(_) => 0,
+            Format::Luks2 { binary, .. } => binary.seqid,
+        }
+    }
+
+    /// The LUKS2 JSON metadata (`None` for LUKS1).
+    pub fn metadata(&self) -> Option<&Metadata> {
+        match &self.format {
+            Format::Luks1(_) => None,
+            Format::Luks2 { metadata, .. } => Some(metadata),
+        }
+    }
+
+    /// Bytes from the start of the device that belong to the header (what a backup holds).
+    pub fn region_len(&self) -> u64 {
+        match &self.format {
+            Format::Luks1(h) => {
+                // Up to the end of the last keyslot's material, or the payload if earlier data
+                // follows directly; cryptsetup backs up to the payload offset.
+                let material_end = h
+                    .keyslots
+                    .iter()
+                    .flatten()
+                    .map(|k| k.material_sector as u64 * 512 + keyslot::material_len(h.key_bytes))
+                    .max()
+                    .unwrap_or(crate::luks1::HEADER_LEN as u64);
+                if h.payload_offset == 0 {
+                    material_end
+                } else {
+                    h.payload_offset as u64 * 512
+                }
+            }
+            Format::Luks2 { binary, metadata } => {
+                2 * binary.hdr_size + metadata.config.keyslots_size
+            }
+        }
+    }
+
+    /// The data segment (segment 0).
+    pub fn segment(&self) -> Result<SegmentInfo, HeaderError> {
+        match &self.format {
+            Format::Luks1(h) => Ok(SegmentInfo {
+                cipher: h.cipher(),
+                offset: h.payload_offset as u64 * 512,
+                size: None,
+                sector_size: 512,
+                iv_tweak: 0,
+            }),
+            Format::Luks2 { metadata, .. } => {
+                let segment = metadata.segments.get(&0).ok_or_else(|| {
+                    HeaderError::Metadata("the header has no data segment 0".into())
+                })?;
+                if segment.kind != "crypt" {
+                    return Err(HeaderError::Metadata(format!(
+                        "data segment type `{}` is not supported (crypt)",
+                        segment.kind
+                    )));
+                }
+                if segment.integrity.is_some() {
+                    return Err(HeaderError::UnsupportedCipher(
+                        format!("{} with dm-integrity", segment.encryption),
+                        "the data segment",
+                    ));
+                }
+                Ok(SegmentInfo {
+                    cipher: segment.encryption.clone(),
+                    offset: segment.offset,
+                    size: segment.fixed_size()?,
+                    sector_size: segment.sector_size,
+                    iv_tweak: segment.iv_tweak,
+                })
+            }
+        }
+    }
+
+    /// Build the data segment's cipher for a volume key from [`Header::unlock`]: the one path
+    /// by which ivdisk images and foreign LUKS volumes (cryptsetup files, librbd images) are
+    /// read. Refuses headers with requirements ivdisk does not know (for example a
+    /// cryptsetup reencryption in progress).
+    pub fn open_data(&self, volume_key: &VolumeKey) -> Result<DataSegment, HeaderError> {
+        let foreign = self.foreign_requirements();
+        if !foreign.is_empty() {
+            return Err(HeaderError::InvalidParameter(format!(
+                "the volume carries requirements ivdisk does not know ({}); finish that \
+                 operation with cryptsetup first",
+                foreign.join(", ")
+            )));
+        }
+        let info = self.segment()?;
+        let suite = info.suite()?;
+        let units = info.sector_size as u64 / 512;
+        if info.iv_tweak % units != 0 {
+            return Err(HeaderError::Metadata(format!(
+                "iv_tweak {} is not a multiple of the {}-byte sector size",
+                info.iv_tweak, info.sector_size
+            )));
+        }
+        let image_id = self.image_params()?.map(|p| p.image_id).unwrap_or_default();
+        let cipher = new_cipher(
+            suite,
+            volume_key,
+            &CipherParams::new(info.sector_size as usize, image_id),
+        )?;
+        Ok(DataSegment {
+            info,
+            suite,
+            cipher,
+        })
+    }
+
+    /// ivdisk's image parameters, `None` for a LUKS volume not made by ivdisk.
+    pub fn image_params(&self) -> Result<Option<ImageParams>, HeaderError> {
+        let Some(metadata) = self.metadata() else {
+            return Ok(None);
+        };
+        metadata
+            .tokens
+            .values()
+            .find(|t| t.get("type").and_then(Value::as_str) == Some(IVDISK_TOKEN_TYPE))
+            .map(ImageParams::from_token)
+            .transpose()
+    }
+
+    /// Mandatory requirements other than ivdisk's own (for example cryptsetup's reencryption
+    /// in progress): ivdisk must neither use the data nor change such a header.
+    pub fn foreign_requirements(&self) -> Vec<String> {
+        self.metadata()
+            .map(|m| {
+                m.config
+                    .mandatory_requirements()
+                    .iter()
+                    .filter(|r| *r != IVDISK_REQUIREMENT)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The keyslots in use.
+    pub fn keyslots(&self) -> Vec<KeyslotInfo> {
+        match &self.format {
+            Format::Luks1(h) => h
+                .keyslots
+                .iter()
+                .enumerate()
+                .filter_map(|(id, k)| {
+                    k.as_ref().map(|k| KeyslotInfo {
+                        id: id as u32,
+                        kdf: "pbkdf2".into(),
+                        kdf_params: format!("{}, {} iterations", h.hash, k.iterations),
+                        key_size: h.key_bytes,
+                        area_offset: k.material_sector as u64 * 512,
+                        area_size: keyslot::material_len(h.key_bytes),
+                        priority: None,
+                    })
+                })
+                .collect(),
+            Format::Luks2 { metadata, .. } => metadata
+                .keyslots
+                .iter()
+                .map(|(&id, k)| KeyslotInfo {
+                    id,
+                    kdf: k.kdf.kind.clone(),
+                    kdf_params: match k.kdf.pbkdf() {
+                        Ok(crate::Pbkdf::Pbkdf2 { hash, iterations }) => {
+                            format!("{hash}, {iterations} iterations")
+                        }
+                        Ok(crate::Pbkdf::Argon2 {
+                            time,
+                            memory_kib,
+                            parallel,
+                            ..
+                        }) => format!("time {time}, memory {memory_kib} KiB, {parallel} threads"),
+                        Err(e) => format!("unusable: {e}"),
+                    },
+                    key_size: k.key_size,
+                    area_offset: k.area.offset,
+                    area_size: k.area.size,
+                    priority: k.priority,
+                })
+                .collect(),
+        }
+    }
+
+    fn keyslot_spec(&self, slot: u32) -> Result<KeyslotSpec, HeaderError> {
+        match &self.format {
+            Format::Luks1(h) => {
+                if slot as usize >= crate::luks1::KEYSLOTS {
+                    return Err(HeaderError::NoSuchKeyslot(slot));
+                }
+                h.keyslot_spec(slot as usize)
+            }
+            Format::Luks2 { metadata, .. } => {
+                let k = metadata
+                    .keyslots
+                    .get(&slot)
+                    .ok_or(HeaderError::NoSuchKeyslot(slot))?;
+                Ok(KeyslotSpec {
+                    pbkdf: k.kdf.pbkdf()?,
+                    salt: k.kdf.salt()?,
+                    area_cipher: AreaCipher::parse(
+                        &k.area.encryption,
+                        k.area.key_size,
+                        "keyslot areas",
+                    )?,
+                    af_hash: k.af.hash.parse()?,
+                    stripes: k.af.stripes,
+                    key_size: k.key_size,
+                    material_offset: k.area.offset,
+                })
+            }
+        }
+    }
+
+    fn candidate_matches(&self, slot: u32, key: &[u8]) -> Result<bool, HeaderError> {
+        match &self.format {
+            Format::Luks1(h) => h.digest_matches(key),
+            Format::Luks2 { metadata, .. } => match metadata.digest_of_keyslot(slot) {
+                Some((_, digest)) => digest.matches(key),
+                None => Ok(false),
+            },
+        }
+    }
+
+    /// Try `passphrase` (or key file contents) on one keyslot.
+    pub fn unlock_keyslot(
+        &self,
+        io: &dyn HeaderIo,
+        slot: u32,
+        passphrase: &[u8],
+    ) -> Result<VolumeKey, HeaderError> {
+        let spec = self.keyslot_spec(slot)?;
+        let candidate = spec.open(io, passphrase)?;
+        if self.candidate_matches(slot, &candidate)? {
+            Ok(VolumeKey::from_slice(&candidate))
+        } else {
+            Err(HeaderError::KeyslotMismatch { slot })
+        }
+    }
+
+    /// Try `passphrase` on every keyslot in priority order (high, then normal; slots marked
+    /// "ignore" only when named), as cryptsetup does.
+    pub fn unlock(&self, io: &dyn HeaderIo, passphrase: &[u8]) -> Result<Unlocked, HeaderError> {
+        let mut order: Vec<(u32, u32)> = match &self.format {
+            Format::Luks1(h) => h
+                .keyslots
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| k.is_some())
+                .map(|(i, _)| (1, i as u32))
+                .collect(),
+            Format::Luks2 { metadata, .. } => metadata
+                .keyslots
+                .iter()
+                .map(|(&id, k)| (k.priority.unwrap_or(1), id))
+                .filter(|&(priority, _)| priority > 0)
+                .collect(),
+        };
+        order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let tried = order.len();
+        let mut unusable = Vec::new();
+        for (_, slot) in order {
+            match self.unlock_keyslot(io, slot, passphrase) {
+                Ok(volume_key) => {
+                    tracing::debug!(keyslot = slot, "keyslot opened");
+                    return Ok(Unlocked {
+                        keyslot: slot,
+                        volume_key,
+                    });
+                }
+                Err(HeaderError::KeyslotMismatch { .. }) => {}
+                Err(e) => {
+                    // A keyslot we cannot use (unknown cipher, truncated area) must not hide the
+                    // others; the count goes into the error, the reason into the log.
+                    tracing::warn!(keyslot = slot, "keyslot skipped: {e}");
+                    unusable.push(e);
+                }
+            }
+        }
+        if tried > 0 && unusable.len() == tried {
+            // No keyslot could even be tried: the passphrase is not the problem.
+            return Err(unusable.swap_remove(0));
+        }
+        Err(HeaderError::WrongPassphrase {
+            tried,
+            unusable: unusable.len(),
+        })
+    }
+
+    /// Check a volume key (a recovery key file) against the digest.
+    pub fn unlock_with_volume_key(&self, key: &[u8]) -> Result<VolumeKey, HeaderError> {
+        let matches = match &self.format {
+            Format::Luks1(h) => h.digest_matches(key)?,
+            Format::Luks2 { metadata, .. } => match metadata.segment_digest() {
+                Some((_, d)) => d.matches(key)?,
+                None => false,
+            },
+        };
+        if matches {
+            Ok(VolumeKey::from_slice(key))
+        } else {
+            Err(HeaderError::VolumeKeyMismatch)
+        }
+    }
+
+    fn luks2_mut(&mut self) -> Result<(&mut BinaryHeader, &mut Metadata), HeaderError> {
+        let foreign = self.foreign_requirements();
+        if !foreign.is_empty() {
+            return Err(HeaderError::InvalidParameter(format!(
+                "the header carries requirements ivdisk does not know ({}); change it with the \
+                 tool that set them",
+                foreign.join(", ")
+            )));
+        }
+        match &mut self.format {
+            Format::Luks1(_) => Err(HeaderError::Luks1ReadOnly),
+            Format::Luks2 { binary, metadata } => Ok((binary, metadata)),
+        }
+    }
+
+    fn write(&mut self, io: &mut dyn HeaderIo) -> Result<(), HeaderError> {
+        let (binary, metadata) = self.luks2_mut()?;
+        binary.seqid += 1;
+        binary::write_both(io, binary, metadata)?;
+        self.warning = None;
+        Ok(())
+    }
+
+    /// Find room for a keyslot area of `len` bytes, first fit.
+    fn allocate_area(
+        binary: &BinaryHeader,
+        metadata: &Metadata,
+        len: u64,
+    ) -> Result<u64, HeaderError> {
+        let start = 2 * binary.hdr_size;
+        let end = start + metadata.config.keyslots_size;
+        let mut used: Vec<(u64, u64)> = metadata
+            .keyslots
+            .values()
+            .map(|k| (k.area.offset, k.area.offset + k.area.size))
+            .collect();
+        used.sort();
+        let mut candidate = start;
+        for (a, b) in used {
+            if candidate + len <= a {
+                break;
+            }
+            candidate = candidate.max(b.div_ceil(4096) * 4096);
+        }
+        if candidate + len > end {
+            return Err(HeaderError::KeyslotAreaFull { needed: len });
+        }
+        Ok(candidate)
+    }
+
+    /// Add a keyslot for `new_passphrase` holding `volume_key` (which must match the digest:
+    /// get it from [`Header::unlock`] or [`Header::unlock_with_volume_key`]). Returns the slot.
+    pub fn add_keyslot(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        volume_key: &VolumeKey,
+        new_passphrase: &[u8],
+        slot: Option<u32>,
+        pbkdf: &PbkdfRequest,
+    ) -> Result<u32, HeaderError> {
+        self.unlock_with_volume_key(volume_key.as_bytes())?;
+        self.add_keyslot_unchecked(io, volume_key, new_passphrase, slot, pbkdf)
+    }
+
+    fn add_keyslot_unchecked(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        volume_key: &VolumeKey,
+        new_passphrase: &[u8],
+        slot: Option<u32>,
+        pbkdf_request: &PbkdfRequest,
+    ) -> Result<u32, HeaderError> {
+        let (binary, metadata) = self.luks2_mut()?;
+        let slot = match slot {
+            Some(s) if s >= MAX_KEYSLOTS => {
+                return Err(HeaderError::InvalidParameter(format!(
+                    "keyslot {s} is out of range (0..{MAX_KEYSLOTS})"
+                )))
+            }
+            Some(s) if metadata.keyslots.contains_key(&s) => {
+                return Err(HeaderError::KeyslotInUse(s))
+            }
+            Some(s) => s,
+            None => (0..MAX_KEYSLOTS)
+                .find(|s| !metadata.keyslots.contains_key(s))
+                .ok_or(HeaderError::KeyslotsFull(MAX_KEYSLOTS as usize))?,
+        };
+        let (digest_id, _) = metadata
+            .segment_digest()
+            .ok_or_else(|| HeaderError::Metadata("the header has no segment digest".into()))?;
+        let (area, kdf) = write_material(
+            io,
+            binary,
+            metadata,
+            volume_key,
+            new_passphrase,
+            pbkdf_request,
+        )?;
+        let pbkdf_name = kdf.kind.clone();
+        metadata.keyslots.insert(
+            slot,
+            Keyslot {
+                kind: "luks2".into(),
+                key_size: volume_key.len() as u32,
+                af: AntiForensic {
+                    kind: "luks1".into(),
+                    stripes: crate::af::STRIPES,
+                    hash: Hash::Sha256.name().into(),
+                    extra: Map::new(),
+                },
+                area,
+                kdf,
+                priority: None,
+                extra: Map::new(),
+            },
+        );
+        let digest = metadata.digests.get_mut(&digest_id).expect("found above");
+        digest.keyslots.push(slot.to_string());
+        digest
+            .keyslots
+            .sort_by_key(|s| s.parse::<u32>().unwrap_or(u32::MAX));
+        // The material is already synced (write_material), so a crash before this header write
+        // leaves the old header, which does not point at it.
+        self.write(io)?;
+        tracing::info!(keyslot = slot, kdf = %pbkdf_name, "keyslot added");
+        Ok(slot)
+    }
+
+    /// Remove a keyslot and wipe its material. Removing the last keyslot needs `force`.
+    pub fn remove_keyslot(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        slot: u32,
+        force: bool,
+    ) -> Result<(), HeaderError> {
+        let (_, metadata) = self.luks2_mut()?;
+        let removed = metadata
+            .keyslots
+            .get(&slot)
+            .ok_or(HeaderError::NoSuchKeyslot(slot))?
+            .area
+            .clone();
+        if metadata.keyslots.len() == 1 && !force {
+            return Err(HeaderError::LastKeyslot(slot));
+        }
+        metadata.keyslots.remove(&slot);
+        let name = slot.to_string();
+        for digest in metadata.digests.values_mut() {
+            digest.keyslots.retain(|s| *s != name);
+        }
+        for token in metadata.tokens.values_mut() {
+            if let Some(Value::Array(slots)) = token.get_mut("keyslots") {
+                slots.retain(|s| s.as_str() != Some(&name));
+            }
+        }
+        self.write(io)?;
+        wipe(io, removed.offset, removed.size)?;
+        tracing::info!(keyslot = slot, "keyslot removed");
+        Ok(())
+    }
+
+    /// Replace the passphrase of the keyslot `old_passphrase` opens, keeping its number (as
+    /// `cryptsetup luksChangeKey`): the new material goes to a fresh area, the header switches
+    /// to it in one write, then the old area is wiped.
+    pub fn change_passphrase(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        old_passphrase: &[u8],
+        new_passphrase: &[u8],
+        slot: Option<u32>,
+        pbkdf_request: &PbkdfRequest,
+    ) -> Result<u32, HeaderError> {
+        let unlocked = match slot {
+            Some(s) => Unlocked {
+                keyslot: s,
+                volume_key: self.unlock_keyslot(io, s, old_passphrase)?,
+            },
+            None => self.unlock(io, old_passphrase)?,
+        };
+        let slot = unlocked.keyslot;
+        let (binary, metadata) = self.luks2_mut()?;
+        let old = metadata.keyslots.get(&slot).expect("unlocked").clone();
+        let (area, kdf) = write_material(
+            io,
+            binary,
+            metadata,
+            &unlocked.volume_key,
+            new_passphrase,
+            pbkdf_request,
+        )?;
+        let entry = metadata.keyslots.get_mut(&slot).expect("unlocked");
+        entry.area = area;
+        entry.kdf = kdf;
+        self.write(io)?;
+        wipe(io, old.area.offset, old.area.size)?;
+        tracing::info!(keyslot = slot, "passphrase changed");
+        Ok(slot)
+    }
+
+    /// Copy the whole header region (both headers and the keyslots area) to `out`.
+    pub fn backup(&self, io: &dyn HeaderIo, out: &mut dyn HeaderIo) -> Result<u64, HeaderError> {
+        let len = self.region_len();
+        copy_region(io, out, len)?;
+        out.sync()
+            .map_err(|source| HeaderError::Io { offset: 0, source })?;
+        Ok(len)
+    }
+
+    /// Write the header region from a backup over `io`'s. Refuses a backup that is not a
+    /// valid header, and (without `force`) one of a different volume than the header in place.
+    pub fn restore(
+        io: &mut dyn HeaderIo,
+        backup: &dyn HeaderIo,
+        force: bool,
+    ) -> Result<Header, HeaderError> {
+        let saved = Header::read(backup).map_err(|e| HeaderError::Backup(e.to_string()))?;
+        if let Some(w) = saved.warning() {
+            return Err(HeaderError::Backup(format!("it is itself damaged: {w}")));
+        }
+        if !force {
+            if let Ok(current) = Header::read(io) {
+                if current.uuid() != saved.uuid() {
+                    return Err(HeaderError::Backup(format!(
+                        "it belongs to volume {} but this one is {}; pass --force to replace it",
+                        saved.uuid(),
+                        current.uuid()
+                    )));
+                }
+            }
+        }
+        copy_region(backup, io, saved.region_len())?;
+        io.sync()
+            .map_err(|source| HeaderError::Io { offset: 0, source })?;
+        Header::read(io)
+    }
+
+    /// Everything `dump --json` prints: a summary and, for LUKS2, the raw JSON metadata.
+    pub fn to_json(&self) -> Value {
+        let segment = self.segment().ok();
+        let keyslots: Vec<Value> = self
+            .keyslots()
+            .into_iter()
+            .map(|k| {
+                json!({"id": k.id, "kdf": k.kdf, "kdf_params": k.kdf_params,
+                       "key_size": k.key_size, "area_offset": k.area_offset,
+                       "area_size": k.area_size, "priority": k.priority})
+            })
+            .collect();
+        let image = self.image_params().ok().flatten().map(|p| {
+            json!({"format_version": p.format_version, "layout": p.layout,
+                   "object_size": p.object_size, "image_id": hex::encode(p.image_id.0)})
+        });
+        json!({
+            "version": self.version(),
+            "uuid": self.uuid(),
+            "label": self.label(),
+            "seqid": self.seqid(),
+            "segment": segment.map(|s| json!({"cipher": s.cipher, "offset": s.offset,
+                "size": s.size, "sector_size": s.sector_size, "iv_tweak": s.iv_tweak})),
+            "image": image,
+            "requirements": self.metadata().map(|m| m.config.mandatory_requirements().to_vec()),
+            "keyslots": keyslots,
+            "warning": self.warning,
+            "luks2_json": self.metadata().map(|m| serde_json::to_value(m).expect("serializes")),
+        })
+    }
+}
+
+/// Seal `volume_key` for `passphrase` into a newly allocated keyslot area and write it, synced,
+/// before any header points at it. Returns the keyslot's `area` and `kdf`.
+fn write_material(
+    io: &mut dyn HeaderIo,
+    binary: &BinaryHeader,
+    metadata: &Metadata,
+    volume_key: &VolumeKey,
+    passphrase: &[u8],
+    pbkdf_request: &PbkdfRequest,
+) -> Result<(Area, Kdf), HeaderError> {
+    let area_len = keyslot::area_len(volume_key.len() as u32);
+    let offset = Header::allocate_area(binary, metadata, area_len)?;
+    // cryptsetup's keyslot cipher: aes-xts-plain64 with a 512-bit key.
+    let area_cipher = AreaCipher { key_size: 64 };
+    let pbkdf = pbkdf_request.calibrate(area_cipher.key_size as usize)?;
+    let mut salt = [0u8; 32];
+    crate::random_bytes(&mut salt)?;
+    let material = keyslot::seal(
+        volume_key.as_bytes(),
+        passphrase,
+        &pbkdf,
+        &salt,
+        area_cipher,
+    )?;
+    io.write_at(offset, &material)
+        .and_then(|_| io.sync())
+        .map_err(|source| HeaderError::Io { offset, source })?;
+    let area = Area {
+        kind: "raw".into(),
+        offset,
+        size: area_len,
+        encryption: "aes-xts-plain64".into(),
+        key_size: area_cipher.key_size,
+        extra: Map::new(),
+    };
+    Ok((area, Kdf::new(&pbkdf, &salt)))
+}
+
+fn copy_region(from: &dyn HeaderIo, to: &mut dyn HeaderIo, len: u64) -> Result<(), HeaderError> {
+    const CHUNK: u64 = 1 << 20;
+    let mut offset = 0;
+    while offset < len {
+        let n = CHUNK.min(len - offset) as usize;
+        let chunk = read_vec(from, offset, n)?;
+        to.write_at(offset, &chunk)
+            .map_err(|source| HeaderError::Io { offset, source })?;
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// Overwrite a keyslot area with random bytes, so its material cannot be read back.
+fn wipe(io: &mut dyn HeaderIo, offset: u64, len: u64) -> Result<(), HeaderError> {
+    let mut noise = zeroize::Zeroizing::new(vec![0u8; len as usize]);
+    crate::random_bytes(&mut noise)?;
+    io.write_at(offset, &noise)
+        .map_err(|source| HeaderError::Io { offset, source })?;
+    io.sync()
+        .map_err(|source| HeaderError::Io { offset, source })
+}

@@ -1,0 +1,627 @@
+//! `ivdisk header …` and `ivdisk key …`: LUKS2 header and keyslot management, with
+//! cryptsetup's habits (key files are used byte for byte, passphrases typed on a terminal lose
+//! their newline, the last keyslot stays unless forced).
+
+use std::fs::{File, OpenOptions};
+use std::io::{IsTerminal, Read};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use ivdisk_crypto::{ImageId, Suite, VolumeKey};
+use ivdisk_header::{
+    FormatSpec, Hash, Header, HeaderError, ImageParams, PbkdfKind, PbkdfRequest, FORMAT_VERSION,
+};
+use serde_json::json;
+use zeroize::Zeroizing;
+
+/// cryptsetup's default upper bound for a key file (`--keyfile-size` default 8 MiB).
+const MAX_KEY_FILE: u64 = 8 << 20;
+
+#[derive(Args, Debug, Clone)]
+pub struct PbkdfArgs {
+    /// Key derivation for new keyslots: argon2id (default), argon2i or pbkdf2.
+    #[arg(long, default_value = "argon2id")]
+    pbkdf: String,
+    /// Target unlock time per keyslot on this machine, in milliseconds (cryptsetup: 2000).
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    iter_time: u64,
+    /// Upper bound for Argon2 memory in KiB (cryptsetup: 1048576, and at most half the RAM).
+    #[arg(long, default_value_t = 1024 * 1024, value_name = "KIB")]
+    pbkdf_memory: u32,
+    /// Upper bound for Argon2 threads (cryptsetup: 4, and at most the CPUs).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pbkdf_parallel: u32,
+    /// Skip the benchmark: Argon2 time cost or PBKDF2 iterations, as given.
+    #[arg(long, value_name = "N")]
+    pbkdf_force_iterations: Option<u32>,
+    /// PBKDF2's hash: sha256 (default), sha512, sha1.
+    #[arg(long, default_value = "sha256")]
+    hash: String,
+}
+
+impl PbkdfArgs {
+    fn request(&self) -> Result<PbkdfRequest> {
+        Ok(PbkdfRequest {
+            kind: self.pbkdf.parse::<PbkdfKind>()?,
+            iter_time: Duration::from_millis(self.iter_time.max(1)),
+            max_memory_kib: self.pbkdf_memory,
+            max_parallel: self.pbkdf_parallel,
+            forced_iterations: self.pbkdf_force_iterations,
+            hash: self.hash.parse::<Hash>()?,
+        })
+    }
+}
+
+/// How the user proves they may open the header.
+#[derive(Args, Debug, Clone)]
+pub struct UnlockArgs {
+    /// Read the passphrase from this file, every byte of it ("-" = standard input); otherwise
+    /// it is asked for on the terminal.
+    #[arg(long, short = 'd', value_name = "FILE")]
+    key_file: Option<PathBuf>,
+    /// Use the raw volume key in this file instead of a passphrase (recovery).
+    #[arg(long, value_name = "FILE", conflicts_with = "key_file")]
+    volume_key_file: Option<PathBuf>,
+    /// Try only this keyslot.
+    #[arg(long, short = 'S', value_name = "N")]
+    key_slot: Option<u32>,
+}
+
+#[derive(Subcommand)]
+pub enum HeaderCommand {
+    /// Write a new LUKS2-format header (detached: data elsewhere) with one keyslot.
+    #[command(
+        after_help = "Example:\n  ivdisk header format disk.hdr --size 10G --key-file pass.txt"
+    )]
+    Format {
+        /// The header file to create (must not exist unless --force).
+        file: PathBuf,
+        /// Cipher suite of the data.
+        #[arg(long, default_value = Suite::DEFAULT.name())]
+        cipher: String,
+        /// Sector size in bytes: 4096 or 512.
+        #[arg(long, default_value_t = 4096)]
+        sector_size: u32,
+        /// Data size, e.g. 10G.
+        #[arg(long)]
+        size: String,
+        /// Per-sector metadata layout recorded for the image layer.
+        #[arg(long)]
+        layout: Option<String>,
+        /// Passphrase file for keyslot 0 ("-" = stdin); otherwise asked twice on the terminal.
+        #[arg(long, short = 'd', value_name = "FILE")]
+        key_file: Option<PathBuf>,
+        /// Use this volume key instead of a fresh random one.
+        #[arg(long, value_name = "FILE")]
+        volume_key_file: Option<PathBuf>,
+        /// Overwrite an existing file.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        pbkdf: PbkdfArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the header: version, data segment, image parameters, keyslots.
+    #[command(
+        after_help = "Example:\n  ivdisk header dump disk.hdr\n  ivdisk header dump disk.hdr --json | jq .keyslots"
+    )]
+    Dump {
+        image: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Copy the header and keyslots area to a backup file.
+    Backup {
+        image: PathBuf,
+        /// The backup file to create (must not exist).
+        backup: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a header backup back over the image's header.
+    Restore {
+        image: PathBuf,
+        backup: PathBuf,
+        /// Replace a header that belongs to another volume.
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum KeyCommand {
+    /// Add a keyslot for a new passphrase or key file (up to 32).
+    #[command(
+        after_help = "Example:\n  ivdisk key add disk.hdr --key-file old.txt --new-key-file new.key"
+    )]
+    Add {
+        image: PathBuf,
+        #[command(flatten)]
+        unlock: UnlockArgs,
+        /// The new passphrase's file ("-" = stdin); otherwise asked twice on the terminal.
+        #[arg(long, value_name = "FILE")]
+        new_key_file: Option<PathBuf>,
+        /// Put the new keyslot here instead of the first free one.
+        #[arg(long, value_name = "N")]
+        new_key_slot: Option<u32>,
+        #[command(flatten)]
+        pbkdf: PbkdfArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the keyslot a passphrase opens, or the one named by --key-slot.
+    #[command(
+        after_help = "Example:\n  ivdisk key remove disk.hdr --key-file old.txt\n  ivdisk key remove disk.hdr --key-slot 3 --key-file other.txt"
+    )]
+    Remove {
+        image: PathBuf,
+        /// The keyslot to remove; its removal is authorised by a passphrase of any keyslot.
+        #[arg(long, short = 'S', value_name = "N")]
+        key_slot: Option<u32>,
+        /// Passphrase file ("-" = stdin); otherwise asked on the terminal.
+        #[arg(long, short = 'd', value_name = "FILE")]
+        key_file: Option<PathBuf>,
+        /// Allow removing the last keyslot (the image can then never be opened again), and
+        /// removing --key-slot without any passphrase.
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change the passphrase of a keyslot, keeping its number.
+    Change {
+        image: PathBuf,
+        /// The current passphrase's file; otherwise asked on the terminal.
+        #[arg(long, short = 'd', value_name = "FILE")]
+        key_file: Option<PathBuf>,
+        /// The new passphrase's file; otherwise asked twice on the terminal.
+        #[arg(long, value_name = "FILE")]
+        new_key_file: Option<PathBuf>,
+        #[arg(long, short = 'S', value_name = "N")]
+        key_slot: Option<u32>,
+        #[command(flatten)]
+        pbkdf: PbkdfArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a passphrase, key file or volume key without changing anything.
+    Test {
+        image: PathBuf,
+        #[command(flatten)]
+        unlock: UnlockArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn open_read(path: &Path) -> Result<File> {
+    File::open(path).with_context(|| format!("cannot open {}", path.display()))
+}
+
+fn open_write(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("cannot open {} for writing", path.display()))
+}
+
+fn read_header(path: &Path) -> Result<(Header, File)> {
+    let file = open_read(path)?;
+    let header = Header::read(&file).map_err(|e| match e {
+        HeaderError::NotLuks => anyhow::anyhow!("{}: {e}", path.display()),
+        e => {
+            anyhow::Error::new(e).context(format!("{}: the header cannot be read", path.display()))
+        }
+    })?;
+    if let Some(w) = header.warning() {
+        eprintln!("ivdisk: warning: {}: {w}", path.display());
+    }
+    Ok((header, file))
+}
+
+/// A secret from a file (all of it, as cryptsetup) or standard input.
+fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
+    let mut data = Zeroizing::new(Vec::new());
+    if path == Path::new("-") {
+        std::io::stdin()
+            .take(MAX_KEY_FILE + 1)
+            .read_to_end(&mut data)
+            .context("reading the passphrase from standard input")?;
+    } else {
+        open_read(path)?
+            .take(MAX_KEY_FILE + 1)
+            .read_to_end(&mut data)
+            .with_context(|| format!("reading key file {}", path.display()))?;
+    }
+    if data.len() as u64 > MAX_KEY_FILE {
+        bail!(
+            "key file {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
+            path.display()
+        );
+    }
+    if data.is_empty() {
+        bail!("key file {} is empty", path.display());
+    }
+    Ok(data)
+}
+
+fn prompt(text: &str) -> Result<Zeroizing<Vec<u8>>> {
+    if !std::io::stdin().is_terminal() {
+        bail!("no passphrase given: pass --key-file FILE (or \"-\" for standard input), or run on a terminal");
+    }
+    let line = Zeroizing::new(rpassword::prompt_password(text).context("reading the passphrase")?);
+    if line.is_empty() {
+        bail!("empty passphrase");
+    }
+    Ok(Zeroizing::new(line.as_bytes().to_vec()))
+}
+
+fn old_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
+    match key_file {
+        Some(path) => read_key_file(path),
+        None => prompt("Enter passphrase: "),
+    }
+}
+
+fn new_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
+    match key_file {
+        Some(path) => read_key_file(path),
+        None => {
+            let first = prompt("Enter new passphrase: ")?;
+            let second = prompt("Verify passphrase: ")?;
+            if first != second {
+                bail!("the passphrases do not match");
+            }
+            Ok(first)
+        }
+    }
+}
+
+/// A spinner on a terminal while a KDF runs (seconds by design); nothing when piped.
+fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
+    if !std::io::stderr().is_terminal() {
+        return work();
+    }
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_message(message.to_owned());
+    spinner.enable_steady_tick(Duration::from_millis(100));
+    let out = work();
+    spinner.finish_and_clear();
+    out
+}
+
+fn unlock(header: &Header, device: &File, args: &UnlockArgs) -> Result<(Option<u32>, VolumeKey)> {
+    if let Some(path) = &args.volume_key_file {
+        let key = read_key_file(path)?;
+        let key = header
+            .unlock_with_volume_key(&key)
+            .with_context(|| format!("volume key file {}", path.display()))?;
+        return Ok((None, key));
+    }
+    let secret = old_secret(&args.key_file)?;
+    with_spinner(
+        "unlocking (the key derivation takes a few seconds by design)",
+        || match args.key_slot {
+            Some(slot) => header
+                .unlock_keyslot(device, slot, &secret)
+                .map(|k| (Some(slot), k)),
+            None => header
+                .unlock(device, &secret)
+                .map(|u| (Some(u.keyslot), u.volume_key)),
+        },
+    )
+    .map_err(Into::into)
+}
+
+fn print(json: bool, value: serde_json::Value, text: String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{text}");
+    }
+}
+
+pub fn run_header(command: HeaderCommand) -> Result<()> {
+    match command {
+        HeaderCommand::Format {
+            file,
+            cipher,
+            sector_size,
+            size,
+            layout,
+            key_file,
+            volume_key_file,
+            force,
+            pbkdf,
+            json,
+        } => {
+            let suite: Suite = cipher.parse()?;
+            if !matches!(sector_size, 512 | 4096) {
+                bail!("--sector-size {sector_size}: expected 4096 or 512");
+            }
+            let bytes = crate::parse_size(&size)?;
+            if bytes == 0 || bytes % sector_size as u64 != 0 {
+                bail!("--size {size}: must be a non-zero multiple of the {sector_size}-byte sector size");
+            }
+            let layout = layout.unwrap_or_else(|| {
+                if suite.metadata_len() == 0 {
+                    "none"
+                } else {
+                    "object-end"
+                }
+                .to_owned()
+            });
+            if !["none", "object-end", "unaligned", "omap"].contains(&layout.as_str())
+                || (layout == "none") != (suite.metadata_len() == 0)
+            {
+                bail!(
+                    "--layout {layout}: {suite} needs {}",
+                    if suite.metadata_len() == 0 {
+                        "layout none"
+                    } else {
+                        "object-end, unaligned or omap"
+                    }
+                );
+            }
+            let key = match &volume_key_file {
+                Some(path) => VolumeKey::new(read_key_file(path)?.to_vec()),
+                None => VolumeKey::generate(suite.default_key_len())?,
+            };
+            let passphrase = new_secret(&key_file)?;
+            let mut image_id = [0u8; 16];
+            ivdisk_crypto::fill_random(&mut image_id)?;
+            let mut spec = FormatSpec::new(suite, sector_size);
+            spec.data_size = Some(bytes);
+            spec.pbkdf = pbkdf.request()?;
+            spec.image = Some(ImageParams {
+                format_version: FORMAT_VERSION,
+                layout,
+                object_size: 4 << 20,
+                image_id: ImageId(image_id),
+            });
+            let mut out = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(force)
+                .create_new(!force)
+                .open(&file)
+                .with_context(|| {
+                    format!(
+                        "cannot create {} (use --force to overwrite)",
+                        file.display()
+                    )
+                })?;
+            let header = with_spinner("benchmarking the key derivation", || {
+                Header::format(&mut out, &spec, &key, &passphrase)
+            })?;
+            print(
+                json,
+                json!({"file": file, "uuid": header.uuid(), "keyslot": 0, "cipher": suite.name()}),
+                format!(
+                    "{}: LUKS2 header {} written, keyslot 0",
+                    file.display(),
+                    header.uuid()
+                ),
+            );
+        }
+        HeaderCommand::Dump { image, json } => {
+            let (header, _) = read_header(&image)?;
+            if json {
+                println!("{}", header.to_json());
+            } else {
+                print_dump(&header);
+            }
+        }
+        HeaderCommand::Backup {
+            image,
+            backup,
+            json,
+        } => {
+            let (header, device) = read_header(&image)?;
+            let mut out = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&backup)
+                .with_context(|| {
+                    format!(
+                        "cannot create backup file {} (it must not exist)",
+                        backup.display()
+                    )
+                })?;
+            let len = header.backup(&device, &mut out)?;
+            print(
+                json,
+                json!({"image": image, "backup": backup, "bytes": len, "uuid": header.uuid()}),
+                format!(
+                    "{} bytes of header {} saved to {}",
+                    len,
+                    header.uuid(),
+                    backup.display()
+                ),
+            );
+        }
+        HeaderCommand::Restore {
+            image,
+            backup,
+            force,
+            json,
+        } => {
+            let source = open_read(&backup)?;
+            let header =
+                Header::restore(&mut open_write(&image)?, &source, force).with_context(|| {
+                    format!("restoring {} from {}", image.display(), backup.display())
+                })?;
+            print(
+                json,
+                json!({"image": image, "backup": backup, "uuid": header.uuid()}),
+                format!("header {} restored to {}", header.uuid(), image.display()),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_dump(header: &Header) {
+    println!("LUKS header version {}", header.version());
+    println!("UUID:      {}", header.uuid());
+    if !header.label().is_empty() {
+        println!("Label:     {}", header.label());
+    }
+    if header.version() == 2 {
+        println!("Seqid:     {}", header.seqid());
+    }
+    match header.segment() {
+        Ok(s) => {
+            println!("Cipher:    {}", s.cipher);
+            println!("Sector:    {} bytes", s.sector_size);
+            println!(
+                "Data:      offset {} bytes, size {}",
+                s.offset,
+                s.size.map_or("dynamic".into(), |n| format!("{n} bytes"))
+            );
+        }
+        Err(e) => println!("Data:      unusable: {e}"),
+    }
+    match header.image_params() {
+        Ok(Some(p)) => println!(
+            "Image:     ivdisk format {}, layout {}, object size {}, id {}",
+            p.format_version,
+            p.layout,
+            p.object_size,
+            hex::encode(p.image_id.0)
+        ),
+        Ok(None) => println!("Image:     (a LUKS volume not made by ivdisk)"),
+        Err(e) => println!("Image:     unusable: {e}"),
+    }
+    if let Some(m) = header.metadata() {
+        let reqs = m.config.mandatory_requirements();
+        if !reqs.is_empty() {
+            println!("Requires:  {}", reqs.join(", "));
+        }
+    }
+    println!("Keyslots:");
+    for k in header.keyslots() {
+        println!(
+            "  {:>2}: {} ({}), {}-bit key, area {}+{}",
+            k.id,
+            k.kdf,
+            k.kdf_params,
+            k.key_size * 8,
+            k.area_offset,
+            k.area_size
+        );
+    }
+}
+
+pub fn run_key(command: KeyCommand) -> Result<()> {
+    match command {
+        KeyCommand::Add {
+            image,
+            unlock: unlock_args,
+            new_key_file,
+            new_key_slot,
+            pbkdf,
+            json,
+        } => {
+            let (mut header, device) = read_header(&image)?;
+            let (_, key) = unlock(&header, &device, &unlock_args)
+                .with_context(|| image.display().to_string())?;
+            let secret = new_secret(&new_key_file)?;
+            let request = pbkdf.request()?;
+            let slot = with_spinner("writing the new keyslot", || {
+                header
+                    .add_keyslot(
+                        &mut open_write(&image)?,
+                        &key,
+                        &secret,
+                        new_key_slot,
+                        &request,
+                    )
+                    .map_err(anyhow::Error::from)
+            })?;
+            print(
+                json,
+                json!({"image": image, "keyslot": slot}),
+                format!("keyslot {slot} added"),
+            );
+        }
+        KeyCommand::Remove {
+            image,
+            key_slot,
+            key_file,
+            force,
+            json,
+        } => {
+            let (mut header, device) = read_header(&image)?;
+            let slot = match (key_slot, force && key_file.is_none()) {
+                (Some(slot), true) => slot,
+                (Some(slot), false) => {
+                    let secret = old_secret(&key_file)?;
+                    with_spinner("unlocking", || header.unlock(&device, &secret))
+                        .context("removing a keyslot by number needs a passphrase of any keyslot (or --force)")?;
+                    slot
+                }
+                (None, _) => {
+                    let secret = old_secret(&key_file)?;
+                    with_spinner("unlocking", || header.unlock(&device, &secret))?.keyslot
+                }
+            };
+            header.remove_keyslot(&mut open_write(&image)?, slot, force)?;
+            print(
+                json,
+                json!({"image": image, "removed": slot}),
+                format!("keyslot {slot} removed"),
+            );
+        }
+        KeyCommand::Change {
+            image,
+            key_file,
+            new_key_file,
+            key_slot,
+            pbkdf,
+            json,
+        } => {
+            let (mut header, _) = read_header(&image)?;
+            let old = old_secret(&key_file)?;
+            let new = new_secret(&new_key_file)?;
+            let request = pbkdf.request()?;
+            let slot = with_spinner("changing the passphrase", || {
+                header
+                    .change_passphrase(&mut open_write(&image)?, &old, &new, key_slot, &request)
+                    .map_err(anyhow::Error::from)
+            })?;
+            print(
+                json,
+                json!({"image": image, "keyslot": slot}),
+                format!("keyslot {slot} now opens with the new passphrase"),
+            );
+        }
+        KeyCommand::Test {
+            image,
+            unlock: unlock_args,
+            json,
+        } => {
+            let (header, device) = read_header(&image)?;
+            let (slot, _) = unlock(&header, &device, &unlock_args)
+                .with_context(|| image.display().to_string())?;
+            let text = match slot {
+                Some(s) => format!("keyslot {s} opens with this passphrase"),
+                None => "the volume key matches".to_owned(),
+            };
+            print(
+                json,
+                json!({"image": image, "keyslot": slot, "ok": true}),
+                text,
+            );
+        }
+    }
+    Ok(())
+}

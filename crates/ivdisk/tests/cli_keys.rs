@@ -1,0 +1,262 @@
+//! `ivdisk header …` and `ivdisk key …` as a user runs them: the built binary, key files,
+//! exit codes and messages; cryptsetup checks the results where it can.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const FAST: [&str; 4] = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+
+fn ivdisk(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = ivdisk(args);
+    assert!(
+        out.status.success(),
+        "ivdisk {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = ivdisk(args);
+    assert!(!out.status.success(), "ivdisk {args:?} should fail");
+    String::from_utf8(out.stderr).unwrap()
+}
+
+fn key(dir: &Path, name: &str, content: &[u8]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, content).unwrap();
+    path
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// A 64 MiB header with one fast PBKDF2 keyslot for the passphrase in `key_file`.
+fn format_header(header: &Path, key_file: &Path) {
+    let mut args = vec!["header", "format", p(header), "--size", "64M"];
+    args.extend(["--key-file", p(key_file)]);
+    args.extend(FAST);
+    ok(&args);
+}
+
+fn keyslot_ids(header: &Path) -> Vec<u64> {
+    let dump: Value = serde_json::from_str(&ok(&["header", "dump", "--json", p(header)])).unwrap();
+    dump["keyslots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["id"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn keyslot_lifecycle_through_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let one = key(dir.path(), "one", b"first passphrase");
+    let two = key(
+        dir.path(),
+        "two",
+        b"second\npassphrase with a newline, kept as is",
+    );
+    let three = key(dir.path(), "three", b"third");
+    let wrong = key(dir.path(), "wrong", b"nope");
+
+    let mut args = vec![
+        "header",
+        "format",
+        p(&hdr),
+        "--size",
+        "1G",
+        "--key-file",
+        p(&one),
+        "--json",
+    ];
+    args.extend(FAST);
+    let made: Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(made["keyslot"], 0);
+    assert!(fails(&[
+        "header",
+        "format",
+        p(&hdr),
+        "--size",
+        "1G",
+        "--key-file",
+        p(&one)
+    ])
+    .contains("--force"));
+
+    let mut args = vec![
+        "key",
+        "add",
+        p(&hdr),
+        "--key-file",
+        p(&one),
+        "--new-key-file",
+        p(&two),
+        "--json",
+    ];
+    args.extend(FAST);
+    let added: Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(added["keyslot"], 1);
+    assert_eq!(keyslot_ids(&hdr), vec![0, 1]);
+
+    let tested: Value = serde_json::from_str(&ok(&[
+        "key",
+        "test",
+        p(&hdr),
+        "--key-file",
+        p(&two),
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(tested["keyslot"], 1);
+    let err = fails(&["key", "test", p(&hdr), "--key-file", p(&wrong)]);
+    assert!(
+        err.contains("no keyslot matches this passphrase (2 keyslot(s) tried)"),
+        "{err}"
+    );
+
+    let mut args = vec![
+        "key",
+        "change",
+        p(&hdr),
+        "--key-file",
+        p(&two),
+        "--new-key-file",
+        p(&three),
+    ];
+    args.extend(FAST);
+    assert!(ok(&args).contains("keyslot 1"));
+    fails(&["key", "test", p(&hdr), "--key-file", p(&two)]);
+    ok(&["key", "test", p(&hdr), "--key-file", p(&three)]);
+
+    // Remove by number needs a passphrase of some keyslot; the last keyslot needs --force.
+    let err = fails(&[
+        "key",
+        "remove",
+        p(&hdr),
+        "--key-slot",
+        "0",
+        "--key-file",
+        p(&wrong),
+    ]);
+    assert!(err.contains("needs a passphrase"), "{err}");
+    ok(&[
+        "key",
+        "remove",
+        p(&hdr),
+        "--key-slot",
+        "0",
+        "--key-file",
+        p(&three),
+    ]);
+    assert_eq!(keyslot_ids(&hdr), vec![1]);
+    let err = fails(&["key", "remove", p(&hdr), "--key-file", p(&three)]);
+    assert!(err.contains("last one") && err.contains("--force"), "{err}");
+    assert_eq!(keyslot_ids(&hdr), vec![1]);
+
+    // cryptsetup agrees with what the command line did.
+    let out = Command::new("cryptsetup")
+        .args([
+            "luksOpen",
+            "--test-passphrase",
+            "--key-file",
+            p(&three),
+            p(&hdr),
+        ])
+        .output()
+        .expect("cryptsetup must be installed");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn volume_key_file_recovers_access() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let vk = key(dir.path(), "vk", &[0x11; 16]);
+    let lost = key(dir.path(), "lost", b"forgotten");
+    let fresh = key(dir.path(), "fresh", b"new start");
+    let mut args = vec![
+        "header",
+        "format",
+        p(&hdr),
+        "--size",
+        "64M",
+        "--cipher",
+        "aegis128l-random",
+        "--volume-key-file",
+        p(&vk),
+        "--key-file",
+        p(&lost),
+    ];
+    args.extend(FAST);
+    ok(&args);
+    let wrong_vk = key(dir.path(), "wrong_vk", &[0x12; 16]);
+    let err = fails(&["key", "test", p(&hdr), "--volume-key-file", p(&wrong_vk)]);
+    assert!(err.contains("volume key does not match"), "{err}");
+    let mut args = vec![
+        "key",
+        "add",
+        p(&hdr),
+        "--volume-key-file",
+        p(&vk),
+        "--new-key-file",
+        p(&fresh),
+    ];
+    args.extend(FAST);
+    ok(&args);
+    ok(&["key", "test", p(&hdr), "--key-file", p(&fresh)]);
+}
+
+#[test]
+fn header_backup_and_restore_through_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let backup = dir.path().join("disk.backup");
+    let pw = key(dir.path(), "pw", b"pw");
+    format_header(&hdr, &pw);
+    ok(&["header", "backup", p(&hdr), p(&backup)]);
+    assert!(fails(&["header", "backup", p(&hdr), p(&backup)]).contains("must not exist"));
+
+    // Both copies gone: the error says how to recover, and the backup does it.
+    std::os::unix::fs::FileExt::write_all_at(
+        &std::fs::OpenOptions::new().write(true).open(&hdr).unwrap(),
+        &vec![0xee; 32 << 10],
+        0,
+    )
+    .unwrap();
+    let err = fails(&["key", "test", p(&hdr), "--key-file", p(&pw)]);
+    assert!(err.contains("ivdisk header restore"), "{err}");
+    ok(&["header", "restore", p(&hdr), p(&backup)]);
+    ok(&["key", "test", p(&hdr), "--key-file", p(&pw)]);
+}
+
+#[test]
+fn missing_passphrase_without_a_terminal_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let pw = key(dir.path(), "pw", b"pw");
+    format_header(&hdr, &pw);
+    let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["key", "test", p(&hdr)])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--key-file"));
+}
