@@ -1,0 +1,1456 @@
+//! The engine under the local and memory backends: object data in append-only segments,
+//! everything else (object table, extent maps, omap, snapshots, locks) in SQLite.
+//!
+//! Why this shape (docs/ARCHITECTURE.md, "Local backend"): data is never overwritten in place,
+//! so an operation becomes visible by one SQLite transaction that points at data already on
+//! disk: atomic without writing data twice, whatever the write size. Snapshots are free (a
+//! preserved state shares the segment ranges of its data). Space of dead data is returned with
+//! `fallocate(PUNCH_HOLE)` once the change that killed it is durable.
+//!
+//! One worker thread owns the database and the segments; requests arrive on a channel and are
+//! applied in arrival order (so operations on one object apply in submission order). Each
+//! operation runs in a SAVEPOINT inside a long transaction (group commit): a failed step rolls
+//! back only its own operation. The transaction commits after the segment data it references
+//! has been synced, at the latest every few milliseconds, and durably (WAL synced) on flush and
+//! once a second.
+
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_channel::oneshot;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::{
+    Extent, LockRequest, Locker, ObjectName, ReadOp, ReadResult, ReadStep, SnapContext, SnapId,
+    Stat, StoreError, WriteOp, WriteOutcome, WriteStep, MAX_OBJECT_SIZE,
+};
+
+/// Where object data lives: append-only segments addressed by (segment, offset).
+pub(crate) trait Segments: Send {
+    /// Append `data`; returns where it went.
+    fn append(&mut self, data: &[u8]) -> Result<(u32, u64), StoreError>;
+    fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
+    /// Make every append so far durable.
+    fn sync(&mut self) -> Result<(), StoreError>;
+    /// The data in this range is dead: return its space.
+    fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
+    /// The current append position (to undo the appends of a failed operation).
+    fn mark(&self) -> (u32, u64);
+    fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError>;
+    /// Bytes appended since the last sync.
+    fn unsynced(&self) -> u64;
+}
+
+/// How the metadata database makes commits durable.
+pub(crate) trait Durability: Send {
+    /// Sync the database's write-ahead log after a COMMIT.
+    fn sync_wal(&mut self) -> Result<(), StoreError>;
+}
+
+pub(crate) struct NoDurability;
+impl Durability for NoDurability {
+    fn sync_wal(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// A WAL file synced through a second descriptor (SQLite's own sync is off between flushes).
+pub(crate) struct WalFile(pub PathBuf);
+impl Durability for WalFile {
+    fn sync_wal(&mut self) -> Result<(), StoreError> {
+        match std::fs::File::open(&self.0) {
+            Ok(f) => f
+                .sync_data()
+                .map_err(StoreError::io(format!("syncing {}", self.0.display()))),
+            // No WAL yet (nothing written since the last checkpoint): nothing to sync.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(format!("opening {}", self.0.display()))(e)),
+        }
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+pub(crate) enum Request {
+    Write {
+        object: ObjectName,
+        op: WriteOp,
+        reply: Reply<WriteOutcome>,
+    },
+    Read {
+        object: ObjectName,
+        op: ReadOp,
+        reply: Reply<Vec<ReadResult>>,
+    },
+    List {
+        prefix: String,
+        reply: Reply<Vec<ObjectName>>,
+    },
+    SnapCreate {
+        reply: Reply<SnapId>,
+    },
+    SnapRemove {
+        snap: SnapId,
+        reply: Reply<()>,
+    },
+    Lock {
+        object: ObjectName,
+        client: String,
+        request: LockRequest,
+        reply: Reply<()>,
+    },
+    /// Release a lock: the holder's own unlock, or another client's break (same removal).
+    Unlock {
+        object: ObjectName,
+        lock: String,
+        client: String,
+        cookie: String,
+        reply: Reply<()>,
+    },
+    ListLockers {
+        object: ObjectName,
+        lock: String,
+        reply: Reply<Vec<Locker>>,
+    },
+    Flush {
+        reply: Reply<()>,
+    },
+}
+
+/// Group commit: how long a transaction stays open, and how many operations or bytes of
+/// segment data it takes. Every commit costs a segment `fdatasync` (no committed metadata may
+/// point at data a power cut could lose), so commits are rare: operations are acknowledged as
+/// soon as they are applied inside the open transaction (reads see them), and only `flush`
+/// promises durability. A crash loses the open transaction whole: acknowledged but unflushed
+/// operations, never part of one.
+const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
+const COMMIT_MAX_OPS: usize = 200_000;
+const COMMIT_MAX_BYTES: u64 = 1 << 30;
+/// Durable commits happen at least this often even without a flush (bounds the loss after a
+/// power cut and lets dead space be punched).
+const DURABLE_INTERVAL: Duration = Duration::from_secs(1);
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL,
+    clone_from INTEGER,
+    clone_to INTEGER,
+    size INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    snap_seq INTEGER NOT NULL,
+    birth_seq INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS head_by_name ON nodes(name) WHERE clone_to IS NULL;
+CREATE INDEX IF NOT EXISTS clone_by_name ON nodes(name, clone_to) WHERE clone_to IS NOT NULL;
+CREATE TABLE IF NOT EXISTS extents (
+    node INTEGER NOT NULL, lo INTEGER NOT NULL, hi INTEGER NOT NULL,
+    seg INTEGER NOT NULL, seg_off INTEGER NOT NULL,
+    blob INTEGER NOT NULL, blob_end INTEGER NOT NULL,
+    PRIMARY KEY (node, lo)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS extent_by_blob ON extents(seg, blob);
+CREATE TABLE IF NOT EXISTS omap (
+    node INTEGER NOT NULL, key BLOB NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (node, key)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS snaps (id INTEGER PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS locks (
+    name TEXT NOT NULL, lock TEXT NOT NULL, client TEXT NOT NULL, cookie TEXT NOT NULL,
+    description TEXT NOT NULL, expires_ms INTEGER,
+    PRIMARY KEY (name, lock, client, cookie)
+);
+";
+
+/// Where an extent's bytes are: `seg_off` in segment `seg`, inside the blob (the one append)
+/// `[blob, blob_end)` they were written by.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    seg: u32,
+    seg_off: u64,
+    blob: u64,
+    blob_end: u64,
+}
+
+impl Piece {
+    fn appended((seg, seg_off): (u32, u64), len: usize) -> Self {
+        Piece {
+            seg,
+            seg_off,
+            blob: seg_off,
+            blob_end: seg_off + len as u64,
+        }
+    }
+}
+
+/// A node: the head of an object, or a preserved state (clone) for snapshots in
+/// `(clone_from, clone_to]`.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    id: i64,
+    size: u64,
+    version: u64,
+    snap_seq: u64,
+    birth_seq: u64,
+}
+
+pub(crate) struct Engine {
+    db: Connection,
+    segments: Box<dyn Segments>,
+    durability: Box<dyn Durability>,
+    in_txn: bool,
+    /// Where the open transaction started: its first append and its first pending free.
+    txn_mark: (u32, u64),
+    txn_frees: usize,
+    txn_ops: usize,
+    txn_started: Instant,
+    last_durable: Instant,
+    /// Dead segment ranges, freed by a transaction not yet durable.
+    frees_pending: Vec<(u32, u64, u64)>,
+    /// A commit failed: operations acknowledged since the last flush are lost; the next flush
+    /// reports it (whether it was for lack of space, and the cause).
+    lost: Option<(bool, String)>,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn not_found(object: &ObjectName) -> StoreError {
+    StoreError::NotFound {
+        object: object.to_string(),
+    }
+}
+
+impl Engine {
+    pub(crate) fn new(
+        db: Connection,
+        segments: Box<dyn Segments>,
+        durability: Box<dyn Durability>,
+    ) -> Result<Self, StoreError> {
+        Self::init_schema(&db)?;
+        Ok(Engine {
+            db,
+            segments,
+            durability,
+            in_txn: false,
+            txn_mark: (0, 0),
+            txn_frees: 0,
+            txn_ops: 0,
+            txn_started: Instant::now(),
+            last_durable: Instant::now(),
+            frees_pending: Vec::new(),
+            lost: None,
+        })
+    }
+
+    /// Create the tables of a new store (a no-op on an existing one).
+    pub(crate) fn init_schema(db: &Connection) -> Result<(), StoreError> {
+        db.execute_batch(SCHEMA)?;
+        db.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0), ('snap_seq', 0)",
+            [],
+        )?;
+        Ok(())
+    }
+
+    /// The largest segment offset referenced in `segment` (recovery truncates the rest).
+    pub(crate) fn referenced_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
+        let end: Option<i64> = db.query_row(
+            "SELECT MAX(seg_off + hi - lo) FROM extents WHERE seg = ?1",
+            [segment],
+            |r| r.get(0),
+        )?;
+        Ok(end.unwrap_or(0) as u64)
+    }
+
+    /// Run the worker loop until every sender is gone, then commit durably.
+    pub(crate) fn run(mut self, requests: mpsc::Receiver<Request>) {
+        loop {
+            let request = if self.in_txn {
+                let wait = COMMIT_INTERVAL.saturating_sub(self.txn_started.elapsed());
+                match requests.recv_timeout(wait) {
+                    Ok(r) => Some(r),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match requests.recv_timeout(DURABLE_INTERVAL) {
+                    Ok(r) => Some(r),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            };
+            if let Some(request) = request {
+                self.handle(request);
+            }
+            if self.in_txn
+                && (self.txn_ops >= COMMIT_MAX_OPS
+                    || self.segments.unsynced() >= COMMIT_MAX_BYTES
+                    || self.txn_started.elapsed() >= COMMIT_INTERVAL)
+            {
+                self.commit(false);
+            }
+            if self.last_durable.elapsed() >= DURABLE_INTERVAL
+                && (self.in_txn || !self.frees_pending.is_empty())
+            {
+                self.commit(true);
+            }
+        }
+        self.commit(true);
+    }
+
+    fn handle(&mut self, request: Request) {
+        match request {
+            Request::Write { object, op, reply } => {
+                let result = self.in_operation(|e| e.write(&object, &op));
+                let _ = reply.send(result);
+            }
+            Request::Read { object, op, reply } => {
+                let _ = reply.send(self.read(&object, &op));
+            }
+            Request::List { prefix, reply } => {
+                let _ = reply.send(self.list(&prefix));
+            }
+            Request::SnapCreate { reply } => {
+                let _ = reply.send(self.in_operation(|e| e.snap_create()));
+            }
+            Request::SnapRemove { snap, reply } => {
+                let _ = reply.send(self.in_operation(|e| e.snap_remove(snap)));
+            }
+            Request::Lock {
+                object,
+                client,
+                request,
+                reply,
+            } => {
+                let _ = reply.send(self.in_operation(|e| e.lock(&object, &client, &request)));
+            }
+            Request::Unlock {
+                object,
+                lock,
+                client,
+                cookie,
+                reply,
+            } => {
+                let _ =
+                    reply.send(self.in_operation(|e| e.unlock(&object, &lock, &client, &cookie)));
+            }
+            Request::ListLockers {
+                object,
+                lock,
+                reply,
+            } => {
+                let _ = reply.send(self.list_lockers(&object, &lock));
+            }
+            Request::Flush { reply } => {
+                self.commit(true);
+                let result = match self.lost.take() {
+                    Some((true, e)) => Err(StoreError::NoSpace {
+                        context: format!(
+                            "a commit failed, so operations completed since the previous flush \
+                             were lost: {e}"
+                        ),
+                    }),
+                    Some((false, e)) => Err(StoreError::Database(format!(
+                        "a commit failed, so operations completed since the previous flush were \
+                         lost: {e}"
+                    ))),
+                    None => Ok(()),
+                };
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// Run one mutating operation inside the group transaction, all or nothing.
+    fn in_operation<T>(
+        &mut self,
+        body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if !self.in_txn {
+            self.db.execute_batch("BEGIN IMMEDIATE")?;
+            self.in_txn = true;
+            self.txn_ops = 0;
+            self.txn_started = Instant::now();
+            self.txn_mark = self.segments.mark();
+            self.txn_frees = self.frees_pending.len();
+        }
+        self.db.execute_batch("SAVEPOINT op")?;
+        let mark = self.segments.mark();
+        let frees = self.frees_pending.len();
+        match body(self) {
+            Ok(value) => {
+                self.db.execute_batch("RELEASE op")?;
+                self.txn_ops += 1;
+                Ok(value)
+            }
+            Err(e) => {
+                // SQLite rolls the whole transaction back by itself on some errors
+                // (SQLITE_FULL, SQLITE_IOERR, SQLITE_NOMEM): then every operation since the
+                // last commit is gone, as if the commit had failed.
+                let whole = self.db.is_autocommit()
+                    || self.db.execute_batch("ROLLBACK TO op; RELEASE op").is_err();
+                let mark = if whole {
+                    if !self.db.is_autocommit() {
+                        let _ = self.db.execute_batch("ROLLBACK");
+                    }
+                    tracing::error!("an operation failed and took its transaction with it: {e}");
+                    self.in_txn = false;
+                    self.frees_pending.truncate(self.txn_frees);
+                    self.lost = Some((matches!(e, StoreError::NoSpace { .. }), e.to_string()));
+                    self.txn_mark
+                } else {
+                    self.frees_pending.truncate(frees);
+                    mark
+                };
+                // The failed operations' appends are referenced by nothing: take them back.
+                if let Err(rewind) = self.segments.rewind(mark) {
+                    tracing::warn!("could not take back a failed operation's data: {rewind}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Commit the open transaction after syncing the data it references; with `durable`, also
+    /// sync the database log and return the space of data that is now dead for good.
+    fn commit(&mut self, durable: bool) {
+        let result = (|| -> Result<(), StoreError> {
+            if self.in_txn {
+                if self.segments.unsynced() > 0 {
+                    self.segments.sync()?;
+                }
+                self.in_txn = false;
+                self.db.execute_batch("COMMIT")?;
+            }
+            if durable {
+                self.segments.sync()?;
+                self.durability.sync_wal()?;
+                self.last_durable = Instant::now();
+                for (segment, offset, len) in std::mem::take(&mut self.frees_pending) {
+                    let (from, to) = self.widen_to_blocks(segment, offset, offset + len)?;
+                    self.segments.punch(segment, from, to - from)?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            tracing::error!("store commit failed: {e}");
+            if !self.db.is_autocommit() {
+                let _ = self.db.execute_batch("ROLLBACK");
+            }
+            if self.in_txn {
+                // The failed transaction's frees never happened; earlier ones are durable.
+                self.frees_pending.truncate(self.txn_frees);
+            }
+            self.in_txn = false;
+            self.lost = Some((matches!(e, StoreError::NoSpace { .. }), e.to_string()));
+        }
+    }
+
+    /// Whether any extent still references bytes of `[from, to)` in `seg`.
+    ///
+    /// Every extent lies inside the blob (one append, `[blob, blob_end)`) its data was written
+    /// in, and blobs do not overlap. Walking extents by blob downwards from `to`, the first
+    /// blob that ends at or before `from` ends the search: no earlier blob reaches the range.
+    /// So the cost is the extents of the blobs the range touches, not of the segment.
+    fn referenced(&self, seg: u32, from: u64, to: u64) -> Result<bool, StoreError> {
+        if from >= to {
+            return Ok(false);
+        }
+        let mut stmt = self.db.prepare_cached(
+            "SELECT blob_end, seg_off, hi - lo FROM extents WHERE seg = ?1 AND blob < ?2
+             ORDER BY blob DESC",
+        )?;
+        let mut rows = stmt.query(params![seg, to as i64])?;
+        while let Some(row) = rows.next()? {
+            let blob_end = row.get::<_, i64>(0)? as u64;
+            if blob_end <= from {
+                return Ok(false);
+            }
+            let start = row.get::<_, i64>(1)? as u64;
+            let len = row.get::<_, i64>(2)? as u64;
+            if start < to && start + len > from {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Appends are packed, so a dead range rarely starts or ends on a block boundary and a punch
+    /// of just its bytes would free no block. Extend it over the partial blocks at its ends when
+    /// nothing live shares them (their other bytes are dead too, or not written yet). Called
+    /// only between transactions, when every extent is committed.
+    fn widen_to_blocks(&self, seg: u32, from: u64, to: u64) -> Result<(u64, u64), StoreError> {
+        const BLOCK: u64 = 4096;
+        let down = from / BLOCK * BLOCK;
+        let up = to.div_ceil(BLOCK) * BLOCK;
+        let start = if down < from && !self.referenced(seg, down, from)? {
+            down
+        } else {
+            from
+        };
+        let end = if up > to && !self.referenced(seg, to, up)? {
+            up
+        } else {
+            to
+        };
+        Ok((start, end))
+    }
+
+    fn meta(&self, key: &str) -> Result<u64, StoreError> {
+        Ok(self
+            .db
+            .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| {
+                r.get::<_, i64>(0)
+            })? as u64)
+    }
+
+    fn bump_meta(&self, key: &str) -> Result<u64, StoreError> {
+        self.db
+            .execute("UPDATE meta SET value = value + 1 WHERE key = ?1", [key])?;
+        self.meta(key)
+    }
+
+    fn head(&self, object: &ObjectName) -> Result<Option<Node>, StoreError> {
+        Ok(self
+            .db
+            .query_row(
+                "SELECT id, size, version, snap_seq, birth_seq FROM nodes
+                 WHERE name = ?1 AND clone_to IS NULL",
+                [object.as_str()],
+                |r| {
+                    Ok(Node {
+                        id: r.get(0)?,
+                        size: r.get::<_, i64>(1)? as u64,
+                        version: r.get::<_, i64>(2)? as u64,
+                        snap_seq: r.get::<_, i64>(3)? as u64,
+                        birth_seq: r.get::<_, i64>(4)? as u64,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    /// The node holding an object's state as of snapshot `snap`, if it existed then.
+    fn node_at(&self, object: &ObjectName, snap: SnapId) -> Result<Option<Node>, StoreError> {
+        let live: bool = self
+            .db
+            .query_row("SELECT 1 FROM snaps WHERE id = ?1", [snap as i64], |_| {
+                Ok(())
+            })
+            .optional()?
+            .is_some();
+        if !live {
+            return Err(StoreError::NoSuchSnapshot(snap));
+        }
+        let clone = self
+            .db
+            .query_row(
+                "SELECT id, size, version FROM nodes
+                 WHERE name = ?1 AND clone_to IS NOT NULL AND clone_from < ?2 AND clone_to >= ?2
+                 ORDER BY clone_to LIMIT 1",
+                params![object.as_str(), snap as i64],
+                |r| {
+                    Ok(Node {
+                        id: r.get(0)?,
+                        size: r.get::<_, i64>(1)? as u64,
+                        version: r.get::<_, i64>(2)? as u64,
+                        snap_seq: 0,
+                        birth_seq: 0,
+                    })
+                },
+            )
+            .optional()?;
+        if clone.is_some() {
+            return Ok(clone);
+        }
+        Ok(self
+            .head(object)?
+            .filter(|h| h.birth_seq < snap && h.snap_seq < snap))
+    }
+
+    fn create_head(&self, object: &ObjectName, seq: u64) -> Result<Node, StoreError> {
+        self.db.execute(
+            "INSERT INTO nodes (name, size, version, snap_seq, birth_seq) VALUES (?1, 0, 0, ?2, ?2)",
+            params![object.as_str(), seq as i64],
+        )?;
+        Ok(Node {
+            id: self.db.last_insert_rowid(),
+            size: 0,
+            version: 0,
+            snap_seq: seq,
+            birth_seq: seq,
+        })
+    }
+
+    /// Copy a node's extents (sharing their data) and omap into `to`.
+    fn copy_node(&self, from: i64, to: i64) -> Result<(), StoreError> {
+        self.db.execute(
+            "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end)
+             SELECT ?2, lo, hi, seg, seg_off, blob, blob_end FROM extents WHERE node = ?1",
+            params![from, to],
+        )?;
+        self.db.execute(
+            "INSERT INTO omap (node, key, value) SELECT ?2, key, value FROM omap WHERE node = ?1",
+            params![from, to],
+        )?;
+        Ok(())
+    }
+
+    /// Before the first write under a newer snapshot context, keep the head's state for the
+    /// snapshots taken since its last write (copy-on-write by reference).
+    fn preserve_for_snapshots(
+        &self,
+        object: &ObjectName,
+        head: &mut Node,
+        context: &SnapContext,
+    ) -> Result<(), StoreError> {
+        if context.seq <= head.snap_seq {
+            return Ok(());
+        }
+        if context.snaps.iter().any(|&s| s > head.snap_seq) {
+            self.db.execute(
+                "INSERT INTO nodes (name, clone_from, clone_to, size, version, snap_seq, birth_seq)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 0, 0)",
+                params![
+                    object.as_str(),
+                    head.snap_seq as i64,
+                    context.seq as i64,
+                    head.size as i64,
+                    head.version as i64
+                ],
+            )?;
+            let clone = self.db.last_insert_rowid();
+            self.copy_node(head.id, clone)?;
+        }
+        head.snap_seq = context.seq;
+        Ok(())
+    }
+
+    /// Drop a node's extents in `[lo, hi)`, keeping the parts outside, and note dead data.
+    fn cut_extents(&mut self, node: i64, lo: u64, hi: u64) -> Result<(), StoreError> {
+        if lo >= hi {
+            return Ok(());
+        }
+        let overlapping: Vec<(u64, u64, Piece)> = {
+            let mut stmt = self.db.prepare_cached(
+                "SELECT lo, hi, seg, seg_off, blob, blob_end FROM extents
+                 WHERE node = ?1 AND lo < ?2 AND hi > ?3",
+            )?;
+            let rows = stmt.query_map(params![node, hi as i64, lo as i64], |r| {
+                Ok((
+                    r.get::<_, i64>(0)? as u64,
+                    r.get::<_, i64>(1)? as u64,
+                    Piece {
+                        seg: r.get(2)?,
+                        seg_off: r.get::<_, i64>(3)? as u64,
+                        blob: r.get::<_, i64>(4)? as u64,
+                        blob_end: r.get::<_, i64>(5)? as u64,
+                    },
+                ))
+            })?;
+            rows.collect::<Result<_, _>>()?
+        };
+        for (e_lo, e_hi, piece) in overlapping {
+            self.db.execute(
+                "DELETE FROM extents WHERE node = ?1 AND lo = ?2",
+                params![node, e_lo as i64],
+            )?;
+            if e_lo < lo {
+                self.insert_extent(node, e_lo, lo, piece)?;
+            }
+            if e_hi > hi {
+                let right = Piece {
+                    seg_off: piece.seg_off + (hi - e_lo),
+                    ..piece
+                };
+                self.insert_extent(node, hi, e_hi, right)?;
+            }
+            let dead_lo = e_lo.max(lo);
+            let dead_hi = e_hi.min(hi);
+            self.note_dead(
+                piece.seg,
+                piece.seg_off + (dead_lo - e_lo),
+                dead_hi - dead_lo,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn insert_extent(&self, node: i64, lo: u64, hi: u64, piece: Piece) -> Result<(), StoreError> {
+        self.db
+            .prepare_cached(
+                "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?
+            .execute(params![
+                node,
+                lo as i64,
+                hi as i64,
+                piece.seg,
+                piece.seg_off as i64,
+                piece.blob as i64,
+                piece.blob_end as i64
+            ])?;
+        Ok(())
+    }
+
+    /// A segment range lost its reference: free it unless another node (a snapshot's clone)
+    /// still shares it.
+    fn note_dead(&mut self, seg: u32, offset: u64, len: u64) -> Result<(), StoreError> {
+        if !self.referenced(seg, offset, offset + len)? {
+            self.frees_pending.push((seg, offset, len));
+        }
+        Ok(())
+    }
+
+    fn delete_node(&mut self, node: i64) -> Result<(), StoreError> {
+        self.cut_extents(node, 0, u64::MAX >> 1)?;
+        self.db
+            .execute("DELETE FROM omap WHERE node = ?1", [node])?;
+        self.db.execute("DELETE FROM nodes WHERE id = ?1", [node])?;
+        Ok(())
+    }
+
+    fn check_range(object: &ObjectName, offset: u64, len: u64) -> Result<(), StoreError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > MAX_OBJECT_SIZE)
+        {
+            return Err(StoreError::OutOfRange {
+                object: object.to_string(),
+                offset,
+                len,
+                limit: MAX_OBJECT_SIZE,
+            });
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, object: &ObjectName, op: &WriteOp) -> Result<WriteOutcome, StoreError> {
+        let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
+        let mut head = self.head(object)?;
+        let mutates = op
+            .steps
+            .iter()
+            .any(|s| !matches!(s, WriteStep::AssertExists | WriteStep::AssertVersion(_)));
+        if let (Some(h), Some(context), true) = (head.as_mut(), op.snap_context.as_ref(), mutates) {
+            self.preserve_for_snapshots(object, h, context)?;
+        }
+        let mut changed = false;
+        for step in &op.steps {
+            match step {
+                WriteStep::CreateExclusive => {
+                    if head.is_some() {
+                        return Err(StoreError::Exists {
+                            object: object.to_string(),
+                        });
+                    }
+                    head = Some(self.create_head(object, seq)?);
+                    changed = true;
+                }
+                WriteStep::AssertExists => {
+                    if head.is_none() {
+                        return Err(not_found(object));
+                    }
+                }
+                WriteStep::AssertVersion(expected) => {
+                    let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    if h.version != *expected {
+                        return Err(StoreError::VersionMismatch {
+                            object: object.to_string(),
+                            expected: *expected,
+                            actual: h.version,
+                        });
+                    }
+                }
+                WriteStep::Write { offset, data } => {
+                    Self::check_range(object, *offset, data.len() as u64)?;
+                    let h = match head.as_mut() {
+                        Some(h) => h,
+                        None => head.insert(self.create_head(object, seq)?),
+                    };
+                    let end = offset + data.len() as u64;
+                    if !data.is_empty() {
+                        let piece = Piece::appended(self.segments.append(data)?, data.len());
+                        let node = h.id;
+                        self.cut_extents(node, *offset, end)?;
+                        self.insert_extent(node, *offset, end, piece)?;
+                    }
+                    h.size = h.size.max(end);
+                    changed = true;
+                }
+                WriteStep::WriteFull(data) => {
+                    Self::check_range(object, 0, data.len() as u64)?;
+                    let h = match head.as_mut() {
+                        Some(h) => h,
+                        None => head.insert(self.create_head(object, seq)?),
+                    };
+                    let node = h.id;
+                    let appended = if data.is_empty() {
+                        None
+                    } else {
+                        Some(Piece::appended(self.segments.append(data)?, data.len()))
+                    };
+                    self.cut_extents(node, 0, u64::MAX >> 1)?;
+                    if let Some(piece) = appended {
+                        self.insert_extent(node, 0, data.len() as u64, piece)?;
+                    }
+                    h.size = data.len() as u64;
+                    changed = true;
+                }
+                WriteStep::Zero { offset, len } => {
+                    Self::check_range(object, *offset, *len)?;
+                    let h = head.as_mut().ok_or_else(|| not_found(object))?;
+                    let node = h.id;
+                    self.cut_extents(node, *offset, offset + len)?;
+                    changed = true;
+                }
+                WriteStep::Truncate(size) => {
+                    Self::check_range(object, *size, 0)?;
+                    let h = match head.as_mut() {
+                        Some(h) => h,
+                        None => head.insert(self.create_head(object, seq)?),
+                    };
+                    let node = h.id;
+                    self.cut_extents(node, *size, u64::MAX >> 1)?;
+                    h.size = *size;
+                    changed = true;
+                }
+                WriteStep::Remove => {
+                    let h = head.take().ok_or_else(|| not_found(object))?;
+                    self.delete_node(h.id)?;
+                    changed = true;
+                }
+                WriteStep::OmapSet(pairs) => {
+                    let h = match head.as_mut() {
+                        Some(h) => h,
+                        None => head.insert(self.create_head(object, seq)?),
+                    };
+                    let node = h.id;
+                    let mut stmt = self.db.prepare_cached(
+                        "INSERT OR REPLACE INTO omap (node, key, value) VALUES (?1, ?2, ?3)",
+                    )?;
+                    for (key, value) in pairs {
+                        stmt.execute(params![node, key, value])?;
+                    }
+                    changed = true;
+                }
+                WriteStep::OmapRemoveKeys(keys) => {
+                    let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    let mut stmt = self
+                        .db
+                        .prepare_cached("DELETE FROM omap WHERE node = ?1 AND key = ?2")?;
+                    for key in keys {
+                        stmt.execute(params![h.id, key])?;
+                    }
+                    changed = true;
+                }
+                WriteStep::OmapRemoveRange { start, end } => {
+                    let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    self.db.execute(
+                        "DELETE FROM omap WHERE node = ?1 AND key >= ?2 AND key < ?3",
+                        params![h.id, start, end],
+                    )?;
+                    changed = true;
+                }
+                WriteStep::Rollback(snap) => {
+                    let target = self.node_at(object, *snap)?;
+                    match (target, head.as_mut()) {
+                        // Unchanged since the snapshot: nothing to do.
+                        (Some(t), Some(h)) if t.id == h.id => {}
+                        (Some(t), current) => {
+                            let h = match current {
+                                Some(h) => h,
+                                None => head.insert(self.create_head(object, seq)?),
+                            };
+                            let node = h.id;
+                            self.cut_extents(node, 0, u64::MAX >> 1)?;
+                            self.db
+                                .execute("DELETE FROM omap WHERE node = ?1", [node])?;
+                            self.copy_node(t.id, node)?;
+                            h.size = t.size;
+                        }
+                        (None, Some(h)) => {
+                            let id = h.id;
+                            head = None;
+                            self.delete_node(id)?;
+                        }
+                        (None, None) => {}
+                    }
+                    changed = true;
+                }
+            }
+        }
+        let version = match (changed, head.as_mut()) {
+            (true, Some(h)) => {
+                h.version = self.bump_meta("version")?;
+                self.db
+                    .prepare_cached(
+                        "UPDATE nodes SET size = ?2, version = ?3, snap_seq = ?4 WHERE id = ?1",
+                    )?
+                    .execute(params![
+                        h.id,
+                        h.size as i64,
+                        h.version as i64,
+                        h.snap_seq as i64
+                    ])?;
+                h.version
+            }
+            (false, Some(h)) => h.version,
+            (_, None) => 0,
+        };
+        Ok(WriteOutcome { version })
+    }
+
+    fn read(&mut self, object: &ObjectName, op: &ReadOp) -> Result<Vec<ReadResult>, StoreError> {
+        let node = match op.snap {
+            Some(snap) => self.node_at(object, snap)?,
+            None => self.head(object)?,
+        }
+        .ok_or_else(|| not_found(object))?;
+        let mut results = Vec::with_capacity(op.steps.len());
+        for step in &op.steps {
+            results.push(match step {
+                ReadStep::Stat => ReadResult::Stat(Stat {
+                    size: node.size,
+                    version: node.version,
+                }),
+                ReadStep::Read { offset, len } => {
+                    ReadResult::Extents(self.read_extents(&node, *offset, *len)?)
+                }
+                ReadStep::OmapGetByKeys(keys) => {
+                    let mut stmt = self
+                        .db
+                        .prepare_cached("SELECT value FROM omap WHERE node = ?1 AND key = ?2")?;
+                    let mut pairs = Vec::new();
+                    for key in keys {
+                        if let Some(value) = stmt
+                            .query_row(params![node.id, key], |r| r.get::<_, Vec<u8>>(0))
+                            .optional()?
+                        {
+                            pairs.push((key.clone(), value));
+                        }
+                    }
+                    pairs.sort();
+                    pairs.dedup_by(|a, b| a.0 == b.0);
+                    ReadResult::Omap { pairs, more: false }
+                }
+                ReadStep::OmapGetRange { start, end, max } => {
+                    let limit = (*max as i64).saturating_add(1);
+                    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = match end {
+                        Some(end) => self
+                            .db
+                            .prepare_cached(
+                                "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
+                                 AND key < ?3 ORDER BY key LIMIT ?4",
+                            )?
+                            .query_map(params![node.id, start, end, limit], |r| {
+                                Ok((r.get(0)?, r.get(1)?))
+                            })?
+                            .collect::<Result<_, _>>()?,
+                        None => self
+                            .db
+                            .prepare_cached(
+                                "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
+                                 ORDER BY key LIMIT ?3",
+                            )?
+                            .query_map(params![node.id, start, limit], |r| {
+                                Ok((r.get(0)?, r.get(1)?))
+                            })?
+                            .collect::<Result<_, _>>()?,
+                    };
+                    let more = pairs.len() > *max;
+                    pairs.truncate(*max);
+                    ReadResult::Omap { pairs, more }
+                }
+            });
+        }
+        Ok(results)
+    }
+
+    fn read_extents(&self, node: &Node, offset: u64, len: u64) -> Result<Vec<Extent>, StoreError> {
+        let end = node.size.min(offset.saturating_add(len));
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let pieces: Vec<(u64, u64, u32, u64)> = self
+            .db
+            .prepare_cached(
+                "SELECT lo, hi, seg, seg_off FROM extents
+                 WHERE node = ?1 AND lo < ?2 AND hi > ?3 ORDER BY lo",
+            )?
+            .query_map(params![node.id, end as i64, offset as i64], |r| {
+                Ok((
+                    r.get::<_, i64>(0)? as u64,
+                    r.get::<_, i64>(1)? as u64,
+                    r.get::<_, u32>(2)?,
+                    r.get::<_, i64>(3)? as u64,
+                ))
+            })?
+            .collect::<Result<_, _>>()?;
+        let mut out: Vec<Extent> = Vec::new();
+        for (lo, hi, seg, seg_off) in pieces {
+            let from = lo.max(offset);
+            let to = hi.min(end);
+            let mut data = vec![0u8; (to - from) as usize];
+            self.segments.read(seg, seg_off + (from - lo), &mut data)?;
+            match out.last_mut() {
+                Some(prev) if prev.offset + prev.data.len() as u64 == from => {
+                    prev.data.extend_from_slice(&data)
+                }
+                _ => out.push(Extent { offset: from, data }),
+            }
+        }
+        Ok(out)
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
+        // Names are printable ASCII (< 0x7f), so prefix + DEL bounds every name with the prefix.
+        let upper = format!("{prefix}\u{7f}");
+        let names: Vec<String> = self
+            .db
+            .prepare_cached(
+                "SELECT name FROM nodes WHERE clone_to IS NULL AND name >= ?1 AND name < ?2
+                 ORDER BY name",
+            )?
+            .query_map(params![prefix, upper], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        names.into_iter().map(ObjectName::new).collect()
+    }
+
+    fn snap_create(&mut self) -> Result<SnapId, StoreError> {
+        let id = self.bump_meta("snap_seq")?;
+        self.db
+            .execute("INSERT INTO snaps (id) VALUES (?1)", [id as i64])?;
+        Ok(id)
+    }
+
+    fn snap_remove(&mut self, snap: SnapId) -> Result<(), StoreError> {
+        if self
+            .db
+            .execute("DELETE FROM snaps WHERE id = ?1", [snap as i64])?
+            == 0
+        {
+            return Err(StoreError::NoSuchSnapshot(snap));
+        }
+        // Clones that covered the snapshot and no other live one are dead.
+        let dead: Vec<i64> = self
+            .db
+            .prepare(
+                "SELECT n.id FROM nodes n WHERE n.clone_to IS NOT NULL
+                 AND n.clone_from < ?1 AND n.clone_to >= ?1
+                 AND NOT EXISTS (SELECT 1 FROM snaps s WHERE s.id > n.clone_from AND s.id <= n.clone_to)",
+            )?
+            .query_map([snap as i64], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        for node in dead {
+            self.delete_node(node)?;
+        }
+        Ok(())
+    }
+
+    fn purge_expired_locks(&self, object: &ObjectName, lock: &str) -> Result<(), StoreError> {
+        self.db.execute(
+            "DELETE FROM locks WHERE name = ?1 AND lock = ?2 AND expires_ms IS NOT NULL
+             AND expires_ms <= ?3",
+            params![object.as_str(), lock, now_ms()],
+        )?;
+        Ok(())
+    }
+
+    fn lock(
+        &mut self,
+        object: &ObjectName,
+        client: &str,
+        request: &LockRequest,
+    ) -> Result<(), StoreError> {
+        self.purge_expired_locks(object, &request.name)?;
+        let holders = self.lockers(object, &request.name)?;
+        let expires = request
+            .duration
+            .map(|d| now_ms().saturating_add(d.as_millis() as i64));
+        match holders.first() {
+            Some(h) if request.renew && h.client == client && h.cookie == request.cookie => {
+                self.db.execute(
+                    "UPDATE locks SET expires_ms = ?5, description = ?6
+                     WHERE name = ?1 AND lock = ?2 AND client = ?3 AND cookie = ?4",
+                    params![
+                        object.as_str(),
+                        request.name,
+                        client,
+                        request.cookie,
+                        expires,
+                        request.description
+                    ],
+                )?;
+                Ok(())
+            }
+            Some(h) => Err(StoreError::Busy {
+                object: object.to_string(),
+                lock: request.name.clone(),
+                holder: format!("{} (cookie `{}`)", h.client, h.cookie),
+            }),
+            None => {
+                self.db.execute(
+                    "INSERT INTO locks (name, lock, client, cookie, description, expires_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    params![
+                        object.as_str(),
+                        request.name,
+                        client,
+                        request.cookie,
+                        request.description,
+                        expires
+                    ],
+                )?;
+                Ok(())
+            }
+        }
+    }
+
+    fn unlock(
+        &mut self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), StoreError> {
+        self.purge_expired_locks(object, lock)?;
+        let removed = self.db.execute(
+            "DELETE FROM locks WHERE name = ?1 AND lock = ?2 AND client = ?3 AND cookie = ?4",
+            params![object.as_str(), lock, client, cookie],
+        )?;
+        if removed == 0 {
+            return Err(StoreError::NotLocked {
+                object: object.to_string(),
+                lock: lock.to_owned(),
+                client: client.to_owned(),
+                cookie: cookie.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    fn lockers(&self, object: &ObjectName, lock: &str) -> Result<Vec<Locker>, StoreError> {
+        let now = now_ms();
+        let lockers = self
+            .db
+            .prepare_cached(
+                "SELECT client, cookie, description, expires_ms FROM locks
+                 WHERE name = ?1 AND lock = ?2 AND (expires_ms IS NULL OR expires_ms > ?3)
+                 ORDER BY client, cookie",
+            )?
+            .query_map(params![object.as_str(), lock, now], |r| {
+                let expires: Option<i64> = r.get(3)?;
+                Ok(Locker {
+                    client: r.get(0)?,
+                    cookie: r.get(1)?,
+                    description: r.get(2)?,
+                    expires_in: expires.map(|e| Duration::from_millis((e - now).max(0) as u64)),
+                })
+            })?
+            .collect::<Result<_, _>>()?;
+        Ok(lockers)
+    }
+
+    fn list_lockers(&self, object: &ObjectName, lock: &str) -> Result<Vec<Locker>, StoreError> {
+        self.lockers(object, lock)
+    }
+}
+
+/// A handle that sends requests to an engine's worker and awaits the replies. Cloned per
+/// client; the worker stops when the last handle is dropped.
+#[derive(Clone)]
+pub(crate) struct EngineHandle {
+    sender: mpsc::Sender<Request>,
+}
+
+impl EngineHandle {
+    /// Start the worker thread for `engine`.
+    pub(crate) fn spawn(
+        engine: Engine,
+        name: &str,
+    ) -> Result<(Self, std::thread::JoinHandle<()>), StoreError> {
+        let (sender, receiver) = mpsc::channel();
+        let worker = std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || engine.run(receiver))
+            .map_err(StoreError::io("starting the store worker thread"))?;
+        Ok((EngineHandle { sender }, worker))
+    }
+
+    pub(crate) async fn call<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Request,
+    ) -> Result<T, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.sender
+            .send(make(reply))
+            .map_err(|_| StoreError::Closed("the worker thread is gone".into()))?;
+        answer
+            .await
+            .map_err(|_| StoreError::Closed("the worker dropped the request".into()))?
+    }
+}
+
+/// One client of an engine: what the backends hand out. Dropping the last client stops the
+/// worker after a final durable commit.
+#[derive(Clone)]
+pub(crate) struct Client {
+    pub(crate) handle: EngineHandle,
+    pub(crate) id: String,
+    pub(crate) _life: std::sync::Arc<Lifetime>,
+}
+
+/// What must outlive the worker: joined (final commit done) before anything else is dropped.
+pub(crate) struct Lifetime {
+    worker: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Resources released after the worker stopped (the local store's directory lock).
+    pub(crate) _after: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl Lifetime {
+    pub(crate) fn new(
+        worker: std::thread::JoinHandle<()>,
+        after: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Lifetime {
+            worker: std::sync::Mutex::new(Some(worker)),
+            _after: after,
+        }
+    }
+}
+
+impl Drop for Lifetime {
+    fn drop(&mut self) {
+        if let Some(worker) = self.worker.lock().ok().and_then(|mut w| w.take()) {
+            let _ = worker.join();
+        }
+    }
+}
+
+impl Client {
+    /// Another client identity on the same store (another "process" for locks).
+    pub(crate) fn another(&self, id: String) -> Client {
+        Client {
+            handle: self.handle.clone(),
+            id,
+            _life: self._life.clone(),
+        }
+    }
+}
+
+pub(crate) fn random_client_id(kind: &str) -> String {
+    let mut b = [0u8; 6];
+    let _ = getrandom::getrandom(&mut b);
+    format!("{kind}.{}.{}", std::process::id(), hex::encode(b))
+}
+
+#[async_trait::async_trait]
+impl crate::ObjectStore for Client {
+    async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
+        let object = object.clone();
+        self.handle
+            .call(|reply| Request::Write { object, op, reply })
+            .await
+    }
+
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ReadOp,
+    ) -> Result<Vec<ReadResult>, StoreError> {
+        let object = object.clone();
+        self.handle
+            .call(|reply| Request::Read { object, op, reply })
+            .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
+        let prefix = prefix.to_owned();
+        self.handle
+            .call(|reply| Request::List { prefix, reply })
+            .await
+    }
+
+    async fn snap_create(&self) -> Result<SnapId, StoreError> {
+        self.handle
+            .call(|reply| Request::SnapCreate { reply })
+            .await
+    }
+
+    async fn snap_remove(&self, snap: SnapId) -> Result<(), StoreError> {
+        self.handle
+            .call(|reply| Request::SnapRemove { snap, reply })
+            .await
+    }
+
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: LockRequest,
+    ) -> Result<(), StoreError> {
+        let object = object.clone();
+        let client = self.id.clone();
+        self.handle
+            .call(|reply| Request::Lock {
+                object,
+                client,
+                request,
+                reply,
+            })
+            .await
+    }
+
+    async fn unlock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        cookie: &str,
+    ) -> Result<(), StoreError> {
+        let (object, lock, cookie, client) = (
+            object.clone(),
+            lock.to_owned(),
+            cookie.to_owned(),
+            self.id.clone(),
+        );
+        self.handle
+            .call(|reply| Request::Unlock {
+                object,
+                lock,
+                client,
+                cookie,
+                reply,
+            })
+            .await
+    }
+
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<Locker>, StoreError> {
+        let (object, lock) = (object.clone(), lock.to_owned());
+        self.handle
+            .call(|reply| Request::ListLockers {
+                object,
+                lock,
+                reply,
+            })
+            .await
+    }
+
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), StoreError> {
+        let (object, lock, client, cookie) = (
+            object.clone(),
+            lock.to_owned(),
+            client.to_owned(),
+            cookie.to_owned(),
+        );
+        self.handle
+            .call(|reply| Request::Unlock {
+                object,
+                lock,
+                client,
+                cookie,
+                reply,
+            })
+            .await
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        self.handle.call(|reply| Request::Flush { reply }).await
+    }
+
+    fn client_id(&self) -> &str {
+        &self.id
+    }
+}
+
+/// Implement [`crate::ObjectStore`] for a backend newtype over [`Client`].
+macro_rules! delegate_object_store {
+    ($backend:ty) => {
+        // Field 0 of the backend newtype is its engine client.
+        #[async_trait::async_trait]
+        impl $crate::ObjectStore for $backend {
+            async fn write_op(
+                &self,
+                object: &$crate::ObjectName,
+                op: $crate::WriteOp,
+            ) -> Result<$crate::WriteOutcome, $crate::StoreError> {
+                self.0.write_op(object, op).await
+            }
+            async fn read_op(
+                &self,
+                object: &$crate::ObjectName,
+                op: $crate::ReadOp,
+            ) -> Result<Vec<$crate::ReadResult>, $crate::StoreError> {
+                self.0.read_op(object, op).await
+            }
+            async fn list(
+                &self,
+                prefix: &str,
+            ) -> Result<Vec<$crate::ObjectName>, $crate::StoreError> {
+                self.0.list(prefix).await
+            }
+            async fn snap_create(&self) -> Result<$crate::SnapId, $crate::StoreError> {
+                self.0.snap_create().await
+            }
+            async fn snap_remove(&self, snap: $crate::SnapId) -> Result<(), $crate::StoreError> {
+                self.0.snap_remove(snap).await
+            }
+            async fn lock_exclusive(
+                &self,
+                object: &$crate::ObjectName,
+                request: $crate::LockRequest,
+            ) -> Result<(), $crate::StoreError> {
+                self.0.lock_exclusive(object, request).await
+            }
+            async fn unlock(
+                &self,
+                object: &$crate::ObjectName,
+                lock: &str,
+                cookie: &str,
+            ) -> Result<(), $crate::StoreError> {
+                self.0.unlock(object, lock, cookie).await
+            }
+            async fn list_lockers(
+                &self,
+                object: &$crate::ObjectName,
+                lock: &str,
+            ) -> Result<Vec<$crate::Locker>, $crate::StoreError> {
+                self.0.list_lockers(object, lock).await
+            }
+            async fn break_lock(
+                &self,
+                object: &$crate::ObjectName,
+                lock: &str,
+                client: &str,
+                cookie: &str,
+            ) -> Result<(), $crate::StoreError> {
+                self.0.break_lock(object, lock, client, cookie).await
+            }
+            async fn flush(&self) -> Result<(), $crate::StoreError> {
+                self.0.flush().await
+            }
+            fn client_id(&self) -> &str {
+                self.0.client_id()
+            }
+        }
+    };
+}
+pub(crate) use delegate_object_store;

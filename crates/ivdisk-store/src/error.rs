@@ -1,0 +1,110 @@
+use std::io;
+
+use crate::SnapId;
+
+/// Everything an object store operation can fail with. Variants are matchable, so callers (the
+/// image layer, tests) can tell an expected condition (`NotFound`, `Busy`) from a failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    #[error("object `{object}` does not exist")]
+    NotFound { object: String },
+
+    #[error("object `{object}` already exists")]
+    Exists { object: String },
+
+    #[error("object `{object}` is at version {actual}, the operation asserted {expected}")]
+    VersionMismatch {
+        object: String,
+        expected: u64,
+        actual: u64,
+    },
+
+    #[error("invalid object name `{name}`: {reason}")]
+    InvalidName { name: String, reason: &'static str },
+
+    #[error(
+        "object `{object}`: range [{offset}, +{len}) goes past the {limit}-byte object size limit"
+    )]
+    OutOfRange {
+        object: String,
+        offset: u64,
+        len: u64,
+        limit: u64,
+    },
+
+    #[error("invalid operation on `{object}`: {reason}")]
+    InvalidOperation { object: String, reason: String },
+
+    #[error("lock `{lock}` on `{object}` is held by {holder}")]
+    Busy {
+        object: String,
+        lock: String,
+        holder: String,
+    },
+
+    #[error("lock `{lock}` on `{object}` is not held by {client} with cookie `{cookie}`")]
+    NotLocked {
+        object: String,
+        lock: String,
+        client: String,
+        cookie: String,
+    },
+
+    #[error("snapshot {0} does not exist")]
+    NoSuchSnapshot(SnapId),
+
+    #[error(
+        "no space left on the device ({context}): the operation was not applied; free space and \
+         retry (the store stays consistent)"
+    )]
+    NoSpace { context: String },
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "the store at {path} is already open for writing by process {pid}; stop it first (one \
+         writer per local store)"
+    )]
+    AlreadyOpen { path: String, pid: String },
+
+    #[error("the store's metadata database failed: {0}")]
+    Database(String),
+
+    #[error("the store is damaged: {0}")]
+    Corrupt(String),
+
+    #[error("the store was closed (its worker stopped): {0}")]
+    Closed(String),
+}
+
+impl StoreError {
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
+        let context = context.into();
+        move |source| {
+            if source.raw_os_error() == Some(libc::ENOSPC) {
+                StoreError::NoSpace { context }
+            } else {
+                StoreError::Io { context, source }
+            }
+        }
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        if let rusqlite::Error::SqliteFailure(code, _) = &e {
+            if code.code == rusqlite::ErrorCode::DiskFull {
+                return StoreError::NoSpace {
+                    context: "writing the metadata database".into(),
+                };
+            }
+        }
+        StoreError::Database(e.to_string())
+    }
+}

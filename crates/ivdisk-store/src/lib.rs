@@ -1,0 +1,88 @@
+//! Object stores for ivdisk: objects with byte extents and an ordered key/value map (omap),
+//! where one operation on one object applies all its writes and key/value changes atomically
+//! (the RADOS property the design of docs/ARCHITECTURE.md rests on), plus self-managed
+//! snapshots and advisory locks.
+//!
+//! One trait, [`ObjectStore`] (the minimal surface every backend implements), conveniences in
+//! [`ObjectStoreExt`], one conformance suite (`conformance` feature) every backend runs.
+//! Backends: [`MemoryStore`] (tests), [`LocalStore`] (the embedded default: one directory),
+//! RADOS (its own crate feature, later).
+
+#![deny(unsafe_code)]
+
+mod engine;
+mod error;
+mod ext;
+mod local;
+mod memory;
+mod types;
+mod wal_check;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use error::StoreError;
+pub use ext::ObjectStoreExt;
+pub use local::{LocalStore, LocalStoreOptions, RecoveryReport};
+pub use memory::MemoryStore;
+pub use types::*;
+
+/// An object store. Many operations may be in flight at once (the methods take `&self`);
+/// operations on one object apply in the order they were submitted, where an operation counts
+/// as submitted when its future is first polled (a backend queues it during that poll).
+///
+/// Snapshots follow RADOS' self-managed model: a write carrying a [`SnapContext`] newer than
+/// the object's last one preserves the object's state for those snapshots first; a write
+/// without a context preserves nothing, so a read at a snapshot with no preserved state returns
+/// the object as it is now. Objects that exist only in snapshots are not listed.
+#[async_trait::async_trait]
+pub trait ObjectStore: Send + Sync {
+    /// Apply a write operation to one object, atomically.
+    async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError>;
+
+    /// Run a read operation on one object; one result per step.
+    async fn read_op(&self, object: &ObjectName, op: ReadOp)
+        -> Result<Vec<ReadResult>, StoreError>;
+
+    /// The names of the existing objects that start with `prefix`, sorted.
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError>;
+
+    /// Allocate a new snapshot id (newer than every earlier one).
+    async fn snap_create(&self) -> Result<SnapId, StoreError>;
+
+    /// Forget a snapshot: its preserved object states are freed.
+    async fn snap_remove(&self, snap: SnapId) -> Result<(), StoreError>;
+
+    /// Take (or, with `renew`, extend) an advisory exclusive lock on an object.
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: LockRequest,
+    ) -> Result<(), StoreError>;
+
+    /// Release a lock this client holds with `cookie`.
+    async fn unlock(&self, object: &ObjectName, lock: &str, cookie: &str)
+        -> Result<(), StoreError>;
+
+    /// The current holders of a lock (expired ones are not listed).
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<Locker>, StoreError>;
+
+    /// Remove another client's lock (after deciding that client is gone).
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), StoreError>;
+
+    /// Make every operation completed before this call durable.
+    async fn flush(&self) -> Result<(), StoreError>;
+
+    /// This client's identity, as lock holders are named.
+    fn client_id(&self) -> &str;
+}

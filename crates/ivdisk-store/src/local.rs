@@ -1,0 +1,333 @@
+//! The local embedded backend: one directory holding the objects of any number of images.
+//!
+//! ```text
+//! DIR/LOCK            flock'ed by the one process that has the store open (holds its pid)
+//! DIR/meta.sqlite     SQLite (WAL mode): objects, extent maps, omap, snapshots, locks
+//! DIR/data/seg-N      append-only data segments, sparse: dead ranges are punched out
+//! ```
+//!
+//! See the engine module for the commit protocol and docs/ARCHITECTURE.md for why.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rusqlite::Connection;
+use rustix::fs::{fallocate, flock, FallocateFlags, FlockOperation};
+
+use crate::engine::{
+    delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, Segments,
+    WalFile,
+};
+use crate::StoreError;
+
+/// A data segment is closed and a new one started past this size.
+pub const SEGMENT_SIZE: u64 = 1 << 30;
+
+/// Options for [`LocalStore::open_with`].
+#[derive(Debug, Clone, Default)]
+pub struct LocalStoreOptions {
+    /// Create the directory (and the store in it) if it does not exist.
+    pub create: bool,
+}
+
+struct FileSegments {
+    dir: PathBuf,
+    files: HashMap<u32, File>,
+    active: u32,
+    len: u64,
+    unsynced: u64,
+    /// Segments written since the last sync (more than one after a rotation).
+    dirty: Vec<u32>,
+    /// Bytes past the last committed reference, truncated at open.
+    dropped_at_open: u64,
+}
+
+/// Open (creating if needed, never truncating) a file the store reads and writes.
+fn open_read_write(path: &Path) -> Result<File, StoreError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(StoreError::io(format!("opening {}", path.display())))
+}
+
+fn segment_path(dir: &Path, n: u32) -> PathBuf {
+    dir.join(format!("seg-{n:08}"))
+}
+
+impl FileSegments {
+    fn open(dir: PathBuf, db: &Connection) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(&dir)
+            .map_err(StoreError::io(format!("creating {}", dir.display())))?;
+        let mut numbers: Vec<u32> = std::fs::read_dir(&dir)
+            .map_err(StoreError::io(format!("listing {}", dir.display())))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_prefix("seg-"))
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect();
+        numbers.sort();
+        if numbers.is_empty() {
+            numbers.push(1);
+        }
+        let mut files = HashMap::new();
+        for &n in &numbers {
+            let path = segment_path(&dir, n);
+            files.insert(n, open_read_write(&path)?);
+        }
+        let active = *numbers.last().expect("at least one");
+        // Appends past what committed metadata references belong to operations that never
+        // committed (a crash): drop them.
+        let len = Engine::referenced_end(db, active)?;
+        let file = &files[&active];
+        let on_disk = file
+            .metadata()
+            .map_err(StoreError::io("reading a segment's size"))?
+            .len();
+        let dropped_at_open = on_disk.saturating_sub(len);
+        if on_disk > len {
+            tracing::info!(
+                segment = active,
+                dropped = on_disk - len,
+                "dropping data of operations that did not commit before the last stop"
+            );
+            file.set_len(len)
+                .map_err(StoreError::io("truncating the active segment"))?;
+        }
+        Ok(FileSegments {
+            dir,
+            files,
+            active,
+            len,
+            unsynced: 0,
+            dirty: Vec::new(),
+            dropped_at_open,
+        })
+    }
+
+    fn rotate(&mut self) -> Result<(), StoreError> {
+        let next = self.active + 1;
+        let path = segment_path(&self.dir, next);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(StoreError::io(format!("creating {}", path.display())))?;
+        // The new file's directory entry must survive a power cut before data in it is
+        // referenced by a commit.
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(StoreError::io(format!("syncing {}", self.dir.display())))?;
+        self.files.insert(next, file);
+        self.active = next;
+        self.len = 0;
+        Ok(())
+    }
+}
+
+impl Segments for FileSegments {
+    fn append(&mut self, data: &[u8]) -> Result<(u32, u64), StoreError> {
+        if self.len >= SEGMENT_SIZE {
+            self.rotate()?;
+        }
+        let at = self.len;
+        self.files[&self.active]
+            .write_all_at(data, at)
+            .map_err(StoreError::io(format!(
+                "writing {}",
+                segment_path(&self.dir, self.active).display()
+            )))?;
+        self.len += data.len() as u64;
+        self.unsynced += data.len() as u64;
+        if !self.dirty.contains(&self.active) {
+            self.dirty.push(self.active);
+        }
+        Ok((self.active, at))
+    }
+
+    fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        let file = self.files.get(&segment).ok_or_else(|| {
+            StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
+        })?;
+        file.read_exact_at(buf, offset)
+            .map_err(StoreError::io(format!(
+                "reading {}",
+                segment_path(&self.dir, segment).display()
+            )))
+    }
+
+    fn sync(&mut self) -> Result<(), StoreError> {
+        for n in std::mem::take(&mut self.dirty) {
+            self.files[&n].sync_data().map_err(StoreError::io(format!(
+                "syncing {}",
+                segment_path(&self.dir, n).display()
+            )))?;
+        }
+        self.unsynced = 0;
+        Ok(())
+    }
+
+    fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError> {
+        if let Some(file) = self.files.get(&segment) {
+            fallocate(
+                file,
+                FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+                offset,
+                len,
+            )
+            .map_err(|e| StoreError::io("punching dead data out of a segment")(e.into()))?;
+        }
+        Ok(())
+    }
+
+    fn mark(&self) -> (u32, u64) {
+        (self.active, self.len)
+    }
+
+    fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError> {
+        while self.active > mark.0 {
+            let gone = self.active;
+            self.files.remove(&gone);
+            self.dirty.retain(|&n| n != gone);
+            let _ = std::fs::remove_file(segment_path(&self.dir, gone));
+            self.active -= 1;
+        }
+        self.files[&self.active]
+            .set_len(mark.1)
+            .map_err(StoreError::io("taking back a failed operation's data"))?;
+        self.unsynced = self
+            .unsynced
+            .saturating_sub(self.len.saturating_sub(mark.1));
+        self.len = mark.1;
+        Ok(())
+    }
+
+    fn unsynced(&self) -> u64 {
+        self.unsynced
+    }
+}
+
+/// The exclusive hold on a store directory, released when the store is closed.
+struct DirectoryLock {
+    _file: File,
+}
+
+fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
+    let path = dir.join("LOCK");
+    let mut file = open_read_write(&path)?;
+    if flock(&file, FlockOperation::NonBlockingLockExclusive).is_err() {
+        let mut pid = String::new();
+        let _ = file.read_to_string(&mut pid);
+        return Err(StoreError::AlreadyOpen {
+            path: dir.display().to_string(),
+            pid: pid.trim().to_owned(),
+        });
+    }
+    // Overwrite, then cut: a second opener reading concurrently never sees an empty file.
+    let pid = std::process::id().to_string();
+    let _ = file.write_all_at(pid.as_bytes(), 0);
+    let _ = file.set_len(pid.len() as u64);
+    Ok(DirectoryLock { _file: file })
+}
+
+/// What opening a store found and repaired after an unclean stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecoveryReport {
+    /// Commits replayed from the metadata log.
+    pub replayed_commits: u64,
+    /// Bytes of the metadata log past its last valid commit (a torn tail or a damaged record,
+    /// detected by SQLite's frame checksums), dropped with the operations in them.
+    pub discarded_log_bytes: u64,
+    /// Bytes of segment data that no committed operation referenced, dropped.
+    pub dropped_data_bytes: u64,
+}
+
+/// The local embedded object store: a directory, one writer process at a time.
+pub struct LocalStore(Client, RecoveryReport);
+
+impl LocalStore {
+    /// Open an existing store.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Self::open_with(dir, &LocalStoreOptions::default())
+    }
+
+    /// Open a store, creating it first if `options.create` and it does not exist.
+    pub fn open_with(
+        dir: impl AsRef<Path>,
+        options: &LocalStoreOptions,
+    ) -> Result<Self, StoreError> {
+        let dir = dir.as_ref();
+        let meta = dir.join("meta.sqlite");
+        if !meta.exists() {
+            if !options.create {
+                return Err(StoreError::Io {
+                    context: format!("{} holds no ivdisk store", dir.display()),
+                    source: std::io::ErrorKind::NotFound.into(),
+                });
+            }
+            std::fs::create_dir_all(dir)
+                .map_err(StoreError::io(format!("creating {}", dir.display())))?;
+        }
+        let lock = lock_directory(dir)?;
+        let mut report = RecoveryReport::default();
+        let wal_path = dir.join("meta.sqlite-wal");
+        if let Some(scan) = crate::wal_check::scan_file(&wal_path)
+            .map_err(StoreError::io(format!("reading {}", wal_path.display())))?
+        {
+            report.replayed_commits = scan.valid_commits;
+            report.discarded_log_bytes = scan.discarded_bytes;
+            if scan.discarded_bytes > 0 {
+                tracing::warn!(
+                    store = %dir.display(),
+                    replayed_commits = scan.valid_commits,
+                    discarded_bytes = scan.discarded_bytes,
+                    "the metadata log ends in {} bytes that are not a valid commit (torn by a \
+                     crash, or damaged): the store opens at the last valid commit, operations \
+                     after it are dropped",
+                    scan.discarded_bytes
+                );
+            }
+        }
+        let db = Connection::open(&meta)?;
+        db.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;",
+        )?;
+        Engine::init_schema(&db)?;
+        let segments = FileSegments::open(dir.join("data"), &db)?;
+        report.dropped_data_bytes = segments.dropped_at_open;
+        let wal = WalFile(dir.join("meta.sqlite-wal"));
+        let engine = Engine::new(db, Box::new(segments), Box::new(wal))?;
+        let (handle, worker) = EngineHandle::spawn(engine, "ivdisk-local-store")?;
+        Ok(LocalStore(
+            Client {
+                handle,
+                id: random_client_id("local"),
+                _life: std::sync::Arc::new(Lifetime::new(worker, Box::new(lock))),
+            },
+            report,
+        ))
+    }
+
+    /// A second client identity on the same open store (for locks between users in one
+    /// process; other processes cannot open the store while this one has it).
+    pub fn another_client(&self) -> Self {
+        LocalStore(self.0.another(random_client_id("local")), self.1)
+    }
+
+    /// What opening found after an unclean stop (all zero after a clean one).
+    pub fn recovery_report(&self) -> RecoveryReport {
+        self.1
+    }
+}
+
+delegate_object_store!(LocalStore);

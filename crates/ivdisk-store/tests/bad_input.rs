@@ -1,0 +1,905 @@
+//! Bad input for the local backend: invalid names, extents past the object size limit, a second
+//! opener (in this process and in another one), a full disk, and reopening after a clean close.
+//!
+//! The full-disk tests mount a small tmpfs and so need root (CAP_SYS_ADMIN); they fail, loudly,
+//! without it.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ivdisk_store::{
+    Extent, LocalStore, LocalStoreOptions, ObjectName, ObjectStore, ObjectStoreExt, ReadOp,
+    ReadResult, ReadStep, SnapContext, Stat, StoreError, WriteOp, WriteStep, MAX_NAME_LEN,
+    MAX_OBJECT_SIZE,
+};
+
+const CREATE: LocalStoreOptions = LocalStoreOptions { create: true };
+
+fn name(s: &str) -> ObjectName {
+    ObjectName::new(s).unwrap()
+}
+
+/// `len` bytes of a pattern that depends on `seed` and the position.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            (i.wrapping_mul(31).wrapping_add(seed.wrapping_mul(0x9E37)) >> 3) as u8 ^ seed as u8
+        })
+        .collect()
+}
+
+/// Everything observable about an object at the head.
+#[derive(Debug, PartialEq, Eq)]
+struct State {
+    stat: Stat,
+    extents: Vec<Extent>,
+    omap: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+async fn state(store: &LocalStore, object: &ObjectName) -> State {
+    State {
+        stat: store
+            .stat(object)
+            .await
+            .unwrap()
+            .expect("the object exists"),
+        extents: store.read_sparse(object, 0, MAX_OBJECT_SIZE).await.unwrap(),
+        omap: store.omap_all(object).await.unwrap(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names.
+
+#[test]
+fn invalid_object_names() {
+    let too_long = "a".repeat(MAX_NAME_LEN + 1);
+    for (bad, why) in [
+        ("", "empty"),
+        (too_long.as_str(), "1025 bytes"),
+        ("a b", "a space"),
+        ("a\0b", "a NUL"),
+        ("caf\u{e9}", "non-ASCII"),
+        ("\u{1F600}", "non-ASCII (4-byte)"),
+        ("a\tb", "a tab"),
+        ("a\nb", "a newline"),
+        ("a\u{7f}b", "DEL"),
+    ] {
+        let result = ObjectName::new(bad);
+        assert!(
+            matches!(result, Err(StoreError::InvalidName { .. })),
+            "a name with {why} must be InvalidName, got {result:?}"
+        );
+    }
+    let Err(StoreError::InvalidName { reason, .. }) = ObjectName::new("") else {
+        unreachable!()
+    };
+    assert_eq!(reason, "it is empty");
+    let Err(StoreError::InvalidName { reason, .. }) = ObjectName::new(too_long) else {
+        unreachable!()
+    };
+    assert_eq!(reason, "it is longer than 1024 bytes");
+    let Err(e @ StoreError::InvalidName { .. }) = ObjectName::new("a\0b") else {
+        unreachable!()
+    };
+    // The offending byte is shown escaped, not raw.
+    assert!(e.to_string().contains("a\\0b"), "{e}");
+    // The limits themselves are fine.
+    assert!(ObjectName::new("a".repeat(MAX_NAME_LEN)).is_ok());
+    assert!(ObjectName::new("!").is_ok());
+    assert!(ObjectName::new("rbd_data.1234/~{}|").is_ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extents past MAX_OBJECT_SIZE.
+
+fn assert_out_of_range<T: std::fmt::Debug>(
+    result: Result<T, StoreError>,
+    want_offset: u64,
+    want_len: u64,
+    what: &str,
+) {
+    match result {
+        Err(StoreError::OutOfRange {
+            offset, len, limit, ..
+        }) => {
+            assert_eq!(
+                (offset, len),
+                (want_offset, want_len),
+                "{what}: reported range"
+            );
+            assert_eq!(limit, MAX_OBJECT_SIZE, "{what}: reported limit");
+        }
+        other => panic!("{what}: expected OutOfRange, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn extents_past_max_object_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let obj = name("big/obj");
+    store
+        .write_op(
+            &obj,
+            WriteOp::new()
+                .write(0, pattern(1, 10_000))
+                .write(MAX_OBJECT_SIZE - 4096, pattern(2, 4096))
+                .omap_set(vec![(b"k".to_vec(), b"v".to_vec())]),
+        )
+        .await
+        .unwrap();
+    let before = state(&store, &obj).await;
+    assert_eq!(before.stat.size, MAX_OBJECT_SIZE);
+    let max = MAX_OBJECT_SIZE;
+
+    let cases: Vec<(&str, WriteOp, u64, u64)> = vec![
+        (
+            "Write at MAX-1 of 2 bytes",
+            WriteOp::new().write(max - 1, vec![9u8; 2]),
+            max - 1,
+            2,
+        ),
+        (
+            "Write at MAX of 1 byte",
+            WriteOp::new().write(max, vec![9u8]),
+            max,
+            1,
+        ),
+        (
+            "Write whose end overflows u64",
+            WriteOp::new().write(u64::MAX, vec![9u8; 2]),
+            u64::MAX,
+            2,
+        ),
+        (
+            "WriteFull of MAX+1 bytes",
+            WriteOp::new().step(WriteStep::WriteFull(vec![0u8; max as usize + 1])),
+            0,
+            max + 1,
+        ),
+        (
+            "Truncate to MAX+1",
+            WriteOp::new().step(WriteStep::Truncate(max + 1)),
+            max + 1,
+            0,
+        ),
+        (
+            "Truncate to u64::MAX",
+            WriteOp::new().step(WriteStep::Truncate(u64::MAX)),
+            u64::MAX,
+            0,
+        ),
+        (
+            "Zero at MAX-1 of 2 bytes",
+            WriteOp::new().step(WriteStep::Zero {
+                offset: max - 1,
+                len: 2,
+            }),
+            max - 1,
+            2,
+        ),
+        (
+            "Zero starting past MAX",
+            WriteOp::new().step(WriteStep::Zero {
+                offset: max + 4096,
+                len: 4096,
+            }),
+            max + 4096,
+            4096,
+        ),
+        (
+            "Zero whose end overflows u64",
+            WriteOp::new().step(WriteStep::Zero {
+                offset: 1,
+                len: u64::MAX,
+            }),
+            1,
+            u64::MAX,
+        ),
+        // Atomicity: valid steps before the bad one are not applied either (their appended
+        // data is taken back).
+        (
+            "valid writes + omap, then an out-of-range write",
+            WriteOp::new()
+                .write(0, vec![0xEE; 300_000])
+                .write(5, vec![0xEE; 10])
+                .omap_set(vec![(b"k".to_vec(), b"changed".to_vec())])
+                .step(WriteStep::Zero {
+                    offset: 0,
+                    len: 100,
+                })
+                .write(max - 1, vec![0xEE; 2]),
+            max - 1,
+            2,
+        ),
+        (
+            "truncate, then an out-of-range truncate",
+            WriteOp::new()
+                .step(WriteStep::Truncate(0))
+                .step(WriteStep::Truncate(max + 1)),
+            max + 1,
+            0,
+        ),
+    ];
+    for (what, op, offset, len) in cases {
+        assert_out_of_range(store.write_op(&obj, op).await, offset, len, what);
+        assert_eq!(
+            state(&store, &obj).await,
+            before,
+            "{what}: the object changed (version, size, data or omap)"
+        );
+    }
+
+    // An out-of-range write to a missing object does not create it.
+    let missing = name("big/missing");
+    let result = store
+        .write_op(
+            &missing,
+            WriteOp::new()
+                .write(0, vec![1u8; 4096])
+                .write(max, vec![1u8]),
+        )
+        .await;
+    assert_out_of_range(result, max, 1, "a write to a missing object");
+    assert_eq!(store.stat(&missing).await.unwrap(), None);
+    assert_eq!(store.list("big/").await.unwrap(), vec![obj.clone()]);
+
+    // The limits themselves are fine.
+    let edge = name("big/edge");
+    store.write(&edge, max - 1, &[7]).await.unwrap();
+    assert_eq!(store.stat(&edge).await.unwrap().unwrap().size, max);
+    assert_eq!(store.read(&edge, max - 1, 10).await.unwrap(), vec![7]);
+    store
+        .write_op(&edge, WriteOp::new().step(WriteStep::Truncate(max)))
+        .await
+        .unwrap();
+    store
+        .write_op(
+            &edge,
+            WriteOp::new().step(WriteStep::Zero {
+                offset: max - 1,
+                len: 1,
+            }),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.read_sparse(&edge, 0, max).await.unwrap(), vec![]);
+
+    // And nothing of the failed operations comes back after a reopen (their appended data was
+    // taken back, not left for recovery to misread).
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(state(&store, &obj).await, before);
+    assert_eq!(store.stat(&missing).await.unwrap(), None);
+    store.write(&obj, 0, &[1, 2, 3]).await.unwrap();
+    assert_eq!(
+        store.read(&obj, 0, 4).await.unwrap(),
+        vec![1, 2, 3, before.extents[0].data[3]]
+    );
+}
+
+/// An operation that fails after its first append started a new data segment. Filling the
+/// first 1 GiB segment takes a few seconds (overwrites: the dead data is punched, so little disk
+/// is used).
+#[tokio::test]
+async fn out_of_range_after_segment_rotation() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::open_with(dir.path().join("store"), &CREATE).unwrap();
+    let obj = name("rot");
+    let mib = vec![7u8; 1 << 20];
+    for i in 0..1024 {
+        store.write(&obj, 0, &mib).await.unwrap();
+        if i % 64 == 63 {
+            store.flush().await.unwrap();
+        }
+    }
+    store.flush().await.unwrap();
+    // The first append of this operation starts segment 2; the operation then fails.
+    let op = WriteOp::new()
+        .write(0, vec![1u8])
+        .write(MAX_OBJECT_SIZE - 1, vec![0u8; 2]);
+    assert_out_of_range(
+        store.write_op(&obj, op).await,
+        MAX_OBJECT_SIZE - 1,
+        2,
+        "after a rotation",
+    );
+    store
+        .flush()
+        .await
+        .expect("the store survives a failed operation");
+    assert_eq!(store.read(&obj, 0, 2).await.unwrap(), vec![7, 7]);
+    store.write(&obj, 0, &[1]).await.unwrap();
+    store.flush().await.unwrap();
+    assert_eq!(store.read(&obj, 0, 2).await.unwrap(), vec![1, 7]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two openers.
+
+#[tokio::test]
+async fn second_opener_in_this_process_gets_already_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    store.write(&name("o"), 0, b"first").await.unwrap();
+    for options in [LocalStoreOptions { create: false }, CREATE] {
+        match LocalStore::open_with(&path, &options) {
+            Err(e @ StoreError::AlreadyOpen { .. }) => {
+                let StoreError::AlreadyOpen { path: p, pid } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(pid, &std::process::id().to_string(), "names our pid");
+                assert_eq!(Path::new(p), path.as_path());
+                let message = e.to_string();
+                assert!(message.contains("stop it first"), "{message}");
+            }
+            Err(e) => panic!("expected AlreadyOpen, got {e}"),
+            Ok(_) => panic!("a second opener in the same process got the store"),
+        }
+    }
+    // The failed opens did not disturb the open store.
+    store.write(&name("o"), 5, b", second").await.unwrap();
+    assert_eq!(
+        store.read(&name("o"), 0, 100).await.unwrap(),
+        b"first, second"
+    );
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(
+        store.read(&name("o"), 0, 100).await.unwrap(),
+        b"first, second"
+    );
+}
+
+const OPENER_CHILD_ENV: &str = "IVDISK_BAD_INPUT_OPENER";
+const OPENER_TEST: &str = "second_opener_process_gets_already_open";
+
+/// In the child: try to open the store, report on stdout, exit with a code saying what happened.
+fn opener_child(dir: PathBuf) -> ! {
+    let code = match LocalStore::open(&dir) {
+        Err(StoreError::AlreadyOpen { pid, .. }) => {
+            println!("OPENER already-open pid={pid}");
+            10
+        }
+        Ok(store) => {
+            drop(store);
+            println!("OPENER opened");
+            11
+        }
+        Err(e) => {
+            println!("OPENER error {e}");
+            12
+        }
+    };
+    std::process::exit(code)
+}
+
+/// Run the opener child on `dir`: its exit code and its report line.
+fn run_opener(dir: &Path) -> (i32, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([OPENER_TEST, "--exact", "--nocapture", "--test-threads=1"])
+        .env(OPENER_CHILD_ENV, dir)
+        .output()
+        .expect("running the opener child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find("OPENER ").map(|at| l[at..].to_owned()))
+        .unwrap_or_else(|| {
+            panic!(
+                "the child reported nothing: {:?}\nstdout: {stdout}\nstderr: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    (out.status.code().unwrap_or(-1), line)
+}
+
+#[tokio::test]
+async fn second_opener_process_gets_already_open() {
+    if let Some(dir) = std::env::var_os(OPENER_CHILD_ENV) {
+        opener_child(PathBuf::from(dir));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    store.write(&name("o"), 0, b"held").await.unwrap();
+
+    let (code, line) = run_opener(&path);
+    assert_eq!(
+        (code, line.as_str()),
+        (
+            10,
+            format!("OPENER already-open pid={}", std::process::id()).as_str()
+        ),
+        "another process must get AlreadyOpen naming us"
+    );
+
+    drop(store);
+    let (code, line) = run_opener(&path);
+    assert_eq!(
+        (code, line.as_str()),
+        (11, "OPENER opened"),
+        "after we closed it"
+    );
+    // The child closed it too, and nothing was lost.
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(store.read(&name("o"), 0, 10).await.unwrap(), b"held");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A full disk.
+
+/// A tmpfs mounted on a fresh directory, lazily unmounted on drop (also when a test fails).
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output();
+        match out {
+            Ok(out) if out.status.success() => Tmpfs { dir },
+            Ok(out) => panic!(
+                "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs for a full disk: \
+                 `mount -t tmpfs` failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => panic!(
+                "this test needs root (CAP_SYS_ADMIN) and mount(8) to mount a {size} tmpfs for \
+                 a full disk: {e}"
+            ),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn free_bytes(&self) -> u64 {
+        let s = rustix::fs::statvfs(self.path()).unwrap();
+        s.f_bavail * s.f_frsize
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// Bytes allocated to the store's data segments.
+fn segment_blocks(store_dir: &Path) -> u64 {
+    std::fs::read_dir(store_dir.join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
+        .sum()
+}
+
+const MIB: usize = 1 << 20;
+
+fn full_name(n: usize) -> ObjectName {
+    name(&format!("full/o{n:03}"))
+}
+
+async fn check_full_object(store: &LocalStore, n: usize) {
+    let o = full_name(n);
+    let data = store.read(&o, 0, MIB as u64).await.unwrap();
+    assert!(
+        data == pattern(n as u64, MIB),
+        "object {n} reads back wrong"
+    );
+    assert_eq!(
+        store.omap_all(&o).await.unwrap(),
+        vec![(b"n".to_vec(), (n as u64).to_be_bytes().to_vec())],
+        "object {n}'s omap"
+    );
+}
+
+/// Write 1 MiB objects with a flush after each until something fails. Returns the objects
+/// acknowledged before the last successful flush.
+async fn fill(store: &LocalStore, first: usize) -> Vec<usize> {
+    let mut durable = Vec::new();
+    for n in first..first + 64 {
+        let op = WriteOp::new()
+            .write(0, pattern(n as u64, MIB))
+            .omap_set(vec![(b"n".to_vec(), (n as u64).to_be_bytes().to_vec())]);
+        match store.write_op(&full_name(n), op).await {
+            Ok(_) => {}
+            Err(e @ StoreError::NoSpace { .. }) => {
+                let message = e.to_string();
+                println!("full disk: write of object {n} failed: {message}");
+                assert!(
+                    message.contains("free space and retry"),
+                    "the error says what to do: {message}"
+                );
+                assert!(message.contains("not applied"), "{message}");
+                assert_eq!(
+                    store.stat(&full_name(n)).await.unwrap(),
+                    None,
+                    "a write that failed NoSpace was not applied"
+                );
+                return durable;
+            }
+            Err(e) => panic!("object {n}: a write on a full disk must fail NoSpace, got {e:?}"),
+        }
+        match store.flush().await {
+            Ok(()) => durable.push(n),
+            Err(e) => {
+                // The failure surfaced at commit: the flush reports it (and what to do).
+                let message = e.to_string();
+                println!("full disk: flush after object {n} failed: {message}");
+                assert!(
+                    message.contains("free space"),
+                    "the flush error says what to do: {message}"
+                );
+                return durable;
+            }
+        }
+    }
+    panic!("64 MiB written to a 24 MiB tmpfs without running out of space");
+}
+
+#[tokio::test]
+async fn full_disk_fails_no_space_then_recovers() {
+    let fs = Tmpfs::mount("24m");
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+
+    let durable = fill(&store, 0).await;
+    assert!(
+        durable.len() >= 16,
+        "only {} MiB fit in 24 MiB",
+        durable.len()
+    );
+    println!(
+        "full disk: {} objects durable, {} bytes free",
+        durable.len(),
+        fs.free_bytes()
+    );
+    for &n in &durable {
+        check_full_object(&store, n).await;
+    }
+
+    // Free half: the dead data is punched out of the segments at the durable commit.
+    let before = segment_blocks(&path);
+    let (removed, kept): (Vec<usize>, Vec<usize>) = durable.iter().partition(|&&n| n % 2 == 0);
+    for &n in &removed {
+        store
+            .remove(&full_name(n))
+            .await
+            .unwrap_or_else(|e| panic!("removing object {n} on a full disk: {e:?}"));
+    }
+    store.flush().await.expect("a flush after removing objects");
+    let after = segment_blocks(&path);
+    println!(
+        "full disk: removing {} objects took the segments from {before} to {after} bytes; {} \
+         bytes free",
+        removed.len(),
+        fs.free_bytes()
+    );
+    assert!(
+        before - after >= (removed.len() * MIB) as u64 * 9 / 10,
+        "removing {} MiB freed only {} bytes of segment space",
+        removed.len(),
+        before - after
+    );
+    for &n in &removed {
+        assert_eq!(store.stat(&full_name(n)).await.unwrap(), None);
+    }
+    for &n in &kept {
+        check_full_object(&store, n).await;
+    }
+
+    // New objects fit again: as many as were removed, give or take the one that failed.
+    let first_new = 100;
+    let again = fill(&store, first_new).await;
+    assert!(
+        again.len() + 1 >= removed.len(),
+        "after freeing {} MiB only {} new objects fit",
+        removed.len(),
+        again.len()
+    );
+    for &n in kept.iter().chain(&again) {
+        check_full_object(&store, n).await;
+    }
+
+    // A clean close and a reopen on the (still full) disk keep everything.
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    for &n in kept.iter().chain(&again) {
+        check_full_object(&store, n).await;
+    }
+    drop(store);
+    drop(fs);
+}
+
+/// Operations that need metadata space (big omap values) when the data has filled the disk.
+#[tokio::test]
+async fn full_disk_during_metadata_updates() {
+    let fs = Tmpfs::mount("24m");
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let durable = fill(&store, 0).await;
+    let meta = name("full/meta");
+    // Everything that goes wrong is collected (and printed), so that one run shows it all.
+    let mut problems: Vec<String> = Vec::new();
+    let mut acked = Vec::new();
+    let mut failures = 0;
+    // Built beforehand, so that the updates follow each other quickly (several in one group
+    // commit).
+    let updates: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..8u32)
+        .map(|i| {
+            (0..64u32)
+                .map(|j| {
+                    (
+                        format!("k{i:02}.{j:02}").into_bytes(),
+                        pattern(i as u64, 16 << 10),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    for (i, pairs) in updates.into_iter().enumerate() {
+        let result = store.write_op(&meta, WriteOp::new().omap_set(pairs)).await;
+        println!("full disk: omap update {i}: {result:?}");
+        match result {
+            Ok(_) => acked.push(i),
+            Err(e @ StoreError::NoSpace { .. }) => {
+                if !e.to_string().contains("free space") {
+                    problems.push(format!(
+                        "update {i}: the error does not say what to do: {e}"
+                    ));
+                }
+                failures += 1;
+            }
+            Err(e) => problems.push(format!(
+                "omap update {i} on a full disk: expected Ok or NoSpace, got {e:?}"
+            )),
+        }
+    }
+    println!(
+        "full disk: {} omap updates acknowledged, {failures} failed NoSpace",
+        acked.len()
+    );
+    // Either the acknowledged updates are durable now, or the flush says they were lost and
+    // what to do.
+    let flushed = store.flush().await;
+    println!("full disk: flush after the omap updates: {flushed:?}");
+    match flushed {
+        Ok(()) => {
+            let omap = store.omap_all(&meta).await.unwrap_or_default();
+            for &i in &acked {
+                if !omap
+                    .iter()
+                    .any(|(k, _)| k == format!("k{i:02}.00").as_bytes())
+                {
+                    problems.push(format!(
+                        "update {i} was acknowledged and flushed but is gone"
+                    ));
+                }
+            }
+        }
+        Err(e) if e.to_string().contains("free space") => {}
+        Err(e) => problems.push(format!("the flush error does not say what to do: {e}")),
+    }
+    for &n in &durable {
+        check_full_object(&store, n).await;
+    }
+    // Free space; the store works again.
+    for &n in &durable[..durable.len() / 2] {
+        if let Err(e) = store.remove(&full_name(n)).await {
+            problems.push(format!("removing object {n}: {e:?}"));
+        }
+    }
+    if let Err(e) = store.flush().await {
+        problems.push(format!("the flush after freeing space: {e:?}"));
+    }
+    let result = store
+        .write_op(
+            &meta,
+            WriteOp::new().omap_set(vec![(b"after".to_vec(), b"ok".to_vec())]),
+        )
+        .await;
+    if let Err(e) = result {
+        problems.push(format!("an omap update after freeing space: {e:?}"));
+    }
+    if let Err(e) = store.flush().await {
+        problems.push(format!("the last flush: {e:?}"));
+    }
+    drop(store);
+    drop(fs);
+    assert!(problems.is_empty(), "problems:\n{}", problems.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reopening after a clean close.
+
+#[tokio::test]
+async fn reopen_after_clean_close_keeps_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let (a, b, c) = (name("img/a"), name("img/b"), name("img/c"));
+
+    // `a`: data with holes, a zeroed range, a truncation, and more omap pairs than one page.
+    let pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..1500u32)
+        .map(|i| {
+            (
+                format!("key{i:05}").into_bytes(),
+                pattern(i as u64, (i % 50) as usize),
+            )
+        })
+        .collect();
+    store
+        .write_op(
+            &a,
+            WriteOp::new()
+                .write(0, pattern(1, 300_000))
+                .write(1 << 20, pattern(2, 5000))
+                .step(WriteStep::Zero {
+                    offset: 4096,
+                    len: 8192,
+                })
+                .write(3 << 20, pattern(3, 100))
+                .step(WriteStep::Truncate((3 << 20) + 50))
+                .omap_set(pairs.clone())
+                .step(WriteStep::OmapRemoveRange {
+                    start: b"key00100".to_vec(),
+                    end: b"key00200".to_vec(),
+                }),
+        )
+        .await
+        .unwrap();
+    store.write(&c, 0, &pattern(4, 70_000)).await.unwrap();
+
+    // A snapshot, then changes under its context: `a` rewritten, `b` born, `c` removed.
+    let snap = store.snap_create().await.unwrap();
+    let context = SnapContext {
+        seq: snap,
+        snaps: vec![snap],
+    };
+    let at_snap_a = state(&store, &a).await;
+    let at_snap_c = state(&store, &c).await;
+    store
+        .write_op(
+            &a,
+            WriteOp::new()
+                .write(100, pattern(5, 200_000))
+                .omap_set(vec![(b"key00000".to_vec(), b"new".to_vec())])
+                .step(WriteStep::OmapRemoveKeys(vec![b"key01499".to_vec()]))
+                .with_snap_context(context.clone()),
+        )
+        .await
+        .unwrap();
+    store
+        .write_op(
+            &b,
+            WriteOp::new()
+                .write(10, b"born after".to_vec())
+                .with_snap_context(context.clone()),
+        )
+        .await
+        .unwrap();
+    store
+        .write_op(
+            &c,
+            WriteOp::new()
+                .step(WriteStep::Remove)
+                .with_snap_context(context.clone()),
+        )
+        .await
+        .unwrap();
+    let head_a = state(&store, &a).await;
+    let head_b = state(&store, &b).await;
+    assert_ne!(head_a, at_snap_a);
+    assert_eq!(head_a.omap.len(), 1500 - 100 - 1);
+
+    /// The state of an object at a snapshot.
+    async fn state_at(store: &LocalStore, object: &ObjectName, snap: u64) -> Option<State> {
+        let op = ReadOp::new()
+            .at_snap(snap)
+            .step(ReadStep::Stat)
+            .step(ReadStep::Read {
+                offset: 0,
+                len: MAX_OBJECT_SIZE,
+            })
+            .step(ReadStep::OmapGetRange {
+                start: vec![],
+                end: None,
+                max: 100_000,
+            });
+        match store.read_op(object, op).await {
+            Ok(results) => match &results[..] {
+                [ReadResult::Stat(stat), ReadResult::Extents(extents), ReadResult::Omap { pairs, more: false }] => {
+                    Some(State {
+                        stat: *stat,
+                        extents: extents.clone(),
+                        omap: pairs.clone(),
+                    })
+                }
+                other => panic!("a snapshot read returned {other:?}"),
+            },
+            Err(StoreError::NotFound { .. }) => None,
+            Err(e) => panic!("reading {object} at snapshot {snap}: {e}"),
+        }
+    }
+    assert_eq!(state_at(&store, &a, snap).await.as_ref(), Some(&at_snap_a));
+    assert_eq!(state_at(&store, &b, snap).await, None);
+    assert_eq!(state_at(&store, &c, snap).await.as_ref(), Some(&at_snap_c));
+
+    // A clean close (no flush: closing commits durably) and a reopen.
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(state(&store, &a).await, head_a, "head of a");
+    assert_eq!(state(&store, &b).await, head_b, "head of b");
+    assert_eq!(store.stat(&c).await.unwrap(), None, "c was removed");
+    assert_eq!(
+        store.list("img/").await.unwrap(),
+        vec![a.clone(), b.clone()]
+    );
+    assert_eq!(
+        state_at(&store, &a, snap).await.as_ref(),
+        Some(&at_snap_a),
+        "a at the snapshot"
+    );
+    assert_eq!(state_at(&store, &b, snap).await, None, "b at the snapshot");
+    assert_eq!(
+        state_at(&store, &c, snap).await.as_ref(),
+        Some(&at_snap_c),
+        "c at the snapshot"
+    );
+    assert_eq!(
+        store.read(&a, 0, 10).await.unwrap(),
+        pattern(1, 300_000)[..10].to_vec(),
+        "dense read of a"
+    );
+
+    // Ids and versions continue where they were.
+    let next = store.snap_create().await.unwrap();
+    assert!(next > snap, "snapshot ids go on increasing after a reopen");
+    let v = store.write(&b, 0, b"x").await.unwrap().version;
+    assert!(
+        v > head_a.stat.version && v > head_b.stat.version,
+        "versions go on increasing"
+    );
+
+    // Removing the snapshot frees its preserved states, also after a reopen.
+    store.flush().await.unwrap();
+    let before = segment_blocks(&path);
+    store.snap_remove(snap).await.unwrap();
+    store.flush().await.unwrap();
+    let after = segment_blocks(&path);
+    assert!(
+        before >= after + 60_000,
+        "removing the snapshot freed {} bytes (its preserved states hold ~270 KB of dead data)",
+        before as i64 - after as i64
+    );
+    assert_eq!(
+        state_at(&store, &c, next).await,
+        None,
+        "c at the later snapshot"
+    );
+    assert!(matches!(
+        store.read_op(&a, ReadOp::new().at_snap(snap).step(ReadStep::Stat)).await,
+        Err(StoreError::NoSuchSnapshot(s)) if s == snap
+    ));
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(state(&store, &a).await, head_a);
+    assert!(matches!(
+        store.snap_remove(snap).await,
+        Err(StoreError::NoSuchSnapshot(s)) if s == snap
+    ));
+}
