@@ -4,22 +4,30 @@
 //! - **store**: `write_op` on a [`LocalStore`], 32 operations in flight (32 tokio tasks), each
 //!   operation two `Write` steps of size/2 at distinct offsets inside a 4 MiB object (one of 256
 //!   objects of one image, at random) plus one `OmapSet` of an 8-byte key to a 32-byte value;
-//!   for a fixed time after a warm-up, then `flush()`, counted in the time.
+//!   for a fixed time after a warm-up, then `flush()`, counted in the time. `WriteStep::Write`
+//!   owns its bytes, so each operation copies its extents out of a shared buffer, on the tokio
+//!   threads (as a caller holding borrowed data would).
 //! - **raw**: the same sizes written with `pwrite` (`write_all_at`) by 32 threads at random
 //!   size-aligned offsets of one file as large as the store's objects together (1 GiB), then one
 //!   `sync_data()`, counted in the time: both sides end durable. The file is written in full
-//!   once first (untimed, synced), as an image file in use is: without that, how fast the first
-//!   touch of each page-cache page goes depends on what ran before (on a VM whose balloon
-//!   reports free pages, a fresh page costs a host fault), and raw swung 0.4..5 GB/s between
-//!   repetitions.
+//!   once first (untimed, synced), as an image file in use is, in writes of the measured size:
+//!   without the fill, how fast the first touch of each page-cache page goes depends on what ran
+//!   before (on a VM whose balloon takes free pages back, copying into a fresh page-cache page
+//!   was up to 10x slower than into a cached one), and raw swung 0.4..5 GB/s between
+//!   repetitions; filled in 4 MiB writes, the page cache holds large folios, and 4 KiB writes
+//!   into those cost ext4 20x (70 instead of 1700 MB/s).
+//!   Raw overwrites a 1 GiB region that stays in the page cache, so it runs at memory speed and
+//!   writes at most 1 GiB to the device at the end, whereas the store, append-only, has to
+//!   write every byte it was given.
 //! - **raw O_DIRECT** (only with `IVDISK_BENCH_RAW_DIRECT=1`): the same with `O_DIRECT`, so
 //!   every byte reaches the device: what the disk takes at QD 32, the ceiling of a store that
-//!   must write all its data.
+//!   must write all its data; two more columns give it and store/O_DIRECT.
 //!
-//! Store and raw alternate per size, `IVDISK_BENCH_REPS` times (default 3), each for
-//! `IVDISK_BENCH_SECONDS` (default 3); the table gives medians and the store/raw ratio of each
-//! repetition (median, min..max). Samples go to `target/bench-local-store.json`. Files live in a
-//! temporary directory under `target/` (on the disk, not a tmpfs `/tmp`), fresh per measurement.
+//! Store, raw (and raw O_DIRECT) take turns going first per size, `IVDISK_BENCH_REPS` times
+//! (default 3), each for `IVDISK_BENCH_SECONDS` (default 3); the table gives medians and the
+//! store/raw ratio of each repetition (median, min..max). Samples go to
+//! `target/bench-local-store.json`. Files live in a temporary directory under `target/` (on the
+//! disk, not a tmpfs `/tmp`), fresh per measurement.
 //!
 //! ```text
 //! cargo bench -p ivdisk-store --bench local_store
@@ -76,8 +84,8 @@ impl Config {
                 .map(|s| {
                     let kib: usize = s.trim().parse().expect("IVDISK_BENCH_SIZES: KiB numbers");
                     assert!(
-                        (2..=4096).contains(&kib) && kib.is_power_of_two(),
-                        "sizes are powers of two from 2 KiB to 4 MiB"
+                        (4..=4096).contains(&kib) && kib.is_power_of_two(),
+                        "sizes are powers of two from 4 KiB to 4 MiB"
                     );
                     kib << 10
                 })
@@ -312,9 +320,8 @@ fn measure_raw(dir: &Path, cfg: &Config, data: &[u8], size: usize, seed: u64, di
         options.custom_flags(libc::O_DIRECT);
     }
     let file = options.open(&path).expect("creating the raw file");
-    // Write the whole file once (see the top of this file), untimed.
-    // In writes of the measured size when buffered: the page cache's folios then have the size
-    // writes of that size give them (large folios under 4 KiB writes cost ext4 ~10x).
+    // Write the whole file once, untimed: buffered in writes of the measured size, so that the
+    // page cache holds the folios such writes make (see the top of this file).
     let chunk = &data[..if direct { 4 << 20 } else { size }];
     for at in (0..FOOTPRINT).step_by(chunk.len()) {
         file.write_all_at(chunk, at).expect("filling the raw file");

@@ -11,7 +11,7 @@
 //! applied in arrival order (so operations on one object apply in submission order). Each
 //! operation runs in a SAVEPOINT inside a long transaction (group commit): a failed step rolls
 //! back only its own operation. The transaction commits after the segment data it references
-//! has been synced, at the latest every few milliseconds, and durably (WAL synced) on flush and
+//! has been synced, at the latest every 500 ms, and durably (WAL synced) on flush and
 //! once a second.
 
 use std::path::PathBuf;
