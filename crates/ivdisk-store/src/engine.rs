@@ -46,6 +46,8 @@ pub(crate) trait Segments: Send {
 pub(crate) trait Durability: Send {
     /// Sync the database's write-ahead log after a COMMIT.
     fn sync_wal(&mut self) -> Result<(), StoreError>;
+    /// The worker stopped after a successful durable commit: nothing is pending anywhere.
+    fn mark_clean(&mut self) {}
 }
 
 pub(crate) struct NoDurability;
@@ -55,17 +57,27 @@ impl Durability for NoDurability {
     }
 }
 
-/// A WAL file synced through a second descriptor (SQLite's own sync is off between flushes).
-pub(crate) struct WalFile(pub PathBuf);
+/// A WAL file synced through a second descriptor (SQLite's own sync is off between flushes),
+/// and the marker file a clean stop leaves (`clean_marker`).
+pub(crate) struct WalFile {
+    pub wal: PathBuf,
+    pub clean_marker: PathBuf,
+}
 impl Durability for WalFile {
+    fn mark_clean(&mut self) {
+        if let Err(e) = std::fs::write(&self.clean_marker, b"") {
+            tracing::warn!("could not mark the store as cleanly stopped: {e}");
+        }
+    }
+
     fn sync_wal(&mut self) -> Result<(), StoreError> {
-        match std::fs::File::open(&self.0) {
+        match std::fs::File::open(&self.wal) {
             Ok(f) => f
                 .sync_data()
-                .map_err(StoreError::io(format!("syncing {}", self.0.display()))),
+                .map_err(StoreError::io(format!("syncing {}", self.wal.display()))),
             // No WAL yet (nothing written since the last checkpoint): nothing to sync.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(StoreError::io(format!("opening {}", self.0.display()))(e)),
+            Err(e) => Err(StoreError::io(format!("opening {}", self.wal.display()))(e)),
         }
     }
 }
@@ -303,6 +315,9 @@ impl Engine {
             }
         }
         self.commit(true);
+        if self.lost.is_none() {
+            self.durability.mark_clean();
+        }
     }
 
     fn handle(&mut self, request: Request) {

@@ -43,6 +43,8 @@ struct FileSegments {
     dirty: Vec<u32>,
     /// Bytes past the last committed reference, truncated at open.
     dropped_at_open: u64,
+    /// Unreferenced bytes punched at open after an unclean stop.
+    reclaimed_at_open: u64,
 }
 
 /// Open (creating if needed, never truncating) a file the store reads and writes.
@@ -61,7 +63,9 @@ fn segment_path(dir: &Path, n: u32) -> PathBuf {
 }
 
 impl FileSegments {
-    fn open(dir: PathBuf, db: &Connection) -> Result<Self, StoreError> {
+    /// Open the segments. After an unclean stop (`reclaim`), dead data whose punch was still
+    /// pending when the process died is found (bytes no extent references) and punched.
+    fn open(dir: PathBuf, db: &Connection, reclaim: bool) -> Result<Self, StoreError> {
         std::fs::create_dir_all(&dir)
             .map_err(StoreError::io(format!("creating {}", dir.display())))?;
         let mut numbers: Vec<u32> = std::fs::read_dir(&dir)
@@ -102,7 +106,7 @@ impl FileSegments {
             file.set_len(len)
                 .map_err(StoreError::io("truncating the active segment"))?;
         }
-        Ok(FileSegments {
+        let mut segments = FileSegments {
             dir,
             files,
             active,
@@ -110,7 +114,53 @@ impl FileSegments {
             unsynced: 0,
             dirty: Vec::new(),
             dropped_at_open,
-        })
+            reclaimed_at_open: 0,
+        };
+        if reclaim {
+            segments.reclaimed_at_open = segments.punch_unreferenced(db)?;
+        }
+        Ok(segments)
+    }
+
+    /// Punch every byte range of every segment that no extent references. Returns the bytes
+    /// punched (holes already punched count again: the call is idempotent, not incremental).
+    fn punch_unreferenced(&mut self, db: &Connection) -> Result<u64, StoreError> {
+        let mut by_segment: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
+        {
+            let mut stmt = db.prepare("SELECT seg, seg_off, hi - lo FROM extents")?;
+            let mut rows = stmt.query([])?;
+            while let Some(row) = rows.next()? {
+                let start = row.get::<_, i64>(1)? as u64;
+                let len = row.get::<_, i64>(2)? as u64;
+                by_segment
+                    .entry(row.get(0)?)
+                    .or_default()
+                    .push((start, start + len));
+            }
+        }
+        let mut punched = 0;
+        let numbers: Vec<u32> = self.files.keys().copied().collect();
+        for n in numbers {
+            let end = if n == self.active {
+                self.len
+            } else {
+                self.files[&n]
+                    .metadata()
+                    .map_err(StoreError::io("reading a segment's size"))?
+                    .len()
+            };
+            let mut live = by_segment.remove(&n).unwrap_or_default();
+            live.sort_unstable();
+            let mut cursor = 0;
+            for (start, stop) in live.into_iter().chain(std::iter::once((end, end))) {
+                if start > cursor {
+                    self.punch(n, cursor, start - cursor)?;
+                    punched += start - cursor;
+                }
+                cursor = cursor.max(stop);
+            }
+        }
+        Ok(punched)
     }
 
     fn rotate(&mut self) -> Result<(), StoreError> {
@@ -248,8 +298,11 @@ pub struct RecoveryReport {
     /// Bytes of the metadata log past its last valid commit (a torn tail or a damaged record,
     /// detected by SQLite's frame checksums), dropped with the operations in them.
     pub discarded_log_bytes: u64,
-    /// Bytes of segment data that no committed operation referenced, dropped.
+    /// Bytes of segment data that no committed operation referenced, dropped from the end.
     pub dropped_data_bytes: u64,
+    /// Bytes of dead segment data inside the segments (their release was pending when the
+    /// process stopped) punched out at open.
+    pub reclaimed_bytes: u64,
 }
 
 /// The local embedded object store: a directory, one writer process at a time.
@@ -303,9 +356,25 @@ impl LocalStore {
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;",
         )?;
         Engine::init_schema(&db)?;
-        let segments = FileSegments::open(dir.join("data"), &db)?;
+        // A clean stop leaves CLEAN; without it, frees still pending at the crash are redone.
+        let clean_marker = dir.join("CLEAN");
+        let was_clean = match std::fs::remove_file(&clean_marker) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => {
+                return Err(StoreError::io(format!(
+                    "removing {}",
+                    clean_marker.display()
+                ))(e))
+            }
+        };
+        let segments = FileSegments::open(dir.join("data"), &db, !was_clean)?;
         report.dropped_data_bytes = segments.dropped_at_open;
-        let wal = WalFile(dir.join("meta.sqlite-wal"));
+        report.reclaimed_bytes = segments.reclaimed_at_open;
+        let wal = WalFile {
+            wal: dir.join("meta.sqlite-wal"),
+            clean_marker,
+        };
         let engine = Engine::new(db, Box::new(segments), Box::new(wal))?;
         let (handle, worker) = EngineHandle::spawn(engine, "ivdisk-local-store")?;
         Ok(LocalStore(

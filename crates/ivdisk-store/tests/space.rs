@@ -57,3 +57,85 @@ async fn overwrites_and_removals_free_space_with_misaligned_appends() {
         "a live neighbour of punched blocks was damaged"
     );
 }
+
+/// The child side of `a_crash_leaves_no_dead_data_behind`: overwrite everything once after the
+/// last flush, wait for the group commit (not durable, so the dead data's release is still
+/// pending), say so, and wait to be killed.
+async fn crash_child(dir: &Path) -> ! {
+    let store = LocalStore::open(dir).unwrap();
+    for o in 0..64 {
+        store
+            .write(&ObjectName::new(format!("o{o}")).unwrap(), 0, &[2u8; 65536])
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    println!("ready");
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_crash_leaves_no_dead_data_behind() {
+    if let Ok(dir) = std::env::var("IVDISK_SPACE_CHILD") {
+        crash_child(Path::new(&dir)).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    {
+        let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+        for o in 0..64 {
+            store
+                .write(&ObjectName::new(format!("o{o}")).unwrap(), 0, &[1u8; 65536])
+                .await
+                .unwrap();
+        }
+        store.flush().await.unwrap();
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_crash_leaves_no_dead_data_behind",
+            "--nocapture",
+        ])
+        .env("IVDISK_SPACE_CHILD", &path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("ready") {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended before it was ready"
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let before = allocated(&path);
+    let store = LocalStore::open(&path).unwrap();
+    let report = store.recovery_report();
+    let after = allocated(&path);
+    // The overwrite committed (its group commit ran before the kill) but the first pass's data
+    // was never released; opening after the crash finds and punches it.
+    assert_eq!(
+        store
+            .read(&ObjectName::new("o7").unwrap(), 0, 65536)
+            .await
+            .unwrap(),
+        vec![2u8; 65536]
+    );
+    assert!(report.reclaimed_bytes >= 64 * 65536, "{report:?}");
+    let live = 64 * 65536;
+    assert!(
+        before >= 2 * live,
+        "the test did not leave dead data: {before} bytes"
+    );
+    assert!(
+        after <= live + (64 << 10),
+        "{after} bytes allocated for {live} live"
+    );
+}
