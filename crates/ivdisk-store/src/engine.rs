@@ -361,7 +361,7 @@ impl Engine {
                 lock,
                 reply,
             } => {
-                let _ = reply.send(self.list_lockers(&object, &lock));
+                let _ = reply.send(self.lockers(&object, &lock));
             }
             Request::Flush { reply } => {
                 self.commit(true);
@@ -1174,10 +1174,6 @@ impl Engine {
             })?
             .collect::<Result<_, _>>()?;
         Ok(lockers)
-    }
-
-    fn list_lockers(&self, object: &ObjectName, lock: &str) -> Result<Vec<Locker>, StoreError> {
-        self.lockers(object, lock)
     }
 }
 
