@@ -166,8 +166,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             tracing::debug!(%image, bytes, %suite, sector_size, "create requested");
             eprintln!(
-                "ivdisk create: not available yet. The cipher suites are in place ({suite} checked); \
-                 images (header, object store, IO path) arrive with the next layers. See README 'Status'."
+                "ivdisk create: not available yet. The cipher suites ({suite} checked), the LUKS2 \
+                 header (`ivdisk header`, `ivdisk key`) and the object stores are in place; images \
+                 (the IO path over them) arrive with the next layer. See README 'Status'."
             );
             Ok(ExitCode::from(EXIT_NOT_AVAILABLE))
         }
