@@ -4,9 +4,15 @@
 #
 # openssl, libssl-dev: the cipher suites' library and the command line of the cross-checks;
 # gcc, make, pkg-config: the crates that build C (libaegis, openssl-sys);
-# cryptsetup-bin: the header interoperability tests run cryptsetup itself.
+# cryptsetup-bin: the header interoperability tests run cryptsetup itself;
+# librados-dev, librbd-dev: ivdisk-rados links librados (its default feature "librados");
+# ceph, ceph-mon, ceph-osd, ceph-mgr, jq: the throwaway test cluster of scripts/ceph-dev-cluster,
+# left out with IVDISK_NO_CEPH=1 (which also skips the RADOS tests).
 set -euo pipefail
-IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin)
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin librados-dev librbd-dev)
+if [ "${IVDISK_NO_CEPH:-}" != 1 ]; then
+  IVDISK_PACKAGES+=(ceph ceph-mon ceph-osd ceph-mgr jq)
+fi
 missing=()
 for p in "${IVDISK_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -15,7 +21,7 @@ if ((${#missing[@]})); then
   echo "installing Debian packages: ${missing[*]}" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install a stable Rust toolchain (rustup) first" >&2

@@ -11,7 +11,9 @@ cd "$(dirname "$0")/.."
 IMAGE=${1:-demo.ivd}
 SIZE=${2:-1G}
 
-source scripts/install-deps.sh
+# The local backend needs no Ceph cluster: skip its server packages (librados-dev, which the
+# build links, is installed either way).
+IVDISK_NO_CEPH=${IVDISK_NO_CEPH:-1} source scripts/install-deps.sh
 
 cargo build --release -p ivdisk
 IVDISK=target/release/ivdisk

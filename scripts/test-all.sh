@@ -1,16 +1,139 @@
 #!/usr/bin/env bash
 # Run every test of ivdisk on a fresh machine: installs what the tests need (Debian packages,
-# Rust components, cryptsetup for the header interoperability tests), then format check,
-# clippy, the whole test suite, and a bounded fuzz run of the header parser.
+# Rust components, cryptsetup for the header interoperability tests, a Ceph cluster's
+# packages), then format check, clippy, the whole test suite against a throwaway Ceph cluster
+# (scripts/ceph-dev-cluster, started before the tests and stopped on exit), a bounded fuzz run
+# of the header parser; the RADOS fault tests, which kill and restart its OSDs, run after
+# the other tests.
 #
 #   scripts/test-all.sh
 #
-# Later layers add the servers their tests use (a Ceph cluster, our NBD server) here, started
-# before the tests and stopped on exit.
+# Environment:
+#   IVDISK_NO_CEPH=1   no Ceph cluster and no Ceph server packages: the RADOS tests are
+#                      SKIPPED, so such a run is not a full CI run (it says so, loudly).
+#   IVDISK_CEPH_DIR    directory of the test cluster (default /tmp/ivdisk-ceph-test-PID);
+#                      only one cluster can run per host (fixed mon ports), so the run
+#                      refuses to start while another one runs.
+#
+# Later layers add the servers their tests use (our NBD server) here, started before the
+# tests and stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+CEPH_DEV_CLUSTER=$ROOT/scripts/ceph-dev-cluster
 
 log() { printf '\n== %s\n' "$*" >&2; }
+die() {
+  printf '\ntest-all.sh: error: %s\n' "$*" >&2
+  exit 1
+}
+
+no_ceph_banner() {
+  cat >&2 <<'EOF'
+
+########################################################################################
+##                                                                                    ##
+##   IVDISK_NO_CEPH=1: NO CEPH CLUSTER. THE RADOS TESTS ARE SKIPPED (ivdisk-rados     ##
+##   against a live cluster, its fault tests, the rados_ops bench run).               ##
+##   THIS IS NOT A FULL CI RUN: run scripts/test-all.sh without IVDISK_NO_CEPH.       ##
+##                                                                                    ##
+########################################################################################
+
+EOF
+}
+
+# ---------------------------------------------------------------- the test cluster
+
+# Directory of the cluster this run started, while it may be running: the EXIT trap stops
+# it. Never set for a cluster that this run did not start.
+CEPH_CLUSTER_DIR=""
+
+stop_cluster() {
+  local dir=$CEPH_CLUSTER_DIR
+  [[ -n $dir ]] || return 0
+  CEPH_CLUSTER_DIR=""
+  log "stop the Ceph test cluster in $dir"
+  "$CEPH_DEV_CLUSTER" stop --dir "$dir" && return 0
+  printf 'test-all.sh: error: could not stop the Ceph test cluster; try: scripts/ceph-dev-cluster stop --dir %s\n' \
+    "$dir" >&2
+  return 1
+}
+
+on_exit() {
+  local rc=$?
+  # no second Ctrl-C in the middle of the cleanup (stop is bounded: SIGKILL after 20 s)
+  trap '' INT TERM HUP
+  stop_cluster || ((rc)) || rc=1
+  ((rc == 0)) || printf '\ntest-all.sh: FAILED (exit %d)\n' "$rc" >&2
+  exit "$rc"
+}
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+# ceph_mon_dirs: the cluster directories (dirname of `-c CONF`) of the ceph-mon daemons
+# running on this host, one a line.
+ceph_mon_dirs() {
+  local f args i
+  for f in /proc/[0-9]*/cmdline; do
+    { mapfile -d '' -t args <"$f"; } 2>/dev/null || continue
+    [[ ${#args[@]} -gt 0 && ${args[0]##*/} == ceph-mon ]] || continue
+    for ((i = 1; i < ${#args[@]}; i++)); do
+      [[ ${args[i - 1]} == -c ]] && dirname -- "${args[i]}"
+    done
+  done
+  return 0
+}
+
+# check_ceph_ports: fail unless the mon ports are free. One cluster per host: the mon of
+# scripts/ceph-dev-cluster always binds 127.0.0.1:3300 and :6789. Never reuse or stop a
+# cluster someone else started; tell them what to do.
+check_ceph_ports() {
+  local port others
+  for port in 3300 6789; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      others=$(ceph_mon_dirs | sort -u | sed 's/^/    scripts\/ceph-dev-cluster stop --dir /')
+      if [[ -n $others ]]; then
+        die "a Ceph cluster is already running on this host (127.0.0.1:$port is in use); the test
+run needs its own cluster on the same fixed ports. Stop that cluster first:
+$others
+or skip the RADOS tests (not a full CI run) with IVDISK_NO_CEPH=1."
+      fi
+      die "127.0.0.1:$port is in use (another Ceph cluster? see: ss -ltnp 'sport = :$port'); the
+test run needs it for its own Ceph cluster. Stop what holds it (a cluster of
+scripts/ceph-dev-cluster: scripts/ceph-dev-cluster stop --dir DIR), or skip the RADOS tests
+(not a full CI run) with IVDISK_NO_CEPH=1."
+    fi
+  done
+}
+
+start_cluster() {
+  local cluster_env
+  IVDISK_CEPH_DIR=${IVDISK_CEPH_DIR:-/tmp/ivdisk-ceph-test-$$}
+  check_ceph_ports
+
+  log "start a Ceph test cluster in $IVDISK_CEPH_DIR (stopped on exit)"
+  # From here on the EXIT trap stops it, also when start is interrupted half-way.
+  CEPH_CLUSTER_DIR=$IVDISK_CEPH_DIR
+  if ! cluster_env=$("$CEPH_DEV_CLUSTER" start --dir "$IVDISK_CEPH_DIR"); then
+    # start refused (then it started nothing) or failed (then it killed its daemons and
+    # kept the directory for its logs): nothing of ours runs, keep the logs.
+    CEPH_CLUSTER_DIR=""
+    local logs=""
+    if [[ -f $IVDISK_CEPH_DIR/.ivdisk-ceph-dev-cluster && -d $IVDISK_CEPH_DIR/log ]]; then
+      logs="; its logs are in $IVDISK_CEPH_DIR/log (then remove it: scripts/ceph-dev-cluster stop --dir $IVDISK_CEPH_DIR)"
+    fi
+    die "could not start the Ceph test cluster (see above)$logs"
+  fi
+  eval "$cluster_env" # export CEPH_CONF=$IVDISK_CEPH_DIR/ceph.conf
+  export CEPH_CONF IVDISK_CEPH_DIR
+}
+
+# ---------------------------------------------------------------- the run
+
+# fail fast, not only after clippy, when another Ceph cluster holds the mon ports
+[[ ${IVDISK_NO_CEPH:-} == 1 ]] || check_ceph_ports
 
 source scripts/install-deps.sh
 
@@ -24,6 +147,16 @@ cargo fmt --all -- --check
 log "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets -- -D warnings
 
+log "cargo check ivdisk-rados without librados (--no-default-features)"
+cargo check -p ivdisk-rados --no-default-features
+
+if [[ ${IVDISK_NO_CEPH:-} == 1 ]]; then
+  no_ceph_banner
+  export IVDISK_NO_CEPH=1
+else
+  start_cluster
+fi
+
 log "cargo test"
 # --all-targets also runs each criterion bench once in test mode (no timing), so a broken
 # bench is caught here; doc tests run separately (--all-targets skips them).
@@ -35,7 +168,22 @@ log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VA
 # OpenSSL path that CPUs without it take.
 IVDISK_CRYPTO_NO_VAES=1 cargo test -p ivdisk-crypto --tests
 
+if [[ -n $CEPH_CLUSTER_DIR ]]; then
+  log "RADOS fault tests: kill and restart the OSDs of the cluster in $IVDISK_CEPH_DIR"
+  # After the other tests and alone (one test at a time): they take the cluster's OSDs down.
+  cargo test -p ivdisk-rados --test faults -- --ignored --test-threads=1
+  # The fuzz run needs no cluster: give its memory and CPU back first.
+  stop_cluster
+fi
+
 log "fuzz the header parser for ${IVDISK_FUZZ_SECONDS:-60} s (cargo-fuzz, nightly)"
 # Installs the nightly toolchain and cargo-fuzz when missing; a crash fails the run and leaves
 # the input in fuzz/artifacts/header_parse/.
 scripts/fuzz-header
+
+if [[ ${IVDISK_NO_CEPH:-} == 1 ]]; then
+  no_ceph_banner
+  log "all tests passed, but the RADOS tests were SKIPPED (IVDISK_NO_CEPH=1): not a full CI run"
+else
+  log "all tests passed"
+fi

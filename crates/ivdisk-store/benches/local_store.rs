@@ -41,10 +41,14 @@
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ivdisk_bench_support::{
+    env_or, filesystem_of, json_list, json_str, machine, median, min_max, size_label,
+    sizes_from_env, target_dir, Rng, Run,
+};
 use ivdisk_store::{LocalStore, LocalStoreOptions, ObjectName, ObjectStore, WriteOp, WriteStep};
 
 const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
@@ -65,34 +69,16 @@ struct Config {
     json: bool,
 }
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
-
 impl Config {
     fn from_env() -> Config {
         let bench = std::env::args().any(|a| a == "--bench");
-        let sizes = match std::env::var("IVDISK_BENCH_SIZES") {
-            Ok(list) => list
-                .split(',')
-                .map(|s| {
-                    let kib: usize = s.trim().parse().expect("IVDISK_BENCH_SIZES: KiB numbers");
-                    assert!(
-                        (4..=4096).contains(&kib) && kib.is_power_of_two(),
-                        "sizes are powers of two from 4 KiB to 4 MiB"
-                    );
-                    kib << 10
-                })
-                .collect(),
-            Err(_) if bench => SIZES.to_vec(),
-            Err(_) => vec![64 << 10],
-        };
+        let sizes = sizes_from_env().unwrap_or_else(|| {
+            if bench {
+                SIZES.to_vec()
+            } else {
+                vec![64 << 10]
+            }
+        });
         let only = std::env::var("IVDISK_BENCH_ONLY").unwrap_or_default();
         assert!(
             ["", "store", "raw"].contains(&only.as_str()),
@@ -120,22 +106,6 @@ impl Config {
     }
 }
 
-/// splitmix64: fast, seedable, good enough to pick offsets.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// Incompressible-looking bytes to write (zero pages would flatter both sides), 4 KiB-aligned
 /// (as `O_DIRECT` wants).
 struct Pattern {
@@ -149,29 +119,13 @@ impl Pattern {
         let mut rng = Rng(0x1d15c);
         let mut buf = Vec::with_capacity(len + 4096);
         while buf.len() < len + 4096 {
-            buf.extend_from_slice(&rng.next().to_le_bytes());
+            buf.extend_from_slice(&rng.next_u64().to_le_bytes());
         }
         let at = buf.as_ptr().align_offset(4096);
         Pattern { buf, at, len }
     }
     fn bytes(&self) -> &[u8] {
         &self.buf[self.at..self.at + self.len]
-    }
-}
-
-/// One measured run: operations done and the time they took (final flush/sync included).
-#[derive(Clone, Copy)]
-struct Run {
-    ops: u64,
-    elapsed: Duration,
-}
-
-impl Run {
-    fn ops_per_s(&self) -> f64 {
-        self.ops as f64 / self.elapsed.as_secs_f64()
-    }
-    fn mb_per_s(&self, size: usize) -> f64 {
-        self.ops as f64 * size as f64 / self.elapsed.as_secs_f64() / 1e6
     }
 }
 
@@ -357,98 +311,6 @@ fn settle(dir: &Path, path: &Path) {
     rustix::fs::syncfs(&d).expect("syncfs");
 }
 
-struct Machine {
-    cpus: usize,
-    cpu_model: String,
-    kernel: String,
-    filesystem: String,
-}
-
-fn machine(dir: &Path) -> Machine {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu_model = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_owned())
-        .unwrap_or_else(|| "unknown".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|k| k.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into());
-    // The mount with the longest mount point that holds the directory.
-    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    let filesystem = mounts
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 4 && dir.starts_with(f[1])).then(|| (f[1].len(), f))
-        })
-        .max_by_key(|(len, _)| *len)
-        .map(|(_, f)| format!("{} ({} on {}, {})", f[2], f[0], f[1], f[3]))
-        .unwrap_or_else(|| "unknown".into());
-    Machine {
-        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
-        cpu_model,
-        kernel,
-        filesystem,
-    }
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn min_max(values: &[f64]) -> (f64, f64) {
-    values
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
-        })
-}
-
-fn size_label(size: usize) -> String {
-    if size >= 1 << 20 {
-        format!("{} MiB", size >> 20)
-    } else {
-        format!("{} KiB", size >> 10)
-    }
-}
-
-fn json_list(values: &[f64]) -> String {
-    let items: Vec<String> = values.iter().map(|v| format!("{v:.3}")).collect();
-    format!("[{}]", items.join(", "))
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"))
-}
-
 #[derive(Default)]
 struct Samples {
     store_ops: Vec<f64>,
@@ -461,19 +323,20 @@ struct Samples {
 
 fn main() {
     let cfg = Config::from_env();
-    let target = target_dir();
+    let target = target_dir(env!("CARGO_MANIFEST_DIR"));
     std::fs::create_dir_all(&target).expect("creating target/");
     let target = target.canonicalize().expect("resolving target/");
     let tmp = tempfile::Builder::new()
         .prefix("bench-local-store-")
         .tempdir_in(&target)
         .expect("creating a temporary directory under target/");
-    let m = machine(tmp.path());
+    let m = machine();
+    let filesystem = filesystem_of(tmp.path());
     println!(
         "local store vs pwrite, queue depth {QUEUE_DEPTH}: {} CPUs ({}), Linux {}",
         m.cpus, m.cpu_model, m.kernel
     );
-    println!("directory: {} on {}", tmp.path().display(), m.filesystem);
+    println!("directory: {} on {}", tmp.path().display(), filesystem);
     println!(
         "{} s per measurement after {} s of warm-up, {} repetitions; MB = 10^6 bytes",
         cfg.seconds, cfg.warmup, cfg.reps
@@ -594,7 +457,7 @@ fn main() {
             m.cpus,
             json_str(&m.cpu_model),
             json_str(&m.kernel),
-            json_str(&m.filesystem)
+            json_str(&filesystem)
         );
         let _ = writeln!(
             json,
@@ -608,12 +471,12 @@ fn main() {
                 "    {{\"size\": {size}, \"store_ops_per_s\": {}, \"store_mb_per_s\": {}, \
                  \"raw_mb_per_s\": {}, \"ratio\": {}, \"raw_direct_mb_per_s\": {}, \
                  \"ratio_direct\": {}}}{}",
-                json_list(&s.store_ops),
-                json_list(&s.store_mb),
-                json_list(&s.raw_mb),
-                json_list(&s.ratio),
-                json_list(&s.direct_mb),
-                json_list(&s.direct_ratio),
+                json_list(&s.store_ops, 3),
+                json_list(&s.store_mb, 3),
+                json_list(&s.raw_mb, 3),
+                json_list(&s.ratio, 3),
+                json_list(&s.direct_mb, 3),
+                json_list(&s.direct_ratio, 3),
                 if n + 1 < cfg.sizes.len() { "," } else { "" }
             );
         }

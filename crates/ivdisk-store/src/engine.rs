@@ -22,8 +22,8 @@ use futures_channel::oneshot;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::{
-    Extent, LockRequest, Locker, ObjectName, ReadOp, ReadResult, ReadStep, SnapContext, SnapId,
-    Stat, StoreError, WriteOp, WriteOutcome, WriteStep, MAX_OBJECT_SIZE,
+    check_range, Extent, LockRequest, Locker, ObjectName, ReadOp, ReadResult, ReadStep,
+    SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
 
 /// Where object data lives: append-only segments addressed by (segment, offset).
@@ -734,21 +734,6 @@ impl Engine {
         Ok(())
     }
 
-    fn check_range(object: &ObjectName, offset: u64, len: u64) -> Result<(), StoreError> {
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > MAX_OBJECT_SIZE)
-        {
-            return Err(StoreError::OutOfRange {
-                object: object.to_string(),
-                offset,
-                len,
-                limit: MAX_OBJECT_SIZE,
-            });
-        }
-        Ok(())
-    }
-
     fn write(&mut self, object: &ObjectName, op: &WriteOp) -> Result<WriteOutcome, StoreError> {
         let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
         let mut head = self.head(object)?;
@@ -787,7 +772,7 @@ impl Engine {
                     }
                 }
                 WriteStep::Write { offset, data } => {
-                    Self::check_range(object, *offset, data.len() as u64)?;
+                    check_range(object, *offset, data.len() as u64)?;
                     let h = match head.as_mut() {
                         Some(h) => h,
                         None => head.insert(self.create_head(object, seq)?),
@@ -803,7 +788,7 @@ impl Engine {
                     changed = true;
                 }
                 WriteStep::WriteFull(data) => {
-                    Self::check_range(object, 0, data.len() as u64)?;
+                    check_range(object, 0, data.len() as u64)?;
                     let h = match head.as_mut() {
                         Some(h) => h,
                         None => head.insert(self.create_head(object, seq)?),
@@ -822,14 +807,14 @@ impl Engine {
                     changed = true;
                 }
                 WriteStep::Zero { offset, len } => {
-                    Self::check_range(object, *offset, *len)?;
+                    check_range(object, *offset, *len)?;
                     let h = head.as_mut().ok_or_else(|| not_found(object))?;
                     let node = h.id;
                     self.cut_extents(node, *offset, offset + len)?;
                     changed = true;
                 }
                 WriteStep::Truncate(size) => {
-                    Self::check_range(object, *size, 0)?;
+                    check_range(object, *size, 0)?;
                     let h = match head.as_mut() {
                         Some(h) => h,
                         None => head.insert(self.create_head(object, seq)?),

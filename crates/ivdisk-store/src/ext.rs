@@ -90,7 +90,8 @@ pub trait ObjectStoreExt: ObjectStore {
             .await
     }
 
-    /// All omap pairs in key order (paging through `OmapGetRange`).
+    /// All omap pairs in key order (paging through `OmapGetRange`; each page starts at the
+    /// previous page's last key, which is skipped, so that no start key needs a NUL byte).
     async fn omap_all(&self, object: &ObjectName) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
         let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         let mut start = Vec::new();
@@ -110,11 +111,19 @@ pub trait ObjectStoreExt: ObjectStore {
                     "an omap read returned the wrong result".into(),
                 ));
             };
+            let skip = usize::from(
+                matches!(out.last(), Some((last, _)) if pairs.first().is_some_and(|(k, _)| k == last)),
+            );
             if let Some((last, _)) = pairs.last() {
                 start = last.clone();
-                start.push(0);
             }
-            out.extend(pairs);
+            let fresh = pairs.len() - skip;
+            out.extend(pairs.into_iter().skip(skip));
+            if fresh == 0 && more {
+                return Err(StoreError::Corrupt(format!(
+                    "omap paging of `{object}` made no progress"
+                )));
+            }
             if !more {
                 return Ok(out);
             }

@@ -85,4 +85,12 @@ pub trait ObjectStore: Send + Sync {
 
     /// This client's identity, as lock holders are named.
     fn client_id(&self) -> &str;
+
+    /// Whether read steps tell holes from written zeros. A backend that cannot (RADOS through
+    /// librados' C API, which has no sparse read) returns every byte up to the object's size
+    /// as written data, holes as zeros: callers that care whether a range was ever written
+    /// (the image layer) must not rely on holes there.
+    fn distinguishes_holes(&self) -> bool {
+        true
+    }
 }

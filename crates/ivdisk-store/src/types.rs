@@ -15,6 +15,23 @@ pub const MAX_NAME_LEN: usize = 1024;
 /// Largest object size (RADOS' default `osd_max_object_size`).
 pub const MAX_OBJECT_SIZE: u64 = 128 << 20;
 
+/// Fails `OutOfRange` unless `[offset, offset + len)` ends within [`MAX_OBJECT_SIZE`]: every
+/// backend checks its write steps with this before applying anything.
+pub fn check_range(object: &ObjectName, offset: u64, len: u64) -> Result<(), StoreError> {
+    if offset
+        .checked_add(len)
+        .is_none_or(|end| end > MAX_OBJECT_SIZE)
+    {
+        return Err(StoreError::OutOfRange {
+            object: object.to_string(),
+            offset,
+            len,
+            limit: MAX_OBJECT_SIZE,
+        });
+    }
+    Ok(())
+}
+
 /// A validated object name: 1..=1024 bytes of printable ASCII.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjectName(String);
@@ -144,6 +161,8 @@ pub enum ReadStep {
     /// The values of these keys, in key order (absent keys are left out).
     OmapGetByKeys(Vec<Vec<u8>>),
     /// Up to `max` pairs with `start <= key < end` (no `end`: to the last key), in key order.
+    /// Portable callers start ranges at keys without NUL bytes: RADOS (librados' C API)
+    /// reaches a NUL-holding start only near its NUL-free prefix (see `ivdisk-rados`).
     OmapGetRange {
         start: Vec<u8>,
         end: Option<Vec<u8>>,

@@ -1,0 +1,1065 @@
+//! Our own minimal binding to librados' C API (Ceph 16 "Pacific", Debian 12's `librados-dev`),
+//! and the only module of the crate allowed `unsafe`.
+//!
+//! What it covers: a cluster handle (config, connect, instance id), io contexts (pool,
+//! namespace, read snapshot, self-managed snapshot write context), compound write and read
+//! operations submitted asynchronously with their completions bridged to futures, self-managed
+//! snapshots, the exclusive advisory lock calls, and object listing. The store module builds
+//! the ivdisk semantics on top; this module only makes librados' calls memory-safe.
+//!
+//! How an asynchronous operation stays sound: everything librados writes into after submission
+//! (read buffers, out-lengths, per-step return values, omap iterators, the op handle itself)
+//! lives in a heap-allocated payload whose address never changes. The payload is leaked into
+//! the completion's callback argument at submission and reclaimed by the callback, which
+//! librados calls exactly once; the callback hands it to the waiting future through a
+//! oneshot channel. If the future was dropped meanwhile, the payload is dropped in the
+//! callback and its `Drop` frees what librados allocated, so cancelling a future never leaves
+//! librados writing into freed memory.
+//!
+//! Calls librados only offers synchronously (connect, locks, listing, rollback) are plain
+//! blocking functions here; the store runs them on a helper thread.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::fmt;
+use std::io;
+use std::ptr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_channel::oneshot;
+
+#[allow(non_camel_case_types)]
+mod sys {
+    use std::ffi::{c_char, c_int, c_uchar, c_void};
+
+    pub type rados_t = *mut c_void;
+    pub type rados_ioctx_t = *mut c_void;
+    pub type rados_completion_t = *mut c_void;
+    pub type rados_write_op_t = *mut c_void;
+    pub type rados_read_op_t = *mut c_void;
+    pub type rados_omap_iter_t = *mut c_void;
+    pub type rados_list_ctx_t = *mut c_void;
+    pub type rados_snap_t = u64;
+    pub type rados_callback_t = Option<unsafe extern "C" fn(rados_completion_t, *mut c_void)>;
+
+    pub const LIBRADOS_SNAP_HEAD: u64 = -2i64 as u64;
+    pub const LIBRADOS_CREATE_EXCLUSIVE: c_int = 1;
+    pub const LIBRADOS_LOCK_FLAG_MAY_RENEW: u8 = 1;
+
+    #[link(name = "rados")]
+    extern "C" {
+        pub fn rados_create2(
+            cluster: *mut rados_t,
+            cluster_name: *const c_char,
+            name: *const c_char,
+            flags: u64,
+        ) -> c_int;
+        pub fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
+        pub fn rados_conf_set(
+            cluster: rados_t,
+            option: *const c_char,
+            value: *const c_char,
+        ) -> c_int;
+        pub fn rados_conf_get(
+            cluster: rados_t,
+            option: *const c_char,
+            buf: *mut c_char,
+            len: usize,
+        ) -> c_int;
+        pub fn rados_connect(cluster: rados_t) -> c_int;
+        pub fn rados_shutdown(cluster: rados_t);
+        pub fn rados_get_instance_id(cluster: rados_t) -> u64;
+
+        pub fn rados_ioctx_create(
+            cluster: rados_t,
+            pool: *const c_char,
+            ioctx: *mut rados_ioctx_t,
+        ) -> c_int;
+        pub fn rados_ioctx_destroy(io: rados_ioctx_t);
+        pub fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
+        pub fn rados_ioctx_snap_set_read(io: rados_ioctx_t, snap: rados_snap_t);
+        pub fn rados_ioctx_selfmanaged_snap_set_write_ctx(
+            io: rados_ioctx_t,
+            seq: rados_snap_t,
+            snaps: *mut rados_snap_t,
+            num_snaps: c_int,
+        ) -> c_int;
+        pub fn rados_aio_ioctx_selfmanaged_snap_create(
+            io: rados_ioctx_t,
+            snapid: *mut rados_snap_t,
+            completion: rados_completion_t,
+        ) -> c_int;
+        pub fn rados_aio_ioctx_selfmanaged_snap_remove(
+            io: rados_ioctx_t,
+            snapid: rados_snap_t,
+            completion: rados_completion_t,
+        ) -> c_int;
+        pub fn rados_ioctx_selfmanaged_snap_rollback(
+            io: rados_ioctx_t,
+            oid: *const c_char,
+            snapid: rados_snap_t,
+        ) -> c_int;
+
+        pub fn rados_aio_create_completion2(
+            cb_arg: *mut c_void,
+            cb_complete: rados_callback_t,
+            pc: *mut rados_completion_t,
+        ) -> c_int;
+        pub fn rados_aio_get_return_value(c: rados_completion_t) -> c_int;
+        pub fn rados_aio_get_version(c: rados_completion_t) -> u64;
+        pub fn rados_aio_release(c: rados_completion_t);
+
+        pub fn rados_create_write_op() -> rados_write_op_t;
+        pub fn rados_release_write_op(op: rados_write_op_t);
+        pub fn rados_write_op_create(
+            op: rados_write_op_t,
+            exclusive: c_int,
+            category: *const c_char,
+        );
+        pub fn rados_write_op_assert_exists(op: rados_write_op_t);
+        pub fn rados_write_op_assert_version(op: rados_write_op_t, ver: u64);
+        pub fn rados_write_op_write(
+            op: rados_write_op_t,
+            buffer: *const c_char,
+            len: usize,
+            offset: u64,
+        );
+        pub fn rados_write_op_write_full(op: rados_write_op_t, buffer: *const c_char, len: usize);
+        pub fn rados_write_op_zero(op: rados_write_op_t, offset: u64, len: u64);
+        pub fn rados_write_op_truncate(op: rados_write_op_t, offset: u64);
+        pub fn rados_write_op_remove(op: rados_write_op_t);
+        pub fn rados_write_op_omap_set2(
+            op: rados_write_op_t,
+            keys: *const *const c_char,
+            vals: *const *const c_char,
+            key_lens: *const usize,
+            val_lens: *const usize,
+            num: usize,
+        );
+        pub fn rados_write_op_omap_rm_keys2(
+            op: rados_write_op_t,
+            keys: *const *const c_char,
+            key_lens: *const usize,
+            keys_len: usize,
+        );
+        pub fn rados_write_op_omap_rm_range2(
+            op: rados_write_op_t,
+            key_begin: *const c_char,
+            key_begin_len: usize,
+            key_end: *const c_char,
+            key_end_len: usize,
+        );
+        pub fn rados_write_op_set_alloc_hint2(
+            op: rados_write_op_t,
+            expected_object_size: u64,
+            expected_write_size: u64,
+            flags: u32,
+        );
+        pub fn rados_aio_write_op_operate(
+            op: rados_write_op_t,
+            io: rados_ioctx_t,
+            completion: rados_completion_t,
+            oid: *const c_char,
+            mtime: *mut libc::time_t,
+            flags: c_int,
+        ) -> c_int;
+
+        pub fn rados_create_read_op() -> rados_read_op_t;
+        pub fn rados_release_read_op(op: rados_read_op_t);
+        pub fn rados_read_op_stat(
+            op: rados_read_op_t,
+            psize: *mut u64,
+            pmtime: *mut libc::time_t,
+            prval: *mut c_int,
+        );
+        pub fn rados_read_op_read(
+            op: rados_read_op_t,
+            offset: u64,
+            len: usize,
+            buffer: *mut c_char,
+            bytes_read: *mut usize,
+            prval: *mut c_int,
+        );
+        pub fn rados_read_op_omap_get_vals2(
+            op: rados_read_op_t,
+            start_after: *const c_char,
+            filter_prefix: *const c_char,
+            max_return: u64,
+            iter: *mut rados_omap_iter_t,
+            pmore: *mut c_uchar,
+            prval: *mut c_int,
+        );
+        pub fn rados_read_op_omap_get_vals_by_keys2(
+            op: rados_read_op_t,
+            keys: *const *const c_char,
+            num_keys: usize,
+            key_lens: *const usize,
+            iter: *mut rados_omap_iter_t,
+            prval: *mut c_int,
+        );
+        pub fn rados_read_op_exec(
+            op: rados_read_op_t,
+            cls: *const c_char,
+            method: *const c_char,
+            in_buf: *const c_char,
+            in_len: usize,
+            out_buf: *mut *mut c_char,
+            out_len: *mut usize,
+            prval: *mut c_int,
+        );
+        pub fn rados_aio_read_op_operate(
+            op: rados_read_op_t,
+            io: rados_ioctx_t,
+            completion: rados_completion_t,
+            oid: *const c_char,
+            flags: c_int,
+        ) -> c_int;
+        pub fn rados_omap_get_next2(
+            iter: rados_omap_iter_t,
+            key: *mut *mut c_char,
+            val: *mut *mut c_char,
+            key_len: *mut usize,
+            val_len: *mut usize,
+        ) -> c_int;
+        pub fn rados_omap_get_end(iter: rados_omap_iter_t);
+        pub fn rados_buffer_free(buf: *mut c_char);
+
+        pub fn rados_lock_exclusive(
+            io: rados_ioctx_t,
+            oid: *const c_char,
+            name: *const c_char,
+            cookie: *const c_char,
+            desc: *const c_char,
+            duration: *mut libc::timeval,
+            flags: u8,
+        ) -> c_int;
+        pub fn rados_unlock(
+            io: rados_ioctx_t,
+            oid: *const c_char,
+            name: *const c_char,
+            cookie: *const c_char,
+        ) -> c_int;
+        pub fn rados_break_lock(
+            io: rados_ioctx_t,
+            oid: *const c_char,
+            name: *const c_char,
+            client: *const c_char,
+            cookie: *const c_char,
+        ) -> c_int;
+
+        pub fn rados_nobjects_list_open(io: rados_ioctx_t, ctx: *mut rados_list_ctx_t) -> c_int;
+        pub fn rados_nobjects_list_next2(
+            ctx: rados_list_ctx_t,
+            entry: *mut *const c_char,
+            key: *mut *const c_char,
+            nspace: *mut *const c_char,
+            entry_size: *mut usize,
+            key_size: *mut usize,
+            nspace_size: *mut usize,
+        ) -> c_int;
+        pub fn rados_nobjects_list_close(ctx: rados_list_ctx_t);
+    }
+}
+
+/// A negative librados return value, as a positive errno.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Errno(pub i32);
+
+impl Errno {
+    fn check(r: c_int) -> Result<c_int, Errno> {
+        if r < 0 {
+            Err(Errno(-r))
+        } else {
+            Ok(r)
+        }
+    }
+
+    pub fn io_error(self) -> io::Error {
+        io::Error::from_raw_os_error(self.0)
+    }
+}
+
+impl fmt::Display for Errno {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.io_error())
+    }
+}
+
+/// A string for a C call; our strings never hold NUL (object names, pool names and lock
+/// fields are checked before they get here), so one that does is refused as `EINVAL`.
+pub fn c_string(s: &str) -> Result<CString, Errno> {
+    CString::new(s).map_err(|_| Errno(libc::EINVAL))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster and io contexts
+
+/// A librados cluster handle (`rados_t`), shut down on drop.
+pub struct Cluster {
+    raw: sys::rados_t,
+}
+
+// SAFETY: librados cluster handles are thread-safe (librados serializes internally); the
+// pointer is only freed in `Drop`, once every io context (which hold an `Arc<Cluster>`) is gone.
+unsafe impl Send for Cluster {}
+// SAFETY: as above; `&Cluster` methods only call thread-safe librados functions.
+unsafe impl Sync for Cluster {}
+
+impl Cluster {
+    /// A handle for `client.<id>` of the cluster named "ceph" (not connected yet).
+    pub fn create(client_id: &str) -> Result<Cluster, Errno> {
+        let cluster = c_string("ceph")?;
+        let name = c_string(&format!("client.{client_id}"))?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the strings live across the call.
+        Errno::check(unsafe { sys::rados_create2(&mut raw, cluster.as_ptr(), name.as_ptr(), 0) })?;
+        Ok(Cluster { raw })
+    }
+
+    /// Read a config file (`None`: librados' search: `$CEPH_CONF`, /etc/ceph/ceph.conf, ...).
+    pub fn read_conf_file(&self, path: Option<&str>) -> Result<(), Errno> {
+        let path = path.map(c_string).transpose()?;
+        let p = path.as_ref().map_or(ptr::null(), |p| p.as_ptr());
+        // SAFETY: the handle is valid and not connected yet; `p` is NULL or a live C string.
+        Errno::check(unsafe { sys::rados_conf_read_file(self.raw, p) })?;
+        Ok(())
+    }
+
+    pub fn set_conf(&self, option: &str, value: &str) -> Result<(), Errno> {
+        let (o, v) = (c_string(option)?, c_string(value)?);
+        // SAFETY: valid handle; both strings live across the call.
+        Errno::check(unsafe { sys::rados_conf_set(self.raw, o.as_ptr(), v.as_ptr()) })?;
+        Ok(())
+    }
+
+    /// A config option's current value (for error messages).
+    pub fn get_conf(&self, option: &str) -> Result<String, Errno> {
+        let option = c_string(option)?;
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: valid handle; `buf` has `buf.len()` writable bytes; librados NUL-terminates
+        // the value or fails with ENAMETOOLONG.
+        Errno::check(unsafe {
+            sys::rados_conf_get(
+                self.raw,
+                option.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        })?;
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+    }
+
+    /// Connect (blocks up to `client_mount_timeout`).
+    pub fn connect(&self) -> Result<(), Errno> {
+        // SAFETY: valid, configured handle.
+        Errno::check(unsafe { sys::rados_connect(self.raw) })?;
+        Ok(())
+    }
+
+    /// This client's global id: lock holders are named `client.<instance id>`.
+    pub fn instance_id(&self) -> u64 {
+        // SAFETY: valid, connected handle (only called after `connect`).
+        unsafe { sys::rados_get_instance_id(self.raw) }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from rados_create2 and nothing uses it any more (io
+        // contexts keep the cluster alive through their Arc).
+        unsafe { sys::rados_shutdown(self.raw) }
+    }
+}
+
+/// An io context: one pool and namespace of a connected cluster. The read snapshot and the
+/// snapshot write context are per io context in librados; they are applied to an operation
+/// when it is submitted, so the store keeps separate io contexts for head writes and
+/// snapshot reads and serializes "set, then submit" on each (`&mut self` methods).
+pub struct IoCtx {
+    raw: sys::rados_ioctx_t,
+    _cluster: Arc<Cluster>,
+}
+
+// SAFETY: librados io contexts may be used from any thread; their only mutable state (read
+// snapshot, write context) is changed through `&mut self` methods.
+unsafe impl Send for IoCtx {}
+// SAFETY: `&self` methods only submit operations and make thread-safe librados calls.
+unsafe impl Sync for IoCtx {}
+
+impl IoCtx {
+    pub fn new(cluster: &Arc<Cluster>, pool: &str, namespace: &str) -> Result<IoCtx, Errno> {
+        let pool = c_string(pool)?;
+        let namespace = c_string(namespace)?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: connected cluster handle, valid out-pointer, live C string.
+        Errno::check(unsafe { sys::rados_ioctx_create(cluster.raw, pool.as_ptr(), &mut raw) })?;
+        // SAFETY: `raw` was just created; librados copies the namespace string.
+        unsafe { sys::rados_ioctx_set_namespace(raw, namespace.as_ptr()) };
+        Ok(IoCtx {
+            raw,
+            _cluster: cluster.clone(),
+        })
+    }
+
+    /// Reads submitted after this see snapshot `snap` (`None`: the head).
+    pub fn set_read_snap(&mut self, snap: Option<u64>) {
+        // SAFETY: valid io context; exclusive access through `&mut self`.
+        unsafe { sys::rados_ioctx_snap_set_read(self.raw, snap.unwrap_or(sys::LIBRADOS_SNAP_HEAD)) }
+    }
+
+    /// Writes submitted after this run under this self-managed snapshot context (`snaps`
+    /// newest first; seq 0 and no snaps: none).
+    pub fn set_write_context(&mut self, seq: u64, snaps: &[u64]) -> Result<(), Errno> {
+        let mut snaps = snaps.to_vec();
+        let n = c_int::try_from(snaps.len()).map_err(|_| Errno(libc::EINVAL))?;
+        // SAFETY: valid io context, exclusive through `&mut self`; librados copies the array.
+        Errno::check(unsafe {
+            sys::rados_ioctx_selfmanaged_snap_set_write_ctx(self.raw, seq, snaps.as_mut_ptr(), n)
+        })?;
+        Ok(())
+    }
+
+    /// Submit a write operation on `oid`; the future resolves once it is durable on the OSDs.
+    pub fn submit_write(&self, oid: &CStr, op: WriteOp) -> Result<Pending<WriteOp>, Errno> {
+        let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
+        submit(op, move |c| {
+            // SAFETY: the op, io context and completion are valid; `oid` outlives this call
+            // (librados copies it); the op stays alive inside the payload until completion.
+            unsafe { sys::rados_aio_write_op_operate(raw_op, io, c, oid_ptr, ptr::null_mut(), 0) }
+        })
+    }
+
+    /// Submit a read operation on `oid` (at the io context's read snapshot).
+    pub fn submit_read(&self, oid: &CStr, op: ReadOp) -> Result<Pending<ReadOp>, Errno> {
+        let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
+        submit(op, move |c| {
+            // SAFETY: as in `submit_write`; every buffer the steps write into is owned by the
+            // boxed payload, alive until the callback.
+            unsafe { sys::rados_aio_read_op_operate(raw_op, io, c, oid_ptr, 0) }
+        })
+    }
+
+    /// Allocate a self-managed snapshot id (a monitor round trip).
+    pub fn snap_create(&self) -> Result<Pending<Box<u64>>, Errno> {
+        let mut id = Box::new(0u64);
+        let out: *mut u64 = &mut *id;
+        let io = self.raw;
+        submit(id, move |c| {
+            // SAFETY: `out` points into the boxed payload, which lives until the callback.
+            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_create(io, out, c) }
+        })
+    }
+
+    pub fn snap_remove(&self, snap: u64) -> Result<Pending<()>, Errno> {
+        let io = self.raw;
+        submit((), move |c| {
+            // SAFETY: valid io context and completion.
+            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_remove(io, snap, c) }
+        })
+    }
+
+    /// Roll `oid` back to `snap` under the current write context (blocking).
+    pub fn rollback(&self, oid: &CStr, snap: u64) -> Result<(), Errno> {
+        // SAFETY: valid io context; `oid` is a live C string.
+        Errno::check(unsafe {
+            sys::rados_ioctx_selfmanaged_snap_rollback(self.raw, oid.as_ptr(), snap)
+        })?;
+        Ok(())
+    }
+
+    /// Take (or, with `renew`, extend) an exclusive lock (blocking).
+    pub fn lock_exclusive(
+        &self,
+        oid: &CStr,
+        name: &str,
+        cookie: &str,
+        description: &str,
+        duration: Option<Duration>,
+        renew: bool,
+    ) -> Result<(), Errno> {
+        let (name, cookie, description) =
+            (c_string(name)?, c_string(cookie)?, c_string(description)?);
+        let mut tv = duration.map(|d| libc::timeval {
+            tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_usec: d.subsec_micros() as libc::suseconds_t,
+        });
+        let tv_ptr = tv
+            .as_mut()
+            .map_or(ptr::null_mut(), |t| t as *mut libc::timeval);
+        let flags = if renew {
+            sys::LIBRADOS_LOCK_FLAG_MAY_RENEW
+        } else {
+            0
+        };
+        // SAFETY: valid io context; all strings and the timeval live across the call.
+        Errno::check(unsafe {
+            sys::rados_lock_exclusive(
+                self.raw,
+                oid.as_ptr(),
+                name.as_ptr(),
+                cookie.as_ptr(),
+                description.as_ptr(),
+                tv_ptr,
+                flags,
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn unlock(&self, oid: &CStr, name: &str, cookie: &str) -> Result<(), Errno> {
+        let (name, cookie) = (c_string(name)?, c_string(cookie)?);
+        // SAFETY: valid io context; the strings live across the call.
+        Errno::check(unsafe {
+            sys::rados_unlock(self.raw, oid.as_ptr(), name.as_ptr(), cookie.as_ptr())
+        })?;
+        Ok(())
+    }
+
+    pub fn break_lock(
+        &self,
+        oid: &CStr,
+        name: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), Errno> {
+        let (name, client, cookie) = (c_string(name)?, c_string(client)?, c_string(cookie)?);
+        // SAFETY: valid io context; the strings live across the call.
+        Errno::check(unsafe {
+            sys::rados_break_lock(
+                self.raw,
+                oid.as_ptr(),
+                name.as_ptr(),
+                client.as_ptr(),
+                cookie.as_ptr(),
+            )
+        })?;
+        Ok(())
+    }
+
+    /// The names of all objects in the io context's namespace (blocking; walks every PG).
+    pub fn list_objects(&self) -> Result<Vec<Vec<u8>>, Errno> {
+        let mut ctx = ptr::null_mut();
+        // SAFETY: valid io context and out-pointer.
+        Errno::check(unsafe { sys::rados_nobjects_list_open(self.raw, &mut ctx) })?;
+        let mut names = Vec::new();
+        let result = loop {
+            let (mut entry, mut entry_len) = (ptr::null(), 0usize);
+            // SAFETY: `ctx` is open; librados sets `entry`/`entry_len` to a buffer valid until
+            // the next list call, which we copy at once. Key and namespace are not asked for.
+            let r = unsafe {
+                sys::rados_nobjects_list_next2(
+                    ctx,
+                    &mut entry,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    &mut entry_len,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                )
+            };
+            if r == -libc::ENOENT {
+                break Ok(names);
+            }
+            if r < 0 {
+                break Err(Errno(-r));
+            }
+            // SAFETY: librados returned `entry_len` valid bytes at `entry`.
+            names.push(
+                unsafe { std::slice::from_raw_parts(entry.cast::<u8>(), entry_len) }.to_vec(),
+            );
+        };
+        // SAFETY: `ctx` is open and closed exactly once.
+        unsafe { sys::rados_nobjects_list_close(ctx) };
+        result
+    }
+}
+
+impl Drop for IoCtx {
+    fn drop(&mut self) {
+        // SAFETY: created by rados_ioctx_create; no operation is being submitted (we own it),
+        // and librados keeps in-flight operations' state alive on its own.
+        unsafe { sys::rados_ioctx_destroy(self.raw) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous completions
+
+/// What a completed operation hands back: its payload (buffers now filled), the operation's
+/// return value and the object version it reported.
+pub struct Done<T> {
+    pub payload: T,
+    pub rval: i32,
+    pub version: u64,
+}
+
+/// A submitted operation; resolves when librados completes it.
+pub type Pending<T> = oneshot::Receiver<Done<T>>;
+
+struct Inflight<T> {
+    payload: T,
+    done: oneshot::Sender<Done<T>>,
+}
+
+extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *mut c_void) {
+    // SAFETY: `arg` is the `Box<Inflight<T>>` leaked by `submit` for this completion, and
+    // librados calls this callback exactly once, so the box is reclaimed exactly once.
+    let inflight = unsafe { Box::from_raw(arg.cast::<Inflight<T>>()) };
+    // SAFETY: `c` is the completion this callback belongs to; it is still valid here.
+    let (rval, version) = unsafe {
+        (
+            sys::rados_aio_get_return_value(c),
+            sys::rados_aio_get_version(c),
+        )
+    };
+    // SAFETY: drops our reference; librados holds its own until the callback returns.
+    unsafe { sys::rados_aio_release(c) };
+    let Inflight { payload, done } = *inflight;
+    // A dropped receiver gets the payload dropped here, which frees its librados buffers.
+    let _ = done.send(Done {
+        payload,
+        rval,
+        version,
+    });
+}
+
+/// Leak `payload` into a new completion's callback argument and run `start` (which must submit
+/// an operation using that completion, touching the payload only through raw pointers taken
+/// before). On a submission error the callback never runs, so the payload is reclaimed here.
+fn submit<T: Send + 'static>(
+    payload: T,
+    start: impl FnOnce(sys::rados_completion_t) -> c_int,
+) -> Result<Pending<T>, Errno> {
+    let (done, pending) = oneshot::channel();
+    let inflight = Box::into_raw(Box::new(Inflight { payload, done }));
+    let mut c = ptr::null_mut();
+    // SAFETY: valid out-pointer; the callback is a monomorphized `on_complete::<T>` matching
+    // the argument's type.
+    let r = unsafe {
+        sys::rados_aio_create_completion2(inflight.cast(), Some(on_complete::<T>), &mut c)
+    };
+    if r < 0 {
+        // SAFETY: no completion exists, so nobody else will reclaim the box.
+        drop(unsafe { Box::from_raw(inflight) });
+        return Err(Errno(-r));
+    }
+    let r = start(c);
+    if r < 0 {
+        // SAFETY: the operation was refused, so the callback will never run: release the
+        // completion and reclaim the box here, exactly once.
+        unsafe {
+            sys::rados_aio_release(c);
+            drop(Box::from_raw(inflight));
+        }
+        return Err(Errno(-r));
+    }
+    Ok(pending)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Write operations
+
+/// A compound write operation (`rados_write_op_t`): the steps apply atomically on the OSD.
+/// librados copies data and keys into the operation when a step is added.
+pub struct WriteOp {
+    raw: sys::rados_write_op_t,
+}
+
+// SAFETY: the op handle is owned exclusively by this value and only used by one thread at a
+// time (built, then submitted, then released).
+unsafe impl Send for WriteOp {}
+
+/// Pointer and length arrays for a list of byte strings, as the `*2` omap calls take them.
+fn byte_arrays(items: &[&[u8]]) -> (Vec<*const c_char>, Vec<usize>) {
+    (
+        items.iter().map(|i| i.as_ptr().cast()).collect(),
+        items.iter().map(|i| i.len()).collect(),
+    )
+}
+
+impl WriteOp {
+    pub fn new() -> Result<WriteOp, Errno> {
+        // SAFETY: plain allocation; NULL on failure.
+        let raw = unsafe { sys::rados_create_write_op() };
+        if raw.is_null() {
+            return Err(Errno(libc::ENOMEM));
+        }
+        Ok(WriteOp { raw })
+    }
+
+    pub fn create_exclusive(&mut self) {
+        // SAFETY: valid op; a NULL category is allowed (unused by librados).
+        unsafe { sys::rados_write_op_create(self.raw, sys::LIBRADOS_CREATE_EXCLUSIVE, ptr::null()) }
+    }
+
+    pub fn assert_exists(&mut self) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_assert_exists(self.raw) }
+    }
+
+    pub fn assert_version(&mut self, version: u64) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_assert_version(self.raw, version) }
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        // SAFETY: valid op; librados copies `data` into the op before returning.
+        unsafe { sys::rados_write_op_write(self.raw, data.as_ptr().cast(), data.len(), offset) }
+    }
+
+    pub fn write_full(&mut self, data: &[u8]) {
+        // SAFETY: valid op; librados copies `data`.
+        unsafe { sys::rados_write_op_write_full(self.raw, data.as_ptr().cast(), data.len()) }
+    }
+
+    pub fn zero(&mut self, offset: u64, len: u64) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_zero(self.raw, offset, len) }
+    }
+
+    pub fn truncate(&mut self, size: u64) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_truncate(self.raw, size) }
+    }
+
+    pub fn remove(&mut self) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_remove(self.raw) }
+    }
+
+    pub fn omap_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) {
+        let keys: Vec<&[u8]> = pairs.iter().map(|(k, _)| k.as_slice()).collect();
+        let values: Vec<&[u8]> = pairs.iter().map(|(_, v)| v.as_slice()).collect();
+        let (key_ptrs, key_lens) = byte_arrays(&keys);
+        let (value_ptrs, value_lens) = byte_arrays(&values);
+        // SAFETY: valid op; four arrays of `pairs.len()` entries pointing at live bytes;
+        // librados encodes them into the op before returning.
+        unsafe {
+            sys::rados_write_op_omap_set2(
+                self.raw,
+                key_ptrs.as_ptr(),
+                value_ptrs.as_ptr(),
+                key_lens.as_ptr(),
+                value_lens.as_ptr(),
+                pairs.len(),
+            )
+        }
+    }
+
+    pub fn omap_remove_keys(&mut self, keys: &[Vec<u8>]) {
+        let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let (ptrs, lens) = byte_arrays(&keys);
+        // SAFETY: valid op; arrays of `keys.len()` entries pointing at live bytes, copied.
+        unsafe {
+            sys::rados_write_op_omap_rm_keys2(self.raw, ptrs.as_ptr(), lens.as_ptr(), keys.len())
+        }
+    }
+
+    pub fn omap_remove_range(&mut self, start: &[u8], end: &[u8]) {
+        // SAFETY: valid op; both keys are live byte ranges, copied by librados.
+        unsafe {
+            sys::rados_write_op_omap_rm_range2(
+                self.raw,
+                start.as_ptr().cast(),
+                start.len(),
+                end.as_ptr().cast(),
+                end.len(),
+            )
+        }
+    }
+
+    /// Tell BlueStore the expected object and write sizes (allocation hint, no semantics).
+    pub fn set_alloc_hint(&mut self, object_size: u64, write_size: u64) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_set_alloc_hint2(self.raw, object_size, write_size, 0) }
+    }
+}
+
+impl Drop for WriteOp {
+    fn drop(&mut self) {
+        // SAFETY: created by rados_create_write_op, released once; dropped only after its
+        // completion ran (or if it was never submitted).
+        unsafe { sys::rados_release_write_op(self.raw) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Read operations
+
+/// Where one read step's results land. Boxed, so the addresses handed to librados stay put
+/// while the op is built and in flight.
+enum Slot {
+    Read {
+        buf: Vec<u8>,
+        bytes_read: usize,
+        rval: c_int,
+    },
+    Stat {
+        size: u64,
+        mtime: libc::time_t,
+        rval: c_int,
+    },
+    Omap {
+        iter: sys::rados_omap_iter_t,
+        more: u8,
+        rval: c_int,
+    },
+    Exec {
+        out: *mut c_char,
+        out_len: usize,
+        rval: c_int,
+    },
+}
+
+/// One read step's result.
+#[derive(Debug)]
+pub enum SlotResult {
+    Read(Vec<u8>),
+    Stat {
+        size: u64,
+    },
+    Omap {
+        pairs: Vec<(Vec<u8>, Vec<u8>)>,
+        more: bool,
+    },
+    Exec(Vec<u8>),
+}
+
+/// A compound read operation (`rados_read_op_t`): its steps see one state of the object.
+pub struct ReadOp {
+    raw: sys::rados_read_op_t,
+    // Boxed on purpose: librados holds pointers into earlier slots while later ones are
+    // pushed, so a slot must not move when the vector grows.
+    #[allow(clippy::vec_box)]
+    slots: Vec<Box<Slot>>,
+}
+
+// SAFETY: the op handle, the omap iterators and exec buffers in the slots are owned
+// exclusively by this value; librados only writes into the slots until the completion, after
+// which one thread at a time uses the value.
+unsafe impl Send for ReadOp {}
+
+impl ReadOp {
+    pub fn new() -> Result<ReadOp, Errno> {
+        // SAFETY: plain allocation; NULL on failure.
+        let raw = unsafe { sys::rados_create_read_op() };
+        if raw.is_null() {
+            return Err(Errno(libc::ENOMEM));
+        }
+        Ok(ReadOp {
+            raw,
+            slots: Vec::new(),
+        })
+    }
+
+    fn push(&mut self, slot: Slot) -> &mut Slot {
+        self.slots.push(Box::new(slot));
+        self.slots.last_mut().expect("just pushed")
+    }
+
+    /// A new omap slot's out-parameters: iterator, "more" flag, return value.
+    fn push_omap(&mut self) -> (&mut sys::rados_omap_iter_t, &mut u8, &mut c_int) {
+        match self.push(Slot::Omap {
+            iter: ptr::null_mut(),
+            more: 0,
+            rval: 0,
+        }) {
+            Slot::Omap { iter, more, rval } => (iter, more, rval),
+            _ => unreachable!("just pushed an omap slot"),
+        }
+    }
+
+    /// Read up to `len` bytes at `offset` (fewer at the object's end; holes read as zeros).
+    pub fn read(&mut self, offset: u64, len: usize) {
+        let raw = self.raw;
+        let Slot::Read {
+            buf,
+            bytes_read,
+            rval,
+        } = self.push(Slot::Read {
+            buf: Vec::with_capacity(len),
+            bytes_read: 0,
+            rval: 0,
+        })
+        else {
+            unreachable!()
+        };
+        // SAFETY: valid op; `buf` has capacity `len` and, like `bytes_read` and `rval`, lives
+        // in a boxed slot that outlives the operation. librados writes at most `len` bytes.
+        unsafe {
+            sys::rados_read_op_read(raw, offset, len, buf.as_mut_ptr().cast(), bytes_read, rval)
+        }
+    }
+
+    pub fn stat(&mut self) {
+        let raw = self.raw;
+        let Slot::Stat { size, mtime, rval } = self.push(Slot::Stat {
+            size: 0,
+            mtime: 0,
+            rval: 0,
+        }) else {
+            unreachable!()
+        };
+        // SAFETY: valid op; the out-parameters live in a boxed slot that outlives the op.
+        unsafe { sys::rados_read_op_stat(raw, size, mtime, rval) }
+    }
+
+    /// Up to `max` pairs with keys after `start_after` (a C string: RADOS takes no NUL here).
+    pub fn omap_get_vals(&mut self, start_after: &CStr, max: u64) {
+        let raw = self.raw;
+        let (iter, more, rval) = self.push_omap();
+        // SAFETY: valid op; librados copies `start_after` into the op; the out-parameters live
+        // in a boxed slot that outlives the op.
+        unsafe {
+            sys::rados_read_op_omap_get_vals2(
+                raw,
+                start_after.as_ptr(),
+                ptr::null(),
+                max,
+                iter,
+                more,
+                rval,
+            )
+        }
+    }
+
+    pub fn omap_get_vals_by_keys(&mut self, keys: &[Vec<u8>]) {
+        let raw = self.raw;
+        let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let (ptrs, lens) = byte_arrays(&keys);
+        let (iter, _, rval) = self.push_omap();
+        // SAFETY: valid op; the key arrays are live for the call and copied by librados; the
+        // out-parameters live in a boxed slot that outlives the op.
+        unsafe {
+            sys::rados_read_op_omap_get_vals_by_keys2(
+                raw,
+                ptrs.as_ptr(),
+                keys.len(),
+                lens.as_ptr(),
+                iter,
+                rval,
+            )
+        }
+    }
+
+    /// Call object class method `class.method` with `input` (read-only methods only).
+    pub fn exec(&mut self, class: &CStr, method: &CStr, input: &[u8]) {
+        let raw = self.raw;
+        let Slot::Exec { out, out_len, rval } = self.push(Slot::Exec {
+            out: ptr::null_mut(),
+            out_len: 0,
+            rval: 0,
+        }) else {
+            unreachable!()
+        };
+        // SAFETY: valid op; names and input are copied by librados; the out-parameters live in
+        // a boxed slot that outlives the op; `out` is freed with rados_buffer_free in `Drop`.
+        unsafe {
+            sys::rados_read_op_exec(
+                raw,
+                class.as_ptr(),
+                method.as_ptr(),
+                input.as_ptr().cast(),
+                input.len(),
+                out,
+                out_len,
+                rval,
+            )
+        }
+    }
+
+    /// The steps' results in order (after completion; a step that failed gives its errno).
+    /// What librados allocated (iterators, exec output) is freed by `Drop`.
+    pub fn results(mut self) -> Vec<Result<SlotResult, Errno>> {
+        self.slots
+            .iter_mut()
+            .map(|slot| match &mut **slot {
+                Slot::Read { rval, .. }
+                | Slot::Stat { rval, .. }
+                | Slot::Omap { rval, .. }
+                | Slot::Exec { rval, .. }
+                    if *rval < 0 =>
+                {
+                    Err(Errno(-*rval))
+                }
+                Slot::Read {
+                    buf, bytes_read, ..
+                } => {
+                    let n = (*bytes_read).min(buf.capacity());
+                    // SAFETY: librados wrote `bytes_read` (at most the capacity we gave it)
+                    // initialized bytes at the start of `buf`.
+                    unsafe { buf.set_len(n) };
+                    Ok(SlotResult::Read(std::mem::take(buf)))
+                }
+                Slot::Stat { size, .. } => Ok(SlotResult::Stat { size: *size }),
+                Slot::Omap { iter, more, .. } => Ok(SlotResult::Omap {
+                    pairs: drain_omap(iter),
+                    more: *more != 0,
+                }),
+                Slot::Exec { out, out_len, .. } => Ok(SlotResult::Exec(if out.is_null() {
+                    Vec::new()
+                } else {
+                    // SAFETY: librados allocated `out_len` bytes at `out` (freed in `Drop`).
+                    unsafe { std::slice::from_raw_parts(out.cast::<u8>(), *out_len) }.to_vec()
+                })),
+            })
+            .collect()
+    }
+}
+
+/// Copy every pair out of an omap iterator and end it (it is NULL if the step never ran).
+fn drain_omap(iter: &mut sys::rados_omap_iter_t) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut pairs = Vec::new();
+    if iter.is_null() {
+        return pairs;
+    }
+    loop {
+        let (mut k, mut v, mut kl, mut vl) = (ptr::null_mut(), ptr::null_mut(), 0usize, 0usize);
+        // SAFETY: `*iter` is a live iterator from a completed step; librados sets the
+        // pointers to buffers valid until the next call, copied at once below.
+        let r = unsafe { sys::rados_omap_get_next2(*iter, &mut k, &mut v, &mut kl, &mut vl) };
+        if r < 0 || k.is_null() {
+            break;
+        }
+        // SAFETY: librados returned `kl` and `vl` valid bytes at `k` and `v` (v may be NULL
+        // for an empty value).
+        let key = unsafe { std::slice::from_raw_parts(k.cast::<u8>(), kl) }.to_vec();
+        let value = if v.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts(v.cast::<u8>(), vl) }.to_vec()
+        };
+        pairs.push((key, value));
+    }
+    // SAFETY: ends the live iterator exactly once; NULL afterwards so `Drop` skips it.
+    unsafe { sys::rados_omap_get_end(*iter) };
+    *iter = ptr::null_mut();
+    pairs
+}
+
+impl Drop for ReadOp {
+    fn drop(&mut self) {
+        for slot in &mut self.slots {
+            match &mut **slot {
+                Slot::Omap { iter, .. } if !iter.is_null() => {
+                    // SAFETY: a live iterator from a completed step, ended once.
+                    unsafe { sys::rados_omap_get_end(*iter) };
+                    *iter = ptr::null_mut();
+                }
+                Slot::Exec { out, .. } if !out.is_null() => {
+                    // SAFETY: a buffer librados allocated for this step, freed once.
+                    unsafe { sys::rados_buffer_free(*out) };
+                    *out = ptr::null_mut();
+                }
+                _ => {}
+            }
+        }
+        // SAFETY: created by rados_create_read_op, released once, after its completion ran
+        // (or if it was never submitted).
+        unsafe { sys::rados_release_read_op(self.raw) }
+    }
+}

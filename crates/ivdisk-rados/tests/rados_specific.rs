@@ -1,0 +1,234 @@
+//! What the RADOS store does beyond the shared conformance suite: futures dropped while their
+//! operation is in flight (the FFI's ownership of librados' buffers), the places where
+//! librados' C API falls short of the trait, and the allocation hint.
+
+mod common;
+
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use ivdisk_rados::RadosConfig;
+use ivdisk_store::{
+    ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, StoreError, WriteOp,
+    WriteStep,
+};
+
+macro_rules! skip_without_ceph {
+    () => {
+        if let Some(reason) = common::skip_reason() {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+}
+
+fn name(test: &str, suffix: impl std::fmt::Display) -> ObjectName {
+    ObjectName::new(format!("specific.{test}/{suffix}")).unwrap()
+}
+
+/// Futures polled once (the operation is submitted) and dropped: librados completes the
+/// operations into buffers the FFI still owns, the writes apply, nothing crashes, and the
+/// store goes on working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_futures_leave_librados_nothing_freed() {
+    skip_without_ceph!();
+    let store = common::open().await;
+    let big = vec![0xa5u8; 1 << 20];
+    for round in 0..4 {
+        for i in 0..32 {
+            let object = name("dropped", i);
+            // Submitted on the first poll, then dropped mid-flight.
+            let write = store.write_op(
+                &object,
+                WriteOp::new()
+                    .write(0, big.clone())
+                    .omap_set(vec![(b"round".to_vec(), vec![round])]),
+            );
+            assert!(write.now_or_never().is_none() || round > 0);
+            let read = store.read_op(
+                &object,
+                ReadOp::new()
+                    .step(ReadStep::Read {
+                        offset: 0,
+                        len: 1 << 20,
+                    })
+                    .step(ReadStep::OmapGetRange {
+                        start: Vec::new(),
+                        end: None,
+                        max: 10,
+                    }),
+            );
+            drop(read.now_or_never());
+        }
+    }
+    // Every write was submitted, so every object ends up written (operations on one object
+    // apply in order: the last round's omap wins).
+    for i in 0..32 {
+        let object = name("dropped", i);
+        let mut attempts = 0;
+        loop {
+            match store.omap_all(&object).await {
+                Ok(omap) if omap == vec![(b"round".to_vec(), vec![3])] => break,
+                Ok(_) | Err(StoreError::NotFound { .. }) if attempts < 100 => {
+                    attempts += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => panic!("{object}: {other:?}"),
+            }
+        }
+        assert_eq!(store.read(&object, 0, 1 << 20).await.unwrap(), big);
+    }
+}
+
+#[tokio::test]
+async fn rollback_must_be_alone() {
+    skip_without_ceph!();
+    let store = common::open().await;
+    let object = name("rollback", "obj");
+    store.write(&object, 0, b"data").await.unwrap();
+    let snap = store.snap_create().await.unwrap();
+    let e = store
+        .write_op(
+            &object,
+            WriteOp::new()
+                .step(WriteStep::Rollback(snap))
+                .write(0, b"more"),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::InvalidOperation { reason, .. } if reason.contains("only step")),
+        "{e:?}"
+    );
+    assert_eq!(store.read(&object, 0, 10).await.unwrap(), b"data");
+    store.snap_remove(snap).await.unwrap();
+}
+
+/// Range reads whose start key holds NUL bytes (binary big-endian keys) list from the key's
+/// NUL-free prefix: exact while the start lies within the OSD's per-request listing limit
+/// (`osd_max_omap_entries_per_request`, 1024 by default) of that prefix, and a clear
+/// `InvalidOperation` beyond it, never a wrong answer.
+#[tokio::test]
+async fn omap_ranges_from_binary_keys_are_exact_or_refused() {
+    skip_without_ceph!();
+    let store = common::open().await;
+    let object = name("binary-omap", "obj");
+    let key = |n: u64| n.to_be_bytes().to_vec();
+    let pairs: Vec<_> = (0..1500u64)
+        .map(|n| (key(n), n.to_le_bytes().to_vec()))
+        .collect();
+    for chunk in pairs.chunks(500) {
+        store
+            .write_op(&object, WriteOp::new().omap_set(chunk.to_vec()))
+            .await
+            .unwrap();
+    }
+    let range = |start: u64, end: Option<u64>, max: usize| {
+        let store = &store;
+        let object = &object;
+        async move {
+            let mut results = store
+                .read_op(
+                    object,
+                    ReadOp::new().step(ReadStep::OmapGetRange {
+                        start: key(start),
+                        end: end.map(key),
+                        max,
+                    }),
+                )
+                .await?;
+            match results.pop() {
+                Some(ReadResult::Omap { pairs, more }) => Ok((pairs, more)),
+                other => panic!("an omap result, not {other:?}"),
+            }
+        }
+    };
+    for (start, end, max) in [
+        (0u64, None, 5usize),
+        (3, Some(9u64), 100),
+        (500, None, 10),
+        (600, Some(1400), 300),
+        (1000, None, 10),
+    ] {
+        let (got, more) = range(start, end, max).await.unwrap();
+        let in_range: Vec<_> = pairs
+            .iter()
+            .filter(|(k, _)| *k >= key(start) && end.is_none_or(|e| *k < key(e)))
+            .cloned()
+            .collect();
+        let expected: Vec<_> = in_range.iter().take(max).cloned().collect();
+        assert_eq!(got, expected, "start {start} end {end:?} max {max}");
+        assert_eq!(
+            more,
+            in_range.len() > max,
+            "start {start} end {end:?} max {max}"
+        );
+    }
+    // 1400 keys lie between the empty prefix and this start: out of reach, said clearly.
+    let e = range(1400, None, 10).await.unwrap_err();
+    assert!(
+        matches!(&e, StoreError::InvalidOperation { reason, .. }
+            if reason.contains("NUL") && reason.contains("0000000000000578")),
+        "{e:?}"
+    );
+    // A NUL-free start key reaches anywhere: here all keys after "\x01".
+    let mut results = store
+        .read_op(
+            &object,
+            ReadOp::new().step(ReadStep::OmapGetRange {
+                start: vec![1],
+                end: None,
+                max: 10,
+            }),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        results.pop(),
+        Some(ReadResult::Omap {
+            pairs: vec![],
+            more: false
+        })
+    );
+}
+
+/// The C API has no sparse read: holes read as zeros, inside one extent, and the store says
+/// it cannot tell them apart.
+#[tokio::test]
+async fn holes_read_as_zeros() {
+    skip_without_ceph!();
+    let store = common::open().await;
+    assert!(!store.distinguishes_holes());
+    let object = name("holes", "obj");
+    store.write(&object, 8192, b"tail").await.unwrap();
+    let extents = store.read_sparse(&object, 0, 1 << 20).await.unwrap();
+    assert_eq!(extents.len(), 1);
+    assert_eq!(extents[0].offset, 0);
+    assert_eq!(extents[0].data.len(), 8196);
+    assert!(extents[0].data[..8192].iter().all(|&b| b == 0));
+}
+
+/// With an expected object size, every data write carries an allocation hint; the data is the
+/// same either way.
+#[tokio::test]
+async fn allocation_hint_changes_no_data() {
+    skip_without_ceph!();
+    let store = ivdisk_rados::RadosStore::open(&RadosConfig {
+        expected_object_size: Some(4 << 20),
+        ..common::config()
+    })
+    .await
+    .unwrap();
+    let object = name("hint", "obj");
+    let data: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+    store
+        .write_op(
+            &object,
+            WriteOp::new()
+                .write(4096, data.clone())
+                .omap_set(vec![(b"k".to_vec(), b"v".to_vec())]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.read(&object, 4096, 65536).await.unwrap(), data);
+}
