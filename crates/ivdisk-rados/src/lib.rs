@@ -13,7 +13,7 @@
 
 mod config;
 mod error;
-pub mod lock_info;
+mod lock_info;
 
 #[cfg(feature = "librados")]
 mod ffi;
