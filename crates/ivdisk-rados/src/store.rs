@@ -89,15 +89,9 @@ impl RadosStore {
     /// `config.connect_timeout`).
     pub async fn open(config: &RadosConfig) -> Result<RadosStore, RadosError> {
         let config = config.clone();
-        let (tx, rx) = oneshot::channel();
-        std::thread::Builder::new()
-            .name("ivdisk-rados-connect".into())
-            .spawn(move || {
-                let _ = tx.send(Self::open_blocking(&config));
-            })
-            .map_err(|e| RadosError::Invalid(format!("cannot start a thread: {e}")))?;
-        rx.await
-            .map_err(|_| RadosError::Invalid("connecting panicked".into()))?
+        blocking("connecting", move || Self::open_blocking(&config))
+            .await
+            .map_err(|e| RadosError::Invalid(e.to_string()))?
     }
 
     fn open_blocking(config: &RadosConfig) -> Result<RadosStore, RadosError> {
@@ -262,57 +256,8 @@ impl RadosStore {
         Ok(WriteOutcome { version })
     }
 
-    /// The holders of `lock` on `object`, from `cls_lock`'s `get_info` (which, unlike
-    /// `rados_list_lockers`, reports when each expires).
-    async fn lockers(&self, object: &ObjectName, lock: &str) -> Result<Vec<Locker>, StoreError> {
-        let mut op = ffi::ReadOp::new().map_err(|e| self.error(object, "reading locks of", e))?;
-        let class = CString::new("lock").expect("no NUL");
-        let method = CString::new("get_info").expect("no NUL");
-        op.exec(&class, &method, &lock_info::encode_get_info_request(lock));
-        let done = self
-            .control
-            .submit_read(&cstring(object), op)
-            .map_err(|e| self.error(object, "reading locks of", e))?
-            .await
-            .map_err(closed)?;
-        if done.rval == -libc::ENOENT || done.rval == -libc::ENODATA {
-            return Ok(Vec::new());
-        }
-        if done.rval < 0 {
-            return Err(self.error(object, "reading locks of", Errno(-done.rval)));
-        }
-        let reply = match done.payload.results().pop() {
-            Some(Ok(SlotResult::Exec(reply))) => reply,
-            Some(Err(e)) if e.0 == libc::ENOENT || e.0 == libc::ENODATA => return Ok(Vec::new()),
-            Some(Err(e)) => return Err(self.error(object, "reading locks of", e)),
-            other => {
-                return Err(StoreError::Corrupt(format!(
-                    "lock.get_info on `{object}` returned {other:?}"
-                )))
-            }
-        };
-        let info = lock_info::decode_get_info_reply(&reply).map_err(|e| {
-            StoreError::Corrupt(format!(
-                "cannot decode the lock info of `{object}` (lock `{lock}`): {e}"
-            ))
-        })?;
-        let now = SystemTime::now();
-        Ok(info
-            .lockers
-            .into_iter()
-            .map(|l| Locker {
-                client: l.entity_name(),
-                expires_in: l
-                    .expiration()
-                    .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO)),
-                cookie: l.cookie,
-                description: l.description,
-            })
-            .collect())
-    }
-
     async fn busy(&self, object: &ObjectName, lock: &str) -> StoreError {
-        let holder = match self.lockers(object, lock).await {
+        let holder = match self.list_lockers(object, lock).await {
             Ok(lockers) if !lockers.is_empty() => lockers
                 .iter()
                 .map(|l| format!("{} (cookie `{}`)", l.client, l.cookie))
@@ -328,11 +273,136 @@ impl RadosStore {
     }
 }
 
-impl RadosStore {
-    async fn read_once(
+/// Whether the object exists after these steps (`None`: as before them).
+fn exists_after(steps: &[WriteStep]) -> Option<bool> {
+    steps.iter().rev().find_map(|step| match step {
+        WriteStep::Remove => Some(false),
+        WriteStep::CreateExclusive
+        | WriteStep::Write { .. }
+        | WriteStep::WriteFull(_)
+        | WriteStep::Truncate(_)
+        | WriteStep::OmapSet(_) => Some(true),
+        _ => None,
+    })
+}
+
+/// How the results of one read step are found among the op's slots.
+enum Plan {
+    Read {
+        offset: u64,
+        slot: bool,
+    },
+    Stat,
+    ByKeys,
+    Range {
+        start: Vec<u8>,
+        end: Option<Vec<u8>>,
+        max: usize,
+        /// The start key is looked up by key (a separate slot before the listing).
+        by_key: bool,
+    },
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for RadosStore {
+    async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
+        for step in &op.steps {
+            match step {
+                WriteStep::Write { offset, data } => {
+                    check_range(object, *offset, data.len() as u64)?
+                }
+                WriteStep::WriteFull(data) => check_range(object, 0, data.len() as u64)?,
+                WriteStep::Zero { offset, len } => check_range(object, *offset, *len)?,
+                WriteStep::Truncate(size) => check_range(object, *size, 0)?,
+                _ => {}
+            }
+        }
+        if let Some(snap) = op.steps.iter().find_map(|s| match s {
+            WriteStep::Rollback(snap) => Some(*snap),
+            _ => None,
+        }) {
+            if op.steps.len() != 1 {
+                return Err(invalid(
+                    object,
+                    "on RADOS a Rollback must be the only step of its operation (librados' C \
+                     API has no rollback step)",
+                ));
+            }
+            return self.rollback(object, snap, op.snap_context).await;
+        }
+
+        let what = "writing";
+        let mut raw = ffi::WriteOp::new().map_err(|e| self.error(object, what, e))?;
+        if let Some(object_size) = self.expected_object_size {
+            let largest_write = op
+                .steps
+                .iter()
+                .map(|s| match s {
+                    WriteStep::Write { data, .. } | WriteStep::WriteFull(data) => data.len(),
+                    _ => 0,
+                })
+                .max()
+                .unwrap_or(0);
+            if largest_write > 0 {
+                raw.set_alloc_hint(object_size, largest_write as u64);
+            }
+        }
+        for step in &op.steps {
+            match step {
+                WriteStep::CreateExclusive => raw.create_exclusive(),
+                WriteStep::AssertExists => raw.assert_exists(),
+                WriteStep::AssertVersion(v) => raw.assert_version(*v),
+                WriteStep::Write { offset, data } => raw.write(*offset, data),
+                WriteStep::WriteFull(data) => raw.write_full(data),
+                WriteStep::Zero { offset, len } => raw.zero(*offset, *len),
+                WriteStep::Truncate(size) => raw.truncate(*size),
+                WriteStep::Remove => raw.remove(),
+                WriteStep::OmapSet(pairs) => raw.omap_set(pairs),
+                WriteStep::OmapRemoveKeys(keys) => raw.omap_remove_keys(keys),
+                WriteStep::OmapRemoveRange { start, end } => raw.omap_remove_range(start, end),
+                WriteStep::Rollback(_) => unreachable!("handled above"),
+            }
+        }
+        let pending = {
+            let mut writes = lock(&self.writes);
+            let (io, current) = &mut *writes;
+            if *current != op.snap_context {
+                let context = op.snap_context.clone().unwrap_or_default();
+                io.set_write_context(context.seq, &context.snaps)
+                    .map_err(|e| invalid(object, format!("snapshot context refused: {e}")))?;
+                *current = op.snap_context.clone();
+            }
+            io.submit_write(&cstring(object), raw)
+        }
+        .map_err(|e| self.error(object, what, e))?;
+        let done = pending.await.map_err(closed)?;
+        if done.rval < 0 {
+            let e = Errno(-done.rval);
+            let asserted = op.steps.iter().find_map(|s| match s {
+                WriteStep::AssertVersion(v) => Some(*v),
+                _ => None,
+            });
+            if let (Some(expected), libc::ERANGE | libc::EOVERFLOW) = (asserted, e.0) {
+                let actual = self.stat(object).await?.map_or(0, |s| s.version);
+                return Err(StoreError::VersionMismatch {
+                    object: object.to_string(),
+                    expected,
+                    actual,
+                });
+            }
+            return Err(self.error(object, what, e));
+        }
+        let version = match exists_after(&op.steps) {
+            Some(false) => 0,
+            _ => done.version,
+        };
+        Ok(WriteOutcome { version })
+    }
+
+    async fn read_op(
         &self,
         object: &ObjectName,
-        op: &ReadOp,
+        op: ReadOp,
     ) -> Result<Vec<ReadResult>, StoreError> {
         let what = "reading";
         let mut raw = ffi::ReadOp::new().map_err(|e| self.error(object, what, e))?;
@@ -499,141 +569,6 @@ impl RadosStore {
         }
         Ok(results)
     }
-}
-
-/// Whether the object exists after these steps (`None`: as before them).
-fn exists_after(steps: &[WriteStep]) -> Option<bool> {
-    steps.iter().rev().find_map(|step| match step {
-        WriteStep::Remove => Some(false),
-        WriteStep::CreateExclusive
-        | WriteStep::Write { .. }
-        | WriteStep::WriteFull(_)
-        | WriteStep::Truncate(_)
-        | WriteStep::OmapSet(_) => Some(true),
-        _ => None,
-    })
-}
-
-/// How the results of one read step are found among the op's slots.
-enum Plan {
-    Read {
-        offset: u64,
-        slot: bool,
-    },
-    Stat,
-    ByKeys,
-    Range {
-        start: Vec<u8>,
-        end: Option<Vec<u8>>,
-        max: usize,
-        /// The start key is looked up by key (a separate slot before the listing).
-        by_key: bool,
-    },
-}
-
-#[async_trait::async_trait]
-impl ObjectStore for RadosStore {
-    async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
-        for step in &op.steps {
-            match step {
-                WriteStep::Write { offset, data } => {
-                    check_range(object, *offset, data.len() as u64)?
-                }
-                WriteStep::WriteFull(data) => check_range(object, 0, data.len() as u64)?,
-                WriteStep::Zero { offset, len } => check_range(object, *offset, *len)?,
-                WriteStep::Truncate(size) => check_range(object, *size, 0)?,
-                _ => {}
-            }
-        }
-        if let Some(snap) = op.steps.iter().find_map(|s| match s {
-            WriteStep::Rollback(snap) => Some(*snap),
-            _ => None,
-        }) {
-            if op.steps.len() != 1 {
-                return Err(invalid(
-                    object,
-                    "on RADOS a Rollback must be the only step of its operation (librados' C \
-                     API has no rollback step)",
-                ));
-            }
-            return self.rollback(object, snap, op.snap_context).await;
-        }
-
-        let what = "writing";
-        let mut raw = ffi::WriteOp::new().map_err(|e| self.error(object, what, e))?;
-        if let Some(object_size) = self.expected_object_size {
-            let largest_write = op
-                .steps
-                .iter()
-                .map(|s| match s {
-                    WriteStep::Write { data, .. } | WriteStep::WriteFull(data) => data.len(),
-                    _ => 0,
-                })
-                .max()
-                .unwrap_or(0);
-            if largest_write > 0 {
-                raw.set_alloc_hint(object_size, largest_write as u64);
-            }
-        }
-        for step in &op.steps {
-            match step {
-                WriteStep::CreateExclusive => raw.create_exclusive(),
-                WriteStep::AssertExists => raw.assert_exists(),
-                WriteStep::AssertVersion(v) => raw.assert_version(*v),
-                WriteStep::Write { offset, data } => raw.write(*offset, data),
-                WriteStep::WriteFull(data) => raw.write_full(data),
-                WriteStep::Zero { offset, len } => raw.zero(*offset, *len),
-                WriteStep::Truncate(size) => raw.truncate(*size),
-                WriteStep::Remove => raw.remove(),
-                WriteStep::OmapSet(pairs) => raw.omap_set(pairs),
-                WriteStep::OmapRemoveKeys(keys) => raw.omap_remove_keys(keys),
-                WriteStep::OmapRemoveRange { start, end } => raw.omap_remove_range(start, end),
-                WriteStep::Rollback(_) => unreachable!("handled above"),
-            }
-        }
-        let pending = {
-            let mut writes = lock(&self.writes);
-            let (io, current) = &mut *writes;
-            if *current != op.snap_context {
-                let context = op.snap_context.clone().unwrap_or_default();
-                io.set_write_context(context.seq, &context.snaps)
-                    .map_err(|e| invalid(object, format!("snapshot context refused: {e}")))?;
-                *current = op.snap_context.clone();
-            }
-            io.submit_write(&cstring(object), raw)
-        }
-        .map_err(|e| self.error(object, what, e))?;
-        let done = pending.await.map_err(closed)?;
-        if done.rval < 0 {
-            let e = Errno(-done.rval);
-            let asserted = op.steps.iter().find_map(|s| match s {
-                WriteStep::AssertVersion(v) => Some(*v),
-                _ => None,
-            });
-            if let (Some(expected), libc::ERANGE | libc::EOVERFLOW) = (asserted, e.0) {
-                let actual = self.stat(object).await?.map_or(0, |s| s.version);
-                return Err(StoreError::VersionMismatch {
-                    object: object.to_string(),
-                    expected,
-                    actual,
-                });
-            }
-            return Err(self.error(object, what, e));
-        }
-        let version = match exists_after(&op.steps) {
-            Some(false) => 0,
-            _ => done.version,
-        };
-        Ok(WriteOutcome { version })
-    }
-
-    async fn read_op(
-        &self,
-        object: &ObjectName,
-        op: ReadOp,
-    ) -> Result<Vec<ReadResult>, StoreError> {
-        self.read_once(object, &op).await
-    }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
         let io = self.control.clone();
@@ -744,12 +679,7 @@ impl ObjectStore for RadosStore {
         .await?;
         match r {
             Ok(()) => Ok(()),
-            Err(Errno(libc::ENOENT)) => Err(StoreError::NotLocked {
-                object: object.to_string(),
-                lock: lock.into(),
-                client: self.client.clone(),
-                cookie: cookie.into(),
-            }),
+            Err(Errno(libc::ENOENT)) => Err(not_locked(object, lock, &self.client, cookie)),
             Err(e) => Err(self.error(object, "unlocking", e)),
         }
     }
@@ -759,7 +689,52 @@ impl ObjectStore for RadosStore {
         object: &ObjectName,
         lock: &str,
     ) -> Result<Vec<Locker>, StoreError> {
-        self.lockers(object, lock).await
+        // From `cls_lock`'s `get_info`, which, unlike `rados_list_lockers`, reports when
+        // each holder's lock expires.
+        let mut op = ffi::ReadOp::new().map_err(|e| self.error(object, "reading locks of", e))?;
+        let class = CString::new("lock").expect("no NUL");
+        let method = CString::new("get_info").expect("no NUL");
+        op.exec(&class, &method, &lock_info::encode_get_info_request(lock));
+        let done = self
+            .control
+            .submit_read(&cstring(object), op)
+            .map_err(|e| self.error(object, "reading locks of", e))?
+            .await
+            .map_err(closed)?;
+        if done.rval == -libc::ENOENT || done.rval == -libc::ENODATA {
+            return Ok(Vec::new());
+        }
+        if done.rval < 0 {
+            return Err(self.error(object, "reading locks of", Errno(-done.rval)));
+        }
+        let reply = match done.payload.results().pop() {
+            Some(Ok(SlotResult::Exec(reply))) => reply,
+            Some(Err(e)) if e.0 == libc::ENOENT || e.0 == libc::ENODATA => return Ok(Vec::new()),
+            Some(Err(e)) => return Err(self.error(object, "reading locks of", e)),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "lock.get_info on `{object}` returned {other:?}"
+                )))
+            }
+        };
+        let info = lock_info::decode_get_info_reply(&reply).map_err(|e| {
+            StoreError::Corrupt(format!(
+                "cannot decode the lock info of `{object}` (lock `{lock}`): {e}"
+            ))
+        })?;
+        let now = SystemTime::now();
+        Ok(info
+            .lockers
+            .into_iter()
+            .map(|l| Locker {
+                client: l.entity_name(),
+                expires_in: l
+                    .expiration()
+                    .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO)),
+                cookie: l.cookie,
+                description: l.description,
+            })
+            .collect())
     }
 
     async fn break_lock(
@@ -779,12 +754,7 @@ impl ObjectStore for RadosStore {
         .await?;
         match r {
             Ok(()) => Ok(()),
-            Err(Errno(libc::ENOENT)) => Err(StoreError::NotLocked {
-                object: object.to_string(),
-                lock: lock.into(),
-                client: client.into(),
-                cookie: cookie.into(),
-            }),
+            Err(Errno(libc::ENOENT)) => Err(not_locked(object, lock, client, cookie)),
             Err(Errno(libc::EINVAL)) => Err(invalid(
                 object,
                 format!("cannot break a lock of {client:?}: name the holder as `client.<id>`"),
@@ -813,6 +783,16 @@ const NUL_START_BUDGET: u64 = 1 << 20;
 
 fn hex_key(key: &[u8]) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// RADOS says ENOENT when `client` holds no lock `lock` with `cookie` on the object.
+fn not_locked(object: &ObjectName, lock: &str, client: &str, cookie: &str) -> StoreError {
+    StoreError::NotLocked {
+        object: object.to_string(),
+        lock: lock.into(),
+        client: client.into(),
+        cookie: cookie.into(),
+    }
 }
 
 fn mismatch(object: &ObjectName, got: &SlotResult) -> StoreError {

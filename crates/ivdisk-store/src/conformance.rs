@@ -262,14 +262,11 @@ impl PartialEq<Vec<(u64, Vec<u8>)>> for Sparse {
 
 impl fmt::Debug for Sparse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let extents: Vec<(u64, usize)> = self.extents.iter().map(|(o, d)| (*o, d.len())).collect();
-        match self.dense {
-            None => write!(f, "extents (offset, len) {extents:?}: {:?}", self.extents),
-            Some((start, end)) => write!(
-                f,
-                "extents (offset, len) {extents:?}, compared as bytes over [{start}, {end})"
-            ),
+        write!(f, "{:?}", self.extents)?;
+        if let Some((start, end)) = self.dense {
+            write!(f, " (compared as bytes over [{start}, {end}))")?;
         }
+        Ok(())
     }
 }
 
