@@ -723,6 +723,30 @@ impl Header {
         Ok(())
     }
 
+    /// Record a new data size (`None` = up to the end of the device) in the data segment and
+    /// write both header copies: how an image grows or shrinks.
+    pub fn set_data_size(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        size: Option<u64>,
+    ) -> Result<(), HeaderError> {
+        let (_, metadata) = self.luks2_mut()?;
+        let segment = metadata
+            .segments
+            .get_mut(&0)
+            .ok_or_else(|| HeaderError::Metadata("the header has no data segment 0".into()))?;
+        if let Some(size) = size {
+            if size % segment.sector_size as u64 != 0 {
+                return Err(HeaderError::InvalidParameter(format!(
+                    "data size {size} is not a multiple of the {}-byte sector size",
+                    segment.sector_size
+                )));
+            }
+        }
+        segment.size = size.map_or_else(|| "dynamic".to_owned(), |n| n.to_string());
+        self.write(io)
+    }
+
     /// Find room for a keyslot area of `len` bytes, first fit.
     fn allocate_area(
         binary: &BinaryHeader,

@@ -1,0 +1,132 @@
+use std::time::Duration;
+
+use ivdisk_crypto::CryptoError;
+use ivdisk_header::HeaderError;
+use ivdisk_rados::RadosError;
+use ivdisk_store::StoreError;
+
+/// Everything opening an image or doing IO on it can fail with. Each message names the image
+/// (as the user addressed it) and, where there is one, what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ImageError {
+    /// The image URI does not parse.
+    #[error("image address `{uri}`: {reason}")]
+    InvalidUri { uri: String, reason: String },
+
+    /// No image by that name on that store.
+    #[error("image {image} does not exist (create it with `ivdisk create {image} --size SIZE`)")]
+    NotFound { image: String },
+
+    /// Create found an image already there.
+    #[error("image {image} already exists; delete it first (`ivdisk delete {image}`) or pick another name")]
+    Exists { image: String },
+
+    /// A create/open/resize parameter is out of range.
+    #[error("image {image}: {reason}")]
+    InvalidParameter { image: String, reason: String },
+
+    /// IO reaching past the end of the image; nothing was read or written.
+    #[error("image {image}: IO [{offset}, +{len}) goes past the end of the {size}-byte image; nothing was done")]
+    OutOfRange {
+        image: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+
+    /// Sectors whose ciphertext or metadata failed authentication (tampered with, moved from
+    /// another sector or image, or damaged). Every other sector of the request was read: the
+    /// buffer holds their plaintext, and zeros in place of the failed ones.
+    #[error("image {image}: integrity check failed for sector(s) at LBA {} (in {}-byte sectors{}): the stored data or its metadata was changed, moved or damaged; the rest of the request was read", lbas.first().copied().unwrap_or_default(), sector_size, if lbas.len() > 1 { format!(", {} sectors in all", lbas.len()) } else { String::new() })]
+    Integrity {
+        image: String,
+        /// Logical block addresses (in `sector_size` units) that failed, ascending.
+        lbas: Vec<u64>,
+        sector_size: usize,
+    },
+
+    /// Another client holds the image's writer lock.
+    #[error("image {image} is open for writing by {holder}{}; open it read-only, stop that writer, or if it is gone run `ivdisk lock break {image}`", expires_in.map(|d| format!(" (lock expires in {} s unless renewed)", d.as_secs())).unwrap_or_default())]
+    Locked {
+        image: String,
+        holder: String,
+        expires_in: Option<Duration>,
+    },
+
+    /// The writer lock was lost while the image was open (broken by another client, or not
+    /// renewed in time); writes are refused from then on so that two writers never mix.
+    #[error(
+        "image {image}: the writer lock was lost ({reason}); writes are refused, reopen the image"
+    )]
+    LockLost { image: String, reason: String },
+
+    /// A write on an image opened read-only.
+    #[error("image {image} is open read-only")]
+    ReadOnly { image: String },
+
+    /// The header or its keyslots: wrong passphrase, damaged header, unknown format.
+    #[error("image {image}: {source}")]
+    Header {
+        image: String,
+        #[source]
+        source: HeaderError,
+    },
+
+    /// The cipher refused (nonce budget exhausted, bad key).
+    #[error("image {image}: {source}")]
+    Crypto {
+        image: String,
+        #[source]
+        source: CryptoError,
+    },
+
+    /// The object store failed; every object the request touched holds either its old or its
+    /// new content.
+    #[error("image {image}: {source}")]
+    Store {
+        image: String,
+        #[source]
+        source: StoreError,
+    },
+
+    /// Connecting to the RADOS cluster failed.
+    #[error("image {image}: {source}")]
+    Rados {
+        image: String,
+        #[source]
+        source: RadosError,
+    },
+
+    /// The stored data does not have the shape the header describes.
+    #[error("image {image}: {reason}")]
+    Corrupt { image: String, reason: String },
+}
+
+impl ImageError {
+    pub(crate) fn store(image: &str) -> impl FnOnce(StoreError) -> ImageError + '_ {
+        move |source| ImageError::Store {
+            image: image.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn header(image: &str) -> impl FnOnce(HeaderError) -> ImageError + '_ {
+        move |source| ImageError::Header {
+            image: image.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn crypto(image: &str) -> impl FnOnce(CryptoError) -> ImageError + '_ {
+        move |source| ImageError::Crypto {
+            image: image.to_owned(),
+            source,
+        }
+    }
+
+    /// Whether this is an integrity failure (EIO for the sectors named, the rest was served).
+    pub fn is_integrity(&self) -> bool {
+        matches!(self, ImageError::Integrity { .. })
+    }
+}

@@ -1,0 +1,737 @@
+//! An image's life: create, open (read-only or as the one writer), grow, close, delete.
+//! The IO path is in `io.rs`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
+use ivdisk_header::{FormatSpec, Header, ImageParams, PbkdfRequest, FORMAT_VERSION};
+use ivdisk_store::{
+    Locker, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, StoreError,
+    WriteOp, WriteStep,
+};
+
+use crate::header_object::HeaderRegion;
+use crate::layout::{LayoutKind, ObjectGeometry, SectorLayout};
+use crate::range_lock::RangeLocks;
+use crate::writer_lock::{self, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
+use crate::{ImageError, ImageUri};
+
+/// Default bytes of data per object (as RBD).
+pub const DEFAULT_OBJECT_SIZE: u64 = 4 << 20;
+/// Largest object size: the stored object (data plus metadata) must stay under the stores'
+/// 128 MiB object limit.
+pub const MAX_OBJECT_SIZE: u64 = 64 << 20;
+/// Nonces reserved in the header object at a time for suites with a write limit
+/// (`aes-gcm-random`): a crash loses at most this many from the budget.
+pub const NONCE_RESERVATION: u64 = 1 << 16;
+/// Header-object omap key holding the reserved nonce count.
+const NONCE_KEY: &[u8] = b"ivdisk.nonce_writes_reserved";
+
+/// Name of an image's header object.
+pub fn header_object_name(image_name: &str) -> String {
+    format!("ivdisk_header.{image_name}")
+}
+
+/// Prefix of an image's data objects; object `n` is `{prefix}{n:016x}`.
+pub fn data_object_prefix(image_id: &ImageId) -> String {
+    format!("ivdisk_data.{}.", hex::encode(image_id.0))
+}
+
+/// What a new image is.
+#[derive(Debug, Clone)]
+pub struct CreateOptions {
+    /// Size in bytes (a multiple of the sector size).
+    pub size: u64,
+    pub suite: Suite,
+    /// `None`: `object-end` for suites with metadata, `none` otherwise.
+    pub layout: Option<LayoutKind>,
+    /// 4096 (default) or 512.
+    pub sector_size: u32,
+    /// Data bytes per object: a power of two from 4 KiB to 64 MiB.
+    pub object_size: u64,
+    /// Key derivation for the passphrase's keyslot.
+    pub pbkdf: PbkdfRequest,
+    /// Volume key length (`None`: the suite's default).
+    pub key_len: Option<usize>,
+}
+
+impl CreateOptions {
+    /// An image of `size` bytes with the default suite, layout, sector and object size.
+    pub fn new(size: u64) -> Self {
+        CreateOptions {
+            size,
+            suite: Suite::DEFAULT,
+            layout: None,
+            sector_size: 4096,
+            object_size: DEFAULT_OBJECT_SIZE,
+            pbkdf: PbkdfRequest::default(),
+            key_len: None,
+        }
+    }
+}
+
+/// How to open an image.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Open without the writer lock; writes are refused.
+    pub read_only: bool,
+    /// How long the writer lock survives without renewal (it is renewed every third of it).
+    pub lock_duration: Duration,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            read_only: false,
+            lock_duration: DEFAULT_LOCK_DURATION,
+        }
+    }
+}
+
+impl OpenOptions {
+    pub fn read_only() -> Self {
+        OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        }
+    }
+}
+
+/// What `ivdisk info` shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageInfo {
+    pub size: u64,
+    pub suite: Suite,
+    pub layout: LayoutKind,
+    pub sector_size: u32,
+    pub object_size: u64,
+    pub image_id: ImageId,
+    pub keyslots: Vec<u32>,
+}
+
+/// An open image. Cheap to clone (clones share the open image); IO methods take `&self` and
+/// may run concurrently. Close it with [`Image::close`] to flush and release the writer lock.
+#[derive(Clone)]
+pub struct Image {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Image")
+            .field("image", &self.inner.name)
+            .field("suite", &self.inner.suite)
+            .field("layout", &self.inner.layout_kind)
+            .field("size", &self.size())
+            .finish()
+    }
+}
+
+pub(crate) struct Inner {
+    /// The image as the user addressed it (for messages).
+    pub(crate) name: String,
+    pub(crate) store: Arc<dyn ObjectStore>,
+    pub(crate) header_object: ObjectName,
+    pub(crate) data_prefix: String,
+    pub(crate) sector_size: usize,
+    pub(crate) object_size: u64,
+    /// Bytes before the image's first sector in the object address space (0 for ivdisk
+    /// images; the header's length for librbd's LUKS images).
+    pub(crate) data_offset: u64,
+    /// Added to a sector's LBA to get the sector number its IV/AAD uses.
+    pub(crate) iv_sector_base: u64,
+    pub(crate) size: AtomicU64,
+    pub(crate) suite: Suite,
+    pub(crate) layout_kind: LayoutKind,
+    pub(crate) layout: Box<dyn SectorLayout>,
+    pub(crate) cipher: Box<dyn SectorCipher>,
+    pub(crate) image_id: ImageId,
+    pub(crate) ranges: RangeLocks,
+    pub(crate) read_only: bool,
+    pub(crate) lock: Mutex<Option<WriterLock>>,
+    /// Nonce writes reserved in the header object (suites with a write limit).
+    pub(crate) nonces_reserved: AtomicU64,
+    pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
+    pub(crate) header_change: tokio::sync::Mutex<()>,
+}
+
+fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
+    ImageError::InvalidParameter {
+        image: image.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn object_name(image: &str, name: String) -> Result<ObjectName, ImageError> {
+    ObjectName::new(name).map_err(ImageError::store(image))
+}
+
+/// The parameters an ivdisk header records, checked.
+struct Parsed {
+    suite: Suite,
+    layout: LayoutKind,
+    sector_size: u32,
+    size: u64,
+    params: ImageParams,
+}
+
+fn parse_header(image: &str, header: &Header) -> Result<Parsed, ImageError> {
+    let params = header
+        .image_params()
+        .map_err(ImageError::header(image))?
+        .ok_or_else(|| ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: "the header object holds a LUKS header without ivdisk image parameters".into(),
+        })?;
+    let segment = header.segment().map_err(ImageError::header(image))?;
+    let suite = segment.suite().map_err(ImageError::header(image))?;
+    let layout: LayoutKind = params
+        .layout
+        .parse()
+        .map_err(|reason| ImageError::Corrupt {
+            image: image.to_owned(),
+            reason,
+        })?;
+    let size = segment.size.ok_or_else(|| ImageError::Corrupt {
+        image: image.to_owned(),
+        reason: "the data segment has no fixed size".into(),
+    })?;
+    if !layout.fits(suite.metadata_len()) || params.object_size > MAX_OBJECT_SIZE {
+        return Err(ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: format!(
+                "layout {layout} with suite {suite} and object size {} is not a valid image",
+                params.object_size
+            ),
+        });
+    }
+    Ok(Parsed {
+        suite,
+        layout,
+        sector_size: segment.sector_size,
+        size,
+        params,
+    })
+}
+
+async fn read_header(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    image: &str,
+) -> Result<(Header, HeaderRegion), ImageError> {
+    let region = HeaderRegion::read(store, object)
+        .await
+        .map_err(ImageError::store(image))?
+        .ok_or_else(|| ImageError::NotFound {
+            image: image.to_owned(),
+        })?;
+    let header = Header::read(&region).map_err(ImageError::header(image))?;
+    if let Some(warning) = header.warning() {
+        tracing::warn!(image, warning, "image header");
+    }
+    Ok((header, region))
+}
+
+impl Image {
+    /// Create an image protected by `passphrase` and open it for writing.
+    pub async fn create(
+        uri: &ImageUri,
+        options: &CreateOptions,
+        passphrase: &[u8],
+    ) -> Result<Image, ImageError> {
+        let image = uri.to_string();
+        let layout = options
+            .layout
+            .unwrap_or_else(|| LayoutKind::default_for(options.suite.metadata_len()));
+        if !layout.fits(options.suite.metadata_len()) {
+            return Err(invalid(
+                &image,
+                format!(
+                    "layout {layout} does not fit suite {} ({} bytes of metadata per sector): use {}",
+                    options.suite,
+                    options.suite.metadata_len(),
+                    if options.suite.metadata_len() == 0 {
+                        "--layout none".to_owned()
+                    } else {
+                        "--layout object-end, unaligned or omap".to_owned()
+                    }
+                ),
+            ));
+        }
+        if ![512, 4096].contains(&options.sector_size) {
+            return Err(invalid(
+                &image,
+                format!("sector size {} is not 512 or 4096", options.sector_size),
+            ));
+        }
+        let os = options.object_size;
+        if !os.is_power_of_two() || !(4096..=MAX_OBJECT_SIZE).contains(&os) {
+            return Err(invalid(
+                &image,
+                format!("object size {os} is not a power of two from 4 KiB to 64 MiB"),
+            ));
+        }
+        if options.size == 0 || !options.size.is_multiple_of(options.sector_size as u64) {
+            return Err(invalid(
+                &image,
+                format!(
+                    "size {} is not a positive multiple of the {}-byte sector size",
+                    options.size, options.sector_size
+                ),
+            ));
+        }
+        let store = uri.open_store(true).await?;
+        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
+        if store
+            .stat(&header_object)
+            .await
+            .map_err(ImageError::store(&image))?
+            .is_some()
+        {
+            return Err(ImageError::Exists { image });
+        }
+        let mut id = [0u8; 16];
+        ivdisk_crypto::fill_random(&mut id).map_err(ImageError::crypto(&image))?;
+        let params = ImageParams {
+            format_version: FORMAT_VERSION,
+            layout: layout.name().to_owned(),
+            object_size: os,
+            image_id: ImageId(id),
+        };
+        let key_len = options
+            .key_len
+            .unwrap_or_else(|| options.suite.default_key_len());
+        let volume_key = VolumeKey::generate(key_len).map_err(ImageError::crypto(&image))?;
+        let mut spec = FormatSpec::new(options.suite, options.sector_size);
+        spec.data_size = Some(options.size);
+        spec.image = Some(params);
+        spec.pbkdf = options.pbkdf;
+        let mut region = HeaderRegion::new_object();
+        let header = Header::format(&mut region, &spec, &volume_key, passphrase)
+            .map_err(ImageError::header(&image))?;
+        let op = region.write_op().expect("a new header writes bytes");
+        match store.write_op(&header_object, op).await {
+            Ok(outcome) => region.stored(outcome.version),
+            Err(StoreError::Exists { .. }) => return Err(ImageError::Exists { image }),
+            Err(e) => return Err(ImageError::store(&image)(e)),
+        }
+        tracing::info!(image = %image, suite = %options.suite, layout = %layout, size = options.size, "created image");
+        Image::open_unlocked(
+            image,
+            store,
+            header_object,
+            &header,
+            volume_key,
+            &OpenOptions::default(),
+        )
+        .await
+    }
+
+    /// Open an image with a passphrase (or the contents of a key file).
+    pub async fn open(
+        uri: &ImageUri,
+        passphrase: &[u8],
+        options: &OpenOptions,
+    ) -> Result<Image, ImageError> {
+        let image = uri.to_string();
+        let store = uri.open_store(false).await.map_err(|e| match e {
+            ImageError::Store {
+                source: StoreError::Io { source, .. },
+                ..
+            } if source.kind() == std::io::ErrorKind::NotFound => ImageError::NotFound {
+                image: image.clone(),
+            },
+            other => other,
+        })?;
+        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
+        let (header, region) = read_header(store.as_ref(), &header_object, &image).await?;
+        let unlocked = header
+            .unlock(&region, passphrase)
+            .map_err(ImageError::header(&image))?;
+        Image::open_unlocked(
+            image,
+            store,
+            header_object,
+            &header,
+            unlocked.volume_key,
+            options,
+        )
+        .await
+    }
+
+    /// Open with the volume key already recovered (create, tests).
+    async fn open_unlocked(
+        image: String,
+        store: Arc<dyn ObjectStore>,
+        header_object: ObjectName,
+        header: &Header,
+        volume_key: VolumeKey,
+        options: &OpenOptions,
+    ) -> Result<Image, ImageError> {
+        let lock = if options.read_only {
+            None
+        } else {
+            Some(
+                WriterLock::acquire(
+                    store.clone(),
+                    header_object.clone(),
+                    &image,
+                    options.lock_duration,
+                )
+                .await?,
+            )
+        };
+        // Read again under the lock: another writer may have resized before we held it.
+        let header = match &lock {
+            Some(_) => read_header(store.as_ref(), &header_object, &image).await?.0,
+            None => header.clone(),
+        };
+        let parsed = parse_header(&image, &header)?;
+        let mut cipher_params =
+            CipherParams::new(parsed.sector_size as usize, parsed.params.image_id);
+        let mut nonces_reserved = 0;
+        if parsed.suite.write_limit().is_some() {
+            let used = read_nonce_reservation(store.as_ref(), &header_object)
+                .await
+                .map_err(ImageError::store(&image))?;
+            cipher_params.writes_used = used;
+            nonces_reserved = used;
+        }
+        let cipher = new_cipher(parsed.suite, &volume_key, &cipher_params)
+            .map_err(ImageError::crypto(&image))?;
+        drop(volume_key);
+        let sector_size = parsed.sector_size as usize;
+        let geometry = ObjectGeometry {
+            sector_size,
+            metadata_len: parsed.suite.metadata_len(),
+            sectors_per_object: (parsed.params.object_size / sector_size as u64) as u32,
+        };
+        let inner = Inner {
+            data_prefix: data_object_prefix(&parsed.params.image_id),
+            name: image,
+            store,
+            header_object,
+            sector_size,
+            object_size: parsed.params.object_size,
+            data_offset: 0,
+            iv_sector_base: 0,
+            size: AtomicU64::new(parsed.size),
+            suite: parsed.suite,
+            layout_kind: parsed.layout,
+            layout: parsed.layout.build(geometry),
+            cipher,
+            image_id: parsed.params.image_id,
+            ranges: RangeLocks::default(),
+            read_only: options.read_only,
+            lock: Mutex::new(lock),
+            nonces_reserved: AtomicU64::new(nonces_reserved),
+            nonce_reserve: tokio::sync::Mutex::new(()),
+            header_change: tokio::sync::Mutex::new(()),
+        };
+        tracing::debug!(image = %inner.name, read_only = options.read_only, "opened image");
+        Ok(Image {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Flush, then release the writer lock. Other clones of this image stop being able to
+    /// write.
+    pub async fn close(self) -> Result<(), ImageError> {
+        let name = self.inner.name.clone();
+        let flushed = if self.inner.read_only {
+            Ok(())
+        } else {
+            self.flush().await
+        };
+        let lock = self
+            .inner
+            .lock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(lock) = lock {
+            lock.release().await.map_err(ImageError::store(&name))?;
+        }
+        flushed
+    }
+
+    /// The image as addressed when opened.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.inner.size.load(Ordering::Acquire)
+    }
+
+    pub fn sector_size(&self) -> usize {
+        self.inner.sector_size
+    }
+
+    pub fn suite(&self) -> Suite {
+        self.inner.suite
+    }
+
+    pub fn layout(&self) -> LayoutKind {
+        self.inner.layout_kind
+    }
+
+    pub fn object_size(&self) -> u64 {
+        self.inner.object_size
+    }
+
+    pub fn image_id(&self) -> ImageId {
+        self.inner.image_id
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.inner.read_only
+    }
+
+    /// The store object holding data object `n` (for tools and tests that look at objects).
+    pub fn data_object(&self, n: u64) -> ObjectName {
+        self.inner.data_object(n)
+    }
+
+    /// The store the image lives in.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner.store
+    }
+
+    /// Change the size. Shrinking discards the data past the new end and needs `allow_shrink`.
+    pub async fn resize(&self, new_size: u64, allow_shrink: bool) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        inner.check_writable()?;
+        let ss = inner.sector_size as u64;
+        if new_size == 0 || !new_size.is_multiple_of(ss) {
+            return Err(invalid(
+                &inner.name,
+                format!(
+                    "new size {new_size} is not a positive multiple of the {ss}-byte sector size"
+                ),
+            ));
+        }
+        let _change = inner.header_change.lock().await;
+        let old = self.size();
+        if new_size < old {
+            if !allow_shrink {
+                return Err(invalid(
+                    &inner.name,
+                    format!(
+                        "shrinking from {old} to {new_size} bytes destroys the data past the new end; pass the shrink flag (--allow-shrink) to do it"
+                    ),
+                ));
+            }
+            // Stop IO past the new end first, then free what lies there.
+            inner.size.store(new_size, Ordering::Release);
+            let _all = inner.ranges.lock(0, u64::MAX).await;
+            inner.discard_sectors(new_size / ss, old / ss).await?;
+        }
+        let (mut header, mut region) =
+            read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
+        header
+            .set_data_size(&mut region, Some(new_size))
+            .map_err(ImageError::header(&inner.name))?;
+        let op = region.write_op().expect("a resize changes the header");
+        inner
+            .store
+            .write_op(&inner.header_object, op)
+            .await
+            .map_err(ImageError::store(&inner.name))?;
+        inner.size.store(new_size, Ordering::Release);
+        tracing::info!(image = %inner.name, old, new = new_size, "resized image");
+        Ok(())
+    }
+
+    /// What the header says about an image, read without a passphrase.
+    pub async fn info(uri: &ImageUri) -> Result<ImageInfo, ImageError> {
+        let image = uri.to_string();
+        let store = uri.open_store(false).await?;
+        let object = object_name(&image, header_object_name(uri.image_name()))?;
+        let (header, _) = read_header(store.as_ref(), &object, &image).await?;
+        let parsed = parse_header(&image, &header)?;
+        Ok(ImageInfo {
+            size: parsed.size,
+            suite: parsed.suite,
+            layout: parsed.layout,
+            sector_size: parsed.sector_size,
+            object_size: parsed.params.object_size,
+            image_id: parsed.params.image_id,
+            keyslots: header.keyslots().iter().map(|k| k.id).collect(),
+        })
+    }
+
+    /// Delete an image: its data objects, then its header. Refused while a writer holds it.
+    /// `progress` is called with (objects removed, objects in all).
+    pub async fn delete(
+        uri: &ImageUri,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<(), ImageError> {
+        let image = uri.to_string();
+        let store = uri.open_store(false).await?;
+        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
+        let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
+        let parsed = parse_header(&image, &header)?;
+        // Holding the writer lock keeps a writer from opening while its objects go.
+        let lock = WriterLock::acquire(
+            store.clone(),
+            header_object.clone(),
+            &image,
+            DEFAULT_LOCK_DURATION,
+        )
+        .await?;
+        let objects = store
+            .list(&data_object_prefix(&parsed.params.image_id))
+            .await
+            .map_err(ImageError::store(&image))?;
+        let total = objects.len() as u64;
+        let mut done = 0;
+        for batch in objects.chunks(32) {
+            let results = futures_util::future::join_all(
+                batch
+                    .iter()
+                    .map(|o| store.write_op(o, WriteOp::new().step(WriteStep::Remove))),
+            )
+            .await;
+            for result in results {
+                match result {
+                    Ok(_) | Err(StoreError::NotFound { .. }) => {}
+                    Err(e) => return Err(ImageError::store(&image)(e)),
+                }
+            }
+            done += batch.len() as u64;
+            progress(done, total);
+        }
+        drop(lock.release().await);
+        store
+            .write_op(&header_object, WriteOp::new().step(WriteStep::Remove))
+            .await
+            .map_err(ImageError::store(&image))?;
+        store.flush().await.map_err(ImageError::store(&image))?;
+        tracing::info!(image = %image, objects = total, "deleted image");
+        Ok(())
+    }
+
+    /// Who holds the image's writer lock, if anyone.
+    pub async fn lock_holder(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
+        let image = uri.to_string();
+        let store = uri.open_store(false).await?;
+        let object = object_name(&image, header_object_name(uri.image_name()))?;
+        if store
+            .stat(&object)
+            .await
+            .map_err(ImageError::store(&image))?
+            .is_none()
+        {
+            return Err(ImageError::NotFound { image });
+        }
+        writer_lock::holder(store.as_ref(), &object)
+            .await
+            .map_err(ImageError::store(&image))
+    }
+
+    /// Break the writer lock of a client that is gone. Returns the holder it removed.
+    /// Only do this when that client is dead: two writers corrupt nothing cryptographically
+    /// but lose each other's writes.
+    pub async fn break_lock(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
+        let image = uri.to_string();
+        let store = uri.open_store(false).await?;
+        let object = object_name(&image, header_object_name(uri.image_name()))?;
+        let Some(holder) = Image::lock_holder(uri).await? else {
+            return Ok(None);
+        };
+        match store
+            .break_lock(&object, WRITER_LOCK, &holder.client, &holder.cookie)
+            .await
+        {
+            Ok(()) | Err(StoreError::NotLocked { .. }) => {}
+            Err(e) => return Err(ImageError::store(&image)(e)),
+        }
+        tracing::warn!(image = %image, client = %holder.client, "broke the writer lock");
+        Ok(Some(holder))
+    }
+}
+
+async fn read_nonce_reservation(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+) -> Result<u64, StoreError> {
+    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![NONCE_KEY.to_vec()]));
+    let results = store.read_op(object, op).await?;
+    let value = match results.into_iter().next() {
+        Some(ReadResult::Omap { pairs, .. }) => pairs.into_iter().next().map(|(_, v)| v),
+        _ => None,
+    };
+    match value {
+        None => Ok(0),
+        Some(v) => std::str::from_utf8(&v)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "header object `{object}`: the nonce reservation is not a number"
+                ))
+            }),
+    }
+}
+
+impl Inner {
+    pub(crate) fn data_object(&self, n: u64) -> ObjectName {
+        ObjectName::new(format!("{}{n:016x}", self.data_prefix))
+            .expect("data object names are printable ASCII")
+    }
+
+    pub(crate) fn check_writable(&self) -> Result<(), ImageError> {
+        if self.read_only {
+            return Err(ImageError::ReadOnly {
+                image: self.name.clone(),
+            });
+        }
+        let lock = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        match lock.as_ref() {
+            None => Err(ImageError::LockLost {
+                image: self.name.clone(),
+                reason: "the image was closed".into(),
+            }),
+            Some(lock) => match lock.lost() {
+                Some(reason) => Err(ImageError::LockLost {
+                    image: self.name.clone(),
+                    reason,
+                }),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Make sure `sectors` more nonces are reserved in the header object before they are
+    /// used (suites with a write limit), so a crash never lets a nonce count repeat.
+    pub(crate) async fn reserve_nonces(&self, sectors: u64) -> Result<(), ImageError> {
+        if self.suite.write_limit().is_none() {
+            return Ok(());
+        }
+        let needed = self.cipher.writes_used().unwrap_or(0) + sectors;
+        if needed <= self.nonces_reserved.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _one = self.nonce_reserve.lock().await;
+        let reserved = self.nonces_reserved.load(Ordering::Acquire);
+        if needed <= reserved {
+            return Ok(());
+        }
+        let new = needed.max(reserved) + NONCE_RESERVATION;
+        let op = WriteOp::new().omap_set(vec![(NONCE_KEY.to_vec(), new.to_string().into_bytes())]);
+        self.store
+            .write_op(&self.header_object, op)
+            .await
+            .map_err(ImageError::store(&self.name))?;
+        self.store
+            .flush()
+            .await
+            .map_err(ImageError::store(&self.name))?;
+        self.nonces_reserved.store(new, Ordering::Release);
+        Ok(())
+    }
+}

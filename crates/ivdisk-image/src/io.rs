@@ -1,0 +1,449 @@
+//! The IO path: byte ranges of the image become runs of sectors, runs are split at object
+//! boundaries, and each object gets ONE store operation holding all the ciphertext and
+//! metadata of the request for it. Operations for different objects go out in parallel.
+//!
+//! A sector is *unwritten* when its stored ciphertext and metadata are all zeros (a hole, a
+//! missing object, a missing omap key): it reads as zeros. A written sector's metadata is a
+//! random IV/nonce (and tag) and its ciphertext random-looking, so a real write is never
+//! mistaken for one (probability 2^-128 or less). Discard returns sectors to that state.
+
+use std::sync::atomic::Ordering;
+
+use futures_util::future::join_all;
+use ivdisk_crypto::CryptoError;
+use ivdisk_store::{ReadOp, StoreError, WriteOp, WriteStep};
+
+use crate::image::{Image, Inner};
+use crate::ImageError;
+
+/// Objects whose operations are in flight at once for one large request (write-zeroes,
+/// discard and resize can span thousands of objects).
+const OBJECTS_IN_FLIGHT: usize = 16;
+
+/// The sectors of one object touched by a request.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    object: u64,
+    /// First sector within the object.
+    index: u32,
+    count: u32,
+    /// LBA of the piece's first sector.
+    lba: u64,
+}
+
+/// What a request stores in its sectors.
+#[derive(Clone, Copy)]
+enum Fill<'a> {
+    /// These bytes (the request's payload).
+    Data(&'a [u8]),
+    /// Encrypted zeros (write-zeroes that must stay allocated).
+    Zeros,
+    /// The unwritten state (discard, write-zeroes that may unmap).
+    Unwritten,
+}
+
+fn all_zero(bytes: &[u8]) -> bool {
+    // Checking 16 bytes at a time; ciphertext fails on the first chunk almost always.
+    let (chunks, rest) = bytes.split_at(bytes.len() - bytes.len() % 16);
+    chunks
+        .chunks_exact(16)
+        .all(|c| u128::from_ne_bytes(c.try_into().expect("16 bytes")) == 0)
+        && rest.iter().all(|&b| b == 0)
+}
+
+impl Inner {
+    fn sectors_per_object(&self) -> u64 {
+        self.object_size / self.sector_size as u64
+    }
+
+    /// Split sectors `[first, end)` at object boundaries.
+    fn pieces(&self, first: u64, end: u64) -> Vec<Piece> {
+        let per_object = self.sectors_per_object();
+        let base = self.data_offset / self.sector_size as u64;
+        let mut out = Vec::new();
+        let mut lba = first;
+        while lba < end {
+            let global = base + lba;
+            let index = global % per_object;
+            let count = (per_object - index).min(end - lba);
+            out.push(Piece {
+                object: global / per_object,
+                index: index as u32,
+                count: count as u32,
+                lba,
+            });
+            lba += count;
+        }
+        out
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), ImageError> {
+        let size = self.size.load(Ordering::Acquire);
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(ImageError::OutOfRange {
+                image: self.name.clone(),
+                offset,
+                len,
+                size,
+            });
+        }
+        Ok(())
+    }
+
+    fn integrity(&self, lbas: Vec<u64>) -> ImageError {
+        ImageError::Integrity {
+            image: self.name.clone(),
+            lbas,
+            sector_size: self.sector_size,
+        }
+    }
+
+    /// Read and decrypt whole sectors from `first` into `out`. Returns the LBAs that failed
+    /// authentication (zeros in `out`); every other sector holds its plaintext.
+    async fn read_sectors(&self, first: u64, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
+        let ss = self.sector_size;
+        let end = first + (out.len() / ss) as u64;
+        let mut reads = Vec::new();
+        let mut rest = out;
+        for piece in self.pieces(first, end) {
+            let (chunk, tail) = rest.split_at_mut(piece.count as usize * ss);
+            rest = tail;
+            reads.push(self.read_piece(piece, chunk));
+        }
+        let mut failed = Vec::new();
+        let mut error = None;
+        for result in join_all(reads).await {
+            match result {
+                Ok(lbas) => failed.extend(lbas),
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => {
+                failed.sort_unstable();
+                Ok(failed)
+            }
+        }
+    }
+
+    async fn read_piece(&self, piece: Piece, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
+        let object = self.data_object(piece.object);
+        let mut op = ReadOp::new();
+        self.layout.read(&mut op.steps, piece.index, piece.count);
+        out.fill(0);
+        let results = match self.store.read_op(&object, op).await {
+            Ok(results) => results,
+            Err(StoreError::NotFound { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(ImageError::store(&self.name)(e)),
+        };
+        let mut metadata = vec![0u8; piece.count as usize * self.cipher.metadata_len()];
+        self.layout
+            .decode(
+                &mut results.into_iter(),
+                piece.index,
+                piece.count,
+                out,
+                &mut metadata,
+            )
+            .map_err(|reason| ImageError::Corrupt {
+                image: self.name.clone(),
+                reason: format!("object `{object}`: {reason}"),
+            })?;
+        self.decrypt_written(piece.lba, out, &metadata)
+    }
+
+    /// Decrypt the written sectors of a run in place (unwritten ones are zeros already).
+    fn decrypt_written(
+        &self,
+        lba: u64,
+        data: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<Vec<u64>, ImageError> {
+        let ss = self.sector_size;
+        let ml = self.cipher.metadata_len();
+        let n = data.len() / ss;
+        let written = |i: usize, data: &[u8]| {
+            !(all_zero(&metadata[i * ml..(i + 1) * ml]) && all_zero(&data[i * ss..(i + 1) * ss]))
+        };
+        let mut failed = Vec::new();
+        let mut i = 0;
+        while i < n {
+            if !written(i, data) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < n && written(i, data) {
+                i += 1;
+            }
+            let result = self.cipher.decrypt_sectors(
+                lba + start as u64 + self.iv_sector_base,
+                &mut data[start * ss..i * ss],
+                &metadata[start * ml..i * ml],
+            );
+            match result {
+                Ok(()) => {}
+                Err(CryptoError::Authentication { sectors }) => {
+                    failed.extend(sectors.into_iter().map(|s| s - self.iv_sector_base))
+                }
+                Err(e) => return Err(ImageError::crypto(&self.name)(e)),
+            }
+        }
+        if !failed.is_empty() {
+            tracing::error!(image = %self.name, lbas = ?failed, "sectors failed authentication");
+        }
+        Ok(failed)
+    }
+
+    /// The plaintext of one sector, for a read-modify-write; a sector that fails
+    /// authentication cannot be partly updated.
+    async fn old_sector(&self, lba: u64) -> Result<Vec<u8>, ImageError> {
+        let mut sector = vec![0u8; self.sector_size];
+        let failed = self.read_sectors(lba, &mut sector).await?;
+        if !failed.is_empty() {
+            return Err(self.integrity(failed));
+        }
+        Ok(sector)
+    }
+
+    /// Store `fill` into `[offset, offset + len)`, which lies in the image and is not empty.
+    /// The caller holds the range lock on the sectors touched.
+    async fn store_range(&self, offset: u64, len: u64, fill: Fill<'_>) -> Result<(), ImageError> {
+        let ss = self.sector_size as u64;
+        let end_byte = offset + len;
+        let (first, end) = (offset / ss, end_byte.div_ceil(ss));
+        let head_partial = !offset.is_multiple_of(ss) || end_byte < (first + 1) * ss;
+        let tail_partial = !end_byte.is_multiple_of(ss) && end - 1 != first;
+        // Partial sectors keep their other bytes: read them before anything is written.
+        let head = match head_partial {
+            true => Some(self.old_sector(first).await?),
+            false => None,
+        };
+        let tail = match tail_partial {
+            true => Some(self.old_sector(end - 1).await?),
+            false => None,
+        };
+        let pieces = self.pieces(first, end);
+        // Sectors that are encrypted and written (all of them, unless discarding).
+        let encrypted_sectors = match fill {
+            Fill::Unwritten => head.is_some() as u64 + tail.is_some() as u64,
+            _ => end - first,
+        };
+        self.reserve_nonces(encrypted_sectors).await?;
+        for batch in pieces.chunks(OBJECTS_IN_FLIGHT) {
+            let mut ops = Vec::with_capacity(batch.len());
+            for &piece in batch {
+                let op = self.piece_op(
+                    piece,
+                    offset,
+                    end_byte,
+                    fill,
+                    (first, &head),
+                    (end - 1, &tail),
+                )?;
+                ops.push(async move {
+                    let object = self.data_object(piece.object);
+                    let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
+                    match self.store.write_op(&object, op).await {
+                        Ok(_) => Ok(()),
+                        // Discarding in an object that does not exist: nothing to do.
+                        Err(StoreError::NotFound { .. }) if only_if_exists => Ok(()),
+                        Err(e) => Err(ImageError::store(&self.name)(e)),
+                    }
+                });
+            }
+            // Wait for every operation of the batch even if one fails, so no operation is
+            // still in flight when the error is returned (each object is old or new).
+            let results = join_all(ops).await;
+            if let Some(e) = results.into_iter().find_map(Result::err) {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The one operation for one object of a request.
+    fn piece_op(
+        &self,
+        piece: Piece,
+        offset: u64,
+        end_byte: u64,
+        fill: Fill<'_>,
+        head: (u64, &Option<Vec<u8>>),
+        tail: (u64, &Option<Vec<u8>>),
+    ) -> Result<WriteOp, ImageError> {
+        let ss = self.sector_size as u64;
+        let piece_end = piece.lba + piece.count as u64;
+        let mut op = WriteOp::new();
+        // The sectors of this piece that get encrypted content: all, or only partial edges.
+        let encrypted: Vec<(u64, u64)> = match fill {
+            Fill::Unwritten => [head, tail]
+                .into_iter()
+                .filter(|(lba, old)| old.is_some() && (piece.lba..piece_end).contains(lba))
+                .map(|(lba, _)| (lba, lba + 1))
+                .collect(),
+            _ => vec![(piece.lba, piece_end)],
+        };
+        if let Fill::Unwritten = fill {
+            // Whole sectors between the partial edges go back to the unwritten state.
+            let lo = piece.lba + encrypted.iter().any(|&(l, _)| l == piece.lba) as u64;
+            let hi = piece_end
+                - encrypted
+                    .iter()
+                    .any(|&(l, _)| l + 1 == piece_end && l >= lo) as u64;
+            if lo < hi {
+                let whole_object = hi - lo == self.sectors_per_object() && self.data_offset == 0;
+                if encrypted.is_empty() {
+                    op.steps.push(WriteStep::AssertExists);
+                }
+                if whole_object {
+                    op.steps.push(WriteStep::Remove);
+                } else {
+                    let index = piece.index + (lo - piece.lba) as u32;
+                    self.layout.discard(&mut op.steps, index, (hi - lo) as u32);
+                }
+            }
+        }
+        for (start, stop) in encrypted {
+            let n = (stop - start) as usize;
+            let mut plain = vec![0u8; n * ss as usize];
+            for (lba, old) in [head, tail] {
+                if let Some(old) = old {
+                    if (start..stop).contains(&lba) {
+                        let at = ((lba - start) * ss) as usize;
+                        plain[at..at + ss as usize].copy_from_slice(old);
+                    }
+                }
+            }
+            // The request's bytes that fall in these sectors.
+            let (lo, hi) = (offset.max(start * ss), end_byte.min(stop * ss));
+            let dst = &mut plain[(lo - start * ss) as usize..(hi - start * ss) as usize];
+            match fill {
+                Fill::Data(data) => {
+                    dst.copy_from_slice(&data[(lo - offset) as usize..(hi - offset) as usize])
+                }
+                Fill::Zeros | Fill::Unwritten => dst.fill(0),
+            }
+            let mut metadata = vec![0u8; n * self.cipher.metadata_len()];
+            self.cipher
+                .encrypt_sectors(start + self.iv_sector_base, &mut plain, &mut metadata)
+                .map_err(ImageError::crypto(&self.name))?;
+            let index = piece.index + (start - piece.lba) as u32;
+            self.layout.write(&mut op.steps, index, plain, &metadata);
+        }
+        Ok(op)
+    }
+
+    /// Return whole sectors `[first, end)` to the unwritten state (resize).
+    pub(crate) async fn discard_sectors(&self, first: u64, end: u64) -> Result<(), ImageError> {
+        if first >= end {
+            return Ok(());
+        }
+        let ss = self.sector_size as u64;
+        self.store_range(first * ss, (end - first) * ss, Fill::Unwritten)
+            .await
+    }
+}
+
+impl Image {
+    /// Read `buf.len()` bytes at `offset`. Unwritten sectors read as zeros.
+    ///
+    /// On [`ImageError::Integrity`] the named sectors failed authentication: their bytes in
+    /// `buf` are zeros and every other byte was read correctly.
+    pub async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let len = buf.len() as u64;
+        inner.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let ss = inner.sector_size as u64;
+        let first = offset / ss;
+        let failed = if offset.is_multiple_of(ss) && len.is_multiple_of(ss) {
+            inner.read_sectors(first, buf).await?
+        } else {
+            let end = (offset + len).div_ceil(ss);
+            let mut sectors = vec![0u8; ((end - first) * ss) as usize];
+            let failed = inner.read_sectors(first, &mut sectors).await?;
+            let at = (offset - first * ss) as usize;
+            buf.copy_from_slice(&sectors[at..at + buf.len()]);
+            failed
+        };
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(inner.integrity(failed))
+        }
+    }
+
+    /// Write `data` at `offset`. Partial sectors are read, merged and rewritten, serialized
+    /// with every other write touching them.
+    pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        self.modify(offset, data.len() as u64, Fill::Data(data))
+            .await
+    }
+
+    /// Make `[offset, offset + len)` read as zeros and free its space where the store can
+    /// (whole objects are removed). Partial sectors at the ends are zeroed in place.
+    pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ImageError> {
+        self.modify(offset, len, Fill::Unwritten).await
+    }
+
+    /// Make `[offset, offset + len)` read as zeros. With `may_unmap` this is a discard;
+    /// without, the zeros are written (encrypted) so the range stays allocated.
+    pub async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+    ) -> Result<(), ImageError> {
+        let fill = if may_unmap {
+            Fill::Unwritten
+        } else {
+            Fill::Zeros
+        };
+        self.modify(offset, len, fill).await
+    }
+
+    async fn modify(&self, offset: u64, len: u64, fill: Fill<'_>) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        inner.check_writable()?;
+        inner.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let ss = inner.sector_size as u64;
+        let _held = inner
+            .ranges
+            .lock(offset / ss, (offset + len).div_ceil(ss))
+            .await;
+        // The image may have shrunk while we waited.
+        inner.check_range(offset, len)?;
+        if let Fill::Zeros = fill {
+            // Bounded memory: at most a batch of objects' worth of encrypted zeros at once.
+            let step = inner.object_size * OBJECTS_IN_FLIGHT as u64;
+            let mut at = offset;
+            while at < offset + len {
+                let next = ((at / step) + 1) * step;
+                let stop = next.min(offset + len);
+                inner.store_range(at, stop - at, fill).await?;
+                at = stop;
+            }
+            return Ok(());
+        }
+        inner.store_range(offset, len, fill).await
+    }
+
+    /// Make every completed write durable.
+    pub async fn flush(&self) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        inner
+            .store
+            .flush()
+            .await
+            .map_err(ImageError::store(&inner.name))
+    }
+}

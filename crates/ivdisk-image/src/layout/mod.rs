@@ -1,0 +1,178 @@
+//! Where a sector's ciphertext and metadata live inside an object: the paper's three layouts
+//! (`object-end`, `unaligned`, `omap`) and `none` for suites without metadata.
+//!
+//! A layout only turns "these sectors of this object" into store steps and back; the image
+//! layer (`crate::io`) owns splitting IO, encryption and deciding what is unwritten. Adding a
+//! layout: a module here implementing [`SectorLayout`], a [`LayoutKind`] variant, and a line in
+//! [`LayoutKind::build`]; the matrix tests iterate [`LayoutKind::ALL`].
+
+mod none;
+mod object_end;
+mod omap;
+mod unaligned;
+
+use std::fmt;
+use std::str::FromStr;
+
+use ivdisk_store::{Extent, ReadResult, ReadStep, WriteStep};
+
+/// The layout of an image, chosen at create time and recorded in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayoutKind {
+    /// No per-sector metadata: ciphertext at the sector's offset, as LUKS2/librbd store it.
+    None,
+    /// All data sectors first, then the object's packed metadata at its end (the paper's best).
+    ObjectEnd,
+    /// Each sector's metadata right after its ciphertext (slots of sector size + metadata).
+    Unaligned,
+    /// Metadata in the object's omap, key = sector index within the object (8 hex digits).
+    Omap,
+}
+
+impl LayoutKind {
+    /// Every layout, in the order `--help` lists them.
+    pub const ALL: [LayoutKind; 4] = [
+        LayoutKind::ObjectEnd,
+        LayoutKind::Unaligned,
+        LayoutKind::Omap,
+        LayoutKind::None,
+    ];
+
+    /// The layouts that store metadata (for suites that have some).
+    pub const WITH_METADATA: [LayoutKind; 3] = [
+        LayoutKind::ObjectEnd,
+        LayoutKind::Unaligned,
+        LayoutKind::Omap,
+    ];
+
+    /// The layout new images get when the user names none: `object-end` for suites with
+    /// metadata, `none` for those without.
+    pub fn default_for(metadata_len: usize) -> LayoutKind {
+        if metadata_len == 0 {
+            LayoutKind::None
+        } else {
+            LayoutKind::ObjectEnd
+        }
+    }
+
+    /// The name used on the command line and in the header.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LayoutKind::None => "none",
+            LayoutKind::ObjectEnd => "object-end",
+            LayoutKind::Unaligned => "unaligned",
+            LayoutKind::Omap => "omap",
+        }
+    }
+
+    /// One line for `--help`.
+    pub const fn summary(self) -> &'static str {
+        match self {
+            LayoutKind::None => {
+                "no metadata (aes-xts-plain64, aes-hctr2-plain64); LUKS2/librbd-compatible objects"
+            }
+            LayoutKind::ObjectEnd => {
+                "data sectors first, packed metadata at the object's end (default)"
+            }
+            LayoutKind::Unaligned => "each sector's metadata right after it",
+            LayoutKind::Omap => "metadata in the object's key/value map",
+        }
+    }
+
+    /// Whether this layout can hold `metadata_len` bytes per sector.
+    pub fn fits(self, metadata_len: usize) -> bool {
+        (self == LayoutKind::None) == (metadata_len == 0)
+    }
+
+    pub(crate) fn build(self, geometry: ObjectGeometry) -> Box<dyn SectorLayout> {
+        match self {
+            LayoutKind::None => Box::new(none::NoMetadata(geometry)),
+            LayoutKind::ObjectEnd => Box::new(object_end::ObjectEnd(geometry)),
+            LayoutKind::Unaligned => Box::new(unaligned::Unaligned(geometry)),
+            LayoutKind::Omap => Box::new(omap::Omap(geometry)),
+        }
+    }
+}
+
+impl fmt::Display for LayoutKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for LayoutKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        LayoutKind::ALL
+            .into_iter()
+            .find(|l| l.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = LayoutKind::ALL.iter().map(|l| l.name()).collect();
+                format!("unknown layout `{s}` (known: {})", names.join(", "))
+            })
+    }
+}
+
+/// The shape of one data object: sectors of `sector_size` bytes, `metadata_len` bytes of
+/// metadata each, `sectors_per_object` of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectGeometry {
+    pub sector_size: usize,
+    pub metadata_len: usize,
+    pub sectors_per_object: u32,
+}
+
+/// Turns "sectors `first..first + count` of one object" into store steps and back. Sector
+/// indexes are within the object. Implementations add steps to the caller's lists so that one
+/// IO's data and metadata for an object go out in one atomic operation.
+pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
+    /// Steps storing the ciphertext (`count * sector_size` bytes, taken by value so it can
+    /// become the write step without a copy) and packed metadata of `count` sectors.
+    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: &[u8]);
+
+    /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no
+    /// metadata key), freeing space where the store can.
+    fn discard(&self, steps: &mut Vec<WriteStep>, first: u32, count: u32);
+
+    /// Read steps fetching the ciphertext and metadata of `count` sectors.
+    fn read(&self, steps: &mut Vec<ReadStep>, first: u32, count: u32);
+
+    /// Fill `ciphertext` and `metadata` from the results of [`SectorLayout::read`]'s steps
+    /// (consumed from `results` in order). Bytes never written are left zero (the buffers
+    /// arrive zeroed). An `Err` names what was malformed.
+    fn decode(
+        &self,
+        results: &mut dyn Iterator<Item = ReadResult>,
+        first: u32,
+        count: u32,
+        ciphertext: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), String>;
+}
+
+/// Copy the extents of a read of `[base, base + out.len())` into `out` (holes stay zero).
+pub(crate) fn place_extents(
+    result: Option<ReadResult>,
+    base: u64,
+    out: &mut [u8],
+) -> Result<(), String> {
+    let extents: Vec<Extent> = match result {
+        Some(ReadResult::Extents(extents)) => extents,
+        other => return Err(format!("expected the extents of a read, got {other:?}")),
+    };
+    for extent in extents {
+        let start = extent
+            .offset
+            .checked_sub(base)
+            .filter(|&s| s as usize <= out.len())
+            .ok_or_else(|| {
+                format!(
+                    "extent at {} lies outside the read at {base}",
+                    extent.offset
+                )
+            })? as usize;
+        let len = extent.data.len().min(out.len() - start);
+        out[start..start + len].copy_from_slice(&extent.data[..len]);
+    }
+    Ok(())
+}

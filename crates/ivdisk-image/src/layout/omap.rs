@@ -1,0 +1,107 @@
+//! `omap`: ciphertext at the sector's own offset, metadata as the value of omap key
+//! `{index:08x}` (fixed-width hex: sorts in sector order, and holds no NUL byte, which
+//! librados' C API cannot start a range at).
+
+use ivdisk_store::{ReadResult, ReadStep, WriteStep};
+
+use super::{place_extents, ObjectGeometry, SectorLayout};
+
+/// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
+const MAX_KEYS_PER_STEP: u32 = 1024;
+
+#[derive(Debug)]
+pub(crate) struct Omap(pub ObjectGeometry);
+
+fn key(index: u32) -> Vec<u8> {
+    format!("{index:08x}").into_bytes()
+}
+
+fn index_of(key: &[u8]) -> Option<u32> {
+    if key.len() != 8 {
+        return None;
+    }
+    u32::from_str_radix(std::str::from_utf8(key).ok()?, 16).ok()
+}
+
+impl SectorLayout for Omap {
+    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: &[u8]) {
+        steps.push(WriteStep::Write {
+            offset: first as u64 * self.0.sector_size as u64,
+            data: ciphertext,
+        });
+        let pairs = metadata
+            .chunks_exact(self.0.metadata_len)
+            .enumerate()
+            .map(|(i, meta)| (key(first + i as u32), meta.to_vec()))
+            .collect();
+        steps.push(WriteStep::OmapSet(pairs));
+    }
+
+    fn discard(&self, steps: &mut Vec<WriteStep>, first: u32, count: u32) {
+        let ss = self.0.sector_size as u64;
+        steps.push(WriteStep::Zero {
+            offset: first as u64 * ss,
+            len: count as u64 * ss,
+        });
+        steps.push(WriteStep::OmapRemoveRange {
+            start: key(first),
+            end: key(first + count),
+        });
+    }
+
+    fn read(&self, steps: &mut Vec<ReadStep>, first: u32, count: u32) {
+        let ss = self.0.sector_size as u64;
+        steps.push(ReadStep::Read {
+            offset: first as u64 * ss,
+            len: count as u64 * ss,
+        });
+        let mut at = first;
+        while at < first + count {
+            let n = (first + count - at).min(MAX_KEYS_PER_STEP);
+            steps.push(ReadStep::OmapGetRange {
+                start: key(at),
+                end: Some(key(at + n)),
+                max: n as usize,
+            });
+            at += n;
+        }
+    }
+
+    fn decode(
+        &self,
+        results: &mut dyn Iterator<Item = ReadResult>,
+        first: u32,
+        count: u32,
+        ciphertext: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), String> {
+        let ml = self.0.metadata_len;
+        place_extents(
+            results.next(),
+            first as u64 * self.0.sector_size as u64,
+            ciphertext,
+        )?;
+        let steps = count.div_ceil(MAX_KEYS_PER_STEP);
+        for _ in 0..steps {
+            let Some(ReadResult::Omap { pairs, .. }) = results.next() else {
+                return Err("expected the pairs of an omap range read".into());
+            };
+            for (k, value) in pairs {
+                let index = index_of(&k)
+                    .filter(|i| (first..first + count).contains(i))
+                    .ok_or_else(|| {
+                        format!("unexpected omap key {:?}", String::from_utf8_lossy(&k))
+                    })?;
+                if value.len() != ml {
+                    return Err(format!(
+                        "omap value of sector {index} holds {} bytes, not {ml}",
+                        value.len()
+                    ));
+                }
+                let at = (index - first) as usize * ml;
+                metadata[at..at + ml].copy_from_slice(&value);
+            }
+        }
+        Ok(())
+    }
+}

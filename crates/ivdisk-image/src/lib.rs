@@ -1,0 +1,33 @@
+//! ivdisk images: a virtual disk striped over the objects of any [`ivdisk_store::ObjectStore`],
+//! each sector encrypted with a fresh IV/nonce whose metadata is written in the same atomic
+//! store operation as the data (paper 000, "Random IVs for virtual disks").
+//!
+//! - [`ImageUri`]: where an image lives (`PATH`/`file:PATH` local, `rados://`, `mem:`).
+//! - [`Image`]: create, open, resize, delete, and the IO path (read, write, discard,
+//!   write-zeroes, flush at any byte offset and length).
+//! - [`LayoutKind`]: where metadata lives in an object (`object-end`, `unaligned`, `omap`,
+//!   `none`); one module per layout in `layout/`.
+//! - The writer lock (one writer per image, renewed while open, breakable when stale).
+//!
+//! Layering: this crate uses the crypto, header and store crates and never speaks NBD or
+//! parses command lines (docs/ARCHITECTURE.md).
+
+#![deny(unsafe_code)]
+
+mod error;
+mod header_object;
+mod image;
+mod io;
+mod layout;
+mod range_lock;
+mod uri;
+mod writer_lock;
+
+pub use error::ImageError;
+pub use image::{
+    data_object_prefix, header_object_name, CreateOptions, Image, ImageInfo, OpenOptions,
+    DEFAULT_OBJECT_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
+};
+pub use layout::{LayoutKind, ObjectGeometry};
+pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
+pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};

@@ -1,0 +1,263 @@
+//! Image addresses (`PATH`, `file:PATH`, `rados://POOL/IMAGE?...`, `mem:NAME`) and the store
+//! each one opens.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use ivdisk_rados::{RadosConfig, RadosStore};
+use ivdisk_store::{LocalStore, LocalStoreOptions, MemoryStore, ObjectStore};
+
+use crate::ImageError;
+
+/// The name of the one image a local store directory holds.
+pub const LOCAL_IMAGE_NAME: &str = "image";
+
+/// Where an image lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageUri {
+    /// A directory holding a local embedded store with one image (`PATH` or `file:PATH`).
+    Local { dir: PathBuf },
+    /// An image in a RADOS pool (`rados://POOL/IMAGE?conf=PATH&id=CLIENT`).
+    Rados {
+        pool: String,
+        image: String,
+        /// `namespace=` (default: the pool's default namespace).
+        namespace: String,
+        /// `conf=` (default: librados' search: `$CEPH_CONF`, /etc/ceph/ceph.conf, ...).
+        conf: Option<PathBuf>,
+        /// `id=`: the cephx user without `client.` (default `admin`).
+        client_id: String,
+        /// `keyring=` (default: from the conf file).
+        keyring: Option<PathBuf>,
+    },
+    /// An image in this process' memory store (`mem:NAME`; tests and benchmarks).
+    Memory { name: String },
+}
+
+impl ImageUri {
+    /// Parse an address as the command line takes it. A string without a scheme is a path.
+    pub fn parse(text: &str) -> Result<ImageUri, ImageError> {
+        let bad = |reason: &str| ImageError::InvalidUri {
+            uri: text.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if let Some(rest) = text.strip_prefix("rados://") {
+            let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let (pool, image) = path
+                .split_once('/')
+                .ok_or_else(|| bad("expected rados://POOL/IMAGE"))?;
+            let valid = |s: &str| {
+                !s.is_empty()
+                    && s.bytes()
+                        .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'@')
+            };
+            if !valid(pool) || !valid(image) {
+                return Err(bad(
+                    "pool and image names must be non-empty printable ASCII without '/' or '@'",
+                ));
+            }
+            let mut uri = ImageUri::Rados {
+                pool: pool.to_owned(),
+                image: image.to_owned(),
+                namespace: String::new(),
+                conf: None,
+                client_id: "admin".to_owned(),
+                keyring: None,
+            };
+            if let ImageUri::Rados {
+                namespace,
+                conf,
+                client_id,
+                keyring,
+                ..
+            } = &mut uri
+            {
+                for pair in query.split('&').filter(|p| !p.is_empty()) {
+                    let (key, value) = pair
+                        .split_once('=')
+                        .ok_or_else(|| bad(&format!("query part `{pair}` is not KEY=VALUE")))?;
+                    match key {
+                        "conf" => *conf = Some(PathBuf::from(value)),
+                        "id" => *client_id = value.trim_start_matches("client.").to_owned(),
+                        "keyring" => *keyring = Some(PathBuf::from(value)),
+                        "namespace" => *namespace = value.to_owned(),
+                        other => {
+                            return Err(bad(&format!(
+                                "unknown parameter `{other}` (known: conf, id, keyring, namespace)"
+                            )))
+                        }
+                    }
+                }
+            }
+            return Ok(uri);
+        }
+        if let Some(name) = text.strip_prefix("mem:") {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(bad("expected mem:NAME with a printable name"));
+            }
+            return Ok(ImageUri::Memory {
+                name: name.to_owned(),
+            });
+        }
+        let path = text.strip_prefix("file:").unwrap_or(text);
+        if path.is_empty() {
+            return Err(bad("the path is empty"));
+        }
+        if let Some((scheme, _)) = path.split_once("://") {
+            return Err(bad(&format!(
+                "unknown scheme `{scheme}://` (known: file:, rados://, mem:)"
+            )));
+        }
+        Ok(ImageUri::Local {
+            dir: PathBuf::from(path),
+        })
+    }
+
+    /// The image's name inside its store (its header object is named from it).
+    pub fn image_name(&self) -> &str {
+        match self {
+            ImageUri::Local { .. } => LOCAL_IMAGE_NAME,
+            ImageUri::Rados { image, .. } => image,
+            ImageUri::Memory { name } => name,
+        }
+    }
+
+    /// Open the store this image lives in. `create` makes a local store directory if missing.
+    pub async fn open_store(&self, create: bool) -> Result<Arc<dyn ObjectStore>, ImageError> {
+        let image = self.to_string();
+        match self {
+            ImageUri::Local { dir } => open_local(dir, create).map_err(ImageError::store(&image)),
+            ImageUri::Memory { .. } => Ok(memory_store()),
+            ImageUri::Rados {
+                pool,
+                namespace,
+                conf,
+                client_id,
+                keyring,
+                ..
+            } => {
+                let mut config = RadosConfig::new(pool.clone());
+                config.namespace = namespace.clone();
+                config.conf = conf.clone();
+                config.client_id = client_id.clone();
+                config.keyring = keyring.clone();
+                config.op_timeout = Some(Duration::from_secs(60));
+                let store = RadosStore::open(&config)
+                    .await
+                    .map_err(|source| ImageError::Rados { image, source })?;
+                Ok(Arc::new(store))
+            }
+        }
+    }
+}
+
+impl fmt::Display for ImageUri {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ImageUri::Local { dir } => write!(f, "{}", dir.display()),
+            ImageUri::Memory { name } => write!(f, "mem:{name}"),
+            ImageUri::Rados {
+                pool,
+                image,
+                namespace,
+                ..
+            } if namespace.is_empty() => write!(f, "rados://{pool}/{image}"),
+            ImageUri::Rados {
+                pool,
+                image,
+                namespace,
+                ..
+            } => write!(f, "rados://{pool}/{image}?namespace={namespace}"),
+        }
+    }
+}
+
+/// One memory store per process: `mem:` images live as long as the process. Each opener gets
+/// its own client identity, so writer locks between two opens behave as between two hosts.
+fn memory_store() -> Arc<dyn ObjectStore> {
+    static STORE: OnceLock<MemoryStore> = OnceLock::new();
+    let store =
+        STORE.get_or_init(|| MemoryStore::new().expect("an in-memory SQLite database opens"));
+    Arc::new(store.another_client())
+}
+
+/// A local store may be opened by one process at a time; within the process, every opener of
+/// a directory shares the open store (with a client identity of its own).
+fn open_local(dir: &Path, create: bool) -> Result<Arc<dyn ObjectStore>, ivdisk_store::StoreError> {
+    static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<LocalStore>>>> = OnceLock::new();
+    let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mut open = OPEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    open.retain(|_, store| store.strong_count() > 0);
+    if let Some(first) = open.get(&key).and_then(Weak::upgrade) {
+        return Ok(Arc::new(first.another_client()));
+    }
+    let options = LocalStoreOptions { create };
+    let store = Arc::new(LocalStore::open_with(dir, &options)?);
+    let key = std::fs::canonicalize(dir).unwrap_or(key);
+    open.insert(key, Arc::downgrade(&store));
+    Ok(store)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_scheme() {
+        assert_eq!(
+            ImageUri::parse("disk.ivd").unwrap(),
+            ImageUri::Local {
+                dir: "disk.ivd".into()
+            }
+        );
+        assert_eq!(
+            ImageUri::parse("file:/a/b").unwrap(),
+            ImageUri::Local { dir: "/a/b".into() }
+        );
+        assert_eq!(
+            ImageUri::parse("mem:x").unwrap(),
+            ImageUri::Memory { name: "x".into() }
+        );
+        let uri =
+            ImageUri::parse("rados://rbd/vm1?conf=/etc/c.conf&id=client.u&namespace=ns").unwrap();
+        assert_eq!(
+            uri,
+            ImageUri::Rados {
+                pool: "rbd".into(),
+                image: "vm1".into(),
+                namespace: "ns".into(),
+                conf: Some("/etc/c.conf".into()),
+                client_id: "u".into(),
+                keyring: None,
+            }
+        );
+        assert_eq!(uri.to_string(), "rados://rbd/vm1?namespace=ns");
+        assert_eq!(uri.image_name(), "vm1");
+    }
+
+    #[test]
+    fn rejects_bad_addresses() {
+        for bad in [
+            "",
+            "rados://pool",
+            "rados:///img",
+            "rados://p/i?color=red",
+            "rados://p/i?conf",
+            "mem:",
+            "s3://bucket/x",
+            "file:",
+        ] {
+            let err = ImageUri::parse(bad).unwrap_err();
+            assert!(
+                matches!(err, ImageError::InvalidUri { .. }),
+                "{bad:?} gave {err}"
+            );
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The one-writer rule: opening an image for writing takes the store's advisory exclusive lock
+//! on the header object, renewed by a background thread while the image is open. A holder
+//! that dies stops renewing and its lock expires; `ivdisk lock break` removes one at once.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ivdisk_store::{LockRequest, Locker, ObjectName, ObjectStore, StoreError};
+
+use crate::ImageError;
+
+/// The lock's name on the header object.
+pub const WRITER_LOCK: &str = "ivdisk_writer";
+/// How long a lock lives without renewal; renewed every third of it.
+pub const DEFAULT_LOCK_DURATION: Duration = Duration::from_secs(30);
+
+/// A held writer lock and the thread renewing it.
+pub(crate) struct WriterLock {
+    store: Arc<dyn ObjectStore>,
+    object: ObjectName,
+    cookie: String,
+    stop: Option<mpsc::Sender<()>>,
+    renewer: Option<JoinHandle<()>>,
+    /// Why the lock was lost, once it was.
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for WriterLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriterLock")
+            .field("object", &self.object)
+            .field("cookie", &self.cookie)
+            .finish()
+    }
+}
+
+fn describe(locker: &Locker) -> String {
+    let mut text = format!("client {}", locker.client);
+    if !locker.description.is_empty() {
+        text.push_str(&format!(" ({})", locker.description));
+    }
+    text
+}
+
+/// The current holder of an image's writer lock, if any.
+pub(crate) async fn holder(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+) -> Result<Option<Locker>, StoreError> {
+    Ok(store
+        .list_lockers(object, WRITER_LOCK)
+        .await?
+        .into_iter()
+        .next())
+}
+
+impl WriterLock {
+    pub(crate) async fn acquire(
+        store: Arc<dyn ObjectStore>,
+        object: ObjectName,
+        image: &str,
+        duration: Duration,
+    ) -> Result<WriterLock, ImageError> {
+        let mut cookie = [0u8; 8];
+        ivdisk_crypto::fill_random(&mut cookie).map_err(ImageError::crypto(image))?;
+        let cookie = hex::encode(cookie);
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default();
+        let request = LockRequest {
+            name: WRITER_LOCK.into(),
+            cookie: cookie.clone(),
+            description: format!("ivdisk pid {} on {host}", std::process::id()),
+            duration: Some(duration),
+            renew: false,
+        };
+        match store.lock_exclusive(&object, request.clone()).await {
+            Ok(()) => {}
+            Err(StoreError::Busy { holder: h, .. }) => {
+                let locker = holder(store.as_ref(), &object).await.ok().flatten();
+                return Err(ImageError::Locked {
+                    image: image.to_owned(),
+                    holder: locker.as_ref().map(describe).unwrap_or(h),
+                    expires_in: locker.and_then(|l| l.expires_in),
+                });
+            }
+            Err(e) => return Err(ImageError::store(image)(e)),
+        }
+        let lost = Arc::new(Mutex::new(None));
+        let (stop, stopped) = mpsc::channel::<()>();
+        let renewer = {
+            let store = store.clone();
+            let object = object.clone();
+            let lost = lost.clone();
+            let request = LockRequest {
+                renew: true,
+                ..request
+            };
+            let name = image.to_owned();
+            std::thread::Builder::new()
+                .name("ivdisk-lock-renew".into())
+                .spawn(move || loop {
+                    match stopped.recv_timeout(duration / 3) {
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    let renewed = futures_executor::block_on(
+                        store.lock_exclusive(&object, request.clone()),
+                    );
+                    if let Err(e) = renewed {
+                        tracing::error!(image = %name, error = %e, "renewing the writer lock failed; refusing further writes");
+                        *lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                        return;
+                    }
+                })
+                .map_err(|e| ImageError::Store {
+                    image: image.to_owned(),
+                    source: StoreError::Io {
+                        context: "starting the lock renewal thread".into(),
+                        source: e,
+                    },
+                })?
+        };
+        Ok(WriterLock {
+            store,
+            object,
+            cookie,
+            stop: Some(stop),
+            renewer: Some(renewer),
+            lost,
+        })
+    }
+
+    /// Why the lock was lost, if it was.
+    pub(crate) fn lost(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn stop_renewing(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.renewer.take() {
+            let _ = thread.join();
+        }
+    }
+
+    /// Stop renewing and release the lock.
+    pub(crate) async fn release(mut self) -> Result<(), StoreError> {
+        self.stop_renewing();
+        let result = self
+            .store
+            .unlock(&self.object, WRITER_LOCK, &self.cookie)
+            .await;
+        self.cookie.clear();
+        match result {
+            Ok(()) | Err(StoreError::NotLocked { .. }) if self.lost().is_some() => Ok(()),
+            other => other,
+        }
+    }
+}
+
+impl Drop for WriterLock {
+    fn drop(&mut self) {
+        self.stop_renewing();
+        if !self.cookie.is_empty() {
+            // Dropped without `release` (the image was not closed): unlock best effort so the
+            // next writer does not wait for the expiry.
+            let _ = futures_executor::block_on(self.store.unlock(
+                &self.object,
+                WRITER_LOCK,
+                &self.cookie,
+            ));
+        }
+    }
+}

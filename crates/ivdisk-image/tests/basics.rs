@@ -1,0 +1,128 @@
+//! The image lifecycle and IO path on the memory and local backends: create/open/close,
+//! sub-sector IO, discard, resize, delete, the writer lock, bad input.
+
+use std::time::Duration;
+
+use ivdisk_crypto::Suite;
+use ivdisk_header::{PbkdfKind, PbkdfRequest};
+use ivdisk_image::{CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions};
+
+const PASS: &[u8] = b"correct horse";
+
+fn options(size: u64, suite: Suite, layout: LayoutKind) -> CreateOptions {
+    CreateOptions {
+        suite,
+        layout: Some(layout),
+        object_size: 64 << 10,
+        pbkdf: PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2),
+        ..CreateOptions::new(size)
+    }
+}
+
+fn unique(prefix: &str) -> ImageUri {
+    let mut b = [0u8; 6];
+    getrandom::getrandom(&mut b).unwrap();
+    ImageUri::parse(&format!("mem:{prefix}-{}", hex::encode(b))).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_read_partial_discard_roundtrip() {
+    let uri = unique("basic");
+    let image = Image::create(
+        &uri,
+        &options(1 << 20, Suite::DEFAULT, LayoutKind::ObjectEnd),
+        PASS,
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0xAAu8; 200_000];
+    image.read(1000, &mut buf).await.unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "a new image reads zeros");
+    let data: Vec<u8> = (0..150_000u32).map(|i| (i % 251) as u8).collect();
+    image.write(12345, &data).await.unwrap();
+    let mut back = vec![0u8; data.len()];
+    image.read(12345, &mut back).await.unwrap();
+    assert_eq!(back, data);
+    // Neighbouring bytes of the partial sectors stayed zero.
+    let mut edge = [1u8; 4];
+    image.read(12341, &mut edge).await.unwrap();
+    assert_eq!(edge, [0; 4]);
+    image.discard(20_000, 100_000).await.unwrap();
+    image.read(12345, &mut back).await.unwrap();
+    let mut expect = data.clone();
+    expect[20_000 - 12345..120_000 - 12345].fill(0);
+    assert_eq!(back, expect);
+    image.close().await.unwrap();
+
+    let image = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    image.read(12345, &mut back).await.unwrap();
+    assert_eq!(back, expect, "data survives close and reopen");
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_writer_is_refused_and_readers_are_not() {
+    let uri = unique("lock");
+    let writer = Image::create(
+        &uri,
+        &options(1 << 20, Suite::DEFAULT, LayoutKind::Omap),
+        PASS,
+    )
+    .await
+    .unwrap();
+    let err = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::Locked { .. }), "{err}");
+    assert!(err.to_string().contains("ivdisk lock break"), "{err}");
+    let reader = Image::open(&uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    writer.write(0, &[7u8; 4096]).await.unwrap();
+    let mut b = [0u8; 4096];
+    reader.read(0, &mut b).await.unwrap();
+    assert_eq!(b, [7u8; 4096]);
+    assert!(matches!(
+        reader.write(0, &b).await,
+        Err(ImageError::ReadOnly { .. })
+    ));
+    // Breaking the lock makes the old writer refuse writes once its renewal notices.
+    let broken = Image::break_lock(&uri).await.unwrap();
+    assert!(broken.is_some());
+    let second = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    second.close().await.unwrap();
+    drop(writer);
+    let _ = Duration::ZERO;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input() {
+    let uri = unique("bad");
+    let image = Image::create(
+        &uri,
+        &options(1 << 20, Suite::AesXtsPlain64, LayoutKind::None),
+        PASS,
+    )
+    .await
+    .unwrap();
+    let err = image.write((1 << 20) - 10, &[1u8; 11]).await.unwrap_err();
+    assert!(matches!(err, ImageError::OutOfRange { .. }), "{err}");
+    image.write(5, &[]).await.unwrap();
+    let err = Image::open(&uri, b"wrong", &OpenOptions::read_only())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::Header { .. }), "{err}");
+    let err = Image::create(
+        &uri,
+        &options(1 << 20, Suite::DEFAULT, LayoutKind::None),
+        PASS,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, ImageError::InvalidParameter { .. }), "{err}");
+    image.close().await.unwrap();
+}
