@@ -155,6 +155,31 @@ pub(crate) struct Inner {
     pub(crate) nonces_reserved: AtomicU64,
     pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
     pub(crate) header_change: tokio::sync::Mutex<()>,
+    /// A LUKS volume made by another tool (cryptsetup file, librbd image): no resize.
+    pub(crate) foreign: bool,
+}
+
+/// The parts of an open image (see [`Image::from_spec`]).
+pub(crate) struct EngineSpec {
+    pub(crate) name: String,
+    pub(crate) store: Arc<dyn ObjectStore>,
+    /// The object holding the header and the writer lock.
+    pub(crate) header_object: ObjectName,
+    /// Data object `n` is `{data_prefix}{n:016x}`.
+    pub(crate) data_prefix: String,
+    pub(crate) sector_size: usize,
+    pub(crate) object_size: u64,
+    pub(crate) data_offset: u64,
+    pub(crate) iv_sector_base: u64,
+    pub(crate) size: u64,
+    pub(crate) suite: Suite,
+    pub(crate) layout: LayoutKind,
+    pub(crate) cipher: Box<dyn SectorCipher>,
+    pub(crate) image_id: ImageId,
+    pub(crate) read_only: bool,
+    pub(crate) lock: Option<WriterLock>,
+    pub(crate) nonces_reserved: u64,
+    pub(crate) foreign: bool,
 }
 
 fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
@@ -241,7 +266,29 @@ impl Image {
         options: &CreateOptions,
         passphrase: &[u8],
     ) -> Result<Image, ImageError> {
-        let image = uri.to_string();
+        Image::create_with(
+            uri.to_string(),
+            uri.image_name(),
+            options,
+            passphrase,
+            || uri.open_store(true),
+        )
+        .await
+    }
+
+    /// [`Image::create`] of the image `image_name` (shown as `image`) in the store that
+    /// `open_store` opens once the options are checked (also [`Image::create_on`]).
+    pub(crate) async fn create_with<F, Fut>(
+        image: String,
+        image_name: &str,
+        options: &CreateOptions,
+        passphrase: &[u8],
+        open_store: F,
+    ) -> Result<Image, ImageError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<dyn ObjectStore>, ImageError>>,
+    {
         let layout = options
             .layout
             .unwrap_or_else(|| LayoutKind::default_for(options.suite.metadata_len()));
@@ -282,8 +329,8 @@ impl Image {
                 ),
             ));
         }
-        let store = uri.open_store(true).await?;
-        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
+        let store = open_store().await?;
+        let header_object = object_name(&image, header_object_name(image_name))?;
         if store
             .stat(&header_object)
             .await
@@ -336,6 +383,9 @@ impl Image {
         options: &OpenOptions,
     ) -> Result<Image, ImageError> {
         let image = uri.to_string();
+        if let Some(path) = crate::foreign::luks_file_path(uri) {
+            return crate::foreign::open_file(&image, path, passphrase, options).await;
+        }
         let store = uri.open_store(false).await.map_err(|e| match e {
             ImageError::Store {
                 source: StoreError::Io { source, .. },
@@ -345,8 +395,27 @@ impl Image {
             },
             other => other,
         })?;
-        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
-        let (header, region) = read_header(store.as_ref(), &header_object, &image).await?;
+        Image::open_in(image, store, uri.image_name(), passphrase, options).await
+    }
+
+    /// [`Image::open`] of the image `image_name` (shown as `image`) in an open store (also
+    /// [`Image::open_on`]).
+    pub(crate) async fn open_in(
+        image: String,
+        store: Arc<dyn ObjectStore>,
+        image_name: &str,
+        passphrase: &[u8],
+        options: &OpenOptions,
+    ) -> Result<Image, ImageError> {
+        let header_object = object_name(&image, header_object_name(image_name))?;
+        let (header, region) = match read_header(store.as_ref(), &header_object, &image).await {
+            // No ivdisk image by that name: a librbd image (`rbd_id.NAME`) perhaps.
+            Err(ImageError::NotFound { .. }) => {
+                return crate::foreign::open_rbd(store, image_name, &image, passphrase, options)
+                    .await;
+            }
+            other => other?,
+        };
         let unlocked = header
             .unlock(&region, passphrase)
             .map_err(ImageError::header(&image))?;
@@ -402,38 +471,62 @@ impl Image {
         let cipher = new_cipher(parsed.suite, &volume_key, &cipher_params)
             .map_err(ImageError::crypto(&image))?;
         drop(volume_key);
-        let sector_size = parsed.sector_size as usize;
-        let geometry = ObjectGeometry {
-            sector_size,
-            metadata_len: parsed.suite.metadata_len(),
-            sectors_per_object: (parsed.params.object_size / sector_size as u64) as u32,
-        };
-        let inner = Inner {
+        Ok(Image::from_spec(EngineSpec {
             data_prefix: data_object_prefix(&parsed.params.image_id),
             name: image,
             store,
             header_object,
-            sector_size,
+            sector_size: parsed.sector_size as usize,
             object_size: parsed.params.object_size,
             data_offset: 0,
             iv_sector_base: 0,
-            size: AtomicU64::new(parsed.size),
+            size: parsed.size,
             suite: parsed.suite,
-            layout_kind: parsed.layout,
-            layout: parsed.layout.build(geometry),
+            layout: parsed.layout,
             cipher,
             image_id: parsed.params.image_id,
-            ranges: RangeLocks::default(),
             read_only: options.read_only,
-            lock: Mutex::new(lock),
-            nonces_reserved: AtomicU64::new(nonces_reserved),
+            lock,
+            nonces_reserved,
+            foreign: false,
+        }))
+    }
+
+    /// Assemble an open image from its parts (ivdisk images above; LUKS volumes made by other
+    /// tools in `foreign.rs`).
+    pub(crate) fn from_spec(spec: EngineSpec) -> Image {
+        let geometry = ObjectGeometry {
+            sector_size: spec.sector_size,
+            metadata_len: spec.suite.metadata_len(),
+            sectors_per_object: (spec.object_size / spec.sector_size as u64) as u32,
+        };
+        let inner = Inner {
+            data_prefix: spec.data_prefix,
+            name: spec.name,
+            store: spec.store,
+            header_object: spec.header_object,
+            sector_size: spec.sector_size,
+            object_size: spec.object_size,
+            data_offset: spec.data_offset,
+            iv_sector_base: spec.iv_sector_base,
+            size: AtomicU64::new(spec.size),
+            suite: spec.suite,
+            layout_kind: spec.layout,
+            layout: spec.layout.build(geometry),
+            cipher: spec.cipher,
+            image_id: spec.image_id,
+            ranges: RangeLocks::default(),
+            read_only: spec.read_only,
+            lock: Mutex::new(spec.lock),
+            nonces_reserved: AtomicU64::new(spec.nonces_reserved),
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
+            foreign: spec.foreign,
         };
-        tracing::debug!(image = %inner.name, read_only = options.read_only, "opened image");
-        Ok(Image {
+        tracing::debug!(image = %inner.name, read_only = inner.read_only, "opened image");
+        Image {
             inner: Arc::new(inner),
-        })
+        }
     }
 
     /// Flush, then release the writer lock. Other clones of this image stop being able to
@@ -505,6 +598,12 @@ impl Image {
     pub async fn resize(&self, new_size: u64, allow_shrink: bool) -> Result<(), ImageError> {
         let inner = &self.inner;
         inner.check_writable()?;
+        if inner.foreign {
+            return Err(invalid(
+                &inner.name,
+                "resizing a LUKS volume made by another tool is not supported; resize it with that tool (cryptsetup, rbd)",
+            ));
+        }
         let ss = inner.sector_size as u64;
         if new_size == 0 || !new_size.is_multiple_of(ss) {
             return Err(invalid(
@@ -549,9 +648,18 @@ impl Image {
     /// What the header says about an image, read without a passphrase.
     pub async fn info(uri: &ImageUri) -> Result<ImageInfo, ImageError> {
         let image = uri.to_string();
+        if let Some(path) = crate::foreign::luks_file_path(uri) {
+            return crate::foreign::info_file(&image, path).await;
+        }
         let store = uri.open_store(false).await?;
         let object = object_name(&image, header_object_name(uri.image_name()))?;
-        let (header, _) = read_header(store.as_ref(), &object, &image).await?;
+        let (header, _) = match read_header(store.as_ref(), &object, &image).await {
+            // No ivdisk image by that name: a librbd image (`rbd_id.NAME`) perhaps.
+            Err(ImageError::NotFound { .. }) => {
+                return crate::foreign::info_rbd(store, uri.image_name(), &image).await;
+            }
+            other => other?,
+        };
         let parsed = parse_header(&image, &header)?;
         Ok(ImageInfo {
             size: parsed.size,

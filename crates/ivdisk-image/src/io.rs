@@ -287,6 +287,9 @@ impl Inner {
                 .collect(),
             _ => vec![(piece.lba, piece_end)],
         };
+        // Discard steps go after the edge sectors' writes: those create the object if it is
+        // missing, and zeroing or omap removal on a missing object fails on some stores.
+        let mut discard = Vec::new();
         if let Fill::Unwritten = fill {
             // Whole sectors between the partial edges go back to the unwritten state.
             let lo = piece.lba + encrypted.iter().any(|&(l, _)| l == piece.lba) as u64;
@@ -297,13 +300,14 @@ impl Inner {
             if lo < hi {
                 let whole_object = hi - lo == self.sectors_per_object() && self.data_offset == 0;
                 if encrypted.is_empty() {
+                    // Nothing else in this operation: a missing object has nothing to discard.
                     op.steps.push(WriteStep::AssertExists);
                 }
                 if whole_object {
-                    op.steps.push(WriteStep::Remove);
+                    discard.push(WriteStep::Remove);
                 } else {
                     let index = piece.index + (lo - piece.lba) as u32;
-                    self.layout.discard(&mut op.steps, index, (hi - lo) as u32);
+                    self.layout.discard(&mut discard, index, (hi - lo) as u32);
                 }
             }
         }
@@ -334,6 +338,7 @@ impl Inner {
             let index = piece.index + (start - piece.lba) as u32;
             self.layout.write(&mut op.steps, index, plain, &metadata);
         }
+        op.steps.extend(discard);
         Ok(op)
     }
 

@@ -15,10 +15,12 @@
 #![deny(unsafe_code)]
 
 mod error;
+mod foreign;
 mod header_object;
 mod image;
 mod io;
 mod layout;
+mod on_store;
 mod range_lock;
 mod uri;
 mod writer_lock;

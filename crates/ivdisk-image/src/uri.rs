@@ -129,7 +129,14 @@ impl ImageUri {
     pub async fn open_store(&self, create: bool) -> Result<Arc<dyn ObjectStore>, ImageError> {
         let image = self.to_string();
         match self {
-            ImageUri::Local { dir } => open_local(dir, create).map_err(ImageError::store(&image)),
+            ImageUri::Local { dir } => open_local(dir, create).map_err(|e| match e {
+                ivdisk_store::StoreError::Io { source, .. }
+                    if !create && source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    ImageError::NotFound { image }
+                }
+                other => ImageError::store(&image)(other),
+            }),
             ImageUri::Memory { .. } => Ok(memory_store()),
             ImageUri::Rados {
                 pool,
@@ -187,20 +194,46 @@ fn memory_store() -> Arc<dyn ObjectStore> {
 /// A local store may be opened by one process at a time; within the process, every opener of
 /// a directory shares the open store (with a client identity of its own).
 fn open_local(dir: &Path, create: bool) -> Result<Arc<dyn ObjectStore>, ivdisk_store::StoreError> {
-    static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<LocalStore>>>> = OnceLock::new();
+    // Every live client of each open directory: any of them can make another (the store stays
+    // open while one lives), whichever opened it first.
+    static OPEN: OnceLock<Mutex<HashMap<PathBuf, Vec<Weak<LocalStore>>>>> = OnceLock::new();
     let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let mut open = OPEN
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    open.retain(|_, store| store.strong_count() > 0);
-    if let Some(first) = open.get(&key).and_then(Weak::upgrade) {
-        return Ok(Arc::new(first.another_client()));
+    open.retain(|_, clients| {
+        clients.retain(|c| c.strong_count() > 0);
+        !clients.is_empty()
+    });
+    if let Some(clients) = open.get_mut(&key) {
+        if let Some(live) = clients.iter().find_map(Weak::upgrade) {
+            let store = Arc::new(live.another_client());
+            clients.push(Arc::downgrade(&store));
+            return Ok(store);
+        }
+    }
+    if create && !dir.join("meta.sqlite").exists() {
+        // Never scatter a store's files into a directory that holds something else.
+        let occupied = match std::fs::read_dir(dir) {
+            Ok(mut entries) => entries.next().is_some(),
+            Err(_) => dir.exists(),
+        };
+        if occupied {
+            return Err(ivdisk_store::StoreError::Io {
+                context: format!(
+                    "{} exists and is not an ivdisk store (a local image is a directory of its \
+                     own); choose a new path",
+                    dir.display()
+                ),
+                source: std::io::ErrorKind::AlreadyExists.into(),
+            });
+        }
     }
     let options = LocalStoreOptions { create };
     let store = Arc::new(LocalStore::open_with(dir, &options)?);
     let key = std::fs::canonicalize(dir).unwrap_or(key);
-    open.insert(key, Arc::downgrade(&store));
+    open.insert(key, vec![Arc::downgrade(&store)]);
     Ok(store)
 }
 

@@ -88,6 +88,9 @@ impl WriterLock {
             }
             Err(e) => return Err(ImageError::store(image)(e)),
         }
+        // Make the lock durable now, so a holder that crashes right after opening still
+        // leaves it behind (until it expires) rather than losing it with the unflushed tail.
+        store.flush().await.map_err(ImageError::store(image))?;
         let lost = Arc::new(Mutex::new(None));
         let (stop, stopped) = mpsc::channel::<()>();
         let renewer = {

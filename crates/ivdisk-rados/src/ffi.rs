@@ -46,7 +46,8 @@ mod sys {
 
     pub const LIBRADOS_SNAP_HEAD: u64 = -2i64 as u64;
     pub const LIBRADOS_CREATE_EXCLUSIVE: c_int = 1;
-    pub const LIBRADOS_LOCK_FLAG_MAY_RENEW: u8 = 1;
+    /// Renew only a lock still held (librados.h: fails ENOENT otherwise).
+    pub const LIBRADOS_LOCK_FLAG_MUST_RENEW: u8 = 2;
 
     #[link(name = "rados")]
     extern "C" {
@@ -490,7 +491,7 @@ impl IoCtx {
             .as_mut()
             .map_or(ptr::null_mut(), |t| t as *mut libc::timeval);
         let flags = if renew {
-            sys::LIBRADOS_LOCK_FLAG_MAY_RENEW
+            sys::LIBRADOS_LOCK_FLAG_MUST_RENEW
         } else {
             0
         };

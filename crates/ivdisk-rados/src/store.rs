@@ -644,6 +644,7 @@ impl ObjectStore for RadosStore {
         let io = self.control.clone();
         let oid = cstring(object);
         let name = request.name.clone();
+        let (renew, cookie) = (request.renew, request.cookie.clone());
         let r = blocking("taking a lock", move || {
             io.lock_exclusive(
                 &oid,
@@ -659,6 +660,10 @@ impl ObjectStore for RadosStore {
             Ok(()) => Ok(()),
             // EEXIST: this client already holds it (and did not ask to renew).
             Err(Errno(libc::EBUSY | libc::EEXIST)) => Err(self.busy(object, &name).await),
+            // MUST_RENEW on a lock this client no longer holds (expired or broken).
+            Err(Errno(libc::ENOENT)) if renew => {
+                Err(not_locked(object, &name, &self.client, &cookie))
+            }
             Err(Errno(libc::EINVAL)) => Err(invalid(object, "lock name, cookie or description")),
             Err(e) => Err(self.error(object, "locking", e)),
         }

@@ -1822,8 +1822,13 @@ pub async fn locks<S: ObjectStore>(c: Clients<S>) {
     .unwrap();
     b.unlock(&o, "lk2", "c2").await.unwrap();
 
-    // Breaking a's lock lets b in.
+    // Breaking a's lock lets b in, and a's renewal then fails instead of re-taking it.
     b.break_lock(&o, "lk", &a_id, "c1").await.unwrap();
+    assert_eq!(b.list_lockers(&o, "lk").await.unwrap(), vec![]);
+    assert_err!(
+        a.lock_exclusive(&o, lock_request("c1", None, true)).await,
+        StoreError::NotLocked { cookie, .. } if cookie == "c1"
+    );
     assert_eq!(b.list_lockers(&o, "lk").await.unwrap(), vec![]);
     b.lock_exclusive(&o, lock_request("c2", None, false))
         .await

@@ -1098,6 +1098,12 @@ impl Engine {
                 lock: request.name.clone(),
                 holder: format!("{} (cookie `{}`)", h.client, h.cookie),
             }),
+            None if request.renew => Err(StoreError::NotLocked {
+                object: object.to_string(),
+                lock: request.name.clone(),
+                client: client.to_owned(),
+                cookie: request.cookie.clone(),
+            }),
             None => {
                 self.db.execute(
                     "INSERT INTO locks (name, lock, client, cookie, description, expires_ms)

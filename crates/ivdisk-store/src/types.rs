@@ -237,6 +237,8 @@ pub struct LockRequest {
     pub description: String,
     /// The lock expires this long after it is taken or renewed (`None`: never).
     pub duration: Option<Duration>,
-    /// Renew a lock this client already holds with this cookie instead of failing `Busy`.
+    /// Renew a lock this client holds with this cookie. The lock must still be held: if it
+    /// expired or was broken, renewal fails `NotLocked` instead of taking it again (librados'
+    /// `LIBRADOS_LOCK_FLAG_MUST_RENEW`), so a holder learns it lost the lock.
     pub renew: bool,
 }

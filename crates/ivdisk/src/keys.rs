@@ -3,56 +3,15 @@
 //! their newline, the last keyslot stays unless forced).
 
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ivdisk_crypto::{ImageId, Suite, VolumeKey};
-use ivdisk_header::{
-    FormatSpec, Hash, Header, HeaderError, ImageParams, PbkdfKind, PbkdfRequest, FORMAT_VERSION,
-};
+use ivdisk_header::{FormatSpec, Header, HeaderError, ImageParams, FORMAT_VERSION};
 use serde_json::json;
-use zeroize::Zeroizing;
 
-/// cryptsetup's default upper bound for a key file (`--keyfile-size` default 8 MiB).
-const MAX_KEY_FILE: u64 = 8 << 20;
-
-#[derive(Args, Debug, Clone)]
-pub struct PbkdfArgs {
-    /// Key derivation for new keyslots: argon2id (default), argon2i or pbkdf2.
-    #[arg(long, default_value = "argon2id")]
-    pbkdf: String,
-    /// Target unlock time per keyslot on this machine, in milliseconds (cryptsetup: 2000).
-    #[arg(long, default_value_t = 2000, value_name = "MS")]
-    iter_time: u64,
-    /// Upper bound for Argon2 memory in KiB (cryptsetup: 1048576, and at most half the RAM).
-    #[arg(long, default_value_t = 1024 * 1024, value_name = "KIB")]
-    pbkdf_memory: u32,
-    /// Upper bound for Argon2 threads (cryptsetup: 4, and at most the CPUs).
-    #[arg(long, default_value_t = 4, value_name = "N")]
-    pbkdf_parallel: u32,
-    /// Skip the benchmark: Argon2 time cost or PBKDF2 iterations, as given.
-    #[arg(long, value_name = "N")]
-    pbkdf_force_iterations: Option<u32>,
-    /// PBKDF2's hash: sha256 (default), sha512, sha1.
-    #[arg(long, default_value = "sha256")]
-    hash: String,
-}
-
-impl PbkdfArgs {
-    fn request(&self) -> Result<PbkdfRequest> {
-        Ok(PbkdfRequest {
-            kind: self.pbkdf.parse::<PbkdfKind>()?,
-            iter_time: Duration::from_millis(self.iter_time.max(1)),
-            max_memory_kib: self.pbkdf_memory,
-            max_parallel: self.pbkdf_parallel,
-            forced_iterations: self.pbkdf_force_iterations,
-            hash: self.hash.parse::<Hash>()?,
-        })
-    }
-}
+use crate::secrets::{new_secret, old_secret, print, read_key_file, with_spinner, PbkdfArgs};
 
 /// How the user proves they may open the header.
 #[derive(Args, Debug, Clone)]
@@ -225,77 +184,6 @@ fn read_header(path: &Path) -> Result<(Header, File)> {
     Ok((header, file))
 }
 
-/// A secret from a file (all of it, as cryptsetup) or standard input.
-fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
-    let mut data = Zeroizing::new(Vec::new());
-    if path == Path::new("-") {
-        std::io::stdin()
-            .take(MAX_KEY_FILE + 1)
-            .read_to_end(&mut data)
-            .context("reading the passphrase from standard input")?;
-    } else {
-        open_read(path)?
-            .take(MAX_KEY_FILE + 1)
-            .read_to_end(&mut data)
-            .with_context(|| format!("reading key file {}", path.display()))?;
-    }
-    if data.len() as u64 > MAX_KEY_FILE {
-        bail!(
-            "key file {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
-            path.display()
-        );
-    }
-    if data.is_empty() {
-        bail!("key file {} is empty", path.display());
-    }
-    Ok(data)
-}
-
-fn prompt(text: &str) -> Result<Zeroizing<Vec<u8>>> {
-    if !std::io::stdin().is_terminal() {
-        bail!("no passphrase given: pass --key-file FILE (or \"-\" for standard input), or run on a terminal");
-    }
-    let line = Zeroizing::new(rpassword::prompt_password(text).context("reading the passphrase")?);
-    if line.is_empty() {
-        bail!("empty passphrase");
-    }
-    Ok(Zeroizing::new(line.as_bytes().to_vec()))
-}
-
-fn old_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
-    match key_file {
-        Some(path) => read_key_file(path),
-        None => prompt("Enter passphrase: "),
-    }
-}
-
-fn new_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
-    match key_file {
-        Some(path) => read_key_file(path),
-        None => {
-            let first = prompt("Enter new passphrase: ")?;
-            let second = prompt("Verify passphrase: ")?;
-            if first != second {
-                bail!("the passphrases do not match");
-            }
-            Ok(first)
-        }
-    }
-}
-
-/// A spinner on a terminal while a KDF runs (seconds by design); nothing when piped.
-fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
-    if !std::io::stderr().is_terminal() {
-        return work();
-    }
-    let spinner = indicatif::ProgressBar::new_spinner();
-    spinner.set_message(message.to_owned());
-    spinner.enable_steady_tick(Duration::from_millis(100));
-    let out = work();
-    spinner.finish_and_clear();
-    out
-}
-
 fn unlock(header: &Header, device: &File, args: &UnlockArgs) -> Result<(Option<u32>, VolumeKey)> {
     if let Some(path) = &args.volume_key_file {
         let key = read_key_file(path)?;
@@ -317,14 +205,6 @@ fn unlock(header: &Header, device: &File, args: &UnlockArgs) -> Result<(Option<u
         },
     )
     .map_err(Into::into)
-}
-
-fn print(json: bool, value: serde_json::Value, text: String) {
-    if json {
-        println!("{value}");
-    } else {
-        println!("{text}");
-    }
 }
 
 pub fn run_header(command: HeaderCommand) -> Result<()> {

@@ -1,18 +1,21 @@
-//! `ivdisk`: the command line. Today it lists the cipher suites, manages LUKS2-format headers
-//! and their keyslots (`header`, `key`), and validates `create`'s options; images, serving over
-//! NBD and the rest arrive with the image and NBD layers (see README "Status" and
-//! docs/ARCHITECTURE.md).
+//! `ivdisk`: the command line. It lists the cipher suites, manages LUKS2-format headers and
+//! their keyslots (`header`, `key`), and creates, shows, resizes and deletes images on any
+//! store and manages their writer lock (`create`, `info`, `resize`, `delete`, `lock`); serving
+//! images over NBD arrives with the NBD layer (see README "Status" and docs/ARCHITECTURE.md).
+//!
+//! The image commands run the image layer's async code on one tokio runtime, built here for
+//! them only; `suites`, `header` and `key` stay synchronous.
 
+mod images;
 mod keys;
+mod secrets;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use ivdisk_crypto::{Suite, GCM_RANDOM_NONCE_WRITE_LIMIT};
-
-/// Exit code of a command that exists in the interface but whose layer has not landed yet.
-const EXIT_NOT_AVAILABLE: u8 = 2;
 
 #[derive(Parser)]
 #[command(
@@ -56,21 +59,32 @@ enum Command {
     /// Keyslots: add, remove, change and test passphrases, key files and volume keys.
     #[command(subcommand)]
     Key(keys::KeyCommand),
-    /// Create an encrypted image (not available yet: arrives with the image layer).
-    #[command(after_help = format!("Example:\n  ivdisk create disk.ivd --size 10G --cipher aegis128l-random\n\n{}", suites_help()))]
-    Create {
-        /// Where the image goes: PATH (local backend), rados://POOL/IMAGE, mem:NAME.
-        image: String,
-        /// Size, e.g. 10G, 512M (binary units).
-        #[arg(long)]
-        size: String,
-        /// Cipher suite.
-        #[arg(long, default_value = Suite::DEFAULT.name())]
-        cipher: String,
-        /// Sector size in bytes: 4096 or 512.
-        #[arg(long, default_value_t = 4096)]
-        sector_size: usize,
-    },
+    /// Create an encrypted image (asks for its passphrase twice on a terminal).
+    #[command(after_help = format!(
+        "Example:\n  ivdisk create disk.ivd --size 10G\n  ivdisk create 'rados://rbd/vm1?id=admin' --size 100G --cipher aes-xts-random --layout omap --passphrase-file pw.txt\n\n{}\n{}",
+        suites_help(),
+        images::layouts_help()
+    ))]
+    Create(images::CreateArgs),
+    /// Show an image's size, cipher, layout, keyslots and writer lock (no passphrase needed).
+    #[command(
+        after_help = "Example:\n  ivdisk info disk.ivd\n  ivdisk info 'rados://rbd/vm1?conf=/etc/ceph/ceph.conf' --json | jq .size"
+    )]
+    Info(images::InfoArgs),
+    /// Grow an image, or shrink it with --allow-shrink (opens it for writing: needs the
+    /// passphrase and the writer lock).
+    #[command(
+        after_help = "Example:\n  ivdisk resize disk.ivd --size 20G\n  ivdisk resize disk.ivd --size 5G --allow-shrink --passphrase-file pw.txt"
+    )]
+    Resize(images::ResizeArgs),
+    /// Delete an image: its data objects, then its header (asks first unless --yes).
+    #[command(
+        after_help = "Example:\n  ivdisk delete disk.ivd\n  ivdisk delete rados://rbd/vm1 --yes"
+    )]
+    Delete(images::DeleteArgs),
+    /// The image's writer lock (one writer per image): show it, or break a dead writer's.
+    #[command(subcommand, after_help = images::lock_help())]
+    Lock(images::LockCommand),
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<u64> {
@@ -139,39 +153,28 @@ fn list_suites(json: bool) {
     }
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
+/// The one runtime of the process, for the image commands.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("ivdisk-rt")
+        .build()
+        .context("starting the async runtime")
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Header(command) => {
-            keys::run_header(command)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Key(command) => {
-            keys::run_key(command)?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Header(command) => keys::run_header(command),
+        Command::Key(command) => keys::run_key(command),
         Command::Suites { json } => {
             list_suites(json);
-            Ok(ExitCode::SUCCESS)
+            Ok(())
         }
-        Command::Create {
-            image,
-            size,
-            cipher,
-            sector_size,
-        } => {
-            let suite: Suite = cipher.parse()?;
-            let bytes = parse_size(&size)?;
-            if sector_size != 512 && sector_size != 4096 {
-                bail!("--sector-size {sector_size}: expected 4096 or 512");
-            }
-            tracing::debug!(%image, bytes, %suite, sector_size, "create requested");
-            eprintln!(
-                "ivdisk create: not available yet. The cipher suites ({suite} checked), the LUKS2 \
-                 header (`ivdisk header`, `ivdisk key`) and the object stores are in place; images \
-                 (the IO path over them) arrive with the next layer. See README 'Status'."
-            );
-            Ok(ExitCode::from(EXIT_NOT_AVAILABLE))
-        }
+        Command::Create(args) => images::create(args, &runtime()?),
+        Command::Info(args) => images::info(args, &runtime()?),
+        Command::Resize(args) => images::resize(args, &runtime()?),
+        Command::Delete(args) => images::delete(args, &runtime()?),
+        Command::Lock(command) => images::lock(command, &runtime()?),
     }
 }
 
@@ -182,9 +185,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
+    // Usage errors exit with clap's 2; everything else that fails exits with 1.
     match run(Cli::parse()) {
-        Ok(code) => code,
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ivdisk: {e:#}");
             ExitCode::FAILURE

@@ -1,0 +1,171 @@
+//! LUKS volumes made by other tools, opened through the same engine as ivdisk images (issue 6,
+//! point 3): with `aes-xts-plain64` and layout `none` a sector's ciphertext sits at its own
+//! offset with the IV `plain64(offset / 512 + iv_tweak)`, exactly as dm-crypt, cryptsetup's
+//! userspace reencryption, qemu's LUKS driver and librbd store it. So opening one is only
+//! finding its header, unlocking it and telling the engine where the sectors are:
+//!
+//! - [`file`]: a LUKS1/LUKS2 *file* made by cryptsetup (`ImageUri::Local` naming a regular
+//!   file that starts with the LUKS magic), through [`file::LuksFileStore`], an
+//!   [`ivdisk_store::ObjectStore`] whose object `n` is the file's bytes
+//!   `[n * object_size, (n + 1) * object_size)`.
+//! - [`rbd`]: a librbd image formatted with `rbd encryption format` (`ImageUri::Rados` where
+//!   no `ivdisk_header.IMAGE` exists but `rbd_id.IMAGE` does): the header is at image offset 0
+//!   inside librbd's data objects, which the engine then reads and writes directly.
+//!
+//! What differs from the other tools, by design of the engine: a sector whose stored bytes are
+//! all zeros reads as zeros ("unwritten"; dm-crypt and qemu would decrypt it to garbage), and a
+//! discard zeroes the stored bytes (as dm-crypt with `allow_discards` does, other tools then
+//! read garbage there). Every sector ever written by any of them reads back identically.
+//!
+//! Only `aes-xts-plain64` is accepted (what `cryptsetup luksFormat` and `rbd encryption format`
+//! use by default); resizing is refused (`foreign`): resize with the tool that made the volume.
+
+pub(crate) mod file;
+pub(crate) mod rbd;
+
+use ivdisk_crypto::{ImageId, Suite, VolumeKey};
+use ivdisk_header::{DataSegment, Header, SegmentInfo};
+
+use crate::{ImageError, ImageInfo, LayoutKind};
+
+pub(crate) use file::{info_file, luks_file_path, open_file};
+pub(crate) use rbd::{info_rbd, open_rbd};
+
+/// The one cipher accepted for foreign volumes.
+pub(crate) const FOREIGN_CIPHER: &str = "aes-xts-plain64";
+
+fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
+    ImageError::InvalidParameter {
+        image: image.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// The data segment of a foreign volume's header, checked before any passphrase is tried:
+/// not an ivdisk header, `aes-xts-plain64`, no requirements ivdisk does not know.
+pub(crate) fn check_segment(image: &str, header: &Header) -> Result<SegmentInfo, ImageError> {
+    if header
+        .image_params()
+        .map_err(ImageError::header(image))?
+        .is_some()
+    {
+        return Err(invalid(
+            image,
+            "this LUKS header belongs to an ivdisk image (a header backup?), not to a LUKS volume \
+             with its data: open the ivdisk image itself",
+        ));
+    }
+    let foreign = header.foreign_requirements();
+    if !foreign.is_empty() {
+        return Err(invalid(
+            image,
+            format!(
+                "the LUKS volume carries requirements ivdisk does not know ({}); finish that \
+                 operation with cryptsetup first",
+                foreign.join(", ")
+            ),
+        ));
+    }
+    let info = header.segment().map_err(ImageError::header(image))?;
+    if info.cipher != FOREIGN_CIPHER {
+        return Err(invalid(
+            image,
+            format!(
+                "the LUKS volume's data is encrypted with `{}`; ivdisk opens LUKS volumes made by \
+                 other tools only with `{FOREIGN_CIPHER}` (cryptsetup's and librbd's default)",
+                info.cipher
+            ),
+        ));
+    }
+    if info.sector_size < 512 || !info.sector_size.is_power_of_two() || info.sector_size > 4096 {
+        return Err(ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: format!("unsupported LUKS sector size {}", info.sector_size),
+        });
+    }
+    if !info.offset.is_multiple_of(info.sector_size as u64) {
+        return Err(ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: format!(
+                "the data offset {} is not a multiple of the {}-byte sector size",
+                info.offset, info.sector_size
+            ),
+        });
+    }
+    Ok(info)
+}
+
+/// The image size: the segment's size, or for a `dynamic` segment (LUKS2 "whole device",
+/// every LUKS1 volume) what follows the data offset in `total` bytes, in whole sectors.
+pub(crate) fn data_size(image: &str, info: &SegmentInfo, total: u64) -> Result<u64, ImageError> {
+    let ss = info.sector_size as u64;
+    let available = total
+        .checked_sub(info.offset)
+        .ok_or_else(|| ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: format!(
+                "the LUKS data offset {} lies past the end of the volume ({total} bytes)",
+                info.offset
+            ),
+        })?;
+    let size = match info.size {
+        Some(size) if size > available => {
+            return Err(ImageError::Corrupt {
+                image: image.to_owned(),
+                reason: format!(
+                    "the LUKS data segment ({size} bytes at offset {}) ends past the end of the \
+                     volume ({total} bytes)",
+                    info.offset
+                ),
+            })
+        }
+        Some(size) => size / ss * ss,
+        None => available / ss * ss,
+    };
+    if size == 0 {
+        return Err(invalid(
+            image,
+            format!(
+                "the LUKS volume has no data area (its data starts at byte {} of {total})",
+                info.offset
+            ),
+        ));
+    }
+    Ok(size)
+}
+
+/// The data segment's cipher for an unlocked volume key, and the sector number the engine adds
+/// to each LBA (`iv_tweak` in sectors; see [`DataSegment::sector_number`]).
+pub(crate) fn open_segment(
+    image: &str,
+    header: &Header,
+    volume_key: &VolumeKey,
+) -> Result<(DataSegment, u64), ImageError> {
+    let segment = header
+        .open_data(volume_key)
+        .map_err(ImageError::header(image))?;
+    if segment.suite != Suite::AesXtsPlain64 {
+        return Err(invalid(
+            image,
+            format!(
+                "the data segment's cipher is {}, not {FOREIGN_CIPHER}",
+                segment.suite
+            ),
+        ));
+    }
+    let iv_sector_base = segment.sector_number(0);
+    Ok((segment, iv_sector_base))
+}
+
+/// What `ivdisk info` shows for a foreign volume.
+pub(crate) fn info(header: &Header, info: &SegmentInfo, size: u64, object_size: u64) -> ImageInfo {
+    ImageInfo {
+        size,
+        suite: Suite::AesXtsPlain64,
+        layout: LayoutKind::None,
+        sector_size: info.sector_size,
+        object_size,
+        image_id: ImageId::default(),
+        keyslots: header.keyslots().iter().map(|k| k.id).collect(),
+    }
+}

@@ -1,0 +1,827 @@
+//! An image's life on the memory and local backends: resize (grow; shrink only with the
+//! flag), delete, the writer lock (refusal naming the holder, readers alongside, expiry of a
+//! dead holder's lock, renewal, breaking), and bad input.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Backend, Rng, PASS};
+use ivdisk_crypto::Suite;
+use ivdisk_image::{
+    data_object_prefix, header_object_name, CreateOptions, Image, ImageError, ImageUri, LayoutKind,
+    OpenOptions, WRITER_LOCK,
+};
+use ivdisk_store::{LockRequest, ObjectName, ObjectStore, ObjectStoreExt};
+
+const MIB: u64 = 1 << 20;
+const OBJECT_SIZE: u64 = 64 << 10;
+
+fn opts(size: u64) -> CreateOptions {
+    common::options(
+        size,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        OBJECT_SIZE,
+    )
+}
+
+/// The image's data objects, by number.
+async fn data_objects(image: &Image) -> Vec<u64> {
+    let prefix = data_object_prefix(&image.image_id());
+    image
+        .store()
+        .list(&prefix)
+        .await
+        .unwrap()
+        .iter()
+        .map(|o| u64::from_str_radix(&o.as_str()[prefix.len()..], 16).unwrap())
+        .collect()
+}
+
+fn header_object(uri: &ImageUri) -> ObjectName {
+    ObjectName::new(header_object_name(uri.image_name())).unwrap()
+}
+
+async fn read(image: &Image, offset: u64, len: u64) -> Vec<u8> {
+    let mut buf = vec![0xEEu8; len as usize];
+    image
+        .read(offset, &mut buf)
+        .await
+        .unwrap_or_else(|e| panic!("read [{offset}, +{len}): {e}"));
+    buf
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    bytes.iter().all(|&b| b == 0)
+}
+
+fn out_of_range(result: Result<(), ImageError>, what: &str) {
+    match result {
+        Err(ImageError::OutOfRange { .. }) => {}
+        other => panic!("{what}: expected OutOfRange, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resize
+
+async fn grow(backend: Backend) {
+    let place = common::place(backend, "grow");
+    let image = Image::create(&place.uri, &opts(MIB), PASS).await.unwrap();
+    let tail = Rng::new(1).bytes(5000);
+    image.write(MIB - 5000, &tail).await.unwrap();
+    let new_size = MIB + MIB / 2 + 3 * 4096;
+    image.resize(new_size, false).await.unwrap();
+    assert_eq!(image.size(), new_size);
+    assert_eq!(Image::info(&place.uri).await.unwrap().size, new_size);
+    assert_eq!(read(&image, MIB - 5000, 5000).await, tail);
+    assert!(is_zero(&read(&image, MIB, new_size - MIB).await));
+    // IO across the old end and up to the new one.
+    let across = Rng::new(2).bytes(10_000);
+    image.write(MIB - 3000, &across).await.unwrap();
+    image.write(new_size - 1, &[9]).await.unwrap();
+    out_of_range(image.write(new_size, &[9]).await, "write at the new end");
+    // Not a sector multiple, or zero: refused, nothing changes.
+    for bad in [new_size + 100, 0] {
+        let err = image.resize(bad, true).await.unwrap_err();
+        assert!(matches!(err, ImageError::InvalidParameter { .. }), "{err}");
+    }
+    assert_eq!(image.size(), new_size);
+    image.close().await.unwrap();
+
+    let image = Image::open(&place.uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(image.size(), new_size);
+    assert_eq!(read(&image, MIB - 3000, 10_000).await, across);
+    assert_eq!(read(&image, MIB - 5000, 2000).await, tail[..2000]);
+    assert_eq!(read(&image, new_size - 1, 1).await, [9]);
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_keeps_data_and_reads_zeros_past_the_old_end_memory() {
+    grow(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_keeps_data_and_reads_zeros_past_the_old_end_local() {
+    grow(Backend::Local).await;
+}
+
+async fn shrink(backend: Backend) {
+    let place = common::place(backend, "shrink");
+    let image = Image::create(&place.uri, &opts(MIB), PASS).await.unwrap();
+    let content = Rng::new(3).bytes(MIB as usize);
+    image.write(0, &content).await.unwrap();
+    assert_eq!(data_objects(&image).await, (0..16).collect::<Vec<_>>());
+
+    // Not an object multiple: object 4 keeps its first 11 sectors.
+    let new_size = 4 * OBJECT_SIZE + 11 * 4096;
+    let err = image.resize(new_size, false).await.unwrap_err();
+    assert!(
+        matches!(&err, ImageError::InvalidParameter { reason, .. } if reason.contains("shrink")),
+        "{err}"
+    );
+    assert_eq!(image.size(), MIB, "a refused shrink changes nothing");
+    assert_eq!(Image::info(&place.uri).await.unwrap().size, MIB);
+    assert_eq!(read(&image, 0, MIB).await, content);
+
+    image.resize(new_size, true).await.unwrap();
+    assert_eq!(image.size(), new_size);
+    assert_eq!(Image::info(&place.uri).await.unwrap().size, new_size);
+    assert_eq!(
+        read(&image, 0, new_size).await,
+        content[..new_size as usize]
+    );
+    out_of_range(
+        image.read(new_size - 1, &mut [0; 2]).await,
+        "read past the new end",
+    );
+    out_of_range(image.write(new_size, &[1]).await, "write past the new end");
+    // The objects wholly past the end are gone.
+    assert_eq!(data_objects(&image).await, (0..5).collect::<Vec<_>>());
+
+    // Growing again does not bring the old data back.
+    image.resize(MIB, false).await.unwrap();
+    assert_eq!(
+        read(&image, 0, new_size).await,
+        content[..new_size as usize]
+    );
+    assert!(is_zero(&read(&image, new_size, MIB - new_size).await));
+    image.close().await.unwrap();
+    let image = Image::open(&place.uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert_eq!(image.size(), MIB);
+    assert_eq!(
+        read(&image, 0, new_size).await,
+        content[..new_size as usize]
+    );
+    assert!(is_zero(&read(&image, new_size, MIB - new_size).await));
+    // A read-only image cannot be resized.
+    let err = image.resize(2 * MIB, false).await.unwrap_err();
+    assert!(matches!(err, ImageError::ReadOnly { .. }), "{err}");
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrink_needs_the_flag_and_discards_what_lies_past_the_new_end_memory() {
+    shrink(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrink_needs_the_flag_and_discards_what_lies_past_the_new_end_local() {
+    shrink(Backend::Local).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Delete
+
+async fn delete(backend: Backend) {
+    let place = common::place(backend, "delete");
+    let uri = &place.uri;
+    let image = Image::create(uri, &opts(MIB), PASS).await.unwrap();
+    for object in [0, 3, 7, 15] {
+        image
+            .write(object * OBJECT_SIZE + 100, b"data")
+            .await
+            .unwrap();
+    }
+    assert_eq!(data_objects(&image).await, [0, 3, 7, 15]);
+    let prefix = data_object_prefix(&image.image_id());
+    let old_id = image.image_id();
+
+    // Refused while a writer has it; nothing is removed.
+    let err = Image::delete(uri, |_, _| {}).await.unwrap_err();
+    assert!(matches!(err, ImageError::Locked { .. }), "{err}");
+    assert_eq!(data_objects(&image).await, [0, 3, 7, 15]);
+    assert_eq!(read(&image, 7 * OBJECT_SIZE + 100, 4).await, b"data");
+    image.close().await.unwrap();
+
+    let mut progress = Vec::new();
+    Image::delete(uri, |done, all| progress.push((done, all)))
+        .await
+        .unwrap();
+    assert_eq!(progress.last(), Some(&(4, 4)), "{progress:?}");
+    let store = uri.open_store(false).await.unwrap();
+    assert_eq!(store.list(&prefix).await.unwrap(), vec![]);
+    assert_eq!(store.stat(&header_object(uri)).await.unwrap(), None);
+    drop(store);
+    for result in [
+        Image::open(uri, PASS, &OpenOptions::default())
+            .await
+            .map(drop),
+        Image::open(uri, PASS, &OpenOptions::read_only())
+            .await
+            .map(drop),
+        Image::info(uri).await.map(drop),
+        Image::lock_holder(uri).await.map(drop),
+        Image::delete(uri, |_, _| {}).await,
+    ] {
+        assert!(
+            matches!(result, Err(ImageError::NotFound { .. })),
+            "{result:?}"
+        );
+    }
+    // The name can be used again: a new image, with nothing of the old one.
+    let image = Image::create(uri, &opts(MIB), PASS).await.unwrap();
+    assert_ne!(image.image_id(), old_id);
+    assert!(is_zero(&read(&image, 0, MIB).await));
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_removes_every_object_and_the_header_memory() {
+    delete(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_removes_every_object_and_the_header_local() {
+    delete(Backend::Local).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The writer lock
+
+async fn second_writer(backend: Backend) {
+    let place = common::place(backend, "writer");
+    let uri = &place.uri;
+    let writer = Image::create(uri, &opts(MIB), PASS).await.unwrap();
+    let client = writer.store().client_id().to_owned();
+    match Image::open(uri, PASS, &OpenOptions::default()).await {
+        Err(ImageError::Locked {
+            holder, expires_in, ..
+        }) => {
+            assert!(holder.contains(&client), "{holder} does not name {client}");
+            let left = expires_in.expect("the writer lock expires unless renewed");
+            assert!(left <= Duration::from_secs(30), "{left:?}");
+        }
+        other => panic!("a second writer: {other:?}"),
+    }
+    let holder = Image::lock_holder(uri).await.unwrap().expect("a holder");
+    assert_eq!(holder.client, client);
+    assert!(
+        holder
+            .description
+            .contains(&format!("pid {}", std::process::id())),
+        "{holder:?}"
+    );
+
+    // Readers open alongside, see the writer's writes, and cannot write.
+    let r1 = Image::open(uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let r2 = Image::open(uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert!(r1.is_read_only() && !writer.is_read_only());
+    writer.write(4000, &[7u8; 300]).await.unwrap();
+    assert_eq!(read(&r1, 4000, 300).await, [7u8; 300]);
+    assert_eq!(read(&r2, 3999, 302).await[1..301], [7u8; 300]);
+    for result in [
+        r1.write(0, &[1]).await,
+        r1.discard(0, 4096).await,
+        r1.write_zeroes(0, 4096, false).await,
+        r1.resize(2 * MIB, false).await,
+    ] {
+        assert!(
+            matches!(result, Err(ImageError::ReadOnly { .. })),
+            "{result:?}"
+        );
+    }
+    // Still only the one writer.
+    assert!(matches!(
+        Image::open(uri, PASS, &OpenOptions::default()).await,
+        Err(ImageError::Locked { .. })
+    ));
+
+    // Closing the writer frees the lock; a new writer opens while the readers stay open.
+    let clone = writer.clone();
+    writer.close().await.unwrap();
+    assert_eq!(Image::lock_holder(uri).await.unwrap(), None);
+    let err = clone.write(0, &[1]).await.unwrap_err();
+    assert!(matches!(err, ImageError::LockLost { .. }), "{err}");
+    assert_eq!(
+        read(&clone, 4000, 300).await,
+        [7u8; 300],
+        "a closed clone still reads"
+    );
+    drop(clone);
+    let second = Image::open(uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("a writer after the first closed: {e}"));
+    second.write(0, &[5]).await.unwrap();
+    assert_eq!(read(&r1, 0, 1).await, [5]);
+    second.close().await.unwrap();
+    r1.close().await.unwrap();
+    r2.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_writer_is_refused_naming_the_holder_and_readers_open_alongside_memory() {
+    second_writer(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_writer_is_refused_naming_the_holder_and_readers_open_alongside_local() {
+    second_writer(Backend::Local).await;
+}
+
+/// A local image's store is shared by everything in the process that opened it; opening a
+/// writer must work whichever of the earlier openers is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_writer_reopens_while_a_reader_outlives_the_first_opener() {
+    let local = common::local_dir();
+    let writer = Image::create(&local.uri, &opts(MIB), PASS).await.unwrap();
+    let reader = Image::open(&local.uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    writer.close().await.unwrap();
+    let again = Image::open(&local.uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("reopening for writing while a reader is open: {e}"));
+    again.write(0, b"x").await.unwrap();
+    assert_eq!(read(&reader, 0, 1).await, b"x");
+    again.close().await.unwrap();
+    reader.close().await.unwrap();
+}
+
+/// What a writer that died leaves: its lock, not renewed. Taken here directly on the store
+/// by another client, as that writer would have.
+async fn expired_lock(backend: Backend) {
+    let place = common::place(backend, "expiry");
+    let uri = &place.uri;
+    Image::create(uri, &opts(MIB), PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let dead = uri.open_store(false).await.unwrap();
+    let duration = Duration::from_secs(4);
+    let taken = Instant::now();
+    dead.lock_exclusive(
+        &header_object(uri),
+        LockRequest {
+            name: WRITER_LOCK.into(),
+            cookie: "dead-writer".into(),
+            description: "an ivdisk that crashed".into(),
+            duration: Some(duration),
+            renew: false,
+        },
+    )
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        match Image::open(uri, PASS, &OpenOptions::default()).await {
+            Err(ImageError::Locked {
+                holder, expires_in, ..
+            }) => {
+                assert!(holder.contains(dead.client_id()), "{holder}");
+                assert!(holder.contains("crashed"), "{holder}");
+                assert!(expires_in.is_some_and(|d| d <= duration), "{expires_in:?}");
+            }
+            other => panic!("open while a dead writer's lock lives: {other:?}"),
+        }
+        // Well before the expiry: still refused.
+        tokio::time::sleep_until((taken + Duration::from_millis(1500)).into()).await;
+    }
+    assert!(
+        taken.elapsed() < duration,
+        "the machine is too slow for this test"
+    );
+    // Past the expiry (with a generous margin).
+    tokio::time::sleep_until((taken + duration + Duration::from_millis(1500)).into()).await;
+    let writer = Image::open(uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("open after the dead writer's lock expired: {e}"));
+    let holder = Image::lock_holder(uri).await.unwrap().unwrap();
+    assert_eq!(holder.client, writer.store().client_id());
+    writer.write(0, b"mine").await.unwrap();
+    writer.close().await.unwrap();
+    drop(dead);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_writers_lock_refuses_writers_until_it_expires_memory() {
+    expired_lock(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_writers_lock_refuses_writers_until_it_expires_local() {
+    expired_lock(Backend::Local).await;
+}
+
+/// A lock of 3 s renewed every second outlives 7 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_lock_is_renewed_while_the_image_is_open() {
+    let uri = common::mem_uri("renew");
+    Image::create(&uri, &opts(MIB), PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let options = OpenOptions {
+        lock_duration: Duration::from_secs(3),
+        ..OpenOptions::default()
+    };
+    let writer = Image::open(&uri, PASS, &options).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    match Image::open(&uri, PASS, &OpenOptions::default()).await {
+        Err(ImageError::Locked { holder, .. }) => {
+            assert!(holder.contains(writer.store().client_id()), "{holder}")
+        }
+        other => panic!("a second writer 7 s into a renewed 3 s lock: {other:?}"),
+    }
+    let holder = Image::lock_holder(&uri).await.unwrap().expect("still held");
+    assert_eq!(holder.client, writer.store().client_id());
+    assert!(holder
+        .expires_in
+        .is_some_and(|d| d <= Duration::from_secs(3)));
+    writer.write(0, b"still the writer").await.unwrap();
+    writer.close().await.unwrap();
+    Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+}
+
+/// Poll `writer` with writes until one fails `LockLost`; panics past `deadline`.
+async fn wait_for_lock_lost(writer: &Image, deadline: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        match writer.write(8192, b"old writer").await {
+            Err(ImageError::LockLost { .. }) => return start.elapsed(),
+            Ok(()) if start.elapsed() < deadline => {}
+            other => panic!(
+                "the old writer after {:?} (deadline {deadline:?}): {other:?}",
+                start.elapsed()
+            ),
+        }
+        // Timing, not synchronization: the renewal thread runs every lock_duration / 3.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+const SHORT_LOCK: Duration = Duration::from_secs(3);
+
+async fn writer_with_short_lock(prefix: &str) -> (ImageUri, Image) {
+    let uri = common::mem_uri(prefix);
+    Image::create(&uri, &opts(MIB), PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let options = OpenOptions {
+        lock_duration: SHORT_LOCK,
+        ..OpenOptions::default()
+    };
+    let writer = Image::open(&uri, PASS, &options).await.unwrap();
+    writer.write(0, b"before").await.unwrap();
+    (uri, writer)
+}
+
+/// `break_lock` alone (no new writer yet): the old writer's next renewal must notice, and its
+/// writes fail from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_lock_makes_the_old_writer_refuse_writes() {
+    let (uri, writer) = writer_with_short_lock("break").await;
+    let broken = Image::break_lock(&uri).await.unwrap().expect("a holder");
+    assert_eq!(broken.client, writer.store().client_id());
+    let took = wait_for_lock_lost(&writer, SHORT_LOCK / 3 + Duration::from_secs(2)).await;
+    eprintln!("the old writer noticed after {took:?}");
+    assert_eq!(read(&writer, 0, 6).await, b"before", "reads still work");
+    assert_eq!(
+        Image::lock_holder(&uri).await.unwrap(),
+        None,
+        "the old writer did not take the lock back"
+    );
+    writer.close().await.unwrap();
+}
+
+/// `break_lock`, then a new writer: the old one's writes fail once its renewal notices; the
+/// new writer keeps the lock, also after the old one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_lock_taken_by_a_new_writer_makes_the_old_writer_refuse_writes() {
+    let (uri, writer) = writer_with_short_lock("break-new").await;
+    let broken = Image::break_lock(&uri).await.unwrap().expect("a holder");
+    assert_eq!(broken.client, writer.store().client_id());
+    let second = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    let took = wait_for_lock_lost(&writer, SHORT_LOCK / 3 + Duration::from_secs(2)).await;
+    eprintln!("the old writer noticed after {took:?}");
+    for result in [
+        writer.write(0, b"x").await,
+        writer.discard(0, 4096).await,
+        writer.write_zeroes(0, 4096, true).await,
+        writer.resize(2 * MIB, false).await,
+    ] {
+        assert!(
+            matches!(result, Err(ImageError::LockLost { .. })),
+            "{result:?}"
+        );
+    }
+    second.write(0, b"second").await.unwrap();
+    assert_eq!(
+        read(&writer, 0, 6).await,
+        b"second",
+        "the old writer still reads"
+    );
+    writer.close().await.unwrap();
+    let holder = Image::lock_holder(&uri).await.unwrap().expect("held");
+    assert_eq!(holder.client, second.store().client_id());
+    second.close().await.unwrap();
+    assert_eq!(Image::lock_holder(&uri).await.unwrap(), None);
+    // Nothing to break now.
+    assert_eq!(Image::break_lock(&uri).await.unwrap(), None);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input
+
+async fn io_past_the_end(backend: Backend) {
+    let place = common::place(backend, "range");
+    let size = MIB;
+    let image = Image::create(&place.uri, &opts(size), PASS).await.unwrap();
+    let tail = Rng::new(4).bytes(OBJECT_SIZE as usize);
+    image.write(size - OBJECT_SIZE, &tail).await.unwrap();
+    for (offset, len) in [
+        (size - 10, 11),
+        (size - 1, 2),
+        (size, 1),
+        (size + 4096, 4096),
+        (0, size + 1),
+        (u64::MAX - 5, 10),
+        (u64::MAX, 1),
+    ] {
+        let what = format!("[{offset}, +{len})");
+        match image.write(offset, &vec![0xAB; len as usize]).await {
+            Err(ImageError::OutOfRange {
+                offset: o,
+                len: l,
+                size: s,
+                ..
+            }) => assert_eq!((o, l, s), (offset, len, size), "{what}"),
+            other => panic!("write {what}: {other:?}"),
+        }
+        out_of_range(image.discard(offset, len).await, &format!("discard {what}"));
+        out_of_range(
+            image.write_zeroes(offset, len, true).await,
+            &format!("write_zeroes unmap {what}"),
+        );
+        out_of_range(
+            image.write_zeroes(offset, len, false).await,
+            &format!("write_zeroes {what}"),
+        );
+        out_of_range(
+            image.read(offset, &mut vec![0; len as usize]).await,
+            &format!("read {what}"),
+        );
+    }
+    assert_eq!(read(&image, size - OBJECT_SIZE, OBJECT_SIZE).await, tail);
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_past_the_end_is_refused_and_changes_nothing_memory() {
+    io_past_the_end(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_past_the_end_is_refused_and_changes_nothing_local() {
+    io_past_the_end(Backend::Local).await;
+}
+
+/// Discarding a range whose first (or last) sector is partial in an object that was never
+/// written: the edge sector is zeroed in place and the whole sectors are already unwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discard_with_a_partial_edge_sector_in_a_missing_object() {
+    for backend in Backend::LOCAL {
+        for layout in LayoutKind::WITH_METADATA {
+            let place = common::place(backend, "discard-edge");
+            let image = Image::create(
+                &place.uri,
+                &common::options(MIB, Suite::DEFAULT, layout, 4096, OBJECT_SIZE),
+                PASS,
+            )
+            .await
+            .unwrap();
+            // Head partial (sector 0), whole sectors 1..3, all in missing object 0.
+            for (offset, len, may_unmap) in [
+                (100, 3 * 4096, None),
+                (OBJECT_SIZE + 5, 2 * 4096, Some(true)),
+            ] {
+                let result = match may_unmap {
+                    None => image.discard(offset, len).await,
+                    Some(unmap) => image.write_zeroes(offset, len, unmap).await,
+                };
+                result.unwrap_or_else(|e| panic!("{backend:?}/{layout}: [{offset}, +{len}): {e}"));
+            }
+            // Tail partial too, after data was written around it.
+            image
+                .write(2 * OBJECT_SIZE, &[7u8; 3 * 4096])
+                .await
+                .unwrap();
+            image
+                .discard(2 * OBJECT_SIZE + 4096, 4096 + 10)
+                .await
+                .unwrap();
+            let back = read(&image, 2 * OBJECT_SIZE, 3 * 4096).await;
+            assert!(back[..4096].iter().all(|&b| b == 7));
+            assert!(is_zero(&back[4096..2 * 4096 + 10]));
+            assert!(back[2 * 4096 + 10..].iter().all(|&b| b == 7));
+            assert!(is_zero(&read(&image, 0, 2 * OBJECT_SIZE).await));
+            image.close().await.unwrap();
+        }
+    }
+}
+
+/// The memory store (behind every `mem:` image of a process) must survive freeing the data it
+/// appended last. Checked on a private store, so that the failure kills only it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_store_survives_freeing_its_newest_data() {
+    use ivdisk_store::{MemoryStore, WriteOp, WriteStep};
+    let store = MemoryStore::new().unwrap();
+    let object = ObjectName::new("newest").unwrap();
+    store.write(&object, 0, &[1u8; 100]).await.unwrap();
+    store
+        .write_op(&object, WriteOp::new().step(WriteStep::Remove))
+        .await
+        .unwrap();
+    store.flush().await.unwrap();
+    store
+        .write(&object, 0, &[2u8; 100])
+        .await
+        .unwrap_or_else(|e| panic!("the store after freeing its newest data: {e}"));
+    assert_eq!(store.read(&object, 0, 100).await.unwrap(), [2u8; 100]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_length_io_is_a_no_op() {
+    let uri = common::mem_uri("empty-io");
+    let image = Image::create(&uri, &opts(MIB), PASS).await.unwrap();
+    for offset in [0, 5, 4096, MIB - 1, MIB] {
+        image.write(offset, &[]).await.unwrap();
+        image.discard(offset, 0).await.unwrap();
+        image.write_zeroes(offset, 0, true).await.unwrap();
+        image.write_zeroes(offset, 0, false).await.unwrap();
+        image.read(offset, &mut []).await.unwrap();
+    }
+    assert_eq!(
+        data_objects(&image).await,
+        Vec::<u64>::new(),
+        "nothing stored"
+    );
+    image.write(100, b"abc").await.unwrap();
+    let before = common::raw_sector(&image, 0).await;
+    image.write(101, &[]).await.unwrap();
+    image.discard(101, 0).await.unwrap();
+    image.write_zeroes(101, 0, false).await.unwrap();
+    assert_eq!(
+        common::raw_sector(&image, 0).await,
+        before,
+        "sector 0 not rewritten"
+    );
+    assert_eq!(read(&image, 99, 5).await, [0, b'a', b'b', b'c', 0]);
+    image.close().await.unwrap();
+}
+
+async fn misaligned(backend: Backend, sector_size: u32) {
+    let place = common::place(backend, "misaligned");
+    let size = 8 * OBJECT_SIZE;
+    let image = Image::create(
+        &place.uri,
+        &common::options(
+            size,
+            Suite::AesGcmRandom,
+            LayoutKind::Unaligned,
+            sector_size,
+            OBJECT_SIZE,
+        ),
+        PASS,
+    )
+    .await
+    .unwrap();
+    let mut model = vec![0u8; size as usize];
+    let mut rng = Rng::new(sector_size as u64);
+    let ss = sector_size as u64;
+    for (offset, len) in [
+        (1, 1),
+        (ss - 1, 2),
+        (3, ss - 6),
+        (ss + 1, 3 * ss),
+        (OBJECT_SIZE - 3, 7),
+        (OBJECT_SIZE - ss - 1, ss + 2),
+        (12345, 3 * OBJECT_SIZE + 777),
+        (size - 5, 5),
+        (size - ss - 1, ss + 1),
+    ] {
+        let data = rng.bytes(len as usize);
+        image.write(offset, &data).await.unwrap();
+        model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+        // Read back exactly, and with a byte more on each side.
+        assert_eq!(read(&image, offset, len).await, data, "[{offset}, +{len})");
+        let (lo, hi) = (offset.saturating_sub(1), (offset + len + 1).min(size));
+        assert!(read(&image, lo, hi - lo).await == model[lo as usize..hi as usize]);
+    }
+    image.discard(OBJECT_SIZE - 3, 7).await.unwrap();
+    model[(OBJECT_SIZE - 3) as usize..(OBJECT_SIZE + 4) as usize].fill(0);
+    image
+        .write_zeroes(12346, 2 * OBJECT_SIZE, false)
+        .await
+        .unwrap();
+    model[12346..12346 + 2 * OBJECT_SIZE as usize].fill(0);
+    assert!(read(&image, 0, size).await == model);
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misaligned_io_works_memory() {
+    misaligned(Backend::Memory, 4096).await;
+    misaligned(Backend::Memory, 512).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misaligned_io_works_local() {
+    misaligned(Backend::Local, 4096).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_create_and_open_parameters_are_refused() {
+    let uri = common::mem_uri("params");
+    let base = opts(MIB);
+    let bad = [
+        CreateOptions {
+            sector_size: 1024,
+            ..base.clone()
+        },
+        CreateOptions {
+            object_size: 48 << 10,
+            ..base.clone()
+        },
+        CreateOptions {
+            object_size: 2048,
+            ..base.clone()
+        },
+        CreateOptions {
+            object_size: 128 << 20,
+            ..base.clone()
+        },
+        CreateOptions {
+            size: 0,
+            ..base.clone()
+        },
+        CreateOptions {
+            size: MIB + 512,
+            ..base.clone()
+        },
+        CreateOptions {
+            layout: Some(LayoutKind::None),
+            ..base.clone()
+        },
+        CreateOptions {
+            suite: Suite::AesXtsPlain64,
+            layout: Some(LayoutKind::ObjectEnd),
+            ..base.clone()
+        },
+    ];
+    for options in bad {
+        let err = Image::create(&uri, &options, PASS).await.unwrap_err();
+        assert!(
+            matches!(err, ImageError::InvalidParameter { .. }),
+            "{options:?}: {err}"
+        );
+    }
+    // None of them left anything behind.
+    assert!(matches!(
+        Image::info(&uri).await,
+        Err(ImageError::NotFound { .. })
+    ));
+    let image = Image::create(&uri, &base, PASS).await.unwrap();
+    let err = Image::create(&uri, &base, PASS).await.unwrap_err();
+    assert!(matches!(err, ImageError::Exists { .. }), "{err}");
+    let err = Image::open(&uri, b"not the passphrase", &OpenOptions::read_only())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::Header { .. }), "{err}");
+    image.close().await.unwrap();
+    // Nothing there: memory, and a local directory that does not exist.
+    let missing = common::mem_uri("missing");
+    let err = Image::open(&missing, PASS, &OpenOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::NotFound { .. }), "{err}");
+    let local = common::local_dir();
+    let err = Image::open(&local.uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::NotFound { .. }), "{err}");
+}

@@ -1,0 +1,611 @@
+//! `ivdisk create`, `info`, `resize`, `delete` and `lock`: images on any store, through
+//! `ivdisk-image`. Each command is synchronous code that prompts and prints, and hands the
+//! store work to the one tokio runtime `main` builds for it.
+//!
+//! Options are checked, and the image looked up, before a passphrase is asked for, so that a
+//! typo never costs a passphrase entry (or two).
+
+use std::cell::Cell;
+use std::io::IsTerminal;
+
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use ivdisk_crypto::Suite;
+use ivdisk_image::{
+    CreateOptions, Image, ImageError, ImageInfo, ImageUri, LayoutKind, OpenOptions,
+    DEFAULT_LOCK_DURATION, MAX_OBJECT_SIZE,
+};
+use ivdisk_store::{Locker, StoreError};
+use serde_json::{json, Value};
+use tokio::runtime::Runtime;
+
+use crate::secrets::{confirm, print, with_spinner, PassphraseArgs, PbkdfArgs};
+
+/// What IMAGE may be, for `--help`.
+pub const IMAGE_HELP: &str = "The image: PATH or file:PATH (local backend: a directory holding \
+    one image), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS (Ceph), mem:NAME (this \
+    process' memory; only useful in tests)";
+
+/// Layouts for `ivdisk create --help`.
+pub fn layouts_help() -> String {
+    let mut text = String::from(
+        "Layouts (--layout: where each sector's IV/MAC lives; default object-end for suites with \
+         metadata, none for the others):\n",
+    );
+    for layout in LayoutKind::ALL {
+        text.push_str(&format!("  {:<18} {}\n", layout.name(), layout.summary()));
+    }
+    text
+}
+
+/// Help of `ivdisk lock`: when to break a lock.
+pub fn lock_help() -> String {
+    format!(
+        "Opening an image for writing (ivdisk resize, and later ivdisk serve) takes its writer \
+         lock: one writer per image. The writer renews the lock while it runs; a lock that is not \
+         renewed expires by itself after {} s. `lock break` is for a writer that died (killed, \
+         crashed, host down) when you cannot wait for the expiry. Never break the lock of a \
+         writer that still runs: two writers lose each other's writes.\n\nOn the local backend \
+         a store directory is open in one process at a time: while a writer runs there, `lock \
+         status`, `lock break` and `info` from another process fail, naming the process that \
+         has the store open (a dead process leaves no such error, only its lock).\n\nExample:\n  ivdisk lock \
+         status disk.ivd\n  ivdisk lock break 'rados://rbd/vm1?id=admin' --yes",
+        DEFAULT_LOCK_DURATION.as_secs()
+    )
+}
+
+fn parse_size_arg(text: &str) -> Result<u64, String> {
+    crate::parse_size(text).map_err(|e| format!("{e:#}"))
+}
+
+fn parse_sector_size(text: &str) -> Result<u32, String> {
+    match text {
+        "4096" => Ok(4096),
+        "512" => Ok(512),
+        _ => Err(format!("{text}: expected 4096 or 512")),
+    }
+}
+
+fn parse_suite(text: &str) -> Result<Suite, String> {
+    text.parse()
+        .map_err(|e: ivdisk_crypto::CryptoError| e.to_string())
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// Size, e.g. 10G, 512M (binary units K, M, G, T); a multiple of the sector size.
+    #[arg(long, value_parser = parse_size_arg)]
+    size: u64,
+    /// Cipher suite (below).
+    #[arg(long, default_value = Suite::DEFAULT.name(), value_parser = parse_suite)]
+    cipher: Suite,
+    /// Where per-sector metadata lives (below); default object-end, or none for suites
+    /// without metadata.
+    #[arg(long, value_parser = |s: &str| s.parse::<LayoutKind>())]
+    layout: Option<LayoutKind>,
+    /// Sector size in bytes: 4096 or 512.
+    #[arg(long, default_value = "4096", value_parser = parse_sector_size)]
+    sector_size: u32,
+    /// Data bytes per object: a power of two from 4K to 64M.
+    #[arg(long, default_value = "4M", value_parser = parse_size_arg)]
+    object_size: u64,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    #[command(flatten)]
+    pbkdf: PbkdfArgs,
+    /// Print JSON (the fields of `ivdisk info --json`).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct InfoArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// Print JSON: size, cipher, layout, sector_size, object_size, keyslots, image_id, lock.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ResizeArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// The new size, e.g. 20G; a multiple of the sector size.
+    #[arg(long, value_parser = parse_size_arg)]
+    size: u64,
+    /// Allow a smaller size: the data past the new end is destroyed.
+    #[arg(long)]
+    allow_shrink: bool,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Print JSON: image, old_size, size.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct DeleteArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// Do not ask for confirmation (needed when standard input is not a terminal).
+    #[arg(long, short = 'y')]
+    yes: bool,
+    /// Print JSON; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+pub enum LockCommand {
+    /// Show who holds the image's writer lock, and for how long without renewal.
+    #[command(
+        after_help = "Example:\n  ivdisk lock status disk.ivd\n  ivdisk lock status rados://rbd/vm1 --json | jq .lock"
+    )]
+    Status {
+        #[arg(help = IMAGE_HELP)]
+        image: String,
+        /// Print JSON: image, lock (null, or client, description, expires_in_secs).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the writer lock of a writer that died, at once instead of waiting for its expiry.
+    #[command(after_help = lock_help())]
+    Break {
+        #[arg(help = IMAGE_HELP)]
+        image: String,
+        /// Do not ask for confirmation (needed when standard input is not a terminal).
+        #[arg(long, short = 'y')]
+        yes: bool,
+        /// Print JSON: image, broken (null, or the lock removed).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// An ImageError as a one-line anyhow error: its message already holds its sources, so
+/// anyhow's `{:#}` must not print them a second time.
+fn flat(e: ImageError) -> anyhow::Error {
+    anyhow::anyhow!("{e}")
+}
+
+fn parse_uri(text: &str) -> Result<ImageUri> {
+    ImageUri::parse(text).map_err(flat)
+}
+
+/// Whether `e` says that the image is not there: no header object, or (local backend) no
+/// store in the directory at all.
+fn is_missing(e: &ImageError) -> bool {
+    match e {
+        ImageError::NotFound { .. } => true,
+        ImageError::Store {
+            source: StoreError::Io { source, .. },
+            ..
+        } => source.kind() == std::io::ErrorKind::NotFound,
+        _ => false,
+    }
+}
+
+/// The image's header, without a passphrase.
+fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
+    rt.block_on(Image::info(uri))
+        .map_err(|e| not_found_as_such(uri, e))
+}
+
+/// `e` as a one-line error; a missing local store directory reads as a missing image.
+fn not_found_as_such(uri: &ImageUri, e: ImageError) -> anyhow::Error {
+    if is_missing(&e) {
+        flat(ImageError::NotFound {
+            image: uri.to_string(),
+        })
+    } else {
+        flat(e)
+    }
+}
+
+/// 1073741824 → "1 GiB", 1536 → "1.5 KiB".
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && bytes >= 1 << (10 * (unit + 1)) {
+        unit += 1;
+    }
+    if unit == 0 {
+        return format!("{bytes} bytes");
+    }
+    let scale = 1u64 << (10 * unit);
+    if bytes.is_multiple_of(scale) {
+        format!("{} {}", bytes / scale, UNITS[unit])
+    } else {
+        let text = format!("{:.2}", bytes as f64 / scale as f64);
+        format!(
+            "{} {}",
+            text.trim_end_matches('0').trim_end_matches('.'),
+            UNITS[unit]
+        )
+    }
+}
+
+fn locker_json(locker: &Locker) -> Value {
+    json!({
+        "client": locker.client,
+        "description": locker.description,
+        "expires_in_secs": locker.expires_in.map(|d| d.as_secs()),
+    })
+}
+
+fn describe_locker(locker: &Locker) -> String {
+    let mut text = format!("client {}", locker.client);
+    if !locker.description.is_empty() {
+        text.push_str(&format!(" ({})", locker.description));
+    }
+    match locker.expires_in {
+        Some(d) => text.push_str(&format!(", expires in {} s unless renewed", d.as_secs())),
+        None => text.push_str(", never expires by itself"),
+    }
+    text
+}
+
+fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
+    json!({
+        "image": uri.to_string(),
+        "size": info.size,
+        "cipher": info.suite.name(),
+        "layout": info.layout.name(),
+        "sector_size": info.sector_size,
+        "object_size": info.object_size,
+        "keyslots": info.keyslots,
+        "image_id": hex::encode(info.image_id.0),
+    })
+}
+
+fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
+    let keyslots: Vec<String> = info.keyslots.iter().map(u32::to_string).collect();
+    vec![
+        ("image", uri.to_string()),
+        (
+            "size",
+            format!("{} bytes ({})", info.size, human_size(info.size)),
+        ),
+        ("cipher", info.suite.name().to_owned()),
+        ("layout", info.layout.name().to_owned()),
+        ("sector size", format!("{} bytes", info.sector_size)),
+        (
+            "object size",
+            format!(
+                "{} bytes ({})",
+                info.object_size,
+                human_size(info.object_size)
+            ),
+        ),
+        ("keyslots", keyslots.join(", ")),
+        ("image id", hex::encode(info.image_id.0)),
+    ]
+}
+
+fn aligned(lines: &[(&str, String)]) -> String {
+    let width = lines.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    lines
+        .iter()
+        .map(|(k, v)| format!("{:<width$} {v}", format!("{k}:")))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let suite = args.cipher;
+    let layout = args
+        .layout
+        .unwrap_or_else(|| LayoutKind::default_for(suite.metadata_len()));
+    // The checks Image::create makes, before the passphrase is asked for.
+    if !layout.fits(suite.metadata_len()) {
+        bail!(
+            "image {uri}: layout {layout} does not fit suite {suite} ({} bytes of metadata per \
+             sector): use {}",
+            suite.metadata_len(),
+            if suite.metadata_len() == 0 {
+                "--layout none (or leave --layout out)"
+            } else {
+                "--layout object-end, unaligned or omap (or leave --layout out)"
+            }
+        );
+    }
+    let os = args.object_size;
+    if !os.is_power_of_two() || !(4096..=MAX_OBJECT_SIZE).contains(&os) {
+        bail!("--object-size {os}: expected a power of two from 4K to 64M");
+    }
+    if args.size == 0 || !args.size.is_multiple_of(u64::from(args.sector_size)) {
+        bail!(
+            "--size {}: expected a positive multiple of the {}-byte sector size",
+            args.size,
+            args.sector_size
+        );
+    }
+    let pbkdf = args.pbkdf.request()?;
+    match rt.block_on(Image::info(&uri)) {
+        Ok(_) => {
+            return Err(flat(ImageError::Exists {
+                image: uri.to_string(),
+            }))
+        }
+        Err(e) if is_missing(&e) => {}
+        // A header object that does not parse is still an image in the way.
+        Err(ImageError::Header { .. } | ImageError::Corrupt { .. }) => {
+            return Err(flat(ImageError::Exists {
+                image: uri.to_string(),
+            }))
+        }
+        Err(e) => return Err(flat(e)),
+    }
+    let passphrase = args.passphrase.new_passphrase()?;
+    let mut options = CreateOptions::new(args.size);
+    options.suite = suite;
+    options.layout = Some(layout);
+    options.sector_size = args.sector_size;
+    options.object_size = os;
+    options.pbkdf = pbkdf;
+    tracing::debug!(image = %uri, %suite, %layout, size = args.size, "creating image");
+    with_spinner(
+        "creating (the key derivation benchmark takes seconds by design)",
+        || {
+            rt.block_on(async {
+                let image = Image::create(&uri, &options, &passphrase).await?;
+                image.close().await
+            })
+        },
+    )
+    .map_err(flat)?;
+    drop(passphrase);
+    let info = info_of(rt, &uri)?;
+    print(
+        args.json,
+        info_json(&uri, &info),
+        format!(
+            "created image {uri}: {}, cipher {}, layout {}, {}-byte sectors, {} objects, keyslot {}",
+            human_size(info.size),
+            info.suite,
+            info.layout,
+            info.sector_size,
+            human_size(info.object_size),
+            info.keyslots
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    );
+    Ok(())
+}
+
+pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let info = info_of(rt, &uri)?;
+    let lock = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
+    if args.json {
+        let mut value = info_json(&uri, &info);
+        value["lock"] = lock.as_ref().map_or(Value::Null, locker_json);
+        println!("{value}");
+    } else {
+        let mut lines = info_lines(&uri, &info);
+        lines.push((
+            "writer lock",
+            lock.as_ref().map_or("none".to_owned(), describe_locker),
+        ));
+        println!("{}", aligned(&lines));
+    }
+    Ok(())
+}
+
+pub fn resize(args: ResizeArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    // What can be refused without the passphrase is refused before asking for it.
+    let before = info_of(rt, &uri)?;
+    let ss = u64::from(before.sector_size);
+    if args.size == 0 || !args.size.is_multiple_of(ss) {
+        bail!(
+            "image {uri}: --size {}: expected a positive multiple of the image's {ss}-byte sector size",
+            args.size
+        );
+    }
+    if args.size < before.size && !args.allow_shrink {
+        bail!(
+            "image {uri}: shrinking from {} to {} destroys the data past the new end; pass \
+             --allow-shrink to do it",
+            human_size(before.size),
+            human_size(args.size)
+        );
+    }
+    let passphrase = args.passphrase.existing()?;
+    let image = with_spinner(
+        "unlocking (the key derivation takes seconds by design)",
+        || rt.block_on(Image::open(&uri, &passphrase, &OpenOptions::default())),
+    )
+    .map_err(|e| {
+        let hint = match &e {
+            ImageError::Header { .. } => args.passphrase.unlock_hint(&passphrase),
+            _ => String::new(),
+        };
+        anyhow::anyhow!("{e}; nothing was changed{hint}")
+    })?;
+    drop(passphrase);
+    let old = image.size();
+    let resized = rt.block_on(image.resize(args.size, args.allow_shrink));
+    let closed = rt.block_on(image.close());
+    resized.map_err(flat)?;
+    closed.map_err(flat)?;
+    print(
+        args.json,
+        json!({"image": uri.to_string(), "old_size": old, "size": args.size}),
+        format!(
+            "resized image {uri} from {} to {}",
+            human_size(old),
+            human_size(args.size)
+        ),
+    );
+    Ok(())
+}
+
+pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let info = info_of(rt, &uri)?;
+    let question = format!(
+        "Delete image {uri} ({}, {})? All of its data is destroyed",
+        human_size(info.size),
+        info.suite
+    );
+    let refusal = format!(
+        "not deleting image {uri} without confirmation: standard input is not a terminal; pass \
+         --yes to delete it"
+    );
+    if !confirm(&question, args.yes, &refusal)? {
+        bail!("image {uri} not deleted (answer y to delete it)");
+    }
+    let bar = if args.json || !std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "deleting {bar:40} {pos}/{len} objects ({eta} left)",
+            )
+            .expect("a valid progress template"),
+        );
+        bar
+    };
+    let objects = Cell::new(0u64);
+    let deleted = rt.block_on(Image::delete(&uri, |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+        objects.set(total);
+    }));
+    bar.finish_and_clear();
+    deleted.map_err(flat)?;
+    let mut text = format!(
+        "deleted image {uri} ({} data object(s) removed)",
+        objects.get()
+    );
+    if let ImageUri::Local { dir } = &uri {
+        text.push_str(&format!(
+            "\nthe local store directory {} stays (now without an image); `ivdisk create` can \
+             reuse it, or remove it with rm -r",
+            dir.display()
+        ));
+    }
+    print(
+        args.json,
+        json!({"image": uri.to_string(), "deleted": true, "objects": objects.get()}),
+        text,
+    );
+    Ok(())
+}
+
+pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
+    match command {
+        LockCommand::Status { image, json } => {
+            let uri = parse_uri(&image)?;
+            let holder = rt
+                .block_on(Image::lock_holder(&uri))
+                .map_err(|e| not_found_as_such(&uri, e))?;
+            print(
+                json,
+                json!({"image": uri.to_string(), "lock": holder.as_ref().map_or(Value::Null, locker_json)}),
+                match &holder {
+                    None => format!("image {uri}: no writer lock held"),
+                    Some(l) => format!("image {uri}: writer lock held by {}", describe_locker(l)),
+                },
+            );
+        }
+        LockCommand::Break { image, yes, json } => {
+            let uri = parse_uri(&image)?;
+            let Some(holder) = rt
+                .block_on(Image::lock_holder(&uri))
+                .map_err(|e| not_found_as_such(&uri, e))?
+            else {
+                print(
+                    json,
+                    json!({"image": uri.to_string(), "broken": Value::Null}),
+                    format!("image {uri}: no writer lock held; nothing to break"),
+                );
+                return Ok(());
+            };
+            let question = format!(
+                "Break the writer lock of {} on image {uri}? Only if that client is really gone: \
+                 a writer that still runs would lose writes",
+                describe_locker(&holder)
+            );
+            let refusal = format!(
+                "not breaking the writer lock of image {uri} (held by {}) without confirmation: \
+                 standard input is not a terminal; pass --yes to break it",
+                describe_locker(&holder)
+            );
+            if !confirm(&question, yes, &refusal)? {
+                bail!("the writer lock of image {uri} was left in place");
+            }
+            let broken = rt
+                .block_on(Image::break_lock(&uri))
+                .map_err(|e| not_found_as_such(&uri, e))?;
+            match &broken {
+                None => print(
+                    json,
+                    json!({"image": uri.to_string(), "broken": Value::Null}),
+                    format!("image {uri}: the writer lock was released meanwhile; nothing broken"),
+                ),
+                Some(removed) => {
+                    print(
+                        json,
+                        json!({"image": uri.to_string(), "broken": locker_json(removed)}),
+                        format!(
+                            "image {uri}: broke the writer lock of client {}{}",
+                            removed.client,
+                            if removed.description.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" ({})", removed.description)
+                            }
+                        ),
+                    );
+                    eprintln!(
+                        "ivdisk: warning: client {} must really be gone (process stopped, host \
+                         down): if it still runs, it and the next writer lose each other's writes",
+                        removed.client
+                    );
+                    if removed.client != holder.client {
+                        eprintln!(
+                            "ivdisk: warning: the lock changed hands while you confirmed: the \
+                             lock broken was {}'s, not {}'s",
+                            removed.client, holder.client
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_print_in_binary_units() {
+        assert_eq!(human_size(512), "512 bytes");
+        assert_eq!(human_size(4096), "4 KiB");
+        assert_eq!(human_size(1536), "1.5 KiB");
+        assert_eq!(human_size(10 << 30), "10 GiB");
+        assert_eq!(human_size(3 << 40), "3 TiB");
+    }
+
+    #[test]
+    fn help_names_every_layout() {
+        let help = layouts_help();
+        for layout in LayoutKind::ALL {
+            assert!(help.contains(layout.name()), "{layout} missing");
+            assert!(help.contains(layout.summary()), "{layout} summary missing");
+        }
+        assert!(lock_help().contains("30 s"));
+    }
+}

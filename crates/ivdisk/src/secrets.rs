@@ -1,0 +1,273 @@
+//! Secrets and the terminal, shared by every command: key files and passphrase files, the
+//! no-echo prompt, the key-derivation options for new keyslots, spinners, confirmations and
+//! `--json` printing. Secrets live in `Zeroizing` buffers and never reach a log or an error.
+
+use std::fs::File;
+use std::io::{BufRead, IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ivdisk_header::{Hash, PbkdfKind, PbkdfRequest};
+use zeroize::Zeroizing;
+
+/// cryptsetup's default upper bound for a key file (`--keyfile-size` default 8 MiB).
+const MAX_KEY_FILE: u64 = 8 << 20;
+
+/// What `ivdisk header`/`ivdisk key` say when a passphrase is needed and there is no terminal.
+pub const KEY_FILE_HINT: &str =
+    "pass --key-file FILE (or \"-\" for standard input), or run on a terminal";
+
+/// What the image commands say when a passphrase is needed and there is no terminal.
+pub const IMAGE_SECRET_HINT: &str =
+    "pass --passphrase-file FILE or --key-file FILE (\"-\" = standard input), or run on a terminal";
+
+#[derive(Args, Debug, Clone)]
+pub struct PbkdfArgs {
+    /// Key derivation for new keyslots: argon2id (default), argon2i or pbkdf2.
+    #[arg(long, default_value = "argon2id")]
+    pbkdf: String,
+    /// Target unlock time per keyslot on this machine, in milliseconds (cryptsetup: 2000).
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    iter_time: u64,
+    /// Upper bound for Argon2 memory in KiB (cryptsetup: 1048576, and at most half the RAM).
+    #[arg(long, default_value_t = 1024 * 1024, value_name = "KIB")]
+    pbkdf_memory: u32,
+    /// Upper bound for Argon2 threads (cryptsetup: 4, and at most the CPUs).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pbkdf_parallel: u32,
+    /// Skip the benchmark: Argon2 time cost or PBKDF2 iterations, as given.
+    #[arg(long, value_name = "N")]
+    pbkdf_force_iterations: Option<u32>,
+    /// PBKDF2's hash: sha256 (default), sha512, sha1.
+    #[arg(long, default_value = "sha256")]
+    hash: String,
+}
+
+impl PbkdfArgs {
+    pub fn request(&self) -> Result<PbkdfRequest> {
+        Ok(PbkdfRequest {
+            kind: self.pbkdf.parse::<PbkdfKind>()?,
+            iter_time: Duration::from_millis(self.iter_time.max(1)),
+            max_memory_kib: self.pbkdf_memory,
+            max_parallel: self.pbkdf_parallel,
+            forced_iterations: self.pbkdf_force_iterations,
+            hash: self.hash.parse::<Hash>()?,
+        })
+    }
+}
+
+/// How the image commands get the passphrase of an image: a passphrase file, a key file, or
+/// the terminal.
+#[derive(Args, Debug, Clone)]
+pub struct PassphraseArgs {
+    /// Read the passphrase from this file ("-" = standard input). One trailing newline is
+    /// dropped, so `echo secret > FILE` gives the passphrase typed as "secret" at the prompt.
+    #[arg(long, value_name = "FILE", conflicts_with = "key_file")]
+    pub passphrase_file: Option<PathBuf>,
+    /// Use every byte of this file as the passphrase, newlines included ("-" = standard
+    /// input), as cryptsetup's and `ivdisk key`'s --key-file. Without either option the
+    /// passphrase is asked for on the terminal, without echo.
+    #[arg(long, short = 'd', value_name = "FILE")]
+    pub key_file: Option<PathBuf>,
+}
+
+impl PassphraseArgs {
+    fn read_files(&self) -> Result<Option<Zeroizing<Vec<u8>>>> {
+        if let Some(path) = &self.key_file {
+            return read_key_file(path).map(Some);
+        }
+        let Some(path) = &self.passphrase_file else {
+            return Ok(None);
+        };
+        let mut data = read_key_file(path)?;
+        if data.ends_with(b"\n") {
+            data.pop();
+            if data.ends_with(b"\r") {
+                data.pop();
+            }
+        }
+        if data.is_empty() {
+            bail!(
+                "passphrase file {} holds only a newline: the passphrase is empty",
+                path.display()
+            );
+        }
+        Ok(Some(data))
+    }
+
+    /// Said after "no keyslot matches": the one newline difference between the two file
+    /// options, when it may be the cause (looks at the secret's last byte only).
+    pub fn unlock_hint(&self, secret: &[u8]) -> String {
+        if self.key_file.is_some() && secret.ends_with(b"\n") {
+            " (--key-file keeps the file's trailing newline as part of the passphrase; \
+             --passphrase-file drops it)"
+                .to_owned()
+        } else {
+            String::new()
+        }
+    }
+
+    /// The passphrase of an existing image (asked once on a terminal).
+    pub fn existing(&self) -> Result<Zeroizing<Vec<u8>>> {
+        match self.read_files()? {
+            Some(secret) => Ok(secret),
+            None => prompt("Enter passphrase: ", IMAGE_SECRET_HINT),
+        }
+    }
+
+    /// The passphrase of a new image (asked twice on a terminal).
+    pub fn new_passphrase(&self) -> Result<Zeroizing<Vec<u8>>> {
+        match self.read_files()? {
+            Some(secret) => Ok(secret),
+            None => prompt_twice(IMAGE_SECRET_HINT),
+        }
+    }
+}
+
+/// A secret from a file (all of it, as cryptsetup) or standard input.
+pub fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
+    let mut data = Zeroizing::new(Vec::new());
+    if path == Path::new("-") {
+        std::io::stdin()
+            .take(MAX_KEY_FILE + 1)
+            .read_to_end(&mut data)
+            .context("reading the passphrase from standard input")?;
+    } else {
+        File::open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?
+            .take(MAX_KEY_FILE + 1)
+            .read_to_end(&mut data)
+            .with_context(|| format!("reading key file {}", path.display()))?;
+    }
+    if data.len() as u64 > MAX_KEY_FILE {
+        bail!(
+            "key file {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
+            path.display()
+        );
+    }
+    if data.is_empty() {
+        bail!("key file {} is empty", path.display());
+    }
+    Ok(data)
+}
+
+/// Ask for a passphrase on the terminal without echo; `hint` says what to do without one.
+pub fn prompt(text: &str, hint: &str) -> Result<Zeroizing<Vec<u8>>> {
+    if !std::io::stdin().is_terminal() {
+        bail!("no passphrase given: {hint}");
+    }
+    let line = Zeroizing::new(rpassword::prompt_password(text).context("reading the passphrase")?);
+    if line.is_empty() {
+        bail!("empty passphrase");
+    }
+    Ok(Zeroizing::new(line.as_bytes().to_vec()))
+}
+
+/// Ask for a new passphrase twice; they must match.
+pub fn prompt_twice(hint: &str) -> Result<Zeroizing<Vec<u8>>> {
+    let first = prompt("Enter new passphrase: ", hint)?;
+    let second = prompt("Verify passphrase: ", hint)?;
+    if first != second {
+        bail!("the passphrases do not match");
+    }
+    Ok(first)
+}
+
+/// The passphrase of an existing keyslot: `key_file` byte for byte, or asked once.
+pub fn old_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
+    match key_file {
+        Some(path) => read_key_file(path),
+        None => prompt("Enter passphrase: ", KEY_FILE_HINT),
+    }
+}
+
+/// A new passphrase: `key_file` byte for byte, or asked twice.
+pub fn new_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
+    match key_file {
+        Some(path) => read_key_file(path),
+        None => prompt_twice(KEY_FILE_HINT),
+    }
+}
+
+/// A spinner on a terminal while a KDF runs (seconds by design); nothing when piped.
+pub fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
+    if !std::io::stderr().is_terminal() {
+        return work();
+    }
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_message(message.to_owned());
+    spinner.enable_steady_tick(Duration::from_millis(100));
+    let out = work();
+    spinner.finish_and_clear();
+    out
+}
+
+/// Print `value` as one line of JSON, or `text`.
+pub fn print(json: bool, value: serde_json::Value, text: String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{text}");
+    }
+}
+
+/// Ask `question` with a y/N answer on the terminal, unless `yes` (the `--yes` flag). Without
+/// a terminal the command is refused with `refusal`, which says to pass --yes.
+pub fn confirm(question: &str, yes: bool, refusal: &str) -> Result<bool> {
+    if yes {
+        return Ok(true);
+    }
+    if !std::io::stdin().is_terminal() {
+        bail!("{refusal}");
+    }
+    eprint!("{question} [y/N] ");
+    std::io::stderr().flush().ok();
+    let mut answer = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut answer)
+        .context("reading the answer")?;
+    Ok(matches!(
+        answer.trim().to_ascii_lowercase().as_str(),
+        "y" | "yes"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(passphrase_file: Option<&Path>, key_file: Option<&Path>) -> PassphraseArgs {
+        PassphraseArgs {
+            passphrase_file: passphrase_file.map(Path::to_path_buf),
+            key_file: key_file.map(Path::to_path_buf),
+        }
+    }
+
+    #[test]
+    fn passphrase_files_lose_one_newline_key_files_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pw");
+        for (content, expected) in [
+            (&b"secret\n"[..], &b"secret"[..]),
+            (b"secret\r\n", b"secret"),
+            (b"secret", b"secret"),
+            (b"two\nlines\n\n", b"two\nlines\n"),
+        ] {
+            std::fs::write(&file, content).unwrap();
+            assert_eq!(
+                args(Some(&file), None).existing().unwrap().as_slice(),
+                expected
+            );
+            assert_eq!(
+                args(None, Some(&file)).existing().unwrap().as_slice(),
+                content
+            );
+        }
+        std::fs::write(&file, b"\n").unwrap();
+        let err = args(Some(&file), None).existing().unwrap_err().to_string();
+        assert!(err.contains("empty"), "{err}");
+    }
+}
