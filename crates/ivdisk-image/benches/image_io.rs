@@ -349,16 +349,28 @@ impl ObjectStore for MapStore {
     ) -> Result<(), StoreError> {
         let mut locks = self.locks.lock().unwrap();
         let key = (object.clone(), request.name.clone());
-        if let Some(held) = locks.get(&key) {
-            let live = held.expires.is_none_or(|e| e > Instant::now());
-            let ours = held.client == self.client_id() && held.cookie == request.cookie;
-            if live && !(ours && request.renew) {
+        let held = locks
+            .get(&key)
+            .filter(|h| h.expires.is_none_or(|e| e > Instant::now()));
+        let ours = held.is_some_and(|h| h.client == self.client_id() && h.cookie == request.cookie);
+        match held {
+            // Renewing extends a lock this client still holds, nothing else.
+            _ if request.renew && !ours => {
+                return Err(StoreError::NotLocked {
+                    object: object.to_string(),
+                    lock: request.name,
+                    client: self.client_id().to_owned(),
+                    cookie: request.cookie,
+                })
+            }
+            Some(h) if !request.renew => {
                 return Err(StoreError::Busy {
                     object: object.to_string(),
                     lock: request.name,
-                    holder: held.client.clone(),
-                });
+                    holder: h.client.clone(),
+                })
             }
+            _ => {}
         }
         locks.insert(
             key,

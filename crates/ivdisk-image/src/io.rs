@@ -133,10 +133,12 @@ impl Inner {
         let object = self.data_object(piece.object);
         let mut op = ReadOp::new();
         self.layout.read(&mut op.steps, piece.index, piece.count);
-        out.fill(0);
         let results = match self.store.read_op(&object, op).await {
             Ok(results) => results,
-            Err(StoreError::NotFound { .. }) => return Ok(Vec::new()),
+            Err(StoreError::NotFound { .. }) => {
+                out.fill(0);
+                return Ok(Vec::new());
+            }
             Err(e) => return Err(ImageError::store(&self.name)(e)),
         };
         let mut metadata = vec![0u8; piece.count as usize * self.cipher.metadata_len()];
@@ -313,24 +315,31 @@ impl Inner {
         }
         for (start, stop) in encrypted {
             let n = (stop - start) as usize;
-            let mut plain = vec![0u8; n * ss as usize];
-            for (lba, old) in [head, tail] {
-                if let Some(old) = old {
-                    if (start..stop).contains(&lba) {
-                        let at = ((lba - start) * ss) as usize;
-                        plain[at..at + ss as usize].copy_from_slice(old);
-                    }
-                }
-            }
-            // The request's bytes that fall in these sectors.
+            // Old bytes of the partial sector before the request's bytes, the request's bytes
+            // (or zeros), old bytes after: built in one pass, no zero-fill first (a full
+            // extra pass over the data, measured at 7-12% of a large write's CPU).
+            let old_sector = |lba: u64| {
+                [head, tail]
+                    .into_iter()
+                    .find(|(l, old)| *l == lba && old.is_some())
+                    .and_then(|(_, old)| old.as_deref())
+                    .expect("partial sectors were read before building the operation")
+            };
             let (lo, hi) = (offset.max(start * ss), end_byte.min(stop * ss));
-            let dst = &mut plain[(lo - start * ss) as usize..(hi - start * ss) as usize];
+            let mut plain = Vec::with_capacity(n * ss as usize);
+            if lo > start * ss {
+                plain.extend_from_slice(&old_sector(start)[..(lo - start * ss) as usize]);
+            }
             match fill {
                 Fill::Data(data) => {
-                    dst.copy_from_slice(&data[(lo - offset) as usize..(hi - offset) as usize])
+                    plain.extend_from_slice(&data[(lo - offset) as usize..(hi - offset) as usize])
                 }
-                Fill::Zeros | Fill::Unwritten => dst.fill(0),
+                Fill::Zeros | Fill::Unwritten => plain.resize(plain.len() + (hi - lo) as usize, 0),
             }
+            if hi < stop * ss {
+                plain.extend_from_slice(&old_sector(stop - 1)[(hi - (stop - 1) * ss) as usize..]);
+            }
+            debug_assert_eq!(plain.len(), n * ss as usize);
             let mut metadata = vec![0u8; n * self.cipher.metadata_len()];
             self.cipher
                 .encrypt_sectors(start + self.iv_sector_base, &mut plain, &mut metadata)

@@ -47,6 +47,13 @@ async fn write_read_partial_discard_roundtrip() {
     let mut edge = [1u8; 4];
     image.read(12341, &mut edge).await.unwrap();
     assert_eq!(edge, [0; 4]);
+    // Aligned reads land in the caller's buffer directly: unwritten sectors of a written
+    // object must come out zero there, whatever the buffer held.
+    let mut dirty = vec![0x5Au8; 64 << 10];
+    image.read(0, &mut dirty).await.unwrap();
+    let mut expect_head = vec![0u8; 64 << 10];
+    expect_head[12345..].copy_from_slice(&data[..(64 << 10) - 12345]);
+    assert_eq!(dirty, expect_head);
     image.discard(20_000, 100_000).await.unwrap();
     image.read(12345, &mut back).await.unwrap();
     let mut expect = data.clone();

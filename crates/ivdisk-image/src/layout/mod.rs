@@ -138,8 +138,9 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     fn read(&self, steps: &mut Vec<ReadStep>, first: u32, count: u32);
 
     /// Fill `ciphertext` and `metadata` from the results of [`SectorLayout::read`]'s steps
-    /// (consumed from `results` in order). Bytes never written are left zero (the buffers
-    /// arrive zeroed). An `Err` names what was malformed.
+    /// (consumed from `results` in order). Bytes never written come out zero: `metadata`
+    /// arrives zeroed, `ciphertext` may arrive holding anything (it is the caller's read
+    /// buffer) and must be overwritten whole. An `Err` names what was malformed.
     fn decode(
         &self,
         results: &mut dyn Iterator<Item = ReadResult>,
@@ -150,7 +151,8 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     ) -> Result<(), String>;
 }
 
-/// Copy the extents of a read of `[base, base + out.len())` into `out` (holes stay zero).
+/// Copy the extents of a read of `[base, base + out.len())` into `out` and zero what no
+/// extent covers (holes, and the part past a short object), touching each byte once.
 pub(crate) fn place_extents(
     result: Option<ReadResult>,
     base: u64,
@@ -160,6 +162,8 @@ pub(crate) fn place_extents(
         Some(ReadResult::Extents(extents)) => extents,
         other => return Err(format!("expected the extents of a read, got {other:?}")),
     };
+    // Everything before `covered` is zeroed or copied already; extents may come in any order.
+    let mut covered = 0;
     for extent in extents {
         let start = extent
             .offset
@@ -172,7 +176,12 @@ pub(crate) fn place_extents(
                 )
             })? as usize;
         let len = extent.data.len().min(out.len() - start);
+        if start > covered {
+            out[covered..start].fill(0);
+        }
         out[start..start + len].copy_from_slice(&extent.data[..len]);
+        covered = covered.max(start + len);
     }
+    out[covered..].fill(0);
     Ok(())
 }
