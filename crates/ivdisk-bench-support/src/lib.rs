@@ -14,6 +14,20 @@ pub struct Machine {
     pub memory: String,
 }
 
+impl Machine {
+    /// The machine as a JSON object (`cpus`, `cpu_model`, `kernel`, `memory`), as the bench
+    /// result files record it.
+    pub fn to_json(&self) -> String {
+        format!(
+            "{{\"cpus\": {}, \"cpu_model\": {}, \"kernel\": {}, \"memory\": {}}}",
+            self.cpus,
+            json_str(&self.cpu_model),
+            json_str(&self.kernel),
+            json_str(&self.memory)
+        )
+    }
+}
+
 pub fn machine() -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu_model = cpuinfo

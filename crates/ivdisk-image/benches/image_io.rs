@@ -1172,14 +1172,7 @@ fn main() {
 
     let Some(path) = &cfg.json else { return };
     let mut json = String::from("{\n");
-    let _ = writeln!(
-        json,
-        "  \"machine\": {{\"cpus\": {}, \"cpu_model\": {}, \"kernel\": {}, \"memory\": {}}},",
-        m.cpus,
-        json_str(&m.cpu_model),
-        json_str(&m.kernel),
-        json_str(&m.memory)
-    );
+    let _ = writeln!(json, "  \"machine\": {},", m.to_json());
     let _ = writeln!(
         json,
         "  \"queue_depth\": {QUEUE_DEPTH}, \"seconds\": {}, \"warmup_seconds\": {}, \

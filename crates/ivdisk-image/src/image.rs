@@ -386,15 +386,7 @@ impl Image {
         if let Some(path) = crate::foreign::luks_file_path(uri) {
             return crate::foreign::open_file(&image, path, passphrase, options).await;
         }
-        let store = uri.open_store(false).await.map_err(|e| match e {
-            ImageError::Store {
-                source: StoreError::Io { source, .. },
-                ..
-            } if source.kind() == std::io::ErrorKind::NotFound => ImageError::NotFound {
-                image: image.clone(),
-            },
-            other => other,
-        })?;
+        let store = uri.open_store(false).await?;
         Image::open_in(image, store, uri.image_name(), passphrase, options).await
     }
 
@@ -725,17 +717,7 @@ impl Image {
 
     /// Who holds the image's writer lock, if anyone.
     pub async fn lock_holder(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
-        let image = uri.to_string();
-        let store = uri.open_store(false).await?;
-        let object = object_name(&image, header_object_name(uri.image_name()))?;
-        if store
-            .stat(&object)
-            .await
-            .map_err(ImageError::store(&image))?
-            .is_none()
-        {
-            return Err(ImageError::NotFound { image });
-        }
+        let (image, store, object) = existing_header_object(uri).await?;
         writer_lock::holder(store.as_ref(), &object)
             .await
             .map_err(ImageError::store(&image))
@@ -745,10 +727,11 @@ impl Image {
     /// Only do this when that client is dead: two writers corrupt nothing cryptographically
     /// but lose each other's writes.
     pub async fn break_lock(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
-        let image = uri.to_string();
-        let store = uri.open_store(false).await?;
-        let object = object_name(&image, header_object_name(uri.image_name()))?;
-        let Some(holder) = Image::lock_holder(uri).await? else {
+        let (image, store, object) = existing_header_object(uri).await?;
+        let Some(holder) = writer_lock::holder(store.as_ref(), &object)
+            .await
+            .map_err(ImageError::store(&image))?
+        else {
             return Ok(None);
         };
         match store
@@ -761,6 +744,25 @@ impl Image {
         tracing::warn!(image = %image, client = %holder.client, "broke the writer lock");
         Ok(Some(holder))
     }
+}
+
+/// The store and header object of an existing image (`NotFound` if there is none), with the
+/// image's display name.
+async fn existing_header_object(
+    uri: &ImageUri,
+) -> Result<(String, Arc<dyn ObjectStore>, ObjectName), ImageError> {
+    let image = uri.to_string();
+    let store = uri.open_store(false).await?;
+    let object = object_name(&image, header_object_name(uri.image_name()))?;
+    if store
+        .stat(&object)
+        .await
+        .map_err(ImageError::store(&image))?
+        .is_none()
+    {
+        return Err(ImageError::NotFound { image });
+    }
+    Ok((image, store, object))
 }
 
 async fn read_nonce_reservation(

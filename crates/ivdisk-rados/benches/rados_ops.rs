@@ -553,14 +553,7 @@ fn json(
     samples: &[Vec<Samples>],
 ) -> String {
     let mut json = String::from("{\n");
-    let _ = writeln!(
-        json,
-        "  \"machine\": {{\"cpus\": {}, \"cpu_model\": {}, \"kernel\": {}, \"memory\": {}}},",
-        m.cpus,
-        json_str(&m.cpu_model),
-        json_str(&m.kernel),
-        json_str(&m.memory)
-    );
+    let _ = writeln!(json, "  \"machine\": {},", m.to_json());
     let _ = writeln!(
         json,
         "  \"pool\": {}, \"namespace\": {}, \"objects_per_case\": {}, \"alloc_hint\": {},",

@@ -15,7 +15,7 @@ use ivdisk_image::{
     CreateOptions, Image, ImageError, ImageInfo, ImageUri, LayoutKind, OpenOptions,
     DEFAULT_LOCK_DURATION, MAX_OBJECT_SIZE,
 };
-use ivdisk_store::{Locker, StoreError};
+use ivdisk_store::Locker;
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
@@ -175,34 +175,9 @@ fn parse_uri(text: &str) -> Result<ImageUri> {
     ImageUri::parse(text).map_err(flat)
 }
 
-/// Whether `e` says that the image is not there: no header object, or (local backend) no
-/// store in the directory at all.
-fn is_missing(e: &ImageError) -> bool {
-    match e {
-        ImageError::NotFound { .. } => true,
-        ImageError::Store {
-            source: StoreError::Io { source, .. },
-            ..
-        } => source.kind() == std::io::ErrorKind::NotFound,
-        _ => false,
-    }
-}
-
 /// The image's header, without a passphrase.
 fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
-    rt.block_on(Image::info(uri))
-        .map_err(|e| not_found_as_such(uri, e))
-}
-
-/// `e` as a one-line error; a missing local store directory reads as a missing image.
-fn not_found_as_such(uri: &ImageUri, e: ImageError) -> anyhow::Error {
-    if is_missing(&e) {
-        flat(ImageError::NotFound {
-            image: uri.to_string(),
-        })
-    } else {
-        flat(e)
-    }
+    rt.block_on(Image::info(uri)).map_err(flat)
 }
 
 /// 1073741824 → "1 GiB", 1536 → "1.5 KiB".
@@ -331,7 +306,7 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
                 image: uri.to_string(),
             }))
         }
-        Err(e) if is_missing(&e) => {}
+        Err(ImageError::NotFound { .. }) => {}
         // A header object that does not parse is still an image in the way.
         Err(ImageError::Header { .. } | ImageError::Corrupt { .. }) => {
             return Err(flat(ImageError::Exists {
@@ -506,9 +481,7 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
     match command {
         LockCommand::Status { image, json } => {
             let uri = parse_uri(&image)?;
-            let holder = rt
-                .block_on(Image::lock_holder(&uri))
-                .map_err(|e| not_found_as_such(&uri, e))?;
+            let holder = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
             print(
                 json,
                 json!({"image": uri.to_string(), "lock": holder.as_ref().map_or(Value::Null, locker_json)}),
@@ -520,10 +493,7 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
         }
         LockCommand::Break { image, yes, json } => {
             let uri = parse_uri(&image)?;
-            let Some(holder) = rt
-                .block_on(Image::lock_holder(&uri))
-                .map_err(|e| not_found_as_such(&uri, e))?
-            else {
+            let Some(holder) = rt.block_on(Image::lock_holder(&uri)).map_err(flat)? else {
                 print(
                     json,
                     json!({"image": uri.to_string(), "broken": Value::Null}),
@@ -544,9 +514,7 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
             if !confirm(&question, yes, &refusal)? {
                 bail!("the writer lock of image {uri} was left in place");
             }
-            let broken = rt
-                .block_on(Image::break_lock(&uri))
-                .map_err(|e| not_found_as_such(&uri, e))?;
+            let broken = rt.block_on(Image::break_lock(&uri)).map_err(flat)?;
             match &broken {
                 None => print(
                     json,
