@@ -7,12 +7,14 @@
 # cryptsetup-bin: the header interoperability tests run cryptsetup itself;
 # qemu-utils: qemu-img/qemu-io, the independent LUKS implementation the foreign-LUKS tests
 # (crates/ivdisk-image/tests/foreign_luks_file.rs) read and write volumes with;
+# libnbd-bin (nbdinfo, nbdcopy), fio (its nbd engine), nbdfuse: the NBD clients the serve
+# tests (crates/ivdisk/tests/nbd_clients.rs) and the NBD benchmark drive `ivdisk serve` with;
 # librados-dev, librbd-dev: ivdisk-rados links librados (its default feature "librados");
 # ceph, ceph-mon, ceph-osd, ceph-mgr, jq: the throwaway test cluster of scripts/ceph-dev-cluster,
 # qemu-block-extra: qemu's rbd driver (librbd's encryption in tests/foreign_rbd.rs),
 # left out with IVDISK_NO_CEPH=1 (which also skips the RADOS tests).
 set -euo pipefail
-IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils librados-dev librbd-dev)
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio nbdfuse librados-dev librbd-dev)
 if [ "${IVDISK_NO_CEPH:-}" != 1 ]; then
   IVDISK_PACKAGES+=(ceph ceph-mon ceph-osd ceph-mgr jq qemu-block-extra)
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job on one machine: build ivdisk, create an encrypted disk on the local backend and
-# (once the NBD layer lands) serve it over NBD.
+# serve it over NBD on a Unix socket, in the foreground, until Ctrl-C (or SIGTERM): then the
+# requests in flight finish, the disk is flushed, its writer lock released, and the script
+# exits 0.
 #
 #   scripts/quickstart.sh [IMAGE] [SIZE]
 #
@@ -16,8 +18,12 @@
 # deletes it and creates a new one (new volume key, new passphrase file if generated, its
 # data gone).
 #
-# Status: images work (create, info, resize, delete, lock); `ivdisk serve` (NBD) arrives with
-# the NBD issue, so the script ends after showing the disk, with exit code 0.
+# The socket: IMAGE.sock next to the disk (or /tmp/ivdisk-quickstart-UID.sock when that path
+# is too long for a Unix socket); IVDISK_SOCKET=PATH picks another. The server prints how to
+# attach the disk (nbdinfo, nbdfuse, qemu, nbd-client).
+#
+# IVDISK_BUILD_PROFILE=dev builds and runs the debug binary (CI's smoke run of this script;
+# default release).
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
@@ -43,8 +49,13 @@ PASSPHRASE_FILE=${IVDISK_PASSPHRASE_FILE:-$IMAGE.passphrase}
 # build links, is installed either way).
 IVDISK_NO_CEPH=${IVDISK_NO_CEPH:-1} source scripts/install-deps.sh
 
-cargo build --release -p ivdisk
-IVDISK=$ROOT/target/release/ivdisk
+if [ "${IVDISK_BUILD_PROFILE:-release}" = dev ]; then
+  cargo build -p ivdisk
+  IVDISK=$ROOT/target/debug/ivdisk
+else
+  cargo build --release -p ivdisk
+  IVDISK=$ROOT/target/release/ivdisk
+fi
 "$IVDISK" suites
 
 echo
@@ -92,13 +103,13 @@ fi
 echo
 "$IVDISK" info "$IMAGE"
 
-cat <<EOF
+SOCKET=${IVDISK_SOCKET:-$IMAGE.sock}
+if ((${#SOCKET} > 100)); then
+  SOCKET=/tmp/ivdisk-quickstart-$(id -u).sock
+fi
 
-== next: serve it over NBD
-\`ivdisk serve\` arrives with the NBD issue (see README "Status"); until then the disk exists
-and can be inspected, resized and deleted:
-
-  $IVDISK info $IMAGE
-  $IVDISK resize $IMAGE --size 2G --passphrase-file $PASSPHRASE_FILE
-  $IVDISK delete $IMAGE
-EOF
+echo
+echo "== serving it over NBD on $SOCKET (Ctrl-C stops; the disk is flushed and closed)"
+echo "   later: $IVDISK serve $IMAGE --socket $SOCKET --passphrase-file $PASSPHRASE_FILE"
+echo
+exec "$IVDISK" serve "$IMAGE" --socket "$SOCKET" --passphrase-file "$PASSPHRASE_FILE"

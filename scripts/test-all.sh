@@ -15,8 +15,10 @@
 #                      only one cluster can run per host (fixed mon ports), so the run
 #                      refuses to start while another one runs.
 #
-# Later layers add the servers their tests use (our NBD server) here, started before the
-# tests and stopped on exit.
+# Our NBD server (`ivdisk serve`) is started and stopped by the tests that use it
+# (crates/ivdisk/tests/nbd_clients.rs, each test its own server, killed on failure), and by
+# scripts/smoke-quickstart, which runs the README's main job (scripts/quickstart.sh) against
+# real NBD clients and stops it with Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -167,6 +169,9 @@ log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VA
 # On a CPU with VAES the suites use our VAES XTS; run the crypto tests once more on the
 # OpenSSL path that CPUs without it take.
 IVDISK_CRYPTO_NO_VAES=1 cargo test -p ivdisk-crypto --tests
+
+log "the README's main job: scripts/quickstart.sh serving a disk to nbdinfo and qemu-img"
+scripts/smoke-quickstart
 
 if [[ -n $CEPH_CLUSTER_DIR ]]; then
   log "RADOS fault tests: kill and restart the OSDs of the cluster in $IVDISK_CEPH_DIR"

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use ivdisk_crypto::CryptoError;
+use ivdisk_crypto::{CryptoError, ImageId, Suite};
 use ivdisk_header::HeaderError;
 use ivdisk_rados::RadosError;
 use ivdisk_store::StoreError;
@@ -101,6 +101,29 @@ pub enum ImageError {
     /// The stored data does not have the shape the header describes.
     #[error("image {image}: {reason}")]
     Corrupt { image: String, reason: String },
+
+    /// The header object changed between reading it and storing a change to it (another
+    /// keyslot change, a resize or a header restore ran at the same time). Nothing was stored.
+    #[error("image {image}: its header changed while this command ran (another keyslot change, resize or header restore at the same time); nothing was changed, run the command again")]
+    HeaderChanged { image: String },
+
+    /// A header backup that cannot be restored to an ivdisk image (not a header, damaged,
+    /// truncated, not an ivdisk image's). Nothing was changed.
+    #[error("image {image}: the header backup is not usable: {reason}; nothing was changed")]
+    InvalidBackup { image: String, reason: String },
+
+    /// A header backup of another image (its image id differs from the header in place).
+    #[error("image {image}: the header backup belongs to image id {backup_id}, but this image's header has id {image_id}; restore this image's own backup, or pass --force to replace its header anyway (the image then shows image {backup_id}'s data objects, if this store holds any, not its own); nothing was changed", backup_id = hex::encode(backup_id.0), image_id = hex::encode(image_id.0))]
+    BackupMismatch {
+        image: String,
+        backup_id: ImageId,
+        image_id: ImageId,
+    },
+
+    /// Restoring the header of a suite with a write limit (`aes-gcm-random`) where the header
+    /// object is gone: the count of writes made under the key went with it.
+    #[error("image {image}: the header object is missing, and with it the count of writes made under the {suite} key (the suite's nonce bound counts them); restoring starts that count from zero, which can let the key pass the bound: pass --force to restore anyway, then move the data to a new image (ivdisk export, ivdisk import) soon; nothing was changed")]
+    NonceCountLost { image: String, suite: Suite },
 }
 
 impl ImageError {

@@ -15,7 +15,9 @@
 //! What differs from the other tools, by design of the engine: a sector whose stored bytes are
 //! all zeros reads as zeros ("unwritten"; dm-crypt and qemu would decrypt it to garbage), and a
 //! discard zeroes the stored bytes (as dm-crypt with `allow_discards` does, other tools then
-//! read garbage there). Every sector ever written by any of them reads back identically.
+//! read garbage there: a discarded range's contents are unspecified for them). Write-zeroes,
+//! even when it may unmap, stores encrypted zeros, because its caller relies on reading zeros
+//! afterwards with any tool. Every sector ever written by any of them reads back identically.
 //!
 //! Only `aes-xts-plain64` is accepted (what `cryptsetup luksFormat` and `rbd encryption format`
 //! use by default); resizing is refused (`foreign`): resize with the tool that made the volume.
@@ -28,7 +30,7 @@ use ivdisk_header::{DataSegment, Header, SegmentInfo};
 
 use crate::{ImageError, ImageInfo, LayoutKind};
 
-pub(crate) use file::{info_file, luks_file_path, open_file};
+pub(crate) use file::{info_file, lock_holder_file, luks_file_path, open_file};
 pub(crate) use rbd::{info_rbd, open_rbd};
 
 /// The one cipher accepted for foreign volumes.

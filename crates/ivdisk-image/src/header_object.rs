@@ -91,6 +91,16 @@ impl HeaderRegion {
         Some(op)
     }
 
+    /// Bytes read from the object (its size).
+    pub(crate) fn len(&self) -> u64 {
+        self.bytes.0.len() as u64
+    }
+
+    /// The object version the copy was read at (`None`: a region for a new object).
+    pub(crate) fn version(&self) -> Option<u64> {
+        self.version
+    }
+
     /// Mark the changes as stored, at the object's new version.
     pub(crate) fn stored(&mut self, version: u64) {
         self.dirty.clear();

@@ -189,20 +189,20 @@ fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
     }
 }
 
-fn object_name(image: &str, name: String) -> Result<ObjectName, ImageError> {
+pub(crate) fn object_name(image: &str, name: String) -> Result<ObjectName, ImageError> {
     ObjectName::new(name).map_err(ImageError::store(image))
 }
 
 /// The parameters an ivdisk header records, checked.
-struct Parsed {
-    suite: Suite,
-    layout: LayoutKind,
-    sector_size: u32,
-    size: u64,
-    params: ImageParams,
+pub(crate) struct Parsed {
+    pub(crate) suite: Suite,
+    pub(crate) layout: LayoutKind,
+    pub(crate) sector_size: u32,
+    pub(crate) size: u64,
+    pub(crate) params: ImageParams,
 }
 
-fn parse_header(image: &str, header: &Header) -> Result<Parsed, ImageError> {
+pub(crate) fn parse_header(image: &str, header: &Header) -> Result<Parsed, ImageError> {
     let params = header
         .image_params()
         .map_err(ImageError::header(image))?
@@ -241,7 +241,7 @@ fn parse_header(image: &str, header: &Header) -> Result<Parsed, ImageError> {
     })
 }
 
-async fn read_header(
+pub(crate) async fn read_header(
     store: &dyn ObjectStore,
     object: &ObjectName,
     image: &str,
@@ -572,6 +572,12 @@ impl Image {
         self.inner.image_id
     }
 
+    /// A LUKS volume made by another tool (cryptsetup, librbd), opened through the engine.
+    /// Other tools read its sectors too, so zeros must be stored encrypted (see `foreign.rs`).
+    pub fn is_foreign(&self) -> bool {
+        self.inner.foreign
+    }
+
     pub fn is_read_only(&self) -> bool {
         self.inner.read_only
     }
@@ -717,6 +723,9 @@ impl Image {
 
     /// Who holds the image's writer lock, if anyone.
     pub async fn lock_holder(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
+        if let Some(path) = crate::foreign::luks_file_path(uri) {
+            return crate::foreign::lock_holder_file(&uri.to_string(), path).await;
+        }
         let (image, store, object) = existing_header_object(uri).await?;
         writer_lock::holder(store.as_ref(), &object)
             .await
@@ -727,6 +736,14 @@ impl Image {
     /// Only do this when that client is dead: two writers corrupt nothing cryptographically
     /// but lose each other's writes.
     pub async fn break_lock(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
+        if crate::foreign::luks_file_path(uri).is_some() {
+            return Err(ImageError::InvalidParameter {
+                image: uri.to_string(),
+                reason: "the writer lock of a LUKS file is a flock held by a live process; it \
+                         goes away when that process exits, there is nothing to break"
+                    .into(),
+            });
+        }
         let (image, store, object) = existing_header_object(uri).await?;
         let Some(holder) = writer_lock::holder(store.as_ref(), &object)
             .await

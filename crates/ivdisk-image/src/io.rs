@@ -77,7 +77,7 @@ impl Inner {
         out
     }
 
-    fn check_range(&self, offset: u64, len: u64) -> Result<(), ImageError> {
+    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<(), ImageError> {
         let size = self.size.load(Ordering::Acquire);
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(ImageError::OutOfRange {
@@ -407,14 +407,17 @@ impl Image {
     }
 
     /// Make `[offset, offset + len)` read as zeros. With `may_unmap` this is a discard;
-    /// without, the zeros are written (encrypted) so the range stays allocated.
+    /// without, the zeros are written (encrypted) so the range stays allocated. On foreign
+    /// LUKS volumes zeros are always written encrypted, so every tool reads them as zeros.
     pub async fn write_zeroes(
         &self,
         offset: u64,
         len: u64,
         may_unmap: bool,
     ) -> Result<(), ImageError> {
-        let fill = if may_unmap {
+        // A foreign LUKS volume's unwritten state (stored zeros) reads as noise in the tools
+        // that made it, so zeros are written encrypted there.
+        let fill = if may_unmap && !self.inner.foreign {
             Fill::Unwritten
         } else {
             Fill::Zeros

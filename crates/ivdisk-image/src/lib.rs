@@ -5,6 +5,8 @@
 //! - [`ImageUri`]: where an image lives (`PATH`/`file:PATH` local, `rados://`, `mem:`).
 //! - [`Image`]: create, open, resize, delete, and the IO path (read, write, discard,
 //!   write-zeroes, flush at any byte offset and length).
+//! - Passphrases ([`Image::add_passphrase`], `remove_`, `change_`) and header backups
+//!   ([`Image::backup_header`], [`Image::restore_header`]) on the header object.
 //! - [`LayoutKind`]: where metadata lives in an object (`object-end`, `unaligned`, `omap`,
 //!   `none`); one module per layout in `layout/`.
 //! - The writer lock (one writer per image, renewed while open, breakable when stale).
@@ -14,18 +16,23 @@
 
 #![deny(unsafe_code)]
 
+mod allocation;
 mod error;
 mod foreign;
+mod header_backup;
 mod header_object;
 mod image;
 mod io;
+mod keyslots;
 mod layout;
 mod on_store;
 mod range_lock;
 mod uri;
 mod writer_lock;
 
+pub use allocation::AllocationExtent;
 pub use error::ImageError;
+pub use header_backup::{HeaderBackupInfo, HeaderRestore, ReplacedHeader};
 pub use image::{
     data_object_prefix, header_object_name, CreateOptions, Image, ImageInfo, OpenOptions,
     DEFAULT_OBJECT_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,

@@ -125,6 +125,12 @@ impl ImageUri {
         }
     }
 
+    /// The file this address names when it is a regular file (a LUKS volume made by
+    /// cryptsetup, whose header and keyslots live in the file itself), `None` for stores.
+    pub fn luks_file(&self) -> Option<&Path> {
+        crate::foreign::luks_file_path(self)
+    }
+
     /// Open the store this image lives in. `create` makes a local store directory if missing.
     pub async fn open_store(&self, create: bool) -> Result<Arc<dyn ObjectStore>, ImageError> {
         let image = self.to_string();

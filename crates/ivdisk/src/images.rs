@@ -71,13 +71,9 @@ fn parse_suite(text: &str) -> Result<Suite, String> {
         .map_err(|e: ivdisk_crypto::CryptoError| e.to_string())
 }
 
+/// What a new image is made of: the options `create` and `import` share.
 #[derive(Args)]
-pub struct CreateArgs {
-    #[arg(help = IMAGE_HELP)]
-    image: String,
-    /// Size, e.g. 10G, 512M (binary units K, M, G, T); a multiple of the sector size.
-    #[arg(long, value_parser = parse_size_arg)]
-    size: u64,
+pub struct FormatArgs {
     /// Cipher suite (below).
     #[arg(long, default_value = Suite::DEFAULT.name(), value_parser = parse_suite)]
     cipher: Suite,
@@ -87,14 +83,83 @@ pub struct CreateArgs {
     layout: Option<LayoutKind>,
     /// Sector size in bytes: 4096 or 512.
     #[arg(long, default_value = "4096", value_parser = parse_sector_size)]
-    sector_size: u32,
+    pub sector_size: u32,
     /// Data bytes per object: a power of two from 4K to 64M.
     #[arg(long, default_value = "4M", value_parser = parse_size_arg)]
     object_size: u64,
     #[command(flatten)]
-    passphrase: PassphraseArgs,
-    #[command(flatten)]
     pbkdf: PbkdfArgs,
+}
+
+impl FormatArgs {
+    /// The options of a new image of `size` bytes, checked as `Image::create` checks them:
+    /// here, before the passphrase is asked for, so that a typo never costs a passphrase
+    /// entry (or two).
+    pub fn options(&self, uri: &ImageUri, size: u64) -> Result<CreateOptions> {
+        let suite = self.cipher;
+        let layout = self
+            .layout
+            .unwrap_or_else(|| LayoutKind::default_for(suite.metadata_len()));
+        if !layout.fits(suite.metadata_len()) {
+            bail!(
+                "image {uri}: layout {layout} does not fit suite {suite} ({} bytes of metadata per \
+                 sector): use {}",
+                suite.metadata_len(),
+                if suite.metadata_len() == 0 {
+                    "--layout none (or leave --layout out)"
+                } else {
+                    "--layout object-end, unaligned or omap (or leave --layout out)"
+                }
+            );
+        }
+        let os = self.object_size;
+        if !os.is_power_of_two() || !(4096..=MAX_OBJECT_SIZE).contains(&os) {
+            bail!("--object-size {os}: expected a power of two from 4K to 64M");
+        }
+        if size == 0 || !size.is_multiple_of(u64::from(self.sector_size)) {
+            bail!(
+                "--size {size}: expected a positive multiple of the {}-byte sector size",
+                self.sector_size
+            );
+        }
+        let mut options = CreateOptions::new(size);
+        options.suite = suite;
+        options.layout = Some(layout);
+        options.sector_size = self.sector_size;
+        options.object_size = os;
+        options.pbkdf = self.pbkdf.request()?;
+        Ok(options)
+    }
+}
+
+/// Refuse an image that exists, before asking for a passphrase.
+pub fn refuse_existing(rt: &Runtime, uri: &ImageUri) -> Result<()> {
+    match rt.block_on(Image::info(uri)) {
+        Ok(_) => Err(flat(ImageError::Exists {
+            image: uri.to_string(),
+        })),
+        Err(ImageError::NotFound { .. }) => Ok(()),
+        // A header object that does not parse is still an image in the way.
+        Err(ImageError::Header { .. } | ImageError::Corrupt { .. }) => {
+            Err(flat(ImageError::Exists {
+                image: uri.to_string(),
+            }))
+        }
+        Err(e) => Err(flat(e)),
+    }
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// Size, e.g. 10G, 512M (binary units K, M, G, T); a multiple of the sector size.
+    #[arg(long, value_parser = parse_size_arg)]
+    size: u64,
+    #[command(flatten)]
+    format: FormatArgs,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
     /// Print JSON (the fields of `ivdisk info --json`).
     #[arg(long)]
     json: bool,
@@ -167,16 +232,16 @@ pub enum LockCommand {
 
 /// An ImageError as a one-line anyhow error: its message already holds its sources, so
 /// anyhow's `{:#}` must not print them a second time.
-fn flat(e: ImageError) -> anyhow::Error {
+pub fn flat(e: ImageError) -> anyhow::Error {
     anyhow::anyhow!("{e}")
 }
 
-fn parse_uri(text: &str) -> Result<ImageUri> {
+pub fn parse_uri(text: &str) -> Result<ImageUri> {
     ImageUri::parse(text).map_err(flat)
 }
 
 /// The image's header, without a passphrase.
-fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
+pub fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
     rt.block_on(Image::info(uri)).map_err(flat)
 }
 
@@ -271,58 +336,10 @@ fn aligned(lines: &[(&str, String)]) -> String {
 
 pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
-    let suite = args.cipher;
-    let layout = args
-        .layout
-        .unwrap_or_else(|| LayoutKind::default_for(suite.metadata_len()));
-    // The checks Image::create makes, before the passphrase is asked for.
-    if !layout.fits(suite.metadata_len()) {
-        bail!(
-            "image {uri}: layout {layout} does not fit suite {suite} ({} bytes of metadata per \
-             sector): use {}",
-            suite.metadata_len(),
-            if suite.metadata_len() == 0 {
-                "--layout none (or leave --layout out)"
-            } else {
-                "--layout object-end, unaligned or omap (or leave --layout out)"
-            }
-        );
-    }
-    let os = args.object_size;
-    if !os.is_power_of_two() || !(4096..=MAX_OBJECT_SIZE).contains(&os) {
-        bail!("--object-size {os}: expected a power of two from 4K to 64M");
-    }
-    if args.size == 0 || !args.size.is_multiple_of(u64::from(args.sector_size)) {
-        bail!(
-            "--size {}: expected a positive multiple of the {}-byte sector size",
-            args.size,
-            args.sector_size
-        );
-    }
-    let pbkdf = args.pbkdf.request()?;
-    match rt.block_on(Image::info(&uri)) {
-        Ok(_) => {
-            return Err(flat(ImageError::Exists {
-                image: uri.to_string(),
-            }))
-        }
-        Err(ImageError::NotFound { .. }) => {}
-        // A header object that does not parse is still an image in the way.
-        Err(ImageError::Header { .. } | ImageError::Corrupt { .. }) => {
-            return Err(flat(ImageError::Exists {
-                image: uri.to_string(),
-            }))
-        }
-        Err(e) => return Err(flat(e)),
-    }
+    let options = args.format.options(&uri, args.size)?;
+    refuse_existing(rt, &uri)?;
     let passphrase = args.passphrase.new_passphrase()?;
-    let mut options = CreateOptions::new(args.size);
-    options.suite = suite;
-    options.layout = Some(layout);
-    options.sector_size = args.sector_size;
-    options.object_size = os;
-    options.pbkdf = pbkdf;
-    tracing::debug!(image = %uri, %suite, %layout, size = args.size, "creating image");
+    tracing::debug!(image = %uri, suite = %options.suite, layout = ?options.layout, size = args.size, "creating image");
     with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || {

@@ -3,15 +3,28 @@
 //! their newline, the last keyslot stays unless forced).
 
 use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ivdisk_crypto::{ImageId, Suite, VolumeKey};
-use ivdisk_header::{FormatSpec, Header, HeaderError, ImageParams, FORMAT_VERSION};
+use ivdisk_header::{FormatSpec, Header, HeaderError, ImageParams, PbkdfRequest, FORMAT_VERSION};
+use ivdisk_image::{Image, ImageUri, ReplacedHeader};
 use serde_json::json;
 
+use crate::images::flat;
 use crate::secrets::{new_secret, old_secret, print, read_key_file, with_spinner, PbkdfArgs};
+
+/// What IMAGE may be for `header backup` and `header restore`.
+const HEADER_IMAGE_HELP: &str = "A LUKS header file or LUKS volume (a file or block device), or \
+    an ivdisk image: a local store directory (PATH or file:PATH), rados://POOL/IMAGE?conf=PATH&\
+    id=CLIENT&namespace=NS, mem:NAME";
+
+/// Largest header backup read back: the largest LUKS2 binary headers (2 x 4 MiB) and keyslots
+/// area (128 MiB) cryptsetup makes.
+const MAX_BACKUP_LEN: u64 = (8 << 20) + (128 << 20);
 
 /// How the user proves they may open the header.
 #[derive(Args, Debug, Clone)]
@@ -72,21 +85,35 @@ pub enum HeaderCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Copy the header and keyslots area to a backup file.
+    /// Copy the header and keyslots area to a backup file: of a LUKS header or volume, or
+    /// of an ivdisk image (its header object).
+    #[command(
+        after_help = "Example:\n  ivdisk header backup disk.ivd disk.ivd.header\n  ivdisk header backup 'rados://rbd/vm1?id=admin' vm1.header --json\n  ivdisk header backup disk.hdr disk.hdr.backup\n\nThe backup is a LUKS2 header file (ivdisk header dump and cryptsetup luksDump read it). Keep it away from the image: with a passphrase that was valid when it was made, it opens the image's data even after that passphrase was removed or changed."
+    )]
     Backup {
-        image: PathBuf,
+        #[arg(help = HEADER_IMAGE_HELP)]
+        image: String,
         /// The backup file to create (must not exist).
         backup: PathBuf,
+        /// Print JSON: image, backup, bytes, uuid (and image_id for ivdisk images).
         #[arg(long)]
         json: bool,
     },
-    /// Write a header backup back over the image's header.
+    /// Write a header backup back over the header of a LUKS header or volume, or of an ivdisk
+    /// image (also when its header object is damaged or missing).
+    #[command(
+        after_help = "Example:\n  ivdisk header restore disk.ivd disk.ivd.header\n  ivdisk header restore disk.hdr disk.hdr.backup\n\nFor an ivdisk image the restore takes the image's writer lock: it is refused while a writer has the image open (stop it; if it died, `ivdisk lock break IMAGE`). The keyslots of the backup replace the current ones: passphrases added since the backup stop working, removed ones work again. The count of writes kept for aes-gcm-random images is never lowered."
+    )]
     Restore {
-        image: PathBuf,
+        #[arg(help = HEADER_IMAGE_HELP)]
+        image: String,
+        /// The backup file (from `ivdisk header backup` or `cryptsetup luksHeaderBackup`).
         backup: PathBuf,
-        /// Replace a header that belongs to another volume.
+        /// Replace a header that belongs to another volume or image; for an aes-gcm-random
+        /// image whose header object is missing, restore although its count of writes is lost.
         #[arg(long)]
         force: bool,
+        /// Print JSON: image, backup, uuid (and image_id, replaced for ivdisk images).
         #[arg(long)]
         json: bool,
     },
@@ -182,6 +209,219 @@ fn read_header(path: &Path) -> Result<(Header, File)> {
         eprintln!("ivdisk: warning: {}: {w}", path.display());
     }
     Ok((header, file))
+}
+
+/// A LUKS header file or LUKS volume opened for a keyslot change: the code path `ivdisk key`
+/// and `ivdisk passphrase` (on LUKS files) share.
+pub struct HeaderFile {
+    path: PathBuf,
+    header: Header,
+    device: File,
+}
+
+impl HeaderFile {
+    pub fn open(path: &Path) -> Result<HeaderFile> {
+        let (header, device) = read_header(path)?;
+        Ok(HeaderFile {
+            path: path.to_path_buf(),
+            header,
+            device,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The keyslots in use.
+    pub fn keyslots(&self) -> Vec<u32> {
+        self.header.keyslots().iter().map(|k| k.id).collect()
+    }
+
+    /// Unlock with a passphrase: any keyslot, or only `slot`. Returns the keyslot it opened.
+    pub fn unlock(&self, secret: &[u8], slot: Option<u32>) -> Result<(u32, VolumeKey)> {
+        with_spinner(
+            "unlocking (the key derivation takes a few seconds by design)",
+            || match slot {
+                Some(slot) => self
+                    .header
+                    .unlock_keyslot(&self.device, slot, secret)
+                    .map(|k| (slot, k)),
+                None => self
+                    .header
+                    .unlock(&self.device, secret)
+                    .map(|u| (u.keyslot, u.volume_key)),
+            },
+        )
+        .map_err(Into::into)
+    }
+
+    /// Add a keyslot for `new` holding `key` (from [`HeaderFile::unlock`]); `slot` or the
+    /// first free one.
+    pub fn add(
+        &mut self,
+        key: &VolumeKey,
+        new: &[u8],
+        slot: Option<u32>,
+        pbkdf: &PbkdfRequest,
+    ) -> Result<u32> {
+        let path = self.path.clone();
+        let header = &mut self.header;
+        with_spinner("writing the new keyslot", || {
+            header
+                .add_keyslot(&mut open_write(&path)?, key, new, slot, pbkdf)
+                .map_err(anyhow::Error::from)
+        })
+    }
+
+    /// Remove a keyslot (the last one only with `force`).
+    pub fn remove(&mut self, slot: u32, force: bool) -> Result<()> {
+        self.header
+            .remove_keyslot(&mut open_write(&self.path)?, slot, force)?;
+        Ok(())
+    }
+
+    /// Change the passphrase of the keyslot `old` opens (or of `slot`), keeping its number.
+    pub fn change(
+        &mut self,
+        old: &[u8],
+        new: &[u8],
+        slot: Option<u32>,
+        pbkdf: &PbkdfRequest,
+    ) -> Result<u32> {
+        let path = self.path.clone();
+        let header = &mut self.header;
+        with_spinner("changing the passphrase", || {
+            header
+                .change_passphrase(&mut open_write(&path)?, old, new, slot, pbkdf)
+                .map_err(anyhow::Error::from)
+        })
+    }
+}
+
+/// Where `header backup`/`restore` work: a header file or LUKS volume (as cryptsetup), or an
+/// ivdisk image's header object.
+enum HeaderTarget {
+    File(PathBuf),
+    Image(ImageUri),
+}
+
+fn header_target(text: &str) -> HeaderTarget {
+    match ImageUri::parse(text) {
+        // A local path is an ivdisk image only when it is a store directory: files and block
+        // devices (and paths that do not exist) keep their meaning of before.
+        Ok(ImageUri::Local { dir }) if !dir.is_dir() => HeaderTarget::File(dir),
+        Ok(uri) => HeaderTarget::Image(uri),
+        Err(_) => HeaderTarget::File(PathBuf::from(text)),
+    }
+}
+
+/// `header backup` of an ivdisk image: its header object's region into a new file, sparse
+/// (the unused keyslot area is zeros and stays a hole).
+fn backup_image_header(uri: &ImageUri, backup: &Path, json: bool) -> Result<()> {
+    let rt = crate::runtime()?;
+    let (bytes, info) = rt.block_on(Image::backup_header(uri)).map_err(flat)?;
+    let out = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(backup)
+        .with_context(|| {
+            format!(
+                "cannot create backup file {} (it must not exist)",
+                backup.display()
+            )
+        })?;
+    let written = (|| -> std::io::Result<()> {
+        for (i, block) in bytes.chunks(4096).enumerate() {
+            if block.iter().any(|&b| b != 0) {
+                out.write_all_at(block, i as u64 * 4096)?;
+            }
+        }
+        out.set_len(bytes.len() as u64)?;
+        out.sync_all()
+    })();
+    if let Err(e) = written {
+        // Never leave a backup behind that looks complete and is not.
+        let _ = std::fs::remove_file(backup);
+        return Err(anyhow::Error::new(e).context(format!(
+            "writing backup file {} (removed again)",
+            backup.display()
+        )));
+    }
+    let image_id = hex::encode(info.image_id.0);
+    print(
+        json,
+        json!({"image": uri.to_string(), "backup": backup, "bytes": info.len, "uuid": info.uuid,
+               "image_id": image_id, "keyslots": info.keyslots}),
+        format!(
+            "{} bytes of the header of image {uri} (id {image_id}, LUKS UUID {}) saved to {}",
+            info.len,
+            info.uuid,
+            backup.display()
+        ),
+    );
+    Ok(())
+}
+
+/// `header restore` to an ivdisk image.
+fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) -> Result<()> {
+    let file = open_read(backup)?;
+    let len = file
+        .metadata()
+        .with_context(|| format!("reading the size of {}", backup.display()))?
+        .len();
+    if len > MAX_BACKUP_LEN {
+        bail!(
+            "{} is {len} bytes, larger than any LUKS2 header region ({MAX_BACKUP_LEN} bytes at \
+             most): it is not a header backup",
+            backup.display()
+        );
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(MAX_BACKUP_LEN)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {}", backup.display()))?;
+    let rt = crate::runtime()?;
+    let restored = rt
+        .block_on(Image::restore_header(uri, &bytes, force))
+        .map_err(flat)?;
+    let info = &restored.restored;
+    let image_id = hex::encode(info.image_id.0);
+    let (replaced, note) = match &restored.replaced {
+        ReplacedHeader::Same => ("same".to_owned(), String::new()),
+        ReplacedHeader::Other(id) => (
+            format!("other:{}", hex::encode(id.0)),
+            format!(
+                " (replacing the header of image id {}, as forced)",
+                hex::encode(id.0)
+            ),
+        ),
+        ReplacedHeader::Unreadable(reason) => (
+            "unreadable".to_owned(),
+            format!(" (the header in place did not read: {reason})"),
+        ),
+        ReplacedHeader::Missing => (
+            "missing".to_owned(),
+            " (the header object was missing)".to_owned(),
+        ),
+    };
+    print(
+        json,
+        json!({"image": uri.to_string(), "backup": backup, "uuid": info.uuid,
+               "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced}),
+        format!(
+            "header of image id {image_id} (LUKS UUID {}) restored to image {uri} from {}{note}; \
+             keyslots: {}",
+            info.uuid,
+            backup.display(),
+            info.keyslots
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    );
+    Ok(())
 }
 
 fn unlock(header: &Header, device: &File, args: &UnlockArgs) -> Result<(Option<u32>, VolumeKey)> {
@@ -304,6 +544,10 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             backup,
             json,
         } => {
+            let image = match header_target(&image) {
+                HeaderTarget::Image(uri) => return backup_image_header(&uri, &backup, json),
+                HeaderTarget::File(path) => path,
+            };
             let (header, device) = read_header(&image)?;
             let mut out = OpenOptions::new()
                 .read(true)
@@ -334,6 +578,12 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             force,
             json,
         } => {
+            let image = match header_target(&image) {
+                HeaderTarget::Image(uri) => {
+                    return restore_image_header(&uri, &backup, force, json)
+                }
+                HeaderTarget::File(path) => path,
+            };
             let source = open_read(&backup)?;
             let header =
                 Header::restore(&mut open_write(&image)?, &source, force).with_context(|| {
@@ -411,22 +661,12 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             pbkdf,
             json,
         } => {
-            let (mut header, device) = read_header(&image)?;
-            let (_, key) = unlock(&header, &device, &unlock_args)
+            let mut file = HeaderFile::open(&image)?;
+            let (_, key) = unlock(&file.header, &file.device, &unlock_args)
                 .with_context(|| image.display().to_string())?;
             let secret = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;
-            let slot = with_spinner("writing the new keyslot", || {
-                header
-                    .add_keyslot(
-                        &mut open_write(&image)?,
-                        &key,
-                        &secret,
-                        new_key_slot,
-                        &request,
-                    )
-                    .map_err(anyhow::Error::from)
-            })?;
+            let slot = file.add(&key, &secret, new_key_slot, &request)?;
             print(
                 json,
                 json!({"image": image, "keyslot": slot}),
@@ -440,21 +680,21 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             force,
             json,
         } => {
-            let (mut header, device) = read_header(&image)?;
+            let mut file = HeaderFile::open(&image)?;
             let slot = match (key_slot, force && key_file.is_none()) {
                 (Some(slot), true) => slot,
                 (Some(slot), false) => {
                     let secret = old_secret(&key_file)?;
-                    with_spinner("unlocking", || header.unlock(&device, &secret))
+                    file.unlock(&secret, None)
                         .context("removing a keyslot by number needs a passphrase of any keyslot (or --force)")?;
                     slot
                 }
                 (None, _) => {
                     let secret = old_secret(&key_file)?;
-                    with_spinner("unlocking", || header.unlock(&device, &secret))?.keyslot
+                    file.unlock(&secret, None)?.0
                 }
             };
-            header.remove_keyslot(&mut open_write(&image)?, slot, force)?;
+            file.remove(slot, force)?;
             print(
                 json,
                 json!({"image": image, "removed": slot}),
@@ -469,15 +709,11 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             pbkdf,
             json,
         } => {
-            let (mut header, _) = read_header(&image)?;
+            let mut file = HeaderFile::open(&image)?;
             let old = old_secret(&key_file)?;
             let new = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;
-            let slot = with_spinner("changing the passphrase", || {
-                header
-                    .change_passphrase(&mut open_write(&image)?, &old, &new, key_slot, &request)
-                    .map_err(anyhow::Error::from)
-            })?;
+            let slot = file.change(&old, &new, key_slot, &request)?;
             print(
                 json,
                 json!({"image": image, "keyslot": slot}),

@@ -1,14 +1,18 @@
 //! `ivdisk`: the command line. It lists the cipher suites, manages LUKS2-format headers and
-//! their keyslots (`header`, `key`), and creates, shows, resizes and deletes images on any
-//! store and manages their writer lock (`create`, `info`, `resize`, `delete`, `lock`); serving
-//! images over NBD arrives with the NBD layer (see README "Status" and docs/ARCHITECTURE.md).
+//! their keyslots (`header`, `key`), creates, shows, resizes and deletes images on any store
+//! and manages their writer lock and passphrases (`create`, `info`, `resize`, `delete`, `lock`,
+//! `passphrase`), copies plaintext in and out and checks every sector (`import`, `export`,
+//! `verify`), and serves images over NBD (`serve`).
 //!
 //! The image commands run the image layer's async code on one tokio runtime, built here for
 //! them only; `suites`, `header` and `key` stay synchronous.
 
 mod images;
 mod keys;
+mod passphrases;
 mod secrets;
+mod serve;
+mod transfer;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -85,6 +89,31 @@ enum Command {
     /// The image's writer lock (one writer per image): show it, or break a dead writer's.
     #[command(subcommand, after_help = images::lock_help())]
     Lock(images::LockCommand),
+    /// Passphrases of an image (ivdisk image or LUKS file): add, remove, change.
+    #[command(subcommand)]
+    Passphrase(passphrases::PassphraseCommand),
+    /// Create an image from a raw disk file, copying its bytes in (all-zero chunks skipped).
+    #[command(after_help = format!(
+        "Example:\n  ivdisk import disk.raw disk.ivd\n  ivdisk import vm.raw 'rados://rbd/vm1?id=admin' --cipher aes-xts-random --layout omap --passphrase-file pw.txt --json\n\nThe image is FILE's size rounded up to the sector size. If the copy fails, the half-made image is deleted; an import that is killed leaves it behind (`ivdisk delete IMAGE`).\n\n{}\n{}",
+        suites_help(),
+        images::layouts_help()
+    ))]
+    Import(transfer::ImportArgs),
+    /// Write an image's plaintext to a raw file, leaving holes where it holds no data (opens
+    /// it read-only, without the writer lock: on RADOS it works while the image is served).
+    #[command(
+        after_help = "Example:\n  ivdisk export disk.ivd disk.raw\n  ivdisk export 'rados://rbd/vm1?id=admin' - --passphrase-file pw.txt | gzip > vm1.raw.gz\n\nA sector that fails authentication stops the export (and the incomplete FILE is removed): `ivdisk verify IMAGE` lists them all."
+    )]
+    Export(transfer::ExportArgs),
+    /// Read every allocated sector of an image and list those that fail authentication; exit
+    /// code 0 if none, 1 if some, 2 on other errors (opens it read-only).
+    #[command(
+        after_help = "Example:\n  ivdisk verify disk.ivd\n  ivdisk verify 'rados://rbd/vm1?id=admin' --passphrase-file pw.txt --json | jq .bad_lbas\n\nOnly suites with a MAC (aegis128l-random, aegis256-random, aes-gcm-random) detect changed sectors; with the others, verify only shows that every sector reads."
+    )]
+    Verify(transfer::VerifyArgs),
+    /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM.
+    #[command(after_help = serve::after_help())]
+    Serve(serve::ServeArgs),
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<u64> {
@@ -175,6 +204,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Resize(args) => images::resize(args, &runtime()?),
         Command::Delete(args) => images::delete(args, &runtime()?),
         Command::Lock(command) => images::lock(command, &runtime()?),
+        Command::Passphrase(command) => passphrases::run(command, &runtime()?),
+        Command::Import(args) => transfer::import(args, &runtime()?),
+        Command::Export(args) => transfer::export(args, &runtime()?),
+        Command::Verify(args) => transfer::verify(args, &runtime()?),
+        Command::Serve(args) => serve::run(args, &runtime()?),
     }
 }
 

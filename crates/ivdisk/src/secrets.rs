@@ -73,28 +73,43 @@ pub struct PassphraseArgs {
     pub key_file: Option<PathBuf>,
 }
 
+/// The secret of a `--passphrase-file` (one trailing newline dropped) or a `--key-file` (every
+/// byte), `None` if neither was given.
+fn read_secret_files(
+    passphrase_file: &Option<PathBuf>,
+    key_file: &Option<PathBuf>,
+) -> Result<Option<Zeroizing<Vec<u8>>>> {
+    if let Some(path) = key_file {
+        return read_key_file(path).map(Some);
+    }
+    let Some(path) = passphrase_file else {
+        return Ok(None);
+    };
+    let mut data = read_key_file(path)?;
+    if data.ends_with(b"\n") {
+        data.pop();
+        if data.ends_with(b"\r") {
+            data.pop();
+        }
+    }
+    if data.is_empty() {
+        bail!(
+            "passphrase file {} holds only a newline: the passphrase is empty",
+            path.display()
+        );
+    }
+    Ok(Some(data))
+}
+
 impl PassphraseArgs {
     fn read_files(&self) -> Result<Option<Zeroizing<Vec<u8>>>> {
-        if let Some(path) = &self.key_file {
-            return read_key_file(path).map(Some);
-        }
-        let Some(path) = &self.passphrase_file else {
-            return Ok(None);
-        };
-        let mut data = read_key_file(path)?;
-        if data.ends_with(b"\n") {
-            data.pop();
-            if data.ends_with(b"\r") {
-                data.pop();
-            }
-        }
-        if data.is_empty() {
-            bail!(
-                "passphrase file {} holds only a newline: the passphrase is empty",
-                path.display()
-            );
-        }
-        Ok(Some(data))
+        read_secret_files(&self.passphrase_file, &self.key_file)
+    }
+
+    fn reads_stdin(&self) -> bool {
+        [&self.passphrase_file, &self.key_file]
+            .into_iter()
+            .any(|p| p.as_deref() == Some(Path::new("-")))
     }
 
     /// Said after "no keyslot matches": the one newline difference between the two file
@@ -122,6 +137,56 @@ impl PassphraseArgs {
         match self.read_files()? {
             Some(secret) => Ok(secret),
             None => prompt_twice(IMAGE_SECRET_HINT),
+        }
+    }
+}
+
+/// What the commands that add a passphrase say when the new one is needed and there is no
+/// terminal.
+pub const NEW_SECRET_HINT: &str =
+    "pass --new-passphrase-file FILE or --new-key-file FILE (\"-\" = \
+     standard input), or run on a terminal";
+
+/// The new passphrase of `ivdisk passphrase add|change`: a file, or asked twice.
+#[derive(Args, Debug, Clone)]
+pub struct NewPassphraseArgs {
+    /// Read the new passphrase from this file ("-" = standard input); one trailing newline is
+    /// dropped, as with --passphrase-file.
+    #[arg(long, value_name = "FILE", conflicts_with = "new_key_file")]
+    pub new_passphrase_file: Option<PathBuf>,
+    /// Use every byte of this file as the new passphrase, newlines included ("-" = standard
+    /// input), as --key-file. Without either option the new passphrase is asked for twice on
+    /// the terminal, without echo.
+    #[arg(long, value_name = "FILE")]
+    pub new_key_file: Option<PathBuf>,
+}
+
+impl NewPassphraseArgs {
+    /// Whether the new secret comes from a file (or standard input), not the terminal.
+    pub fn given(&self) -> bool {
+        self.new_passphrase_file.is_some() || self.new_key_file.is_some()
+    }
+
+    /// Refuse both secrets from standard input before either is read: the first would
+    /// swallow the second.
+    pub fn check_against(&self, existing: &PassphraseArgs) -> Result<()> {
+        let new_stdin = [&self.new_passphrase_file, &self.new_key_file]
+            .into_iter()
+            .any(|p| p.as_deref() == Some(Path::new("-")));
+        if new_stdin && existing.reads_stdin() {
+            bail!(
+                "only one of the passphrases can come from standard input (\"-\"); put the \
+                 other in a file"
+            );
+        }
+        Ok(())
+    }
+
+    /// The new passphrase (asked twice on a terminal).
+    pub fn read(&self) -> Result<Zeroizing<Vec<u8>>> {
+        match read_secret_files(&self.new_passphrase_file, &self.new_key_file)? {
+            Some(secret) => Ok(secret),
+            None => prompt_twice(NEW_SECRET_HINT),
         }
     }
 }

@@ -89,6 +89,21 @@ pub(crate) async fn info_file(image: &str, path: &Path) -> Result<ImageInfo, Ima
     Ok(super::info(&header, &segment, size, FILE_OBJECT_SIZE))
 }
 
+/// Who holds a LUKS file's writer lock (its flock), without a passphrase.
+pub(crate) async fn lock_holder_file(
+    image: &str,
+    path: &Path,
+) -> Result<Option<ivdisk_store::Locker>, ImageError> {
+    let file = File::open(path).map_err(io_error(image, format!("opening {}", path.display())))?;
+    let store = LuksFileStore::new(path, file, 0, 0, false);
+    let object = store.lock_object.clone();
+    Ok(store
+        .list_lockers(&object, crate::WRITER_LOCK)
+        .await
+        .map_err(ImageError::store(image))?
+        .pop())
+}
+
 /// Open a LUKS file with a passphrase: header from the file, data through the engine.
 pub(crate) async fn open_file(
     image: &str,

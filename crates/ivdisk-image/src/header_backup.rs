@@ -1,0 +1,430 @@
+//! Header backups of ivdisk images: the header object's LUKS2 region (binary headers, JSON,
+//! keyslots) as bytes, and those bytes written back as the header object.
+//!
+//! A backup is a plain LUKS2 header file (`cryptsetup luksDump` and `ivdisk header dump`
+//! read it). Restoring one is for a header object that was damaged, deleted or changed by
+//! mistake (a keyslot removed), so it must work when the object is unreadable or missing; it
+//! refuses what would make things worse:
+//!
+//! - a backup that is not a valid ivdisk image header, or is itself damaged;
+//! - a backup of another image (image id in the header's ivdisk token) while the header in
+//!   place is readable and says otherwise, unless forced;
+//! - an image with a writer: restore takes the writer lock for its duration, so a running
+//!   writer (or a dead one's stale lock, which `ivdisk lock break` removes) refuses it, and no
+//!   writer can open in the middle;
+//! - for suites with a write limit (`aes-gcm-random`), a missing header object unless forced:
+//!   the count of writes under the key lived in its omap and is gone.
+//!
+//! The header object's omap (the nonce reservation of `aes-gcm-random`) is never touched, so
+//! the count of writes under the key only goes up. The new bytes go in ONE store operation
+//! that asserts the version read (or creates the object exclusively), so a concurrent header
+//! change fails it cleanly instead of being overwritten.
+
+use ivdisk_crypto::ImageId;
+use ivdisk_header::{Header, MemoryHeaderIo};
+use ivdisk_store::{StoreError, WriteOp, WriteStep};
+
+use crate::header_object::HeaderRegion;
+use crate::image::{header_object_name, object_name, parse_header};
+use crate::keyslots::{missing_header, refuse_luks_file, HeaderTarget};
+use crate::writer_lock::{WriterLock, DEFAULT_LOCK_DURATION};
+use crate::{Image, ImageError, ImageUri};
+
+/// Blocks of the header region stored as a write only when not all zeros (the region is
+/// 16 MiB by default, mostly unused keyslot area: the object stays sparse).
+const BLOCK: usize = 4096;
+
+/// What a header backup holds, or what a restore wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderBackupInfo {
+    /// The LUKS UUID of the header.
+    pub uuid: String,
+    /// The ivdisk image id recorded in the header.
+    pub image_id: ImageId,
+    /// The keyslots in use.
+    pub keyslots: Vec<u32>,
+    /// Bytes of the header region (the backup's length).
+    pub len: u64,
+}
+
+/// The header object a restore replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplacedHeader {
+    /// A readable header of the same image.
+    Same,
+    /// A readable header of another image (replaced because forced).
+    Other(ImageId),
+    /// A header object that did not parse as an ivdisk header (the reason).
+    Unreadable(String),
+    /// No header object (or an empty one).
+    Missing,
+}
+
+/// The result of [`Image::restore_header`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderRestore {
+    /// The header now in place.
+    pub restored: HeaderBackupInfo,
+    /// What was there before.
+    pub replaced: ReplacedHeader,
+}
+
+/// The object version to assert (`None`: create the object) and what a restore of image
+/// `backup_id`'s header replaces in `current`.
+fn replaced_by(
+    current: &Option<HeaderRegion>,
+    backup_id: &ImageId,
+) -> (Option<u64>, ReplacedHeader) {
+    let Some(region) = current else {
+        return (None, ReplacedHeader::Missing);
+    };
+    if region.len() == 0 {
+        return (region.version(), ReplacedHeader::Missing);
+    }
+    let replaced = match Header::read(region) {
+        Ok(header) => match header.image_params() {
+            Ok(Some(p)) if p.image_id == *backup_id => ReplacedHeader::Same,
+            Ok(Some(p)) => ReplacedHeader::Other(p.image_id),
+            Ok(None) => {
+                ReplacedHeader::Unreadable("a LUKS header without ivdisk image parameters".into())
+            }
+            Err(e) => ReplacedHeader::Unreadable(e.to_string()),
+        },
+        Err(e) => ReplacedHeader::Unreadable(e.to_string()),
+    };
+    (region.version(), replaced)
+}
+
+fn summary(header: &Header, image_id: ImageId) -> HeaderBackupInfo {
+    HeaderBackupInfo {
+        uuid: header.uuid().to_owned(),
+        image_id,
+        keyslots: header.keyslots().iter().map(|k| k.id).collect(),
+        len: header.region_len(),
+    }
+}
+
+/// Non-zero runs of `bytes`, in `BLOCK` units, as (offset, length).
+fn data_runs(bytes: &[u8]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, block) in bytes.chunks(BLOCK).enumerate() {
+        if block.iter().all(|&b| b == 0) {
+            continue;
+        }
+        let at = i * BLOCK;
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == at => *len += block.len(),
+            _ => runs.push((at, block.len())),
+        }
+    }
+    runs
+}
+
+impl Image {
+    /// The header region of an ivdisk image, as the bytes of a LUKS2 header file. Refused if
+    /// the header does not read (a backup must be restorable).
+    pub async fn backup_header(uri: &ImageUri) -> Result<(Vec<u8>, HeaderBackupInfo), ImageError> {
+        let target = HeaderTarget::read(uri, "a header backup").await?;
+        let parsed = parse_header(&target.image, &target.header)?;
+        let mut out = MemoryHeaderIo::default();
+        let len = target
+            .header
+            .backup(&target.region, &mut out)
+            .map_err(ImageError::header(&target.image))?;
+        debug_assert_eq!(len, out.0.len() as u64);
+        Ok((out.0, summary(&target.header, parsed.params.image_id)))
+    }
+
+    /// Write a header backup (from [`Image::backup_header`] or `ivdisk header backup`) back
+    /// as the image's header object. `force` replaces the header of another image, and
+    /// restores a missing header of a suite with a write limit (see the module documentation).
+    pub async fn restore_header(
+        uri: &ImageUri,
+        backup: &[u8],
+        force: bool,
+    ) -> Result<HeaderRestore, ImageError> {
+        refuse_luks_file(uri, "restoring a header backup")?;
+        let image = uri.to_string();
+        let invalid = |reason: String| ImageError::InvalidBackup {
+            image: image.clone(),
+            reason,
+        };
+        // The backup first: nothing is opened or locked for a file that is no backup.
+        let saved_io = MemoryHeaderIo(backup.to_vec());
+        let saved = Header::read(&saved_io).map_err(|e| invalid(e.to_string()))?;
+        if let Some(warning) = saved.warning() {
+            return Err(invalid(format!("it is itself damaged ({warning})")));
+        }
+        if saved.version() != 2 {
+            return Err(invalid(
+                "it is a LUKS1 header; ivdisk images have LUKS2 headers".into(),
+            ));
+        }
+        let params = match saved.image_params() {
+            Ok(Some(params)) => params,
+            Ok(None) => {
+                return Err(invalid(
+                    "it is the header of a LUKS volume, not of an ivdisk image (restore it to \
+                     that volume with `ivdisk header restore VOLUME FILE` or cryptsetup)"
+                        .into(),
+                ))
+            }
+            Err(e) => return Err(invalid(e.to_string())),
+        };
+        let parsed = parse_header(&image, &saved).map_err(|e| invalid(e.to_string()))?;
+        let len = saved.region_len();
+        if (backup.len() as u64) < len {
+            return Err(invalid(format!(
+                "it is truncated: {} bytes, the header region is {len}",
+                backup.len()
+            )));
+        }
+        let bytes = &backup[..len as usize];
+
+        let store = uri.open_store(false).await?;
+        let object = object_name(&image, header_object_name(uri.image_name()))?;
+        let read = || async {
+            HeaderRegion::read(store.as_ref(), &object)
+                .await
+                .map_err(ImageError::store(&image))
+        };
+        let current = read().await?;
+        if current.is_none() {
+            // No header object: an image whose header was deleted, a librbd image, or nothing.
+            let err = missing_header(store.clone(), uri, &image, "restoring a header backup").await;
+            if !matches!(err, ImageError::NotFound { .. }) {
+                return Err(err);
+            }
+        }
+        // Refused before the lock is taken (taking it may create a missing object, on RADOS),
+        // and judged again under it.
+        let judge = |current: &Option<HeaderRegion>| {
+            let (version, replaced) = replaced_by(current, &params.image_id);
+            match (&replaced, force) {
+                (ReplacedHeader::Other(image_id), false) => Err(ImageError::BackupMismatch {
+                    image: image.clone(),
+                    backup_id: params.image_id,
+                    image_id: *image_id,
+                }),
+                (ReplacedHeader::Missing, false) if parsed.suite.write_limit().is_some() => {
+                    Err(ImageError::NonceCountLost {
+                        image: image.clone(),
+                        suite: parsed.suite,
+                    })
+                }
+                _ => Ok((version, replaced)),
+            }
+        };
+        judge(&current)?;
+        // Held until the new header is stored: no writer runs now, and none opens meanwhile.
+        let lock =
+            WriterLock::acquire(store.clone(), object.clone(), &image, DEFAULT_LOCK_DURATION)
+                .await?;
+        let result = async {
+            let (version, replaced) = judge(&read().await?)?;
+            let mut op = WriteOp::new().step(match version {
+                Some(v) => WriteStep::AssertVersion(v),
+                None => WriteStep::CreateExclusive,
+            });
+            // Every old byte goes (a damaged header must not survive in a gap of the new one);
+            // the omap, and with it the nonce reservation, stays.
+            op = op.step(WriteStep::Truncate(0));
+            for (at, n) in data_runs(bytes) {
+                op = op.write(at as u64, &bytes[at..at + n]);
+            }
+            op = op.step(WriteStep::Truncate(len));
+            match store.write_op(&object, op).await {
+                Ok(_) => {}
+                Err(
+                    StoreError::VersionMismatch { .. }
+                    | StoreError::Exists { .. }
+                    | StoreError::NotFound { .. },
+                ) => {
+                    return Err(ImageError::HeaderChanged {
+                        image: image.clone(),
+                    })
+                }
+                Err(e) => return Err(ImageError::store(&image)(e)),
+            }
+            store.flush().await.map_err(ImageError::store(&image))?;
+            Ok(replaced)
+        }
+        .await;
+        let released = lock.release().await.map_err(ImageError::store(&image));
+        let replaced = result?;
+        released?;
+        tracing::info!(image = %image, uuid = saved.uuid(), replaced = ?replaced, "restored the image header from a backup");
+        Ok(HeaderRestore {
+            restored: summary(&saved, params.image_id),
+            replaced,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ivdisk_crypto::Suite;
+    use ivdisk_header::{PbkdfKind, PbkdfRequest};
+    use ivdisk_store::{ObjectStoreExt, ReadOp, ReadResult, ReadStep};
+
+    use super::*;
+    use crate::{CreateOptions, OpenOptions};
+
+    async fn image(name: &str, suite: Suite) -> (ImageUri, Vec<u8>) {
+        let uri = ImageUri::parse(&format!("mem:backup-{name}")).unwrap();
+        let mut options = CreateOptions::new(1 << 20);
+        options.suite = suite;
+        options.pbkdf = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+        let image = Image::create(&uri, &options, b"pw").await.unwrap();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8 + 1).collect();
+        image.write(4096, &data).await.unwrap();
+        image.close().await.unwrap();
+        (uri, data)
+    }
+
+    fn header_object(uri: &ImageUri) -> ivdisk_store::ObjectName {
+        object_name("t", header_object_name(uri.image_name())).unwrap()
+    }
+
+    async fn nonces(
+        store: &dyn ivdisk_store::ObjectStore,
+        object: &ivdisk_store::ObjectName,
+    ) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
+            b"ivdisk.nonce_writes_reserved".to_vec(),
+        ]));
+        match store.read_op(object, op).await.unwrap().pop() {
+            Some(ReadResult::Omap { pairs, .. }) => pairs,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    async fn reads_back(uri: &ImageUri, data: &[u8]) {
+        let image = Image::open(uri, b"pw", &OpenOptions::read_only())
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; data.len()];
+        image.read(4096, &mut buf).await.unwrap();
+        assert_eq!(buf, data);
+    }
+
+    #[test]
+    fn zero_blocks_are_not_written() {
+        let mut bytes = vec![0u8; 5 * BLOCK + 10];
+        bytes[1] = 1;
+        bytes[BLOCK + 5] = 2;
+        bytes[3 * BLOCK] = 3;
+        bytes[5 * BLOCK + 9] = 4;
+        assert_eq!(
+            data_runs(&bytes),
+            vec![(0, 2 * BLOCK), (3 * BLOCK, BLOCK), (5 * BLOCK, 10)]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_damaged_header_is_restored_and_the_nonce_count_kept() {
+        let (uri, data) = image("damaged", Suite::AesGcmRandom).await;
+        let (backup, info) = Image::backup_header(&uri).await.unwrap();
+        assert_eq!(backup.len() as u64, info.len);
+        assert_eq!(info.keyslots, vec![0]);
+        let store = uri.open_store(false).await.unwrap();
+        let object = header_object(&uri);
+        let before = nonces(store.as_ref(), &object).await;
+        assert_eq!(before.len(), 1, "the write reserved nonces");
+        // Both binary headers overwritten: the image no longer opens.
+        store.write(&object, 0, &[0xEE; 4096]).await.unwrap();
+        store.write(&object, 16 << 10, &[0xEE; 4096]).await.unwrap();
+        assert!(Image::info(&uri).await.is_err());
+
+        let restored = Image::restore_header(&uri, &backup, false).await.unwrap();
+        assert!(
+            matches!(restored.replaced, ReplacedHeader::Unreadable(_)),
+            "{restored:?}"
+        );
+        assert_eq!(restored.restored, info);
+        assert_eq!(
+            nonces(store.as_ref(), &object).await,
+            before,
+            "the nonce reservation stays"
+        );
+        reads_back(&uri, &data).await;
+        // And the object holds exactly the backup.
+        assert_eq!(
+            store
+                .read(&object, 0, backup.len() as u64 + 4096)
+                .await
+                .unwrap(),
+            backup,
+            "the header object is the backup, byte for byte"
+        );
+    }
+
+    #[tokio::test]
+    async fn another_images_backup_needs_force() {
+        let (one, _) = image("one", Suite::DEFAULT).await;
+        let (two, data_two) = image("two", Suite::DEFAULT).await;
+        let (backup_one, info_one) = Image::backup_header(&one).await.unwrap();
+        let id_two = Image::info(&two).await.unwrap().image_id;
+        let err = Image::restore_header(&two, &backup_one, false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ImageError::BackupMismatch { backup_id, image_id, .. }
+                if backup_id == info_one.image_id && image_id == id_two),
+            "{err}"
+        );
+        reads_back(&two, &data_two).await;
+        let restored = Image::restore_header(&two, &backup_one, true)
+            .await
+            .unwrap();
+        assert_eq!(restored.replaced, ReplacedHeader::Other(id_two));
+        assert_eq!(Image::info(&two).await.unwrap().image_id, info_one.image_id);
+    }
+
+    #[tokio::test]
+    async fn a_missing_header_is_restored_but_not_for_gcm_without_force() {
+        for (name, suite) in [("gone", Suite::DEFAULT), ("gone-gcm", Suite::AesGcmRandom)] {
+            let (uri, data) = image(name, suite).await;
+            let (backup, _) = Image::backup_header(&uri).await.unwrap();
+            let store = uri.open_store(false).await.unwrap();
+            store.remove(&header_object(&uri)).await.unwrap();
+            if suite.write_limit().is_some() {
+                let err = Image::restore_header(&uri, &backup, false)
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, ImageError::NonceCountLost { .. }), "{err}");
+            }
+            let restored = Image::restore_header(&uri, &backup, true).await.unwrap();
+            assert_eq!(restored.replaced, ReplacedHeader::Missing);
+            reads_back(&uri, &data).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_writer_or_a_bad_backup_refuses_the_restore() {
+        let (uri, _) = image("busy", Suite::DEFAULT).await;
+        let (backup, _) = Image::backup_header(&uri).await.unwrap();
+        let writer = Image::open(&uri, b"pw", &OpenOptions::default())
+            .await
+            .unwrap();
+        let err = Image::restore_header(&uri, &backup, true)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::Locked { .. }), "{err}");
+        writer.close().await.unwrap();
+
+        let mut damaged = backup.clone();
+        damaged[..4096].fill(0xEE);
+        damaged[16 << 10..(16 << 10) + 4096].fill(0xEE);
+        for bad in [&b"hello"[..], &damaged, &backup[..20 << 10]] {
+            let err = Image::restore_header(&uri, bad, true).await.unwrap_err();
+            assert!(matches!(err, ImageError::InvalidBackup { .. }), "{err}");
+        }
+        // One damaged copy is a damaged backup too.
+        let mut half = backup.clone();
+        half[16 << 10..(16 << 10) + 4096].fill(0xEE);
+        let err = Image::restore_header(&uri, &half, true).await.unwrap_err();
+        assert!(matches!(err, ImageError::InvalidBackup { .. }), "{err}");
+        assert!(Image::restore_header(&uri, &backup, false).await.is_ok());
+    }
+}

@@ -1,0 +1,33 @@
+/// What serving can fail with. Per-request failures are not errors here: they go to the
+/// client as NBD error replies and the connection carries on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NbdError {
+    /// Could not listen on the address.
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The Unix socket path is in use by a live server, or is not a socket.
+    #[error("cannot listen on {path}: {reason}")]
+    SocketInUse { path: String, reason: String },
+
+    /// The client broke the protocol; its connection was closed (other clients carry on).
+    #[error("client {peer} broke the NBD protocol: {reason}; connection closed")]
+    Protocol { peer: String, reason: String },
+
+    /// The connection failed (reset, closed in the middle of a message).
+    #[error("connection to {peer}: {source}")]
+    Io {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Server configuration that cannot work (no exports, duplicate names).
+    #[error("NBD server: {0}")]
+    Config(String),
+}

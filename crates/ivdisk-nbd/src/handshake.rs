@@ -1,0 +1,375 @@
+//! The negotiation phase: fixed newstyle handshake, then options until the client picks an
+//! export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) or leaves. Every malformed option gets an
+//! error reply when the stream is still in sync and a closed connection when it is not.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::proto::*;
+use crate::server::Export;
+use crate::NbdError;
+
+/// Option payloads above this are refused without being read (nothing legitimate is close).
+const MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Options one client may send before it must pick an export.
+const MAX_OPTIONS: usize = 1000;
+
+/// The largest request payload (read or write length) accepted; advertised as the maximum
+/// block size. 32 MiB is also what clients assume when no maximum is advertised.
+pub const MAX_PAYLOAD: u32 = 32 * 1024 * 1024;
+
+/// What the client chose.
+pub(crate) struct Negotiated {
+    pub export: Arc<Export>,
+    pub structured: bool,
+    /// `base:allocation` was selected for this export.
+    pub block_status: bool,
+}
+
+/// Flags advertised for an export.
+pub(crate) fn transmission_flags(export: &Export, structured: bool) -> u16 {
+    let mut flags = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_CAN_MULTI_CONN;
+    if structured {
+        flags |= TF_SEND_DF;
+    }
+    if export.device.read_only() {
+        flags |= TF_READ_ONLY;
+    } else {
+        flags |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+    }
+    flags
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn u16(&mut self) -> Option<u16> {
+        let (head, rest) = self.data.split_first_chunk::<2>()?;
+        self.data = rest;
+        Some(u16::from_be_bytes(*head))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        let (head, rest) = self.data.split_first_chunk::<4>()?;
+        self.data = rest;
+        Some(u32::from_be_bytes(*head))
+    }
+    fn string(&mut self, len: u32) -> Option<&'a str> {
+        if self.data.len() < len as usize {
+            return None;
+        }
+        let (head, rest) = self.data.split_at(len as usize);
+        self.data = rest;
+        std::str::from_utf8(head).ok()
+    }
+    fn done(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+struct Session<'a, S> {
+    stream: &'a mut S,
+    peer: &'a str,
+    exports: &'a [Arc<Export>],
+    structured: bool,
+    /// Export name `base:allocation` was last selected for.
+    meta_for: Option<String>,
+}
+
+/// Run the handshake on a fresh connection. `Ok(None)`: the client ended it (abort or
+/// disconnect before choosing).
+pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    peer: &str,
+    exports: &[Arc<Export>],
+) -> Result<Option<Negotiated>, NbdError> {
+    let io = |source| NbdError::Io {
+        peer: peer.to_owned(),
+        source,
+    };
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    stream.write_all(&greeting).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+
+    let client_flags = match stream.read_u32().await {
+        Ok(flags) => flags,
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(io(e)),
+    };
+    if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
+        return Err(protocol(
+            peer,
+            format!("unknown client flags {client_flags:#x}"),
+        ));
+    }
+    let no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+    let mut session = Session {
+        stream,
+        peer,
+        exports,
+        structured: false,
+        meta_for: None,
+    };
+    for _ in 0..MAX_OPTIONS {
+        let magic = match session.stream.read_u64().await {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(io(e)),
+        };
+        if magic != IHAVEOPT {
+            return Err(protocol(peer, format!("bad option magic {magic:#x}")));
+        }
+        let option = session.stream.read_u32().await.map_err(io)?;
+        let len = session.stream.read_u32().await.map_err(io)?;
+        if len > MAX_OPTION_LEN {
+            // The payload is not read, so the stream is out of sync: say why, then close.
+            session
+                .reply_error(option, REP_ERR_TOO_BIG, "option payload too large")
+                .await?;
+            return Err(protocol(peer, format!("option {option} with {len} bytes")));
+        }
+        let mut data = vec![0u8; len as usize];
+        session.stream.read_exact(&mut data).await.map_err(io)?;
+        tracing::debug!(peer, option, len, "NBD option");
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = std::str::from_utf8(&data).unwrap_or("\u{fffd}");
+                let Some(export) = session.find(name) else {
+                    // This option has no error reply: closing is the only answer.
+                    return Err(protocol(peer, format!("unknown export `{name}`")));
+                };
+                let flags = transmission_flags(&export, session.structured);
+                let mut reply = Vec::with_capacity(134);
+                reply.extend_from_slice(&export.device.size().to_be_bytes());
+                reply.extend_from_slice(&flags.to_be_bytes());
+                if !no_zeroes {
+                    reply.extend_from_slice(&[0u8; 124]);
+                }
+                session.stream.write_all(&reply).await.map_err(io)?;
+                session.stream.flush().await.map_err(io)?;
+                let block_status = session.meta_for.as_deref() == Some(export.name.as_str());
+                return Ok(Some(Negotiated {
+                    export,
+                    structured: session.structured,
+                    block_status,
+                }));
+            }
+            OPT_ABORT => {
+                // The client may already be gone; the acknowledgement is a courtesy.
+                let _ = session.reply(option, REP_ACK, &[]).await;
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    session
+                        .reply_error(option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")
+                        .await?;
+                    continue;
+                }
+                for export in session.exports {
+                    let mut payload = Vec::new();
+                    payload.extend_from_slice(&(export.name.len() as u32).to_be_bytes());
+                    payload.extend_from_slice(export.name.as_bytes());
+                    payload.extend_from_slice(export.description.as_bytes());
+                    session.reply(option, REP_SERVER, &payload).await?;
+                }
+                session.reply(option, REP_ACK, &[]).await?;
+            }
+            OPT_INFO | OPT_GO => {
+                if let Some(export) = session.info(option, &data).await? {
+                    if option == OPT_GO {
+                        let block_status =
+                            session.meta_for.as_deref() == Some(export.name.as_str());
+                        return Ok(Some(Negotiated {
+                            export,
+                            structured: session.structured,
+                            block_status,
+                        }));
+                    }
+                }
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    session
+                        .reply_error(
+                            option,
+                            REP_ERR_INVALID,
+                            "NBD_OPT_STRUCTURED_REPLY takes no data",
+                        )
+                        .await?;
+                    continue;
+                }
+                session.structured = true;
+                session.reply(option, REP_ACK, &[]).await?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                session.meta_context(option, &data).await?;
+            }
+            _ => {
+                session
+                    .reply_error(option, REP_ERR_UNSUP, "option not supported by this server")
+                    .await?;
+            }
+        }
+    }
+    Err(protocol(peer, format!("more than {MAX_OPTIONS} options")))
+}
+
+fn protocol(peer: &str, reason: String) -> NbdError {
+    NbdError::Protocol {
+        peer: peer.to_owned(),
+        reason,
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Session<'_, S> {
+    async fn reply(&mut self, option: u32, reply: u32, payload: &[u8]) -> Result<(), NbdError> {
+        let frame = option_reply(option, reply, payload);
+        let peer = self.peer;
+        let io = |source| NbdError::Io {
+            peer: peer.to_owned(),
+            source,
+        };
+        self.stream.write_all(&frame).await.map_err(io)?;
+        self.stream.flush().await.map_err(io)
+    }
+
+    async fn reply_error(
+        &mut self,
+        option: u32,
+        reply: u32,
+        message: &str,
+    ) -> Result<(), NbdError> {
+        tracing::debug!(peer = self.peer, option, message, "NBD option refused");
+        self.reply(option, reply, truncate_utf8(message, 4096).as_bytes())
+            .await
+    }
+
+    /// The export by name; "" names the first (default) export.
+    fn find(&self, name: &str) -> Option<Arc<Export>> {
+        if name.is_empty() {
+            return self.exports.first().cloned();
+        }
+        self.exports.iter().find(|e| e.name == name).cloned()
+    }
+
+    /// `NBD_OPT_INFO` / `NBD_OPT_GO`: the export's size, flags and block sizes.
+    async fn info(&mut self, option: u32, data: &[u8]) -> Result<Option<Arc<Export>>, NbdError> {
+        let mut r = Reader { data };
+        let parsed = (|| {
+            let name_len = r.u32()?;
+            let name = r.string(name_len)?;
+            let count = r.u16()?;
+            let mut requests = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                requests.push(r.u16()?);
+            }
+            r.done().then_some((name.to_owned(), requests))
+        })();
+        let Some((name, requests)) = parsed else {
+            self.reply_error(option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO request")
+                .await?;
+            return Ok(None);
+        };
+        let Some(export) = self.find(&name) else {
+            self.reply_error(
+                option,
+                REP_ERR_UNKNOWN,
+                &format!("no export named `{name}`"),
+            )
+            .await?;
+            return Ok(None);
+        };
+        let mut payload = Vec::with_capacity(12);
+        payload.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+        payload.extend_from_slice(&export.device.size().to_be_bytes());
+        payload.extend_from_slice(&transmission_flags(&export, self.structured).to_be_bytes());
+        self.reply(option, REP_INFO, &payload).await?;
+        if requests.contains(&INFO_NAME) {
+            let mut payload = INFO_NAME.to_be_bytes().to_vec();
+            payload.extend_from_slice(export.name.as_bytes());
+            self.reply(option, REP_INFO, &payload).await?;
+        }
+        if requests.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+            let mut payload = INFO_DESCRIPTION.to_be_bytes().to_vec();
+            payload.extend_from_slice(export.description.as_bytes());
+            self.reply(option, REP_INFO, &payload).await?;
+        }
+        // Always sent: the device takes any byte alignment (sub-sector IO is a
+        // read-modify-write), so minimum 1, and the sector size is what it prefers.
+        let mut payload = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        payload.extend_from_slice(&1u32.to_be_bytes());
+        payload.extend_from_slice(&export.device.preferred_block_size().to_be_bytes());
+        payload.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+        self.reply(option, REP_INFO, &payload).await?;
+        self.reply(option, REP_ACK, &[]).await?;
+        Ok(Some(export))
+    }
+
+    /// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`: only `base:allocation`.
+    async fn meta_context(&mut self, option: u32, data: &[u8]) -> Result<(), NbdError> {
+        if option == OPT_SET_META_CONTEXT {
+            // Whatever happens next replaces the previous selection.
+            self.meta_for = None;
+        }
+        if !self.structured {
+            return self
+                .reply_error(
+                    option,
+                    REP_ERR_INVALID,
+                    "negotiate NBD_OPT_STRUCTURED_REPLY before metadata contexts",
+                )
+                .await;
+        }
+        let mut r = Reader { data };
+        let parsed = (|| {
+            let name_len = r.u32()?;
+            let name = r.string(name_len)?;
+            let count = r.u32()?;
+            let mut queries = Vec::new();
+            for _ in 0..count {
+                let len = r.u32()?;
+                queries.push(r.string(len)?.to_owned());
+            }
+            r.done().then_some((name.to_owned(), queries))
+        })();
+        let Some((name, queries)) = parsed else {
+            return self
+                .reply_error(
+                    option,
+                    REP_ERR_INVALID,
+                    "malformed metadata context request",
+                )
+                .await;
+        };
+        let Some(export) = self.find(&name) else {
+            return self
+                .reply_error(
+                    option,
+                    REP_ERR_UNKNOWN,
+                    &format!("no export named `{name}`"),
+                )
+                .await;
+        };
+        let selected = if option == OPT_SET_META_CONTEXT {
+            queries.iter().any(|q| q == BASE_ALLOCATION)
+        } else {
+            // Listing: no query means "all"; "base:" is the namespace wildcard.
+            queries.is_empty() || queries.iter().any(|q| q == "base:" || q == BASE_ALLOCATION)
+        };
+        if selected {
+            let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+            payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            self.reply(option, REP_META_CONTEXT, &payload).await?;
+            if option == OPT_SET_META_CONTEXT {
+                self.meta_for = Some(export.name.clone());
+            }
+        }
+        self.reply(option, REP_ACK, &[]).await
+    }
+}

@@ -1,0 +1,85 @@
+//! ivdisk images as NBD block devices: the image's IO path already takes any byte offset and
+//! length, so this is error mapping and the allocation query.
+
+use async_trait::async_trait;
+use ivdisk_image::{Image, ImageError};
+
+use crate::device::{BlockDevice, DeviceError, DeviceErrorKind, Extent};
+
+fn device_error(error: ImageError) -> DeviceError {
+    let kind = match &error {
+        ImageError::Integrity {
+            lbas, sector_size, ..
+        } => DeviceErrorKind::Integrity {
+            offset: lbas.first().copied().unwrap_or_default() * *sector_size as u64,
+        },
+        ImageError::ReadOnly { .. } => DeviceErrorKind::ReadOnly,
+        ImageError::OutOfRange { .. } => DeviceErrorKind::OutOfRange,
+        ImageError::InvalidParameter { .. } => DeviceErrorKind::Invalid,
+        _ => DeviceErrorKind::Io,
+    };
+    DeviceError::new(kind, error.to_string())
+}
+
+#[async_trait]
+impl BlockDevice for Image {
+    fn size(&self) -> u64 {
+        Image::size(self)
+    }
+
+    fn read_only(&self) -> bool {
+        self.is_read_only()
+    }
+
+    fn preferred_block_size(&self) -> u32 {
+        self.sector_size() as u32
+    }
+
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        Image::read(self, offset, buf).await.map_err(device_error)
+    }
+
+    async fn write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        Image::write(self, offset, data).await.map_err(device_error)
+    }
+
+    async fn flush(&self) -> Result<(), DeviceError> {
+        Image::flush(self).await.map_err(device_error)
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        Image::discard(self, offset, len)
+            .await
+            .map_err(device_error)
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+    ) -> Result<(), DeviceError> {
+        Image::write_zeroes(self, offset, len, may_unmap)
+            .await
+            .map_err(device_error)
+    }
+
+    fn fast_zero(&self, may_unmap: bool) -> bool {
+        // Unmapping returns sectors to the unwritten state without encrypting anything;
+        // allocated zeros are encrypted and written like any data, and so are all zeros on
+        // LUKS volumes of other tools (which would read the unwritten state as noise).
+        may_unmap && !self.is_foreign()
+    }
+
+    async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
+        Ok(Image::allocation(self, offset, len)
+            .await
+            .map_err(device_error)?
+            .into_iter()
+            .map(|e| Extent {
+                len: e.len,
+                allocated: e.allocated,
+            })
+            .collect())
+    }
+}

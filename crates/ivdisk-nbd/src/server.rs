@@ -1,0 +1,289 @@
+//! Listening (Unix socket or TCP), one task per connection, and shutdown: stop accepting,
+//! let every connection finish the requests it has read, then return so the caller can
+//! flush and close what it exported.
+
+use std::fmt;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::device::BlockDevice;
+use crate::handshake::negotiate;
+use crate::transmission::{transmit, Ending};
+use crate::NbdError;
+
+/// A client must pick an export within this time after connecting.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once; more are closed right after accept.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// One export: a name clients ask for and the device behind it.
+pub struct Export {
+    pub name: String,
+    pub description: String,
+    pub device: Arc<dyn BlockDevice>,
+}
+
+impl fmt::Debug for Export {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Export")
+            .field("name", &self.name)
+            .field("size", &self.device.size())
+            .finish()
+    }
+}
+
+/// Where to listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddress {
+    Unix(PathBuf),
+    /// `HOST:PORT`.
+    Tcp(String),
+}
+
+impl fmt::Display for ListenAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddress::Unix(path) => write!(f, "unix:{}", path.display()),
+            ListenAddress::Tcp(addr) => write!(f, "tcp:{addr}"),
+        }
+    }
+}
+
+/// A bound listening socket. A Unix socket's file is removed when the listener is dropped.
+pub enum Listener {
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+    },
+    Tcp(TcpListener),
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Listener {
+    /// Bind. A Unix socket path left behind by a server that died is reused; one that a live
+    /// server answers on, or a path that is not a socket, is refused.
+    pub async fn bind(address: &ListenAddress) -> Result<Listener, NbdError> {
+        match address {
+            ListenAddress::Unix(path) => {
+                clear_stale_socket(path).await?;
+                let listener = UnixListener::bind(path).map_err(|source| NbdError::Bind {
+                    address: address.to_string(),
+                    source,
+                })?;
+                Ok(Listener::Unix {
+                    listener,
+                    path: path.clone(),
+                })
+            }
+            ListenAddress::Tcp(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| NbdError::Bind {
+                        address: address.to_string(),
+                        source,
+                    })?;
+                Ok(Listener::Tcp(listener))
+            }
+        }
+    }
+
+    /// The address actually bound (the port chosen when binding port 0).
+    pub fn local_address(&self) -> ListenAddress {
+        match self {
+            Listener::Unix { path, .. } => ListenAddress::Unix(path.clone()),
+            Listener::Tcp(listener) => ListenAddress::Tcp(
+                listener
+                    .local_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default(),
+            ),
+        }
+    }
+}
+
+async fn clear_stale_socket(path: &Path) -> Result<(), NbdError> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let in_use = |reason: &str| NbdError::SocketInUse {
+        path: path.display().to_string(),
+        reason: reason.to_owned(),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(in_use(
+            "the path exists and is not a socket; pick another path",
+        ));
+    }
+    if UnixStream::connect(path).await.is_ok() {
+        return Err(in_use(
+            "another server is listening there; stop it or pick another path",
+        ));
+    }
+    tracing::info!(path = %path.display(), "removing a stale socket left by a server that is gone");
+    std::fs::remove_file(path).map_err(|source| NbdError::Bind {
+        address: path.display().to_string(),
+        source,
+    })
+}
+
+/// Summary of a server run.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ServeStats {
+    pub connections: u64,
+    /// Connections closed because the client broke the protocol.
+    pub protocol_errors: u64,
+}
+
+/// Serve `exports` on `listener` until `shutdown` completes, then stop accepting, let every
+/// connection finish the requests it has read (their replies are sent), and return.
+pub async fn serve(
+    listener: Listener,
+    exports: Vec<Export>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ServeStats, NbdError> {
+    if exports.is_empty() {
+        return Err(NbdError::Config("no exports".into()));
+    }
+    for (i, export) in exports.iter().enumerate() {
+        if exports[..i].iter().any(|e| e.name == export.name) {
+            return Err(NbdError::Config(format!(
+                "export name `{}` given twice",
+                export.name
+            )));
+        }
+    }
+    let exports: Arc<[Arc<Export>]> = exports.into_iter().map(Arc::new).collect();
+    let (stop, stopped) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let mut stats = ServeStats::default();
+    let mut next_id = 0u64;
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => break,
+            Some(done) = connections.join_next(), if !connections.is_empty() => {
+                if let Ok(Err(NbdError::Protocol { .. })) = done {
+                    stats.protocol_errors += 1;
+                }
+                continue;
+            }
+            accepted = accept(&listener) => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(pair) => pair,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        next_id += 1;
+        stats.connections += 1;
+        let peer = format!("{peer}#{next_id}");
+        if connections.len() >= MAX_CONNECTIONS {
+            tracing::warn!(peer, "too many connections; closing this one");
+            continue;
+        }
+        let exports = exports.clone();
+        let stopped = stopped.clone();
+        connections.spawn(async move {
+            let result = match stream {
+                Stream::Unix(s) => connection(s, &peer, &exports, stopped).await,
+                Stream::Tcp(s) => connection(s, &peer, &exports, stopped).await,
+            };
+            match &result {
+                Ok(()) => tracing::info!(peer, "client disconnected"),
+                Err(e @ NbdError::Protocol { .. }) => {
+                    tracing::warn!(peer, error = %e, "client dropped")
+                }
+                Err(e) => tracing::info!(peer, error = %e, "connection ended"),
+            }
+            result
+        });
+    }
+    drop(listener);
+    let _ = stop.send(true);
+    tracing::info!(
+        connections = connections.len(),
+        "shutting down: finishing requests in flight"
+    );
+    while let Some(done) = connections.join_next().await {
+        if let Ok(Err(NbdError::Protocol { .. })) = done {
+            stats.protocol_errors += 1;
+        }
+    }
+    Ok(stats)
+}
+
+enum Stream {
+    Unix(UnixStream),
+    Tcp(tokio::net::TcpStream),
+}
+
+async fn accept(listener: &Listener) -> std::io::Result<(Stream, String)> {
+    match listener {
+        Listener::Unix { listener, .. } => {
+            let (stream, _) = listener.accept().await?;
+            Ok((Stream::Unix(stream), "unix".to_owned()))
+        }
+        Listener::Tcp(listener) => {
+            let (stream, addr) = listener.accept().await?;
+            // Replies are whole messages already; Nagle would only delay them.
+            stream.set_nodelay(true)?;
+            Ok((Stream::Tcp(stream), addr.to_string()))
+        }
+    }
+}
+
+async fn connection<S>(
+    mut stream: S,
+    peer: &str,
+    exports: &[Arc<Export>],
+    mut stopped: watch::Receiver<bool>,
+) -> Result<(), NbdError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    tracing::debug!(peer, "client connected");
+    let negotiated = tokio::select! {
+        _ = stopped.wait_for(|stop| *stop) => return Ok(()),
+        result = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut stream, peer, exports)) => match result {
+            Err(_) => {
+                return Err(NbdError::Protocol {
+                    peer: peer.to_owned(),
+                    reason: format!("no export chosen within {} s", HANDSHAKE_TIMEOUT.as_secs()),
+                })
+            }
+            Ok(result) => result?,
+        },
+    };
+    let Some(negotiated) = negotiated else {
+        return Ok(());
+    };
+    tracing::info!(
+        peer,
+        export = %negotiated.export.name,
+        structured = negotiated.structured,
+        "client attached"
+    );
+    let (reader, writer) = tokio::io::split(stream);
+    match transmit(reader, writer, peer, negotiated, stopped).await? {
+        Ending::Disconnect | Ending::Shutdown => Ok(()),
+    }
+}

@@ -1,0 +1,450 @@
+//! The transmission phase of one connection. A reader loop takes requests off the socket and
+//! starts each as its own task; tasks finish in any order and hand their reply to one writer
+//! task, so a slow request never holds up a fast one (replies out of order, as NBD allows).
+//! A budget bounds the requests and payload bytes in flight per connection: a reply keeps its
+//! share until it is on the wire, so a client that stops reading replies stops being read.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+
+use crate::device::{BlockDevice, DeviceError, DeviceErrorKind};
+use crate::handshake::{Negotiated, MAX_PAYLOAD};
+use crate::proto::*;
+use crate::NbdError;
+
+/// Budget units per connection: a request costs one unit plus one per 64 KiB of payload, so
+/// this allows 4096 small requests or 256 MiB of payload in flight.
+const BUDGET_UNITS: u32 = 4096;
+const UNIT_BYTES: u32 = 64 * 1024;
+/// After shutdown, how long replies already computed wait for a client that does not read.
+const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn cost(request: &Request) -> u32 {
+    match request.command {
+        CMD_READ | CMD_WRITE => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
+        _ => 1,
+    }
+}
+
+struct Reply {
+    frame: Vec<u8>,
+    _budget: OwnedSemaphorePermit,
+}
+
+/// How the connection ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// `NBD_CMD_DISC` or end of stream between requests.
+    Disconnect,
+    /// The server is shutting down.
+    Shutdown,
+}
+
+/// Serve requests until the client disconnects, breaks the protocol or the server shuts
+/// down; in every case requests already read are finished and their replies sent first.
+pub(crate) async fn transmit<R, W>(
+    reader: R,
+    writer: W,
+    peer: &str,
+    negotiated: Negotiated,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<Ending, NbdError>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (replies, queue) = mpsc::unbounded_channel::<Reply>();
+    let peer_name = peer.to_owned();
+    let writer_task = tokio::spawn(write_replies(writer, queue, peer_name));
+    let budget = Arc::new(Semaphore::new(BUDGET_UNITS as usize));
+    let context = Arc::new(Context {
+        device: negotiated.export.device.clone(),
+        structured: negotiated.structured,
+        block_status: negotiated.block_status,
+    });
+    let mut reader = BufReader::with_capacity(256 * 1024, reader);
+    let io = |source| NbdError::Io {
+        peer: peer.to_owned(),
+        source,
+    };
+    let protocol = |reason: String| NbdError::Protocol {
+        peer: peer.to_owned(),
+        reason,
+    };
+    let ending = loop {
+        let mut header = [0u8; REQUEST_HEADER_LEN];
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
+            read = read_header(&mut reader, &mut header) => match read {
+                Ok(true) => {}
+                Ok(false) => break Ok(Ending::Disconnect),
+                Err(e) => break Err(io(e)),
+            },
+        }
+        let Some(request) = Request::parse(&header) else {
+            break Err(protocol(format!(
+                "bad request magic {:#010x}",
+                u32::from_be_bytes(header[0..4].try_into().expect("4 bytes"))
+            )));
+        };
+        if request.command == CMD_DISC {
+            break Ok(Ending::Disconnect);
+        }
+        if request.command == CMD_WRITE && request.length > MAX_PAYLOAD {
+            // Its payload would have to be read to stay in sync; refuse to buffer it.
+            break Err(protocol(format!(
+                "write of {} bytes is over the {MAX_PAYLOAD}-byte maximum",
+                request.length
+            )));
+        }
+        // Waiting for budget (a client that does not read its replies) and for a write's
+        // payload (a client stalled mid-request) both give way to shutdown: such a request
+        // was never fully received, so it is dropped unanswered.
+        let permit = tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
+            permit = budget.clone().acquire_many_owned(cost(&request)) => {
+                permit.expect("the budget semaphore is never closed")
+            }
+        };
+        let mut payload = Vec::new();
+        if request.command == CMD_WRITE {
+            payload = vec![0u8; request.length as usize];
+            tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
+                read = reader.read_exact(&mut payload) => if let Err(e) = read {
+                    break Err(io(e));
+                },
+            }
+        }
+        let context = context.clone();
+        let replies = replies.clone();
+        tokio::spawn(async move {
+            let frame = context.handle(request, payload).await;
+            // The writer is gone only if the connection is; nothing to tell anyone then.
+            let _ = replies.send(Reply {
+                frame,
+                _budget: permit,
+            });
+        });
+    };
+    // Tasks in flight hold clones of `replies`; the writer ends after the last one's reply.
+    drop(replies);
+    let mut writer_task = writer_task;
+    let written = tokio::select! {
+        written = &mut writer_task => Some(written),
+        // A client that does not read its replies cannot hold up a shutdown for long.
+        _ = async {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+            tokio::time::sleep(REPLY_GRACE).await;
+        } => None,
+    };
+    match written {
+        Some(Ok(Ok(()))) => {}
+        Some(Ok(Err(e))) => tracing::debug!(peer, error = %e, "could not send every reply"),
+        Some(Err(e)) => tracing::error!(peer, error = %e, "reply writer failed"),
+        None => {
+            tracing::warn!(
+                peer,
+                "client did not take its replies within {} s of shutdown; dropping them",
+                REPLY_GRACE.as_secs()
+            );
+            writer_task.abort();
+        }
+    }
+    // Every request task holds budget until its reply is written or dropped: once all of it
+    // is back, no request of this connection still runs on the device.
+    let _all = budget
+        .acquire_many(BUDGET_UNITS)
+        .await
+        .expect("the budget semaphore is never closed");
+    ending
+}
+
+/// Read a request header; `Ok(false)` on a clean end of stream before its first byte.
+async fn read_header<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    header: &mut [u8; REQUEST_HEADER_LEN],
+) -> std::io::Result<bool> {
+    let n = reader.read(&mut header[..]).await?;
+    if n == 0 {
+        return Ok(false);
+    }
+    reader.read_exact(&mut header[n..]).await?;
+    Ok(true)
+}
+
+async fn write_replies<W: AsyncWrite + Unpin>(
+    writer: W,
+    mut queue: mpsc::UnboundedReceiver<Reply>,
+    peer: String,
+) -> std::io::Result<()> {
+    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
+    while let Some(reply) = queue.recv().await {
+        writer.write_all(&reply.frame).await?;
+        drop(reply);
+        // Coalesce replies that are ready into one write to the socket.
+        while let Ok(reply) = queue.try_recv() {
+            writer.write_all(&reply.frame).await?;
+        }
+        writer.flush().await?;
+    }
+    tracing::trace!(peer, "all replies sent");
+    writer.shutdown().await
+}
+
+struct Context {
+    device: Arc<dyn BlockDevice>,
+    structured: bool,
+    block_status: bool,
+}
+
+/// A request refused before reaching the device.
+fn refuse(kind: DeviceErrorKind, message: impl Into<String>) -> DeviceError {
+    DeviceError::new(kind, message)
+}
+
+impl Context {
+    /// Run one request and build its complete reply.
+    async fn handle(&self, request: Request, payload: Vec<u8>) -> Vec<u8> {
+        let write = matches!(request.command, CMD_WRITE | CMD_WRITE_ZEROES);
+        match self.run(&request, payload).await {
+            Ok(frame) => frame,
+            Err(error) => {
+                let errno = error.errno(write);
+                match error.kind {
+                    DeviceErrorKind::Integrity { .. } => {
+                        tracing::error!(cookie = request.cookie, offset = request.offset, length = request.length, error = %error.message, "request failed authentication")
+                    }
+                    DeviceErrorKind::Io => {
+                        tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed")
+                    }
+                    _ => {
+                        tracing::debug!(cookie = request.cookie, command = request.command, error = %error.message, "request refused")
+                    }
+                }
+                if self.structured {
+                    let offset = match error.kind {
+                        DeviceErrorKind::Integrity { offset } if request.command == CMD_READ => {
+                            Some(offset.clamp(
+                                request.offset,
+                                request.offset + request.length.max(1) as u64 - 1,
+                            ))
+                        }
+                        _ => None,
+                    };
+                    error_chunk(request.cookie, errno, offset, &error.message)
+                } else {
+                    let mut frame = Vec::with_capacity(SIMPLE_REPLY_LEN);
+                    simple_reply(request.cookie, errno as u32, &mut frame);
+                    frame
+                }
+            }
+        }
+    }
+
+    fn check_flags(&self, request: &Request, allowed: u16) -> Result<(), DeviceError> {
+        if request.flags & !allowed != 0 {
+            return Err(refuse(
+                DeviceErrorKind::Invalid,
+                format!(
+                    "flags {:#x} are not valid for command {}",
+                    request.flags & !allowed,
+                    request.command
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_range(&self, request: &Request) -> Result<(), DeviceError> {
+        let size = self.device.size();
+        let end = request.offset.checked_add(request.length as u64);
+        if end.is_none_or(|end| end > size) {
+            return Err(refuse(
+                DeviceErrorKind::OutOfRange,
+                format!(
+                    "[{}, +{}) goes past the end of the {size}-byte export",
+                    request.offset, request.length
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_writable(&self) -> Result<(), DeviceError> {
+        if self.device.read_only() {
+            return Err(refuse(DeviceErrorKind::ReadOnly, "the export is read-only"));
+        }
+        Ok(())
+    }
+
+    /// A success reply with no payload.
+    fn done(&self, cookie: u64) -> Vec<u8> {
+        let mut frame = Vec::with_capacity(STRUCTURED_HEADER_LEN);
+        if self.structured {
+            chunk_header(cookie, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0, &mut frame);
+        } else {
+            simple_reply(cookie, 0, &mut frame);
+        }
+        frame
+    }
+
+    async fn run(&self, request: &Request, payload: Vec<u8>) -> Result<Vec<u8>, DeviceError> {
+        let device = self.device.as_ref();
+        let fua = request.flags & CMD_FLAG_FUA != 0;
+        match request.command {
+            CMD_READ => {
+                self.check_flags(request, CMD_FLAG_FUA | CMD_FLAG_DF)?;
+                if request.length > MAX_PAYLOAD {
+                    return Err(refuse(
+                        DeviceErrorKind::Invalid,
+                        format!(
+                            "read of {} bytes is over the {MAX_PAYLOAD}-byte maximum",
+                            request.length
+                        ),
+                    ));
+                }
+                self.check_range(request)?;
+                let len = request.length as usize;
+                let mut frame;
+                let at;
+                if self.structured {
+                    at = STRUCTURED_HEADER_LEN + 8;
+                    frame = Vec::with_capacity(at + len);
+                    chunk_header(
+                        request.cookie,
+                        REPLY_FLAG_DONE,
+                        REPLY_TYPE_OFFSET_DATA,
+                        (8 + len) as u32,
+                        &mut frame,
+                    );
+                    frame.extend_from_slice(&request.offset.to_be_bytes());
+                } else {
+                    at = SIMPLE_REPLY_LEN;
+                    frame = Vec::with_capacity(at + len);
+                    simple_reply(request.cookie, 0, &mut frame);
+                }
+                frame.resize(at + len, 0);
+                device.read(request.offset, &mut frame[at..]).await?;
+                if self.structured && len == 0 {
+                    // An OFFSET_DATA chunk must carry data; an empty read is just "done".
+                    return Ok(self.done(request.cookie));
+                }
+                Ok(frame)
+            }
+            CMD_WRITE => {
+                self.check_flags(request, CMD_FLAG_FUA)?;
+                self.check_writable()?;
+                self.check_range(request)?;
+                device.write(request.offset, &payload).await?;
+                if fua {
+                    device.flush().await?;
+                }
+                Ok(self.done(request.cookie))
+            }
+            CMD_FLUSH => {
+                self.check_flags(request, CMD_FLAG_FUA)?;
+                device.flush().await?;
+                Ok(self.done(request.cookie))
+            }
+            CMD_TRIM => {
+                self.check_flags(request, CMD_FLAG_FUA)?;
+                self.check_writable()?;
+                self.check_range(request)?;
+                device
+                    .discard(request.offset, request.length as u64)
+                    .await?;
+                if fua {
+                    device.flush().await?;
+                }
+                Ok(self.done(request.cookie))
+            }
+            CMD_WRITE_ZEROES => {
+                self.check_flags(
+                    request,
+                    CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+                )?;
+                self.check_writable()?;
+                self.check_range(request)?;
+                let may_unmap = request.flags & CMD_FLAG_NO_HOLE == 0;
+                if request.flags & CMD_FLAG_FAST_ZERO != 0 && !device.fast_zero(may_unmap) {
+                    return Err(refuse(
+                        DeviceErrorKind::NotSupported,
+                        "zeroing without unmapping encrypts and writes every sector: not fast",
+                    ));
+                }
+                device
+                    .write_zeroes(request.offset, request.length as u64, may_unmap)
+                    .await?;
+                if fua {
+                    device.flush().await?;
+                }
+                Ok(self.done(request.cookie))
+            }
+            CMD_BLOCK_STATUS => {
+                self.check_flags(request, CMD_FLAG_REQ_ONE)?;
+                if !self.block_status {
+                    return Err(refuse(
+                        DeviceErrorKind::Invalid,
+                        "block status needs the base:allocation context (NBD_OPT_SET_META_CONTEXT)",
+                    ));
+                }
+                if request.length == 0 {
+                    return Err(refuse(DeviceErrorKind::Invalid, "block status of 0 bytes"));
+                }
+                self.check_range(request)?;
+                let mut extents = device
+                    .allocation(request.offset, request.length as u64)
+                    .await?;
+                extents.retain(|e| e.len > 0);
+                if request.flags & CMD_FLAG_REQ_ONE != 0 {
+                    extents.truncate(1);
+                }
+                if extents.is_empty() {
+                    return Err(refuse(
+                        DeviceErrorKind::Io,
+                        "the device reported no extents",
+                    ));
+                }
+                let mut frame = Vec::with_capacity(STRUCTURED_HEADER_LEN + 4 + 8 * extents.len());
+                chunk_header(
+                    request.cookie,
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_BLOCK_STATUS,
+                    (4 + 8 * extents.len()) as u32,
+                    &mut frame,
+                );
+                frame.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+                let mut left = request.length as u64;
+                for extent in extents {
+                    // Never past the request (REQ_ONE requires it; harmless otherwise).
+                    let len = extent.len.min(left);
+                    if len == 0 {
+                        break;
+                    }
+                    left -= len;
+                    let flags = if extent.allocated {
+                        0
+                    } else {
+                        STATE_HOLE | STATE_ZERO
+                    };
+                    frame.extend_from_slice(&(len as u32).to_be_bytes());
+                    frame.extend_from_slice(&flags.to_be_bytes());
+                }
+                // Fix the chunk length if extents were cut short above.
+                let payload = (frame.len() - STRUCTURED_HEADER_LEN) as u32;
+                frame[16..20].copy_from_slice(&payload.to_be_bytes());
+                Ok(frame)
+            }
+            other => Err(refuse(
+                DeviceErrorKind::Invalid,
+                format!("unknown command {other}"),
+            )),
+        }
+    }
+}

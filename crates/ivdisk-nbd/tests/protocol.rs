@@ -1,0 +1,740 @@
+//! The server against a hand-written client over a real Unix socket, with an in-memory device
+//! below it (the unit under test is the protocol, not the image). Covers the negotiation
+//! options, every command, out-of-order replies, misbehaving clients, and shutdown.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ivdisk_nbd::proto::*;
+use ivdisk_nbd::{
+    serve, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress, Listener,
+    ServeStats, MAX_PAYLOAD,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const SIZE: u64 = 1 << 20;
+const SLOW_OFFSET: u64 = 0x8000;
+const BAD_OFFSET: u64 = 0x4000;
+
+/// Memory with a slow spot (reads at SLOW_OFFSET take 300 ms), a bad sector (reads touching
+/// [BAD_OFFSET, +4096) fail authentication) and a flush counter.
+#[derive(Default)]
+struct MemoryDevice {
+    bytes: Mutex<Vec<u8>>,
+    flushes: AtomicU64,
+    read_only: bool,
+    /// 4 KiB blocks ever written, for block status.
+    written: Mutex<HashSet<u64>>,
+}
+
+impl MemoryDevice {
+    fn new(read_only: bool) -> Arc<Self> {
+        Arc::new(MemoryDevice {
+            bytes: Mutex::new(vec![0u8; SIZE as usize]),
+            read_only,
+            ..Default::default()
+        })
+    }
+}
+
+#[async_trait]
+impl BlockDevice for MemoryDevice {
+    fn size(&self) -> u64 {
+        SIZE
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        if offset == SLOW_OFFSET {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let end = offset + buf.len() as u64;
+        if offset < BAD_OFFSET + 4096 && end > BAD_OFFSET {
+            return Err(DeviceError::new(
+                DeviceErrorKind::Integrity { offset: BAD_OFFSET },
+                "sector 4 failed authentication",
+            ));
+        }
+        buf.copy_from_slice(&self.bytes.lock().unwrap()[offset as usize..end as usize]);
+        Ok(())
+    }
+    async fn write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        if offset == SLOW_OFFSET {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        self.bytes.lock().unwrap()[offset as usize..offset as usize + data.len()]
+            .copy_from_slice(data);
+        let mut written = self.written.lock().unwrap();
+        for block in offset / 4096..(offset + data.len() as u64).div_ceil(4096) {
+            written.insert(block);
+        }
+        Ok(())
+    }
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.flushes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
+        let written = self.written.lock().unwrap();
+        let mut out: Vec<Extent> = Vec::new();
+        let mut at = offset;
+        while at < offset + len {
+            let stop = ((at / 4096 + 1) * 4096).min(offset + len);
+            let allocated = written.contains(&(at / 4096));
+            match out.last_mut() {
+                Some(last) if last.allocated == allocated => last.len += stop - at,
+                _ => out.push(Extent {
+                    len: stop - at,
+                    allocated,
+                }),
+            }
+            at = stop;
+        }
+        Ok(out)
+    }
+}
+
+struct Server {
+    path: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<ServeStats>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(device: Arc<MemoryDevice>) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nbd.sock");
+        let listener = Listener::bind(&ListenAddress::Unix(path.clone()))
+            .await
+            .unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let exports = vec![Export {
+            name: "disk".into(),
+            description: "test disk".into(),
+            device,
+        }];
+        let task = tokio::spawn(async move {
+            serve(listener, exports, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap()
+        });
+        Server {
+            path,
+            stop: Some(stop),
+            task,
+            _dir: dir,
+        }
+    }
+
+    async fn stop(mut self) -> ServeStats {
+        self.stop.take().unwrap().send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), &mut self.task)
+            .await
+            .expect("server stops")
+            .unwrap()
+    }
+}
+
+/// A hand-written client, one step at a time.
+struct Client {
+    stream: UnixStream,
+}
+
+#[derive(Debug)]
+struct OptionReply {
+    option: u32,
+    kind: u32,
+    data: Vec<u8>,
+}
+
+#[derive(Debug, PartialEq)]
+enum Chunk {
+    Simple {
+        cookie: u64,
+        error: u32,
+    },
+    Structured {
+        flags: u16,
+        kind: u16,
+        cookie: u64,
+        payload: Vec<u8>,
+    },
+}
+
+impl Client {
+    async fn connect(server: &Server) -> Client {
+        let mut stream = UnixStream::connect(&server.path).await.unwrap();
+        assert_eq!(stream.read_u64().await.unwrap(), NBDMAGIC);
+        assert_eq!(stream.read_u64().await.unwrap(), IHAVEOPT);
+        let flags = stream.read_u16().await.unwrap();
+        assert_eq!(flags, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        stream
+            .write_u32(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES)
+            .await
+            .unwrap();
+        Client { stream }
+    }
+
+    async fn option(&mut self, option: u32, data: &[u8]) {
+        let mut frame = IHAVEOPT.to_be_bytes().to_vec();
+        frame.extend_from_slice(&option.to_be_bytes());
+        frame.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        frame.extend_from_slice(data);
+        self.stream.write_all(&frame).await.unwrap();
+    }
+
+    async fn option_reply(&mut self) -> OptionReply {
+        assert_eq!(self.stream.read_u64().await.unwrap(), OPTION_REPLY_MAGIC);
+        let option = self.stream.read_u32().await.unwrap();
+        let kind = self.stream.read_u32().await.unwrap();
+        let len = self.stream.read_u32().await.unwrap();
+        let mut data = vec![0u8; len as usize];
+        self.stream.read_exact(&mut data).await.unwrap();
+        OptionReply { option, kind, data }
+    }
+
+    /// Replies to one option up to and including the final one (ACK or an error).
+    async fn option_replies(&mut self) -> Vec<OptionReply> {
+        let mut out = Vec::new();
+        loop {
+            let reply = self.option_reply().await;
+            let last = reply.kind == REP_ACK || reply.kind & (1 << 31) != 0;
+            out.push(reply);
+            if last {
+                return out;
+            }
+        }
+    }
+
+    fn name_request(name: &str, tail: &[u8]) -> Vec<u8> {
+        let mut data = (name.len() as u32).to_be_bytes().to_vec();
+        data.extend_from_slice(name.as_bytes());
+        data.extend_from_slice(tail);
+        data
+    }
+
+    async fn structured(&mut self) {
+        self.option(OPT_STRUCTURED_REPLY, &[]).await;
+        assert_eq!(self.option_reply().await.kind, REP_ACK);
+    }
+
+    async fn set_meta(&mut self, name: &str) -> Vec<OptionReply> {
+        let mut queries = 1u32.to_be_bytes().to_vec();
+        queries.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
+        queries.extend_from_slice(BASE_ALLOCATION.as_bytes());
+        self.option(OPT_SET_META_CONTEXT, &Client::name_request(name, &queries))
+            .await;
+        self.option_replies().await
+    }
+
+    /// NBD_OPT_GO; returns (size, transmission flags).
+    async fn go(&mut self, name: &str) -> (u64, u16) {
+        self.option(OPT_GO, &Client::name_request(name, &0u16.to_be_bytes()))
+            .await;
+        let replies = self.option_replies().await;
+        assert_eq!(replies.last().unwrap().kind, REP_ACK, "{replies:?}");
+        let export = replies
+            .iter()
+            .find(|r| r.kind == REP_INFO && r.data[0..2] == INFO_EXPORT.to_be_bytes())
+            .expect("NBD_INFO_EXPORT");
+        (
+            u64::from_be_bytes(export.data[2..10].try_into().unwrap()),
+            u16::from_be_bytes(export.data[10..12].try_into().unwrap()),
+        )
+    }
+
+    async fn attach(server: &Server, structured: bool) -> Client {
+        let mut client = Client::connect(server).await;
+        if structured {
+            client.structured().await;
+            let replies = client.set_meta("disk").await;
+            assert_eq!(replies[0].kind, REP_META_CONTEXT);
+        }
+        client.go("disk").await;
+        client
+    }
+
+    async fn send(&mut self, command: u16, flags: u16, cookie: u64, offset: u64, length: u32) {
+        let request = Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        self.stream.write_all(&request.encode()).await.unwrap();
+    }
+
+    async fn write(&mut self, cookie: u64, offset: u64, data: &[u8], flags: u16) {
+        self.send(CMD_WRITE, flags, cookie, offset, data.len() as u32)
+            .await;
+        self.stream.write_all(data).await.unwrap();
+    }
+
+    /// Next reply; for simple read replies pass the expected data length.
+    async fn reply(&mut self, simple_read_len: usize) -> (Chunk, Vec<u8>) {
+        let magic = self.stream.read_u32().await.unwrap();
+        if magic == SIMPLE_REPLY_MAGIC {
+            let error = self.stream.read_u32().await.unwrap();
+            let cookie = self.stream.read_u64().await.unwrap();
+            let mut data = vec![0u8; if error == 0 { simple_read_len } else { 0 }];
+            self.stream.read_exact(&mut data).await.unwrap();
+            return (Chunk::Simple { cookie, error }, data);
+        }
+        assert_eq!(magic, STRUCTURED_REPLY_MAGIC);
+        let flags = self.stream.read_u16().await.unwrap();
+        let kind = self.stream.read_u16().await.unwrap();
+        let cookie = self.stream.read_u64().await.unwrap();
+        let len = self.stream.read_u32().await.unwrap();
+        let mut payload = vec![0u8; len as usize];
+        self.stream.read_exact(&mut payload).await.unwrap();
+        (
+            Chunk::Structured {
+                flags,
+                kind,
+                cookie,
+                payload,
+            },
+            Vec::new(),
+        )
+    }
+
+    /// The error number of a final reply (0 = success).
+    async fn status(&mut self) -> (u64, u32) {
+        match self.reply(0).await.0 {
+            Chunk::Simple { cookie, error } => (cookie, error),
+            Chunk::Structured {
+                flags,
+                kind,
+                cookie,
+                payload,
+            } => {
+                assert_eq!(flags & REPLY_FLAG_DONE, REPLY_FLAG_DONE);
+                if kind & (1 << 15) != 0 {
+                    (
+                        cookie,
+                        u32::from_be_bytes(payload[0..4].try_into().unwrap()),
+                    )
+                } else {
+                    (cookie, 0)
+                }
+            }
+        }
+    }
+
+    async fn closed(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), self.stream.read(&mut byte)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[tokio::test]
+async fn negotiation_lists_informs_and_refuses_unknown_things() {
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let mut client = Client::connect(&server).await;
+
+    client.option(OPT_LIST, &[]).await;
+    let replies = client.option_replies().await;
+    assert_eq!(replies[0].kind, REP_SERVER);
+    assert_eq!(&replies[0].data[4..8], b"disk");
+    assert_eq!(replies.last().unwrap().kind, REP_ACK);
+
+    // Metadata contexts need structured replies first.
+    let replies = client.set_meta("disk").await;
+    assert_eq!(replies[0].kind, REP_ERR_INVALID);
+
+    // Unknown options and unknown exports get errors, and the session goes on.
+    client.option(99, b"whatever").await;
+    let reply = client.option_reply().await;
+    assert_eq!((reply.option, reply.kind), (99, REP_ERR_UNSUP));
+    client
+        .option(OPT_INFO, &Client::name_request("nope", &0u16.to_be_bytes()))
+        .await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_UNKNOWN);
+    // A malformed INFO (name length past the data) is refused, not misread.
+    client.option(OPT_INFO, &[0, 0, 0, 200, b'd']).await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_INVALID);
+
+    // INFO with block sizes: minimum 1, preferred 4096, maximum 32 MiB.
+    client
+        .option(
+            OPT_INFO,
+            &Client::name_request(
+                "disk",
+                &[0, 2, 0, INFO_BLOCK_SIZE as u8, 0, INFO_NAME as u8],
+            ),
+        )
+        .await;
+    let replies = client.option_replies().await;
+    let block = replies
+        .iter()
+        .find(|r| r.kind == REP_INFO && r.data[0..2] == INFO_BLOCK_SIZE.to_be_bytes())
+        .expect("block size info");
+    assert_eq!(&block.data[2..6], &1u32.to_be_bytes());
+    assert_eq!(&block.data[6..10], &4096u32.to_be_bytes());
+    assert_eq!(&block.data[10..14], &MAX_PAYLOAD.to_be_bytes());
+    assert!(replies
+        .iter()
+        .any(|r| r.kind == REP_INFO && r.data[..] == [&[0u8, 1][..], b"disk"].concat()));
+
+    // "" names the default export.
+    client.structured().await;
+    let (size, flags) = client.go("").await;
+    assert_eq!(size, SIZE);
+    for flag in [
+        TF_HAS_FLAGS,
+        TF_SEND_FLUSH,
+        TF_SEND_FUA,
+        TF_SEND_TRIM,
+        TF_SEND_WRITE_ZEROES,
+        TF_CAN_MULTI_CONN,
+        TF_SEND_DF,
+    ] {
+        assert_eq!(flags & flag, flag, "flag {flag:#x} missing");
+    }
+    assert_eq!(flags & TF_READ_ONLY, 0);
+    client.send(CMD_DISC, 0, 1, 0, 0).await;
+    assert!(client.closed().await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn export_name_option_and_abort() {
+    let server = Server::start(MemoryDevice::new(true)).await;
+    let mut client = Client::connect(&server).await;
+    client.option(OPT_EXPORT_NAME, b"disk").await;
+    let size = client.stream.read_u64().await.unwrap();
+    let flags = client.stream.read_u16().await.unwrap();
+    assert_eq!(size, SIZE);
+    assert_eq!(flags & TF_READ_ONLY, TF_READ_ONLY);
+    // Simple replies: a read brings its data right after the header.
+    client.send(CMD_READ, 0, 5, 0, 512).await;
+    let (chunk, data) = client.reply(512).await;
+    assert_eq!(
+        chunk,
+        Chunk::Simple {
+            cookie: 5,
+            error: 0
+        }
+    );
+    assert_eq!(data, vec![0u8; 512]);
+    // Writes on a read-only export: EPERM, and the payload is consumed (stream stays in sync).
+    client.write(6, 0, &[1u8; 4096], 0).await;
+    assert_eq!(client.status().await, (6, Errno::Perm as u32));
+    client.send(CMD_TRIM, 0, 7, 0, 4096).await;
+    assert_eq!(client.status().await, (7, Errno::Perm as u32));
+
+    let mut other = Client::connect(&server).await;
+    other.option(OPT_ABORT, &[]).await;
+    assert_eq!(other.option_reply().await.kind, REP_ACK);
+    assert!(other.closed().await);
+    // An unknown name with EXPORT_NAME can only be answered by closing.
+    let mut third = Client::connect(&server).await;
+    third.option(OPT_EXPORT_NAME, b"nope").await;
+    assert!(third.closed().await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn commands_do_what_they_say() {
+    let device = MemoryDevice::new(false);
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    let data = pattern(8192, 3);
+
+    client.write(1, 65536, &data, CMD_FLAG_FUA).await;
+    assert_eq!(client.status().await, (1, 0));
+    assert_eq!(device.flushes.load(Ordering::SeqCst), 1, "FUA flushes");
+
+    client.send(CMD_READ, CMD_FLAG_DF, 2, 65536, 8192).await;
+    let (chunk, _) = client.reply(0).await;
+    let Chunk::Structured {
+        flags,
+        kind,
+        cookie,
+        payload,
+    } = chunk
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 2)
+    );
+    assert_eq!(&payload[0..8], &65536u64.to_be_bytes());
+    assert_eq!(&payload[8..], &data[..]);
+
+    client.send(CMD_FLUSH, 0, 3, 0, 0).await;
+    assert_eq!(client.status().await, (3, 0));
+    assert_eq!(device.flushes.load(Ordering::SeqCst), 2);
+
+    // Block status: written blocks are data, the rest holes that read as zeros.
+    client.send(CMD_BLOCK_STATUS, 0, 4, 61440, 16384).await;
+    let Chunk::Structured { kind, payload, .. } = client.reply(0).await.0 else {
+        panic!()
+    };
+    assert_eq!(kind, REPLY_TYPE_BLOCK_STATUS);
+    assert_eq!(&payload[0..4], &BASE_ALLOCATION_ID.to_be_bytes());
+    let descriptors: Vec<(u32, u32)> = payload[4..]
+        .chunks(8)
+        .map(|d| {
+            (
+                u32::from_be_bytes(d[0..4].try_into().unwrap()),
+                u32::from_be_bytes(d[4..8].try_into().unwrap()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        descriptors,
+        vec![
+            (4096, STATE_HOLE | STATE_ZERO),
+            (8192, 0),
+            (4096, STATE_HOLE | STATE_ZERO)
+        ]
+    );
+    client
+        .send(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 5, 61440, 16384)
+        .await;
+    let Chunk::Structured { payload, .. } = client.reply(0).await.0 else {
+        panic!()
+    };
+    assert_eq!(payload.len(), 12, "REQ_ONE: one descriptor");
+
+    // Write-zeroes: with FAST_ZERO and NO_HOLE the default device says "not fast".
+    client
+        .send(
+            CMD_WRITE_ZEROES,
+            CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+            6,
+            65536,
+            4096,
+        )
+        .await;
+    assert_eq!(client.status().await, (6, Errno::NotSup as u32));
+    client
+        .send(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 7, 65536, 4096)
+        .await;
+    assert_eq!(client.status().await, (7, 0));
+    client.send(CMD_TRIM, 0, 8, 69632, 4096).await;
+    assert_eq!(client.status().await, (8, 0));
+    assert!(device.bytes.lock().unwrap()[65536..73728]
+        .iter()
+        .all(|&b| b == 0));
+
+    // Out of range: EINVAL for reads, ENOSPC for writes; unknown commands and flags: EINVAL.
+    client.send(CMD_READ, 0, 9, SIZE - 512, 1024).await;
+    assert_eq!(client.status().await, (9, Errno::Inval as u32));
+    client.write(10, SIZE - 512, &[7u8; 1024], 0).await;
+    assert_eq!(client.status().await, (10, Errno::NoSpc as u32));
+    client.send(CMD_READ, 0, 11, u64::MAX - 10, 512).await;
+    assert_eq!(client.status().await, (11, Errno::Inval as u32));
+    client.send(42, 0, 12, 0, 0).await;
+    assert_eq!(client.status().await, (12, Errno::Inval as u32));
+    client.send(CMD_FLUSH, 1 << 9, 13, 0, 0).await;
+    assert_eq!(client.status().await, (13, Errno::Inval as u32));
+    // A read over the maximum payload is refused, and the connection goes on.
+    client.send(CMD_READ, 0, 14, 0, MAX_PAYLOAD + 1).await;
+    assert_eq!(client.status().await, (14, Errno::Inval as u32));
+    client.send(CMD_FLUSH, 0, 15, 0, 0).await;
+    assert_eq!(client.status().await, (15, 0));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_sector_fails_only_its_request() {
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let mut client = Client::attach(&server, true).await;
+    client.send(CMD_READ, 0, 1, BAD_OFFSET - 4096, 12288).await;
+    let Chunk::Structured {
+        flags,
+        kind,
+        cookie,
+        payload,
+    } = client.reply(0).await.0
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_ERROR_OFFSET, 1)
+    );
+    assert_eq!(&payload[0..4], &(Errno::Io as u32).to_be_bytes());
+    let message_len = u16::from_be_bytes(payload[4..6].try_into().unwrap()) as usize;
+    assert!(std::str::from_utf8(&payload[6..6 + message_len])
+        .unwrap()
+        .contains("authentication"));
+    assert_eq!(&payload[6 + message_len..], &BAD_OFFSET.to_be_bytes());
+    // The neighbours read fine, on the same connection.
+    client.send(CMD_READ, 0, 2, BAD_OFFSET + 4096, 4096).await;
+    assert_eq!(client.status().await, (2, 0));
+
+    // Without structured replies the error is a simple reply with EIO and no data.
+    let mut simple = Client::attach(&server, false).await;
+    simple.send(CMD_READ, 0, 3, BAD_OFFSET, 4096).await;
+    assert_eq!(
+        simple.reply(4096).await.0,
+        Chunk::Simple {
+            cookie: 3,
+            error: Errno::Io as u32
+        }
+    );
+    simple.send(CMD_READ, 0, 4, 0, 4096).await;
+    assert_eq!(
+        simple.reply(4096).await.0,
+        Chunk::Simple {
+            cookie: 4,
+            error: 0
+        }
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn replies_come_back_out_of_order() {
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let mut client = Client::attach(&server, true).await;
+    client.send(CMD_READ, 0, 1, SLOW_OFFSET, 4096).await;
+    client.send(CMD_READ, 0, 2, 0, 4096).await;
+    assert_eq!(
+        client.status().await.0,
+        2,
+        "the fast read overtakes the slow one"
+    );
+    assert_eq!(client.status().await.0, 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn misbehaving_clients_are_cut_off_and_others_carry_on() {
+    let device = MemoryDevice::new(false);
+    let server = Server::start(device.clone()).await;
+    let mut good = Client::attach(&server, true).await;
+
+    // Bad request magic.
+    let mut bad = Client::attach(&server, true).await;
+    bad.stream
+        .write_all(&[0xde; REQUEST_HEADER_LEN])
+        .await
+        .unwrap();
+    assert!(bad.closed().await);
+
+    // A write over the maximum payload.
+    let mut big = Client::attach(&server, true).await;
+    big.send(CMD_WRITE, 0, 1, 0, MAX_PAYLOAD + 4096).await;
+    assert!(big.closed().await);
+
+    // Gone in the middle of a write's payload.
+    let mut quitter = Client::attach(&server, true).await;
+    quitter.send(CMD_WRITE, 0, 1, 0, 8192).await;
+    quitter.stream.write_all(&[9u8; 100]).await.unwrap();
+    drop(quitter);
+
+    // Bad option magic during negotiation, and an oversized option.
+    let mut early = Client::connect(&server).await;
+    early.stream.write_all(&[0u8; 16]).await.unwrap();
+    assert!(early.closed().await);
+    let mut huge = Client::connect(&server).await;
+    huge.stream
+        .write_all(&IHAVEOPT.to_be_bytes())
+        .await
+        .unwrap();
+    huge.stream.write_all(&OPT_GO.to_be_bytes()).await.unwrap();
+    huge.stream
+        .write_all(&u32::MAX.to_be_bytes())
+        .await
+        .unwrap();
+    assert_eq!(huge.option_reply().await.kind, REP_ERR_TOO_BIG);
+    assert!(huge.closed().await);
+    // Unknown client flags.
+    let mut stream = UnixStream::connect(&server.path).await.unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).await.unwrap();
+    stream.write_u32(0xff).await.unwrap();
+    let mut client = Client { stream };
+    assert!(client.closed().await);
+
+    // The well-behaved client never noticed, and the partial write was not applied.
+    let data = pattern(4096, 9);
+    good.write(1, 0, &data, 0).await;
+    assert_eq!(good.status().await, (1, 0));
+    good.send(CMD_READ, 0, 2, 0, 4096).await;
+    let Chunk::Structured { payload, .. } = good.reply(0).await.0 else {
+        panic!()
+    };
+    assert_eq!(&payload[8..], &data[..]);
+    let stats = server.stop().await;
+    assert!(stats.protocol_errors >= 5, "{stats:?}");
+}
+
+#[tokio::test]
+async fn shutdown_finishes_requests_in_flight() {
+    let device = MemoryDevice::new(false);
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    let data = pattern(4096, 5);
+    client.write(1, SLOW_OFFSET, &data, 0).await;
+    // Let the request reach the device, then stop the server while it sleeps there.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let path = server.path.clone();
+    let stats = server.stop().await;
+    assert_eq!(stats.connections, 1);
+    assert_eq!(
+        client.status().await,
+        (1, 0),
+        "the write in flight was answered"
+    );
+    assert!(client.closed().await);
+    assert_eq!(
+        &device.bytes.lock().unwrap()[SLOW_OFFSET as usize..][..4096],
+        &data[..]
+    );
+    assert!(!path.exists(), "the socket file is removed");
+}
+
+#[tokio::test]
+async fn a_live_socket_is_not_taken_over_and_a_stale_one_is() {
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let err = match Listener::bind(&ListenAddress::Unix(server.path.clone())).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("bound over a live server"),
+    };
+    assert!(err.contains("another server is listening"), "{err}");
+    server.stop().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let listener = Listener::bind(&ListenAddress::Unix(stale.clone()))
+        .await
+        .unwrap();
+    drop(listener);
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let err = match Listener::bind(&ListenAddress::Unix(file.clone())).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("bound over a file"),
+    };
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}

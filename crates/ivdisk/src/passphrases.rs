@@ -1,0 +1,330 @@
+//! `ivdisk passphrase add|remove|change IMAGE`: the keyslots of an image, with the image
+//! commands' secret options (`--passphrase-file`/`--key-file` for a passphrase that opens the
+//! image, `--new-passphrase-file`/`--new-key-file` for the new one, a no-echo prompt on a
+//! terminal otherwise).
+//!
+//! ivdisk images change through `ivdisk-image` (the header object, one version-asserted store
+//! operation); LUKS files made by cryptsetup through the header-file code of `ivdisk key`
+//! ([`HeaderFile`]), their keyslots being in the file.
+//!
+//! When the new passphrase is typed, the existing one is checked first, so that a typo in it
+//! is reported before the new one is asked for twice (at the cost of one more key derivation;
+//! with files nothing is typed, and the change itself checks it).
+
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use ivdisk_header::HeaderError;
+use ivdisk_image::{Image, ImageError, ImageUri};
+use serde_json::json;
+use tokio::runtime::Runtime;
+use zeroize::Zeroizing;
+
+use crate::images::{flat, info_of, parse_uri};
+use crate::keys::HeaderFile;
+use crate::secrets::{print, with_spinner, NewPassphraseArgs, PassphraseArgs, PbkdfArgs};
+
+/// What IMAGE may be for `ivdisk passphrase`.
+const PASSPHRASE_IMAGE_HELP: &str = "The image: PATH or file:PATH (a local store directory, or a \
+    LUKS2 file made by cryptsetup), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS, mem:NAME";
+
+const KEYSLOT_NOTE: &str = "An image has up to 32 keyslots, each opening it with its own \
+    passphrase; every keyslot holds the same volume key, so the data is not re-encrypted, and on \
+    RADOS an image being served keeps running (a local store is open in one process at a time: \
+    stop its server first). A header backup made earlier still opens with the \
+    passphrases valid when it was made.";
+
+#[derive(Subcommand)]
+pub enum PassphraseCommand {
+    /// Add a passphrase (a new keyslot), authorised by a passphrase that opens the image.
+    #[command(after_help = format!(
+        "Example:\n  ivdisk passphrase add disk.ivd\n  ivdisk passphrase add 'rados://rbd/vm1?id=admin' --passphrase-file old.txt --new-passphrase-file new.txt --json\n\n{KEYSLOT_NOTE}"
+    ))]
+    Add(AddArgs),
+    /// Remove the keyslot a passphrase opens (or the one named by --key-slot). The last
+    /// keyslot stays unless --force: without any, nothing opens the image ever again.
+    #[command(after_help = format!(
+        "Example:\n  ivdisk passphrase remove disk.ivd --passphrase-file old.txt\n  ivdisk passphrase remove disk.ivd --key-slot 0 --passphrase-file other.txt\n\n{KEYSLOT_NOTE}"
+    ))]
+    Remove(RemoveArgs),
+    /// Replace a passphrase by a new one, keeping its keyslot number.
+    #[command(after_help = format!(
+        "Example:\n  ivdisk passphrase change disk.ivd\n  ivdisk passphrase change disk.ivd --passphrase-file old.txt --new-passphrase-file new.txt\n\n{KEYSLOT_NOTE}"
+    ))]
+    Change(ChangeArgs),
+}
+
+#[derive(Args)]
+pub struct AddArgs {
+    #[arg(help = PASSPHRASE_IMAGE_HELP)]
+    image: String,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    #[command(flatten)]
+    new: NewPassphraseArgs,
+    #[command(flatten)]
+    pbkdf: PbkdfArgs,
+    /// Print JSON: image, keyslot (the new one), keyslots (all).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct RemoveArgs {
+    #[arg(help = PASSPHRASE_IMAGE_HELP)]
+    image: String,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Remove this keyslot; the passphrase given may be that of any keyslot (it authorises the
+    /// removal).
+    #[arg(long, short = 'S', value_name = "N")]
+    key_slot: Option<u32>,
+    /// Allow removing the last keyslot: the image can then never be opened again.
+    #[arg(long)]
+    force: bool,
+    /// Print JSON: image, removed, keyslots (those left).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ChangeArgs {
+    #[arg(help = PASSPHRASE_IMAGE_HELP)]
+    image: String,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    #[command(flatten)]
+    new: NewPassphraseArgs,
+    /// Change only this keyslot (the current passphrase must open it).
+    #[arg(long, short = 'S', value_name = "N")]
+    key_slot: Option<u32>,
+    #[command(flatten)]
+    pbkdf: PbkdfArgs,
+    /// Print JSON: image, keyslot, keyslots.
+    #[arg(long)]
+    json: bool,
+}
+
+/// An image error with "nothing was changed" and, for a passphrase that matched no keyslot,
+/// the newline hint of the secret options.
+fn unchanged(e: ImageError, args: &PassphraseArgs, secret: &[u8]) -> anyhow::Error {
+    let hint = match &e {
+        ImageError::Header {
+            source: HeaderError::WrongPassphrase { .. } | HeaderError::KeyslotMismatch { .. },
+            ..
+        } => args.unlock_hint(secret),
+        _ => String::new(),
+    };
+    match e {
+        // Its message already says so.
+        ImageError::HeaderChanged { .. } => flat(e),
+        e => anyhow::anyhow!("{e}; nothing was changed{hint}"),
+    }
+}
+
+/// The same for a LUKS file (errors of the header-file code).
+fn file_unchanged(
+    e: anyhow::Error,
+    file: &HeaderFile,
+    args: &PassphraseArgs,
+    secret: &[u8],
+) -> anyhow::Error {
+    let hint = match e.downcast_ref::<HeaderError>() {
+        Some(HeaderError::WrongPassphrase { .. } | HeaderError::KeyslotMismatch { .. }) => {
+            args.unlock_hint(secret)
+        }
+        _ => String::new(),
+    };
+    anyhow::anyhow!(
+        "{}: {e:#}; nothing was changed{hint}",
+        file.path().display()
+    )
+}
+
+fn slots(keyslots: &[u32]) -> String {
+    keyslots
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The keyslots of an ivdisk image or LUKS file after a change.
+fn keyslots_now(rt: &Runtime, uri: &ImageUri) -> Result<Vec<u32>> {
+    Ok(info_of(rt, uri)?.keyslots)
+}
+
+/// Refuse, before any passphrase is asked for, a removal `remove_keyslot` would refuse.
+fn check_removal(uri: &ImageUri, keyslots: &[u32], slot: Option<u32>, force: bool) -> Result<()> {
+    if let Some(slot) = slot {
+        if !keyslots.contains(&slot) {
+            bail!(
+                "image {uri}: keyslot {slot} does not exist (keyslots in use: {}); nothing was \
+                 changed",
+                slots(keyslots)
+            );
+        }
+    }
+    if keyslots.len() == 1 && !force {
+        bail!(
+            "image {uri}: {}; nothing was changed",
+            HeaderError::LastKeyslot(keyslots[0])
+        );
+    }
+    Ok(())
+}
+
+pub fn run(command: PassphraseCommand, rt: &Runtime) -> Result<()> {
+    match command {
+        PassphraseCommand::Add(args) => add(args, rt),
+        PassphraseCommand::Remove(args) => remove(args, rt),
+        PassphraseCommand::Change(args) => change(args, rt),
+    }
+}
+
+fn add(args: AddArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let pbkdf = args.pbkdf.request()?;
+    args.new.check_against(&args.passphrase)?;
+    let (slot, keyslots) = if let Some(path) = uri.luks_file() {
+        let mut file = HeaderFile::open(path)?;
+        let existing = args.passphrase.existing()?;
+        let (_, key) = file
+            .unlock(&existing, None)
+            .map_err(|e| file_unchanged(e, &file, &args.passphrase, &existing))?;
+        drop(existing);
+        let new = args.new.read()?;
+        let slot = file
+            .add(&key, &new, None, &pbkdf)
+            .map_err(|e| file_unchanged(e, &file, &args.passphrase, &[]))?;
+        (slot, file.keyslots())
+    } else {
+        info_of(rt, &uri)?;
+        let existing = args.passphrase.existing()?;
+        if !args.new.given() {
+            check_first(rt, &uri, &args.passphrase, &existing)?;
+        }
+        let new = args.new.read()?;
+        let slot = with_spinner(
+            "writing the new keyslot (the key derivation takes seconds by design)",
+            || rt.block_on(Image::add_passphrase(&uri, &existing, &new, &pbkdf)),
+        )
+        .map_err(|e| unchanged(e, &args.passphrase, &existing))?;
+        (slot, keyslots_now(rt, &uri)?)
+    };
+    print(
+        args.json,
+        json!({"image": uri.to_string(), "keyslot": slot, "keyslots": keyslots}),
+        format!(
+            "image {uri}: keyslot {slot} added; keyslots in use: {}",
+            slots(&keyslots)
+        ),
+    );
+    Ok(())
+}
+
+/// Check the existing passphrase of an ivdisk image before the new one is typed.
+fn check_first(
+    rt: &Runtime,
+    uri: &ImageUri,
+    args: &PassphraseArgs,
+    existing: &Zeroizing<Vec<u8>>,
+) -> Result<()> {
+    with_spinner(
+        "checking the passphrase (the key derivation takes seconds by design)",
+        || rt.block_on(Image::check_passphrase(uri, existing)),
+    )
+    .map_err(|e| unchanged(e, args, existing))?;
+    Ok(())
+}
+
+fn remove(args: RemoveArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let (removed, keyslots) = if let Some(path) = uri.luks_file() {
+        let mut file = HeaderFile::open(path)?;
+        check_removal(&uri, &file.keyslots(), args.key_slot, args.force)?;
+        let secret = args.passphrase.existing()?;
+        let (opened, _) = file
+            .unlock(&secret, None)
+            .map_err(|e| file_unchanged(e, &file, &args.passphrase, &secret))?;
+        let slot = args.key_slot.unwrap_or(opened);
+        file.remove(slot, args.force)
+            .map_err(|e| file_unchanged(e, &file, &args.passphrase, &secret))?;
+        (slot, file.keyslots())
+    } else {
+        let before = info_of(rt, &uri)?;
+        check_removal(&uri, &before.keyslots, args.key_slot, args.force)?;
+        let secret = args.passphrase.existing()?;
+        let slot = with_spinner(
+            "unlocking (the key derivation takes seconds by design)",
+            || {
+                rt.block_on(Image::remove_passphrase(
+                    &uri,
+                    &secret,
+                    args.key_slot,
+                    args.force,
+                ))
+            },
+        )
+        .map_err(|e| unchanged(e, &args.passphrase, &secret))?;
+        (slot, keyslots_now(rt, &uri)?)
+    };
+    print(
+        args.json,
+        json!({"image": uri.to_string(), "removed": removed, "keyslots": keyslots}),
+        format!(
+            "image {uri}: keyslot {removed} removed; keyslots left: {}",
+            if keyslots.is_empty() {
+                "none (nothing opens this image any more)".to_owned()
+            } else {
+                slots(&keyslots)
+            }
+        ),
+    );
+    Ok(())
+}
+
+fn change(args: ChangeArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let pbkdf = args.pbkdf.request()?;
+    args.new.check_against(&args.passphrase)?;
+    let (slot, keyslots) = if let Some(path) = uri.luks_file() {
+        let mut file = HeaderFile::open(path)?;
+        let old = args.passphrase.existing()?;
+        if !args.new.given() {
+            file.unlock(&old, args.key_slot)
+                .map_err(|e| file_unchanged(e, &file, &args.passphrase, &old))?;
+        }
+        let new = args.new.read()?;
+        let slot = file
+            .change(&old, &new, args.key_slot, &pbkdf)
+            .map_err(|e| file_unchanged(e, &file, &args.passphrase, &old))?;
+        (slot, file.keyslots())
+    } else {
+        info_of(rt, &uri)?;
+        let old = args.passphrase.existing()?;
+        if !args.new.given() {
+            check_first(rt, &uri, &args.passphrase, &old)?;
+        }
+        let new = args.new.read()?;
+        let slot = with_spinner(
+            "changing the passphrase (the key derivations take seconds by design)",
+            || {
+                rt.block_on(Image::change_passphrase(
+                    &uri,
+                    &old,
+                    &new,
+                    args.key_slot,
+                    &pbkdf,
+                ))
+            },
+        )
+        .map_err(|e| unchanged(e, &args.passphrase, &old))?;
+        (slot, keyslots_now(rt, &uri)?)
+    };
+    print(
+        args.json,
+        json!({"image": uri.to_string(), "keyslot": slot, "keyslots": keyslots}),
+        format!("image {uri}: keyslot {slot} now opens with the new passphrase; the old one no longer opens it"),
+    );
+    Ok(())
+}

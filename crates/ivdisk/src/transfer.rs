@@ -1,0 +1,714 @@
+//! `ivdisk import`, `export` and `verify`: whole-image passes through the image's IO path.
+//!
+//! Each pass cuts the image into chunks of at most one object (so each chunk is one store
+//! operation per object touched) and keeps [`IN_FLIGHT`] of them going at once, each on a
+//! runtime task of its own: the store round trips overlap, and encryption/decryption runs on
+//! every runtime thread instead of only the one driving the pass.
+//!
+//! Sparseness, both ways: import skips all-zero chunks (an unwritten sector already reads as
+//! zeros); export skips the image's holes ([`Image::allocation`]: objects that do not exist)
+//! and all-zero chunks, leaving holes in the output file; verify reads only allocated objects
+//! (a missing object holds nothing to authenticate).
+
+use std::fs::File;
+use std::io::{IsTerminal, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use futures_util::stream::{self, StreamExt};
+use indicatif::{ProgressBar, ProgressStyle};
+use ivdisk_image::{AllocationExtent, Image, ImageError, ImageUri, OpenOptions};
+use serde_json::json;
+use tokio::runtime::Runtime;
+
+use crate::images::{
+    flat, human_size, info_of, parse_uri, refuse_existing, FormatArgs, IMAGE_HELP,
+};
+use crate::secrets::{with_spinner, PassphraseArgs};
+
+/// Chunks in flight at once.
+const IN_FLIGHT: usize = 8;
+/// Largest chunk: one object, but at most this (64 MiB objects would otherwise keep half a
+/// GiB of buffers in flight).
+const MAX_CHUNK: u64 = 8 << 20;
+
+fn chunk_size(image: &Image) -> u64 {
+    image.object_size().min(MAX_CHUNK)
+}
+
+fn all_zero(bytes: &[u8]) -> bool {
+    // 16 bytes at a time: data chunks differ from zero in their first bytes almost always,
+    // zero chunks are scanned at memory speed.
+    let mut chunks = bytes.chunks_exact(16);
+    chunks
+        .by_ref()
+        .all(|c| u128::from_ne_bytes(c.try_into().expect("16 bytes")) == 0)
+        && chunks.remainder().iter().all(|&b| b == 0)
+}
+
+/// A byte progress bar on a terminal's stderr; hidden otherwise and with --json.
+fn progress(total: u64, what: &str, json: bool) -> ProgressBar {
+    if json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} {bar:40} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta} left)",
+        )
+        .expect("a valid progress template"),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+/// `[offset, offset + len)` cut into pieces of at most `chunk` bytes.
+fn pieces(offset: u64, len: u64, chunk: u64) -> impl Iterator<Item = (u64, u64)> {
+    let end = offset + len;
+    (offset..end)
+        .step_by(chunk as usize)
+        .map(move |at| (at, chunk.min(end - at)))
+}
+
+/// Open an image read-only with its passphrase (no writer lock: on RADOS this works while the
+/// image is served; a local store is open in one process at a time).
+fn open_read_only(rt: &Runtime, uri: &ImageUri, passphrase: &PassphraseArgs) -> Result<Image> {
+    // Refused before the passphrase is asked for when the image is not there.
+    info_of(rt, uri)?;
+    let secret = passphrase.existing()?;
+    with_spinner(
+        "unlocking (the key derivation takes seconds by design)",
+        || rt.block_on(Image::open(uri, &secret, &OpenOptions::read_only())),
+    )
+    .map_err(|e| {
+        let hint = match &e {
+            ImageError::Header { .. } => passphrase.unlock_hint(&secret),
+            _ => String::new(),
+        };
+        anyhow::anyhow!("{e}{hint}")
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// import
+
+#[derive(Args)]
+pub struct ImportArgs {
+    /// The raw (plaintext) disk image to read: a regular file or a block device.
+    file: PathBuf,
+    /// The image to create (it must not exist). PATH or file:PATH (a new local store
+    /// directory), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS, mem:NAME.
+    image: String,
+    #[command(flatten)]
+    format: FormatArgs,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Print JSON: image, file, size, bytes, bytes_written, seconds; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The size of a regular file or block device (whose metadata says 0).
+fn source_len(path: &Path, file: &mut File) -> Result<u64> {
+    let meta = file
+        .metadata()
+        .with_context(|| format!("reading the size of {}", path.display()))?;
+    let kind = meta.file_type();
+    if !(kind.is_file() || kind.is_block_device()) {
+        bail!(
+            "{} is not a regular file or block device: import reads a raw disk image whose size \
+             is known",
+            path.display()
+        );
+    }
+    file.seek(SeekFrom::End(0))
+        .with_context(|| format!("reading the size of {}", path.display()))
+}
+
+pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let mut file = File::open(&args.file)
+        .with_context(|| format!("cannot open {} for reading", args.file.display()))?;
+    let bytes = source_len(&args.file, &mut file)?;
+    if bytes == 0 {
+        bail!(
+            "{} is empty: an image needs at least one sector",
+            args.file.display()
+        );
+    }
+    let ss = u64::from(args.format.sector_size);
+    let size = bytes.div_ceil(ss) * ss;
+    let options = args.format.options(&uri, size)?;
+    refuse_existing(rt, &uri)?;
+    let passphrase = args.passphrase.new_passphrase()?;
+    if size != bytes {
+        eprintln!(
+            "ivdisk: note: {} is {bytes} bytes, not a multiple of the {ss}-byte sector size: \
+             image {uri} is {size} bytes, rounded up, and its last {} byte(s) read as zeros",
+            args.file.display(),
+            size - bytes
+        );
+    }
+    let image = with_spinner(
+        "creating (the key derivation benchmark takes seconds by design)",
+        || rt.block_on(Image::create(&uri, &options, &passphrase)),
+    )
+    .map_err(flat)?;
+    drop(passphrase);
+    let bar = progress(bytes, "importing", args.json);
+    let started = Instant::now();
+    let written = fill_or_delete(rt, &uri, image, &args.file, file, bytes, &bar)?;
+    let seconds = started.elapsed().as_secs_f64();
+    crate::secrets::print(
+        args.json,
+        json!({"image": uri.to_string(), "file": args.file, "size": size, "bytes": bytes,
+               "bytes_written": written, "seconds": seconds}),
+        format!(
+            "imported {} ({}) into image {uri} in {seconds:.1} s: {} written, the rest zeros \
+             left unwritten",
+            args.file.display(),
+            human_size(bytes),
+            human_size(written)
+        ),
+    );
+    Ok(())
+}
+
+/// Copy `len` bytes of `file` (at `path`) into the new image `image` of `uri` and close it;
+/// if that fails, delete the image again (a half-imported image must not pass for a copy).
+fn fill_or_delete(
+    rt: &Runtime,
+    uri: &ImageUri,
+    image: Image,
+    path: &Path,
+    file: File,
+    len: u64,
+    bar: &ProgressBar,
+) -> Result<u64> {
+    let copied = rt.block_on(copy_in(&image, Arc::new(file), len, bar));
+    bar.finish_and_clear();
+    // Closing flushes (only then is the import durable) and releases the writer lock, which
+    // the delete below takes.
+    let closed = rt.block_on(image.close()).map_err(flat);
+    match copied.and_then(|w| closed.map(|()| w)) {
+        Ok(written) => Ok(written),
+        Err(e) => {
+            let deleted = rt.block_on(Image::delete(uri, |_, _| {}));
+            Err(match deleted {
+                Ok(()) => e.context(format!(
+                    "importing {} into {uri} failed; the half-made image {uri} was deleted",
+                    path.display()
+                )),
+                Err(d) => e.context(format!(
+                    "importing {} into {uri} failed, and deleting the half-made image failed \
+                     too ({d}); delete it with `ivdisk delete {uri} --yes`",
+                    path.display()
+                )),
+            })
+        }
+    }
+}
+
+/// Copy `len` bytes of `file` into `image` from offset 0; returns the bytes written (the
+/// chunks that were not all zeros). On an error, the chunks still in flight finish first, so
+/// nothing writes to the image any more when it returns.
+async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) -> Result<u64> {
+    let chunk = chunk_size(image);
+    let ss = image.sector_size() as u64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = stream::iter(pieces(0, len, chunk))
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .map(|(offset, n)| {
+            let (image, file) = (image.clone(), file.clone());
+            tokio::spawn(async move {
+                let buf = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+                    // The last chunk is padded to a whole sector (the image was rounded up).
+                    let mut buf = vec![0u8; n.div_ceil(ss) as usize * ss as usize];
+                    file.read_exact_at(&mut buf[..n as usize], offset)?;
+                    Ok(buf)
+                })
+                .await
+                .context("the file reading task failed")?
+                .with_context(|| format!("reading bytes [{offset}, +{n}) of the file"))?;
+                if all_zero(&buf) {
+                    return Ok((n, 0));
+                }
+                image.write(offset, &buf).await.map_err(flat)?;
+                anyhow::Ok((n, buf.len() as u64))
+            })
+        })
+        .buffer_unordered(IN_FLIGHT);
+    let mut written = 0;
+    let mut error = None;
+    while let Some(done) = tasks.next().await {
+        match done
+            .context("an import task failed")
+            .and_then(|result| result)
+        {
+            Ok((n, w)) => {
+                bar.inc(n);
+                written += w;
+            }
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                error.get_or_insert(e);
+            }
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(written),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// export
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    /// The raw (plaintext) file to write, the image's size, with holes where the image has
+    /// none of its data; "-" writes to standard output (every byte, zeros included).
+    file: PathBuf,
+    /// Overwrite FILE if it exists.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Print JSON: image, file, size, bytes_written, seconds, sparse; no progress bar. With
+    /// FILE "-" the report goes to standard error.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Where export writes.
+enum Sink {
+    /// A regular file: positioned writes of data, holes left where the image reads zeros.
+    File(File),
+    /// Standard output: every byte in order.
+    Stdout(std::io::BufWriter<std::io::Stdout>),
+}
+
+pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let to_stdout = args.file == Path::new("-");
+    if to_stdout {
+        if std::io::stdout().is_terminal() {
+            bail!(
+                "not writing the disk's bytes to a terminal: redirect standard output (ivdisk \
+                 export {uri} - > FILE), or name a file"
+            );
+        }
+    } else if let Ok(meta) = std::fs::symlink_metadata(&args.file) {
+        if !args.force {
+            bail!(
+                "{} exists; pass --force to overwrite it, or pick another name",
+                args.file.display()
+            );
+        }
+        if !meta.is_file() {
+            bail!(
+                "{} is not a regular file; export writes a raw file (to write a block device, \
+                 ivdisk export {uri} - > DEVICE)",
+                args.file.display()
+            );
+        }
+    }
+    let image = open_read_only(rt, &uri, &args.passphrase)?;
+    let size = image.size();
+    let mut sink = if to_stdout {
+        Sink::Stdout(std::io::BufWriter::with_capacity(
+            1 << 20,
+            std::io::stdout(),
+        ))
+    } else {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .create_new(!args.force)
+            .truncate(true)
+            .open(&args.file)
+            .with_context(|| format!("cannot create {}", args.file.display()))?;
+        // Every byte not written below stays a hole: the file reads as zeros there.
+        file.set_len(size)
+            .with_context(|| format!("setting the size of {}", args.file.display()))?;
+        Sink::File(file)
+    };
+    let bar = progress(size, "exporting", args.json);
+    let started = Instant::now();
+    let copied = rt.block_on(copy_out(&image, &mut sink, &bar));
+    bar.finish_and_clear();
+    let finished = copied.and_then(|written| {
+        match &mut sink {
+            Sink::File(file) => file
+                .sync_all()
+                .with_context(|| format!("syncing {}", args.file.display()))?,
+            Sink::Stdout(out) => out.flush().context("writing to standard output")?,
+        }
+        Ok(written)
+    });
+    let written = match finished {
+        Ok(written) => written,
+        Err(e) => {
+            if let Sink::File(_) = sink {
+                // An incomplete export must not pass for a copy of the image.
+                let _ = std::fs::remove_file(&args.file);
+                return Err(e.context(format!(
+                    "exporting image {uri} failed; the incomplete {} was removed",
+                    args.file.display()
+                )));
+            }
+            return Err(e.context(format!(
+                "exporting image {uri} failed; standard output got an incomplete copy"
+            )));
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let report = if args.json {
+        json!({"image": uri.to_string(), "file": args.file, "size": size,
+               "bytes_written": written, "seconds": seconds, "sparse": !to_stdout})
+        .to_string()
+    } else {
+        format!(
+            "exported image {uri} ({}) to {} in {seconds:.1} s: {} of data written{}",
+            human_size(size),
+            if to_stdout {
+                "standard output".to_owned()
+            } else {
+                args.file.display().to_string()
+            },
+            human_size(written),
+            if to_stdout { "" } else { ", holes elsewhere" }
+        )
+    };
+    // Standard output carries the disk's bytes: the report goes to standard error then.
+    if to_stdout {
+        eprintln!("{report}");
+    } else {
+        println!("{report}");
+    }
+    Ok(())
+}
+
+/// Copy the whole image into `sink`, in order; returns the bytes written that were not
+/// zeros left as holes.
+async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u64> {
+    let size = image.size();
+    let chunk = chunk_size(image);
+    let extents = image.allocation(0, size).await.map_err(flat)?;
+    let dense = matches!(sink, Sink::Stdout(_));
+    // Holes become one piece (nothing to read); on standard output, chunks of zeros.
+    let items: Vec<(u64, u64, bool)> = extents
+        .iter()
+        .flat_map(
+            |&AllocationExtent {
+                 offset,
+                 len,
+                 allocated,
+             }| {
+                let step = if allocated || dense { chunk } else { len };
+                pieces(offset, len, step).map(move |(at, n)| (at, n, allocated))
+            },
+        )
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut reads = stream::iter(items)
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .map(|(offset, n, allocated)| {
+            let image = image.clone();
+            async move {
+                if !allocated {
+                    return Ok((offset, n, None));
+                }
+                let buf = tokio::spawn(async move {
+                    let mut buf = vec![0u8; n as usize];
+                    image.read(offset, &mut buf).await.map(|()| buf)
+                })
+                .await
+                .context("an export task failed")?
+                .map_err(|e| match e {
+                    ImageError::Integrity { .. } => anyhow::anyhow!(
+                        "{e}; run `ivdisk verify {}` to list every damaged sector",
+                        image_name(&e)
+                    ),
+                    e => flat(e),
+                })?;
+                anyhow::Ok((offset, n, Some(buf)))
+            }
+        })
+        .buffered(IN_FLIGHT);
+    let mut written = 0;
+    let mut error = None;
+    let zeros = vec![0u8; chunk as usize];
+    while let Some(done) = reads.next().await {
+        if error.is_some() {
+            continue;
+        }
+        let result = done.and_then(|(offset, n, data)| {
+            match (&mut *sink, data) {
+                (Sink::File(file), Some(buf)) if !all_zero(&buf) => {
+                    file.write_all_at(&buf, offset)
+                        .with_context(|| format!("writing bytes [{offset}, +{n})"))?;
+                    written += n;
+                }
+                (Sink::File(_), _) => {}
+                (Sink::Stdout(out), Some(buf)) => {
+                    out.write_all(&buf).context("writing to standard output")?;
+                    written += n;
+                }
+                (Sink::Stdout(out), None) => {
+                    out.write_all(&zeros[..n as usize])
+                        .context("writing to standard output")?;
+                    written += n;
+                }
+            }
+            Ok(n)
+        });
+        match result {
+            Ok(n) => bar.inc(n),
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                error = Some(e);
+            }
+        }
+    }
+    match error {
+        Some(e) => Err(e),
+        None => Ok(written),
+    }
+}
+
+fn image_name(e: &ImageError) -> &str {
+    match e {
+        ImageError::Integrity { image, .. } => image,
+        _ => "IMAGE",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// verify
+
+#[derive(Args)]
+pub struct VerifyArgs {
+    #[arg(help = IMAGE_HELP)]
+    image: String,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Print JSON: image, sector_size, sectors_checked, bad_lbas, bad_offsets, ok,
+    /// authenticated; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What verify found.
+struct Report {
+    sector_size: u64,
+    sectors_checked: u64,
+    bad_lbas: Vec<u64>,
+    authenticated: bool,
+    suite: String,
+}
+
+/// `ivdisk verify`: exits 0 when every sector read back authentic, 1 when some did not
+/// (listed), 2 on any other error. `main` maps every error to 1, so this one exits itself;
+/// the image and its store are dropped first (a local store that is not closed counts as an
+/// unclean stop on its next open).
+pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
+    let json = args.json;
+    let uri = match parse_uri(&args.image) {
+        Ok(uri) => uri,
+        Err(e) => exit_with(2, &e),
+    };
+    let report = match check(&uri, &args.passphrase, json, rt) {
+        Ok(report) => report,
+        Err(e) => exit_with(2, &e),
+    };
+    let ss = report.sector_size;
+    let offsets: Vec<u64> = report.bad_lbas.iter().map(|l| l * ss).collect();
+    let ok = report.bad_lbas.is_empty();
+    if json {
+        println!(
+            "{}",
+            json!({"image": uri.to_string(), "sector_size": ss,
+                   "sectors_checked": report.sectors_checked, "bad_lbas": report.bad_lbas,
+                   "bad_offsets": offsets, "ok": ok, "authenticated": report.authenticated})
+        );
+    } else if ok {
+        println!(
+            "image {uri}: {} sector(s) of {ss} bytes checked ({}), all {}",
+            report.sectors_checked,
+            human_size(report.sectors_checked * ss),
+            if report.authenticated {
+                "authentic"
+            } else {
+                "readable"
+            }
+        );
+    } else {
+        println!(
+            "image {uri}: {} of {} sector(s) of {ss} bytes failed authentication (changed, \
+             moved or damaged in the store); they read as errors, the rest is intact:",
+            report.bad_lbas.len(),
+            report.sectors_checked
+        );
+        for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
+            println!("  LBA {lba} (byte offset {offset})");
+        }
+    }
+    if !report.authenticated {
+        eprintln!(
+            "ivdisk: note: suite {} has no MAC: verify found every sector readable, but cannot \
+             tell changed data from the original (an authenticated suite such as \
+             aegis128l-random can)",
+            report.suite
+        );
+    }
+    if !ok {
+        std::io::stdout().flush().ok();
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn exit_with(code: i32, e: &anyhow::Error) -> ! {
+    std::io::stdout().flush().ok();
+    eprintln!("ivdisk: {e:#}");
+    std::process::exit(code)
+}
+
+fn check(uri: &ImageUri, passphrase: &PassphraseArgs, json: bool, rt: &Runtime) -> Result<Report> {
+    let image = open_read_only(rt, uri, passphrase)?;
+    let chunk = chunk_size(&image);
+    let ss = image.sector_size() as u64;
+    let extents = rt
+        .block_on(image.allocation(0, image.size()))
+        .map_err(flat)?;
+    let allocated: u64 = extents.iter().filter(|e| e.allocated).map(|e| e.len).sum();
+    let bar = progress(allocated, "verifying", json);
+    let stop = Arc::new(AtomicBool::new(false));
+    let scanned = rt.block_on(async {
+        let mut reads = stream::iter(
+            extents
+                .iter()
+                .filter(|e| e.allocated)
+                .flat_map(|e| pieces(e.offset, e.len, chunk)),
+        )
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .map(|(offset, n)| {
+            let image = image.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; n as usize];
+                match image.read(offset, &mut buf).await {
+                    Ok(()) => Ok((n, Vec::new())),
+                    // The other sectors of the chunk were read and authenticated.
+                    Err(ImageError::Integrity { lbas, .. }) => Ok((n, lbas)),
+                    Err(e) => Err(flat(e)),
+                }
+            })
+        })
+        .buffer_unordered(IN_FLIGHT);
+        let mut bad = Vec::new();
+        let mut error = None;
+        while let Some(done) = reads.next().await {
+            match done.context("a verify task failed").and_then(|r| r) {
+                Ok((n, lbas)) => {
+                    bar.inc(n);
+                    bad.extend(lbas);
+                }
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(bad),
+        }
+    });
+    bar.finish_and_clear();
+    let mut bad_lbas = scanned?;
+    bad_lbas.sort_unstable();
+    bad_lbas.dedup();
+    Ok(Report {
+        sector_size: ss,
+        sectors_checked: allocated / ss,
+        bad_lbas,
+        authenticated: image.suite().is_authenticated(),
+        suite: image.suite().name().to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use ivdisk_header::{PbkdfKind, PbkdfRequest};
+    use ivdisk_image::CreateOptions;
+
+    use super::*;
+
+    #[test]
+    fn a_failed_import_deletes_the_half_made_image() {
+        let rt = runtime();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("short.raw");
+        // 64 KiB of data where 1 MiB was promised (a file that shrank, a failing disk): the
+        // copy fails after writing some chunks.
+        std::fs::write(&path, vec![0x5A; 64 << 10]).unwrap();
+        let uri = ImageUri::parse("mem:transfer-failed-import").unwrap();
+        let mut options = CreateOptions::new(1 << 20);
+        options.object_size = 64 << 10;
+        options.pbkdf = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+        let image = rt.block_on(Image::create(&uri, &options, b"pw")).unwrap();
+        let file = File::open(&path).unwrap();
+        let err = fill_or_delete(
+            &rt,
+            &uri,
+            image,
+            &path,
+            file,
+            1 << 20,
+            &ProgressBar::hidden(),
+        )
+        .unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("was deleted"), "{text}");
+        assert!(text.contains("reading bytes"), "{text}");
+        assert!(matches!(
+            rt.block_on(Image::info(&uri)),
+            Err(ImageError::NotFound { .. })
+        ));
+    }
+
+    fn runtime() -> Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn pieces_cover_the_range_in_chunks() {
+        let got: Vec<_> = pieces(10, 25, 10).collect();
+        assert_eq!(got, vec![(10, 10), (20, 10), (30, 5)]);
+        assert_eq!(pieces(0, 0, 10).count(), 0);
+    }
+
+    #[test]
+    fn zero_detection_sees_every_byte() {
+        for len in [0usize, 1, 15, 16, 17, 4096] {
+            let zeros = vec![0u8; len];
+            assert!(all_zero(&zeros), "{len}");
+            for at in 0..len {
+                let mut one = zeros.clone();
+                one[at] = 1;
+                assert!(!all_zero(&one), "{len}: byte {at}");
+            }
+        }
+    }
+}

@@ -1,0 +1,1627 @@
+//! `ivdisk serve` with the NBD clients people attach, run as they run them: the built binary
+//! serves an image on a Unix socket (one test: TCP on a port the kernel picks) and
+//! `nbdinfo`/`nbdcopy` (libnbd-bin), `qemu-img`/`qemu-io` (qemu-utils) and `fio
+//! --ioengine=nbd` (fio) talk to it. LUKS files come from `cryptsetup luksFormat`
+//! (cryptsetup-bin), and qemu's own LUKS driver judges what ivdisk wrote into a LUKS1 file.
+//!
+//! Every server is stopped with SIGTERM and must exit 0 with its writer lock released; the
+//! [`Server`] guard kills it if the test fails first. Clients run under a time limit, so a
+//! hung client fails its test instead of hanging it. A missing tool fails the test with the
+//! Debian package to install (scripts/install-deps.sh installs them all).
+//!
+//! The tests at the end of the file were bug reports first: a LUKS file zeroed over NBD must
+//! read as zeros in qemu too, SIGTERM must not wait for a stalled client, and `info`/`lock
+//! status` work on LUKS files.
+
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// The cheapest keyslot: PBKDF2 at cryptsetup's minimum, no benchmark.
+const FAST: [&str; 4] = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+/// The passphrase, kept in a key file without a newline: ivdisk's `--key-file`, cryptsetup's
+/// `--key-file` and qemu's `secret,file=` all read exactly these bytes.
+const KEY: &[u8] = b"correct horse battery staple";
+/// NBD's largest request, which the server advertises as its maximum block size.
+const MAX_BLOCK: u64 = 32 * MIB;
+
+/// Past these a process counts as hung (generous for slow CI machines; passing runs take a
+/// small fraction).
+const CLIENT_LIMIT: Duration = Duration::from_secs(120);
+const READY_LIMIT: Duration = Duration::from_secs(60);
+const STOP_LIMIT: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------------
+// Running programs
+
+fn package_of(program: &str) -> &'static str {
+    match program {
+        "nbdinfo" | "nbdcopy" => "libnbd-bin",
+        "qemu-img" | "qemu-io" => "qemu-utils",
+        "fio" => "fio",
+        "cryptsetup" => "cryptsetup-bin",
+        "flock" => "util-linux",
+        _ => "see scripts/install-deps.sh",
+    }
+}
+
+/// The installed program (also looked for in the sbin directories, where cryptsetup lives
+/// and which a user's PATH may lack); a missing one fails the test with its package.
+fn program(name: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|p| fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+        .unwrap_or_else(|| {
+            panic!(
+                "`{name}` is needed by this test and is not installed: apt-get install {} \
+                 (scripts/install-deps.sh installs every tool the tests use)",
+                package_of(name)
+            )
+        })
+}
+
+/// What a finished process said.
+struct Ran {
+    what: String,
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    fn ok(self) -> Ran {
+        assert!(
+            self.status.success(),
+            "{} failed ({}):\nstdout: {}\nstderr: {}",
+            self.what,
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    fn failed(self) -> Ran {
+        assert!(
+            !self.status.success(),
+            "{} should have failed:\nstdout: {}\nstderr: {}",
+            self.what,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    fn text(&self) -> String {
+        format!("{}\n{}", self.stdout, self.stderr)
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {}", self.what, self.stdout))
+    }
+}
+
+fn wait_limited(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("waiting for a child process") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn read_all_of(mut stream: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = stream.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+/// A client process started and not yet waited for; killed if dropped unfinished (a failing
+/// test leaves nothing running).
+struct Running {
+    what: String,
+    child: Child,
+    stdout: Option<thread::JoinHandle<String>>,
+    stderr: Option<thread::JoinHandle<String>>,
+    done: bool,
+}
+
+impl Running {
+    fn start(mut command: Command) -> Running {
+        let what = format!("{command:?}");
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what} could not be started: {e}"));
+        let stdout = Some(read_all_of(child.stdout.take().unwrap()));
+        let stderr = Some(read_all_of(child.stderr.take().unwrap()));
+        Running {
+            what,
+            child,
+            stdout,
+            stderr,
+            done: false,
+        }
+    }
+
+    fn finish(mut self) -> Ran {
+        let Some(status) = wait_limited(&mut self.child, CLIENT_LIMIT) else {
+            panic!(
+                "{} did not finish within {CLIENT_LIMIT:?} (killed)",
+                self.what
+            );
+        };
+        self.done = true;
+        Ran {
+            what: self.what.clone(),
+            status,
+            stdout: self.stdout.take().unwrap().join().unwrap(),
+            stderr: self.stderr.take().unwrap().join().unwrap(),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn run(command: Command) -> Ran {
+    Running::start(command).finish()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test data
+
+/// SplitMix64: reproducible test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn fill(&mut self, out: &mut [u8]) {
+        for chunk in out.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    Rng(seed).fill(&mut out);
+    out
+}
+
+/// Disk content: random runs at `runs` (offset, length), zeros everywhere else.
+struct Content {
+    bytes: Vec<u8>,
+    runs: Vec<(u64, u64)>,
+}
+
+impl Content {
+    fn new(len: u64, runs: &[(u64, u64)], seed: u64) -> Content {
+        let mut bytes = vec![0u8; len as usize];
+        let mut rng = Rng(seed);
+        for &(offset, n) in runs {
+            rng.fill(&mut bytes[offset as usize..(offset + n) as usize]);
+        }
+        Content {
+            bytes,
+            runs: runs.to_vec(),
+        }
+    }
+
+    /// 24 MiB of random runs of varied sizes and alignments (512-byte and byte offsets, one
+    /// straddling a 4 MiB object boundary) in `len` bytes, holes between, and the last MiB.
+    fn holey(len: u64, seed: u64) -> Content {
+        assert!(len >= 64 * MIB);
+        let runs = [
+            (0, 4 * MIB),
+            (5 * MIB + 512, 3 * MIB + 1000),
+            (12 * MIB - 7, 14),
+            (16 * MIB - 3 * MIB / 2, 8 * MIB),
+            (30 * MIB + 4096 * 3, 2 * MIB),
+            (40 * MIB + 333, 5 * MIB),
+            (len - MIB, MIB),
+        ];
+        let mut content = Content::new(len, &runs, seed);
+        // Zeros written as data in the middle of a run (a file region that is no hole).
+        content.bytes[(18 * MIB) as usize..(18 * MIB + 256 * 1024) as usize].fill(0);
+        content
+    }
+
+    /// Write as a sparse file: only the runs are written, the rest are holes.
+    fn write_sparse(&self, path: &Path) {
+        let mut file = fs::File::create(path).unwrap();
+        file.set_len(self.bytes.len() as u64).unwrap();
+        for &(offset, n) in &self.runs {
+            file.seek(SeekFrom::Start(offset)).unwrap();
+            file.write_all(&self.bytes[offset as usize..(offset + n) as usize])
+                .unwrap();
+        }
+        file.sync_all().unwrap();
+    }
+}
+
+fn assert_same_bytes(got: &[u8], want: &[u8], what: &str) {
+    if got == want {
+        return;
+    }
+    let first = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(want.len()));
+    let differing = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    panic!(
+        "{what}: {} bytes, expected {}; first difference at byte {first} ({} bytes differ)",
+        got.len(),
+        want.len(),
+        differing
+    );
+}
+
+fn s(path: &Path) -> &str {
+    path.to_str().expect("a UTF-8 temporary path")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fixture: a temporary directory, the key file, images and servers in it
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    key: PathBuf,
+    counter: AtomicU32,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        fs::write(&key, KEY).unwrap();
+        Fixture {
+            dir,
+            key,
+            counter: AtomicU32::new(0),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn unique(&self, prefix: &str, suffix: &str) -> PathBuf {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        self.path(&format!("{prefix}-{n}{suffix}"))
+    }
+
+    /// A client tool, run in the temporary directory (fio leaves state files behind).
+    fn tool(&self, name: &str) -> Command {
+        let mut command = Command::new(program(name));
+        command.current_dir(self.dir.path());
+        command
+    }
+
+    fn ivdisk(&self, args: &[&str]) -> Ran {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ivdisk"));
+        command.args(args).current_dir(self.dir.path());
+        run(command)
+    }
+
+    /// `ivdisk create` of a local image with a fast keyslot.
+    fn create(&self, name: &str, size: &str, extra: &[&str]) -> PathBuf {
+        let image = self.path(name);
+        let mut args = vec![
+            "create",
+            s(&image),
+            "--size",
+            size,
+            "--key-file",
+            s(&self.key),
+        ];
+        args.extend(FAST);
+        args.extend(extra);
+        args.push("--json");
+        let created = self.ivdisk(&args).ok().json();
+        assert_eq!(created["size"], parse_size(size), "{created}");
+        image
+    }
+
+    /// `cryptsetup luksFormat` of a new sparse file with `data` bytes after the header.
+    fn luks_format(&self, name: &str, kind: Luks, data: u64) -> PathBuf {
+        let path = self.path(name);
+        fs::File::create(&path)
+            .unwrap()
+            .set_len(kind.data_offset() + data)
+            .unwrap();
+        let mut command = self.tool("cryptsetup");
+        command.args(["luksFormat", "--batch-mode", "--key-file", s(&self.key)]);
+        match kind {
+            Luks::V1 => command.args(["--type", "luks1", "--pbkdf-force-iterations", "1000"]),
+            Luks::V2 { sector } => command
+                .args(["--type", "luks2", "--sector-size", &sector.to_string()])
+                .args(FAST),
+        };
+        command.arg(&path);
+        run(command).ok();
+        path
+    }
+
+    fn serve(&self, image: &Path, extra: &[&str]) -> Server {
+        let socket = self.unique("nbd", ".sock");
+        self.start_server(image, &["--socket", s(&socket)], extra)
+    }
+
+    /// Serve on TCP 127.0.0.1, on a port the kernel picks (port 0; the server says which).
+    fn serve_tcp(&self, image: &Path, extra: &[&str]) -> Server {
+        let server = self.start_server(image, &["--listen", "127.0.0.1:0"], extra);
+        let address = server.ready["address"].as_str().unwrap();
+        let port: u16 = address
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {address}"));
+        assert_ne!(port, 0, "the server reports the port it bound: {address}");
+        assert_eq!(server.uri, format!("nbd://127.0.0.1:{port}/"));
+        server
+    }
+
+    fn serve_command(&self, image: &Path, listen: &[&str], extra: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ivdisk"));
+        command
+            .arg("serve")
+            .arg(image)
+            .args(listen)
+            .args(["--key-file", s(&self.key)])
+            .args(extra)
+            .arg("--json")
+            .current_dir(self.dir.path());
+        command
+    }
+
+    /// Start `ivdisk serve --json` and wait for its ready line (it is printed once the
+    /// socket listens and the image is open).
+    fn start_server(&self, image: &Path, listen: &[&str], extra: &[&str]) -> Server {
+        let stderr_path = self.unique("serve", ".stderr");
+        let mut command = self.serve_command(image, listen, extra);
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(fs::File::create(&stderr_path).unwrap());
+        let what = format!("{command:?}");
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what} could not be started: {e}"));
+        let stdout = child.stdout.take().unwrap();
+        let (lines, ready) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut server = Server {
+            child,
+            stopped: false,
+            ready: Value::Null,
+            uri: String::new(),
+            socket: listen
+                .iter()
+                .position(|a| *a == "--socket")
+                .map(|i| PathBuf::from(listen[i + 1])),
+            image: image.to_owned(),
+            stderr_path,
+            ivdisk: self.ivdisk_path(),
+        };
+        let line = match ready.recv_timeout(READY_LIMIT) {
+            Ok(line) => line,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let status = server.child.wait().unwrap();
+                server.stopped = true;
+                panic!(
+                    "{what} exited ({status}) before it was ready: {}",
+                    server.stderr()
+                );
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                "{what} was not ready within {READY_LIMIT:?}: {}",
+                server.stderr()
+            ),
+        };
+        server.ready = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("{what}: the ready line is not JSON ({e}): {line}"));
+        server.uri = server.ready["uri"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: no uri in {line}"))
+            .to_owned();
+        server
+    }
+
+    /// `ivdisk serve` that must fail at start (exit code 1); its stderr.
+    fn serve_fails(&self, image: &Path, listen: &[&str], extra: &[&str]) -> String {
+        let ran = run(self.serve_command(image, listen, extra));
+        assert_eq!(
+            ran.status.code(),
+            Some(1),
+            "{} should have failed with exit code 1:\nstdout: {}\nstderr: {}",
+            ran.what,
+            ran.stdout,
+            ran.stderr
+        );
+        assert!(ran.stdout.is_empty(), "no ready line: {}", ran.stdout);
+        ran.stderr
+    }
+
+    fn ivdisk_path(&self) -> PathBuf {
+        PathBuf::from(env!("CARGO_BIN_EXE_ivdisk"))
+    }
+
+    fn nbdinfo_json(&self, uri: &str) -> Value {
+        let mut command = self.tool("nbdinfo");
+        command.args(["--json", uri]);
+        run(command).ok().json()
+    }
+
+    /// `nbdinfo --map`: (offset, length, data?) runs, adjacent runs of one kind merged.
+    fn map(&self, uri: &str) -> Vec<(u64, u64, bool)> {
+        let mut command = self.tool("nbdinfo");
+        command.args(["--map", "--json", uri]);
+        let extents = run(command).ok().json();
+        let mut out: Vec<(u64, u64, bool)> = Vec::new();
+        for e in extents.as_array().expect("an array of extents") {
+            let (offset, length) = (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            // base:allocation: bit 0 = hole, bit 1 = reads as zeros.
+            let data = e["type"].as_u64().unwrap() & 1 == 0;
+            match out.last_mut() {
+                Some(last) if last.2 == data && last.0 + last.1 == offset => last.1 += length,
+                _ => out.push((offset, length, data)),
+            }
+        }
+        out
+    }
+
+    /// qemu-io on an NBD URI (raw), one `-c` per command. It opens the export for writing
+    /// (and cannot open a read-only one: see [`Fixture::qemu_io_ro`]).
+    fn qemu_io(&self, uri: &str, commands: &[&str]) -> Ran {
+        self.qemu_io_with(&["-f", "raw", uri], commands)
+    }
+
+    /// qemu-io opening the export read-only (`-r`).
+    fn qemu_io_ro(&self, uri: &str, commands: &[&str]) -> Ran {
+        self.qemu_io_with(&["-r", "-f", "raw", uri], commands)
+    }
+
+    fn qemu_io_with(&self, open: &[&str], commands: &[&str]) -> Ran {
+        let mut command = self.tool("qemu-io");
+        command.args(open);
+        for c in commands {
+            command.args(["-c", c]);
+        }
+        run(command)
+    }
+
+    fn qemu_img(&self, args: &[&str]) -> Ran {
+        let mut command = self.tool("qemu-img");
+        command.args(args);
+        run(command)
+    }
+
+    fn nbdcopy(&self, args: &[&str]) -> Ran {
+        let mut command = self.tool("nbdcopy");
+        command.args(args);
+        run(command)
+    }
+
+    /// qemu's own userspace LUKS driver's view of a LUKS1 file.
+    fn qemu_luks_read(&self, path: &Path) -> Vec<u8> {
+        let out = self.unique("qemu-luks", ".raw");
+        self.qemu_img(&[
+            "convert",
+            "--object",
+            &format!("secret,id=s0,file={}", s(&self.key)),
+            "--image-opts",
+            &format!("driver=luks,key-secret=s0,file.filename={}", s(path)),
+            "-O",
+            "raw",
+            s(&out),
+        ])
+        .ok();
+        fs::read(&out).unwrap()
+    }
+}
+
+fn parse_size(text: &str) -> u64 {
+    let (digits, shift) = match text.as_bytes().last() {
+        Some(b'M') => (&text[..text.len() - 1], 20),
+        Some(b'K') => (&text[..text.len() - 1], 10),
+        _ => (text, 0),
+    };
+    digits.parse::<u64>().unwrap() << shift
+}
+
+/// The writer lock of an image is free. For a local image `ivdisk lock status` says so (the
+/// lock lives in the store and would outlive a server that did not release it); for a LUKS
+/// file the lock is a `flock` on the file, checked with flock(1).
+fn assert_lock_free(ivdisk: &Path, image: &Path) {
+    if image.is_dir() {
+        let mut command = Command::new(ivdisk);
+        command.args(["lock", "status", s(image), "--json"]);
+        let status = run(command).ok().json();
+        assert_eq!(
+            status["lock"],
+            Value::Null,
+            "the writer lock is held: {status}"
+        );
+    } else {
+        let mut command = Command::new(program("flock"));
+        command.args(["--nonblock", "--exclusive", s(image), "true"]);
+        run(command).ok();
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Luks {
+    V1,
+    V2 { sector: u32 },
+}
+
+impl Luks {
+    /// cryptsetup's default data offsets for small files.
+    fn data_offset(self) -> u64 {
+        match self {
+            Luks::V1 => 2 * MIB,
+            Luks::V2 { .. } => 16 * MIB,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server guard
+
+/// A running `ivdisk serve`; killed on drop unless stopped.
+struct Server {
+    child: Child,
+    stopped: bool,
+    /// The JSON line printed when ready.
+    ready: Value,
+    uri: String,
+    socket: Option<PathBuf>,
+    image: PathBuf,
+    stderr_path: PathBuf,
+    ivdisk: PathBuf,
+}
+
+impl Server {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stderr(&self) -> String {
+        fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    fn socket(&self) -> &Path {
+        self.socket.as_deref().expect("a Unix-socket server")
+    }
+
+    fn sigterm(&self) {
+        let pid = libc::pid_t::try_from(self.pid()).unwrap();
+        // SAFETY: kill(2) with a valid signal on our own child, which has not been waited for
+        // (so its pid cannot have been reused).
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    }
+
+    /// Wait for the exit that SIGTERM asked for (`None`: still running after `limit`).
+    fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let status = wait_limited(&mut self.child, limit);
+        self.stopped = status.is_some();
+        status
+    }
+
+    /// SIGTERM; the server must exit 0 with its writer lock released (and its Unix socket
+    /// removed). Returns its stderr.
+    fn stop(self) -> String {
+        self.sigterm();
+        self.stopped_cleanly()
+    }
+
+    /// After [`Server::sigterm`]: the server exits 0, its Unix socket is gone and its writer
+    /// lock released. Returns its stderr.
+    fn stopped_cleanly(mut self) -> String {
+        let status = self.wait_exit(STOP_LIMIT).unwrap_or_else(|| {
+            panic!(
+                "the server did not exit within {STOP_LIMIT:?} of SIGTERM: {}",
+                self.stderr()
+            )
+        });
+        let stderr = self.stderr();
+        assert!(
+            status.success(),
+            "the server exited with {status} after SIGTERM: {stderr}"
+        );
+        assert!(stderr.contains("SIGTERM"), "{stderr}");
+        if let Some(socket) = &self.socket {
+            assert!(!socket.exists(), "{} was left behind", socket.display());
+        }
+        assert_lock_free(&self.ivdisk, &self.image);
+        stderr
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if !self.stopped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. nbdinfo
+
+#[test]
+fn nbdinfo_shows_the_export_its_size_block_sizes_and_allocation_context() {
+    let f = Fixture::new();
+    let image = f.create("disk", "64M", &[]);
+    let server = f.serve(&image, &["--export-name", "vm1"]);
+    assert_eq!(server.ready["export"], "vm1");
+    assert_eq!(server.ready["size"], 64 * MIB);
+    assert_eq!(server.ready["read_only"], false);
+    let socket = s(server.socket()).to_owned();
+    assert_eq!(server.uri, format!("nbd+unix:///vm1?socket={socket}"));
+
+    let info = f.nbdinfo_json(&server.uri);
+    let exports = info["exports"].as_array().unwrap();
+    assert_eq!(exports.len(), 1, "{info}");
+    let export = &exports[0];
+    for (key, want) in [
+        ("export-name", Value::from("vm1")),
+        ("export-size", Value::from(64 * MIB)),
+        ("block_size_minimum", Value::from(1)),
+        ("block_size_preferred", Value::from(4096)),
+        ("block_size_maximum", Value::from(MAX_BLOCK)),
+        ("is_read_only", Value::from(false)),
+        ("can_flush", Value::from(true)),
+        ("can_fua", Value::from(true)),
+        ("can_trim", Value::from(true)),
+        ("can_zero", Value::from(true)),
+        ("can_multi_conn", Value::from(true)),
+    ] {
+        assert_eq!(export[key], want, "{key} in {export}");
+    }
+    assert!(
+        export["contexts"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from("base:allocation")),
+        "{export}"
+    );
+    assert_eq!(info["structured"], true, "{info}");
+    assert!(
+        export["description"].as_str().unwrap().contains("ivdisk"),
+        "{export}"
+    );
+
+    // The list names the export, as text and JSON.
+    let any = format!("nbd+unix:///?socket={socket}");
+    let mut command = f.tool("nbdinfo");
+    command.args(["--list", &any]);
+    let listed = run(command).ok();
+    assert!(
+        listed.stdout.contains("export=\"vm1\""),
+        "{}",
+        listed.stdout
+    );
+    let mut command = f.tool("nbdinfo");
+    command.args(["--list", "--json", &any]);
+    let listed = run(command).ok().json();
+    let names: Vec<&str> = listed["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["vm1"], "{listed}");
+
+    // "" reaches the export too; an unknown name is refused and the server carries on.
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &any]);
+    assert_eq!(run(command).ok().stdout.trim(), (64 * MIB).to_string());
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &format!("nbd+unix:///nosuch?socket={socket}")]);
+    run(command).failed();
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &server.uri]);
+    assert_eq!(run(command).ok().stdout.trim(), (64 * MIB).to_string());
+    server.stop();
+
+    // 512-byte sectors: the preferred block size follows the sector size.
+    let image = f.create("disk512", "8M", &["--sector-size", "512"]);
+    let server = f.serve(&image, &[]);
+    assert_eq!(server.ready["sector_size"], 512);
+    let info = f.nbdinfo_json(&server.uri);
+    let export = &info["exports"][0];
+    assert_eq!(export["export-name"], "", "{export}");
+    assert_eq!(export["export-size"], 8 * MIB, "{export}");
+    assert_eq!(export["block_size_minimum"], 1, "{export}");
+    assert_eq!(export["block_size_preferred"], 512, "{export}");
+    assert_eq!(export["block_size_maximum"], MAX_BLOCK, "{export}");
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. qemu-img
+
+/// qemu-img writes a raw file with holes into the export, then reads it back out of a fresh
+/// read-only server: identical.
+fn qemu_img_round_trip(f: &Fixture, name: &str, create: &[&str], tcp: bool, seed: u64) {
+    let size = 64 * MIB;
+    let image = f.create(name, "64M", create);
+    let content = Content::holey(size, seed);
+    let src = f.path(&format!("{name}.src.raw"));
+    content.write_sparse(&src);
+
+    let server = if tcp {
+        f.serve_tcp(&image, &[])
+    } else {
+        f.serve(&image, &[])
+    };
+    f.qemu_img(&[
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        s(&src),
+        "-O",
+        "raw",
+        &server.uri,
+    ])
+    .ok();
+    server.stop();
+
+    let server = if tcp {
+        f.serve_tcp(&image, &["--read-only"])
+    } else {
+        f.serve(&image, &["--read-only"])
+    };
+    let out = f.path(&format!("{name}.out.raw"));
+    f.qemu_img(&["convert", "-f", "raw", &server.uri, "-O", "raw", s(&out)])
+        .ok();
+    let compared = f
+        .qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&src), s(&out)])
+        .ok();
+    assert!(
+        compared.stdout.contains("Images are identical"),
+        "{}",
+        compared.text()
+    );
+    // qemu-img compare reading the export itself.
+    f.qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&src), &server.uri])
+        .ok();
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &content.bytes,
+        &format!("{name}: qemu-img's read of what qemu-img wrote"),
+    );
+    server.stop();
+}
+
+#[test]
+fn qemu_img_converts_into_the_export_and_back_identically() {
+    let f = Fixture::new();
+    qemu_img_round_trip(&f, "disk4k", &[], false, 1);
+}
+
+#[test]
+fn qemu_img_round_trip_with_512_byte_sectors_over_tcp() {
+    let f = Fixture::new();
+    qemu_img_round_trip(
+        &f,
+        "disk512",
+        &[
+            "--sector-size",
+            "512",
+            "--cipher",
+            "aes-xts-random",
+            "--layout",
+            "omap",
+        ],
+        true,
+        2,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. nbdcopy and the allocation map
+
+#[test]
+fn nbdcopy_copies_both_ways_and_the_map_shows_what_was_written() {
+    let f = Fixture::new();
+    // 1 MiB objects: the allocation map's granularity is the object.
+    let image = f.create("disk", "64M", &["--object-size", "1M"]);
+    // 48 MiB of source for a 64 MiB export: its last 16 MiB are never written.
+    let runs = [
+        (0, MIB),
+        (3 * MIB + 12_300, 10_000),
+        (7 * MIB - 100, 200),
+        (20 * MIB, 5 * MIB),
+        (47 * MIB + 12_345, MIB - 12_345),
+    ];
+    let content = Content::new(48 * MIB, &runs, 3);
+    let src = f.path("src.raw");
+    content.write_sparse(&src);
+
+    let server = f.serve(&image, &[]);
+    // A new image reads as zeros: nbdcopy may skip the source's holes.
+    f.nbdcopy(&["--destination-is-zero", s(&src), &server.uri])
+        .ok();
+
+    // Objects holding written bytes are data; the others (never written) are holes.
+    let mut want: Vec<(u64, u64, bool)> = Vec::new();
+    for object in 0..64 {
+        let (lo, hi) = (object * MIB, (object + 1) * MIB);
+        let data = runs.iter().any(|&(o, n)| o < hi && o + n > lo);
+        match want.last_mut() {
+            Some(last) if last.2 == data => last.1 += MIB,
+            _ => want.push((lo, MIB, data)),
+        }
+    }
+    assert_eq!(
+        f.map(&server.uri),
+        want,
+        "nbdinfo --map: (offset, length, data)"
+    );
+
+    let out = f.path("out.raw");
+    f.nbdcopy(&[&server.uri, s(&out)]).ok();
+    let mut expected = content.bytes.clone();
+    expected.resize((64 * MIB) as usize, 0);
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &expected,
+        "nbdcopy's read of what nbdcopy wrote",
+    );
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. fio
+
+fn fio_jobs(f: &Fixture, uri: &str, output: &Path, extra: &[&str]) -> Command {
+    let mut command = f.tool("fio");
+    command.args([
+        "--name=verify",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randrw",
+        "--bsrange=4k-1m",
+        "--iodepth=32",
+        "--numjobs=4",
+        "--size=24m",
+        "--offset_increment=24m",
+        "--verify=crc32c",
+        "--verify_fatal=1",
+        "--output-format=json",
+        &format!("--output={}", s(output)),
+    ]);
+    command.args(extra);
+    command
+}
+
+/// fio's JSON report: every job without error, and returns the (read, written) bytes per job.
+fn fio_report(output: &Path, ran: &Ran) -> Vec<(u64, u64)> {
+    let text = fs::read_to_string(output).unwrap();
+    // fio may print lines (e.g. "fio: connected to NBD server") before the JSON.
+    let report: Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..])
+        .unwrap_or_else(|e| panic!("fio's report is not JSON ({e}): {text}"));
+    let jobs = report["jobs"].as_array().expect("jobs");
+    assert_eq!(jobs.len(), 4, "{text}");
+    for job in jobs {
+        assert_eq!(job["error"], 0, "a fio job failed: {job}\n{}", ran.text());
+    }
+    let output = ran.text();
+    for bad in ["verify: bad", "verify failed"] {
+        assert!(!output.contains(bad), "fio reported `{bad}`: {output}");
+    }
+    jobs.iter()
+        .map(|j| {
+            (
+                j["read"]["io_bytes"].as_u64().unwrap(),
+                j["write"]["io_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn fio_random_read_write_verifies_and_the_data_survives_a_restart() {
+    let f = Fixture::new();
+    let image = f.create("disk", "128M", &[]);
+    let server = f.serve(&image, &[]);
+    let output = f.path("fio.json");
+    let ran = run(fio_jobs(&f, &server.uri, &output, &[])).ok();
+    for (read, written) in fio_report(&output, &ran) {
+        assert!(
+            read > 0 && written > 0,
+            "every job read and wrote: {read} {written}"
+        );
+    }
+    server.stop();
+
+    // The same jobs (same seeds) verify what they wrote, through a fresh read-only server.
+    let server = f.serve(&image, &["--read-only"]);
+    let output = f.path("fio-verify.json");
+    let ran = run(fio_jobs(&f, &server.uri, &output, &["--verify_only"])).ok();
+    // (fio counts the writes it replays to know what to check, so only reads are asserted;
+    // a read-only export could not have taken a write.)
+    for (read, _) in fio_report(&output, &ran) {
+        assert!(read > 0, "the verify pass read");
+    }
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. LUKS files made by cryptsetup
+
+/// Never-written sectors of a LUKS file hold zeros, which ivdisk reads as zeros and other
+/// implementations decrypt to noise; so what another tool is to read back is written whole,
+/// zeros included, as data (`qemu-img convert -S 0`: no zero detection, no zero requests).
+fn write_all_as_data(f: &Fixture, src: &Path, uri: &str) {
+    f.qemu_img(&[
+        "convert",
+        "-n",
+        "-S",
+        "0",
+        "-f",
+        "raw",
+        s(src),
+        "-O",
+        "raw",
+        uri,
+    ])
+    .ok();
+}
+
+/// ivdisk serves a LUKS2 file: nbdcopy/qemu-img write known plaintext, a fresh read-only
+/// server reads it back, cryptsetup still opens the header; for 512-byte sectors, qemu's LUKS
+/// driver reads the same plaintext after `cryptsetup convert --type luks1` (which changes
+/// only the header).
+fn luks2_round_trip(f: &Fixture, sector: u32, seed: u64) {
+    let kind = Luks::V2 { sector };
+    let data = 24 * MIB;
+    let path = f.luks_format(&format!("luks2-{sector}.img"), kind, data);
+    let runs = [
+        (0, 2 * MIB),
+        (4 * MIB - 1000, 3 * MIB),
+        (10 * MIB + 512, 100_000),
+        (data - MIB, MIB),
+    ];
+    let content = Content::new(data, &runs, seed);
+    let src = f.path(&format!("luks2-{sector}.src.raw"));
+    content.write_sparse(&src);
+
+    let server = f.serve(&path, &[]);
+    assert_eq!(server.ready["size"], data, "{}", server.ready);
+    assert_eq!(server.ready["sector_size"], sector);
+    assert_eq!(server.ready["cipher"], "aes-xts-plain64");
+    if sector == 512 {
+        write_all_as_data(f, &src, &server.uri);
+    } else {
+        f.nbdcopy(&[s(&src), &server.uri]).ok();
+    }
+    server.stop();
+
+    let mut command = f.tool("cryptsetup");
+    command.args([
+        "open",
+        "--test-passphrase",
+        "--key-file",
+        s(&f.key),
+        s(&path),
+    ]);
+    run(command).ok();
+
+    let server = f.serve(&path, &["--read-only"]);
+    assert_eq!(server.ready["read_only"], true);
+    let out = f.unique("luks2-out", ".raw");
+    f.nbdcopy(&[&server.uri, s(&out)]).ok();
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &content.bytes,
+        &format!("LUKS2/{sector}: nbdcopy's read through a fresh read-only server"),
+    );
+    f.qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&src), &server.uri])
+        .ok();
+    server.stop();
+
+    if sector == 512 {
+        let copy = f.path("luks2-as-luks1.img");
+        fs::copy(&path, &copy).unwrap();
+        let mut command = f.tool("cryptsetup");
+        command.args(["convert", "--batch-mode", "--type", "luks1", s(&copy)]);
+        run(command).ok();
+        assert_same_bytes(
+            &f.qemu_luks_read(&copy),
+            &content.bytes,
+            "LUKS2/512: qemu's LUKS driver's read of what ivdisk serve wrote",
+        );
+    }
+}
+
+#[test]
+fn luks2_files_written_over_nbd_read_back_through_a_read_only_server() {
+    let f = Fixture::new();
+    luks2_round_trip(&f, 4096, 4);
+    luks2_round_trip(&f, 512, 5);
+}
+
+#[test]
+fn luks1_file_written_over_nbd_is_read_by_qemus_luks_driver_and_back() {
+    let f = Fixture::new();
+    let data = 16 * MIB;
+    let path = f.luks_format("luks1.img", Luks::V1, data);
+    let runs = [(0, 3 * MIB), (5 * MIB + 700, 2 * MIB), (data - 4096, 4096)];
+    let mut content = Content::new(data, &runs, 6);
+    let src = f.path("luks1.src.raw");
+    content.write_sparse(&src);
+
+    let server = f.serve(&path, &[]);
+    assert_eq!(server.ready["size"], data, "{}", server.ready);
+    assert_eq!(server.ready["sector_size"], 512);
+    write_all_as_data(&f, &src, &server.uri);
+    server.stop();
+    assert_same_bytes(
+        &f.qemu_luks_read(&path),
+        &content.bytes,
+        "LUKS1: qemu's LUKS driver's read of what ivdisk serve wrote",
+    );
+
+    // The other way: qemu's LUKS driver writes, ivdisk serves it read-only.
+    let mut command = f.tool("qemu-io");
+    command.args([
+        "--object",
+        &format!("secret,id=s0,file={}", s(&f.key)),
+        "--image-opts",
+        &format!("driver=luks,key-secret=s0,file.filename={}", s(&path)),
+        "-c",
+        "write -P 0xc3 1049088 66048",
+    ]);
+    run(command).ok();
+    content.bytes[1_049_088..1_049_088 + 66_048].fill(0xc3);
+    let server = f.serve(&path, &["--read-only"]);
+    let out = f.path("luks1.out.raw");
+    f.nbdcopy(&[&server.uri, s(&out)]).ok();
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &content.bytes,
+        "LUKS1: ivdisk's read of what ivdisk and qemu wrote",
+    );
+    server.stop();
+}
+
+/// Zeros written with NBD_CMD_WRITE_ZEROES that may unmap (what `qemu-img convert` and
+/// `nbdcopy` send for zero runs by default, and `qemu-io -c 'write -z -u'`) must read as
+/// zeros for every reader of a LUKS file, not just for ivdisk.
+#[test]
+fn luks1_zeros_written_over_nbd_read_as_zeros_in_qemu() {
+    let f = Fixture::new();
+    let path = f.luks_format("luks1.img", Luks::V1, 4 * MIB);
+    let server = f.serve(&path, &[]);
+    f.qemu_io(
+        &server.uri,
+        &[
+            "write -P 0x11 0 2M",
+            "write -z 1M 512k",
+            "write -z -u 1536k 512k",
+        ],
+    )
+    .ok();
+    // ivdisk itself reads zeros in both.
+    f.qemu_io(&server.uri, &["read -P 0x11 0 1M", "read -P 0 1M 1M"])
+        .ok();
+    server.stop();
+    let plain = f.qemu_luks_read(&path);
+    assert!(
+        plain[..MIB as usize].iter().all(|&b| b == 0x11),
+        "qemu reads the data"
+    );
+    assert!(
+        plain[MIB as usize..(MIB + 512 * 1024) as usize]
+            .iter()
+            .all(|&b| b == 0),
+        "qemu reads the zeros written with NO_HOLE"
+    );
+    assert!(
+        plain[(MIB + 512 * 1024) as usize..(2 * MIB) as usize]
+            .iter()
+            .all(|&b| b == 0),
+        "qemu reads the zeros written with MAY_UNMAP as zeros"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Read-only exports and one writer
+
+#[test]
+fn read_only_serve_refuses_writes_and_takes_no_writer_lock() {
+    let f = Fixture::new();
+    let image = f.create("disk", "16M", &[]);
+    let server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["write -P 0x11 0 64k"]).ok();
+    server.stop();
+
+    let server = f.serve(&image, &["--read-only"]);
+    assert_eq!(server.ready["read_only"], true);
+    let export = f.nbdinfo_json(&server.uri)["exports"][0].clone();
+    assert_eq!(export["is_read_only"], true, "{export}");
+    assert_eq!(export["can_trim"], false, "{export}");
+    assert_eq!(export["can_zero"], false, "{export}");
+    let refused = f.qemu_io(&server.uri, &["write -P 0x22 0 4096"]).failed();
+    let text = refused.text();
+    assert!(
+        text.contains("Permission denied") || text.contains("read-only"),
+        "{text}"
+    );
+    let refused = f.nbdcopy(&[s(&f.key), &server.uri]).failed();
+    assert!(refused.text().contains("read-only"), "{}", refused.text());
+    // Nothing changed, and the server still serves.
+    f.qemu_io_ro(&server.uri, &["read -P 0x11 0 64k", "read -P 0 64k 64k"])
+        .ok();
+    // Stopping leaves no lock: a leaked one would persist in the store (checked by stop).
+    server.stop();
+
+    // A LUKS file's writer lock is a flock a second process sees at once: with a read-only
+    // server running, the lock is free and a writer can serve alongside it.
+    let path = f.luks_format("luks.img", Luks::V2 { sector: 4096 }, 4 * MIB);
+    let reader = f.serve(&path, &["--read-only"]);
+    assert_lock_free(&f.ivdisk_path(), &path);
+    let writer = f.serve(&path, &[]);
+    f.qemu_io(&writer.uri, &["write -P 0x33 8192 4096"]).ok();
+    f.qemu_io_ro(&reader.uri, &["read -P 0x33 8192 4096"]).ok();
+    f.qemu_io(&reader.uri, &["write -P 0x44 8192 4096"])
+        .failed();
+    writer.stop();
+    reader.stop();
+}
+
+#[test]
+fn a_second_writer_is_refused_naming_the_holder_and_the_first_keeps_serving() {
+    let f = Fixture::new();
+
+    // A local image: its store is open in the first server's process.
+    let image = f.create("disk", "16M", &[]);
+    let first = f.serve(&image, &[]);
+    f.qemu_io(&first.uri, &["write -P 0x55 0 64k"]).ok();
+    let other = f.path("other.sock");
+    let err = f.serve_fails(&image, &["--socket", s(&other)], &[]);
+    assert!(
+        err.contains(&format!("process {}", first.pid())),
+        "the error names the holder (pid {}): {err}",
+        first.pid()
+    );
+    assert!(!other.exists(), "the refused server left its socket behind");
+    // Nor may a second server take over the first one's socket.
+    let err = f.serve_fails(&image, &["--socket", s(first.socket())], &[]);
+    assert!(err.contains("another server is listening"), "{err}");
+    f.qemu_io(&first.uri, &["read -P 0x55 0 64k", "write -P 0x66 64k 64k"])
+        .ok();
+    first.stop();
+
+    // A LUKS file: the writer lock is a flock on the file.
+    let path = f.luks_format("luks.img", Luks::V2 { sector: 4096 }, 4 * MIB);
+    let first = f.serve(&path, &[]);
+    f.qemu_io(&first.uri, &["write -P 0x77 0 64k"]).ok();
+    let err = f.serve_fails(&path, &["--socket", s(&other)], &[]);
+    assert!(
+        err.contains(&format!("process {}", first.pid())) && err.contains("lock"),
+        "the error names the lock and its holder (pid {}): {err}",
+        first.pid()
+    );
+    f.qemu_io(&first.uri, &["read -P 0x77 0 64k", "write -P 0x78 64k 4k"])
+        .ok();
+    first.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Tampering
+
+/// Flip one byte of a stored sector's ciphertext, as anyone with access to the store can.
+fn tamper_with_sector(image: &Path, image_id: &str, object_size: u64, lba: u64) {
+    use ivdisk_store::{
+        LocalStore, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, WriteOp,
+    };
+    const SECTOR: u64 = 4096;
+    let id: [u8; 16] = hex::decode(image_id).unwrap().try_into().unwrap();
+    let prefix = ivdisk_image::data_object_prefix(&ivdisk_crypto::ImageId(id));
+    let sectors_per_object = object_size / SECTOR;
+    let object = ObjectName::new(format!("{prefix}{:016x}", lba / sectors_per_object)).unwrap();
+    // Layout object-end: an object's sectors first, in order, their metadata after them.
+    let at = (lba % sectors_per_object) * SECTOR;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = LocalStore::open(image).unwrap();
+        let results = store
+            .read_op(
+                &object,
+                ReadOp::new().step(ReadStep::Read {
+                    offset: at,
+                    len: SECTOR,
+                }),
+            )
+            .await
+            .unwrap();
+        let Some(ReadResult::Extents(extents)) = results.into_iter().next() else {
+            panic!("expected extents")
+        };
+        let mut sector = vec![0u8; SECTOR as usize];
+        for e in extents {
+            let from = (e.offset - at) as usize;
+            sector[from..from + e.data.len()].copy_from_slice(&e.data);
+        }
+        assert!(sector.iter().any(|&b| b != 0), "sector {lba} is stored");
+        assert!(
+            sector.iter().any(|&b| b != 0x5a),
+            "sector {lba} is stored encrypted"
+        );
+        sector[100] ^= 0x01;
+        store
+            .write_op(&object, WriteOp::new().write(at, sector))
+            .await
+            .unwrap();
+        store.flush().await.unwrap();
+    });
+}
+
+#[test]
+fn a_tampered_sector_fails_alone_with_eio_and_the_server_keeps_serving() {
+    let f = Fixture::new();
+    let object_size = MIB;
+    let image = f.create(
+        "disk",
+        "16M",
+        &[
+            "--cipher",
+            "aegis128l-random",
+            "--layout",
+            "object-end",
+            "--object-size",
+            "1M",
+        ],
+    );
+    let info = f.ivdisk(&["info", s(&image), "--json"]).ok().json();
+    let server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["write -P 0x5a 0 2M"]).ok();
+    server.stop();
+
+    // Sector 261: in the second object (256 sectors each), at byte 1069056 of the disk.
+    let lba = 261u64;
+    let at = lba * 4096;
+    tamper_with_sector(&image, info["image_id"].as_str().unwrap(), object_size, lba);
+
+    let server = f.serve(&image, &[]);
+    let eio = |commands: &[&str]| {
+        let ran = f.qemu_io(&server.uri, commands).failed();
+        assert!(
+            ran.text().contains("Input/output error"),
+            "{commands:?}: {}",
+            ran.text()
+        );
+        ran
+    };
+    eio(&[&format!("read {at} 4096")]);
+    eio(&[&format!("read {} 10", at + 1)]);
+    // A request spanning the sector fails whole.
+    eio(&[&format!("read {} 12288", at - 4096)]);
+    // The neighbours read, in requests of their own, on the same connection after a failure.
+    let ran = eio(&[
+        &format!("read {at} 4096"),
+        &format!("read -P 0x5a {} 4096", at + 4096),
+        &format!("read -P 0x5a {} 4096", at - 4096),
+    ]);
+    assert!(
+        ran.stdout
+            .contains(&format!("read 4096/4096 bytes at offset {}", at + 4096))
+            && ran
+                .stdout
+                .contains(&format!("read 4096/4096 bytes at offset {}", at - 4096))
+            && !ran.text().contains("Pattern verification failed"),
+        "{}",
+        ran.text()
+    );
+    // Everything else reads; a whole-sector write replaces the damaged sector.
+    f.qemu_io(
+        &server.uri,
+        &[
+            &format!("read -P 0x5a 0 {at}"),
+            &format!("read -P 0x5a {} {}", at + 4096, 2 * MIB - at - 4096),
+            &format!("write -P 0x77 {at} 4096"),
+            &format!("read -P 0x77 {at} 4096"),
+        ],
+    )
+    .ok();
+    let stderr = server.stop();
+    assert!(
+        stderr.contains("authentication"),
+        "the server logs the failed authentication: {stderr}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. SIGTERM under load
+
+#[test]
+fn sigterm_while_fio_writes_exits_0_and_leaves_a_readable_unlocked_image() {
+    let f = Fixture::new();
+    let image = f.create("disk", "128M", &[]);
+    let server = f.serve(&image, &[]);
+    let mut fio = f.tool("fio");
+    fio.args([
+        "--name=busy",
+        "--ioengine=nbd",
+        &format!("--uri={}", server.uri),
+        "--rw=randwrite",
+        "--bsrange=4k-1m",
+        "--iodepth=32",
+        "--numjobs=2",
+        "--size=48m",
+        "--offset_increment=48m",
+        "--time_based",
+        "--runtime=60",
+    ]);
+    let fio = Running::start(fio);
+    // Poll until fio's writes reach the image.
+    let deadline = Instant::now() + READY_LIMIT;
+    while !f.map(&server.uri).iter().any(|e| e.2) {
+        assert!(
+            Instant::now() < deadline,
+            "fio wrote nothing within {READY_LIMIT:?}: {}",
+            server.stderr()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    // Exit 0, socket removed, lock released.
+    server.sigterm();
+    server.stopped_cleanly();
+    // fio loses its server and stops (with errors: its requests after the stop go nowhere).
+    let fio = fio.finish();
+    assert!(
+        !fio.status.success(),
+        "fio cannot have finished its 60 s run: {}",
+        fio.text()
+    );
+
+    // Every sector reads (each is the old or the new version, none torn: an AEAD suite
+    // would fail a torn one), and fio's writes are there.
+    let server = f.serve(&image, &["--read-only"]);
+    let out = f.path("all.raw");
+    f.qemu_img(&["convert", "-f", "raw", &server.uri, "-O", "raw", s(&out)])
+        .ok();
+    let bytes = fs::read(&out).unwrap();
+    assert_eq!(bytes.len() as u64, 128 * MIB);
+    assert!(bytes.iter().any(|&b| b != 0), "fio's writes were kept");
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 9. Several clients at once
+
+#[test]
+fn two_clients_write_disjoint_halves_concurrently() {
+    let f = Fixture::new();
+    let half = 32 * MIB;
+    let image = f.create("disk", "64M", &[]);
+    let low = random(7, half as usize);
+    let high = random(8, half as usize);
+    let (low_path, high_path) = (f.path("low.raw"), f.path("high.raw"));
+    fs::write(&low_path, &low).unwrap();
+    fs::write(&high_path, &high).unwrap();
+
+    let server = f.serve(&image, &[]);
+    // nbdcopy writes the first half (its source is half the export's size; it opens several
+    // connections itself); qemu-img the second, through a raw window onto the export.
+    let mut nbdcopy = f.tool("nbdcopy");
+    nbdcopy.args(["--flush", s(&low_path), &server.uri]);
+    let mut qemu_img = f.tool("qemu-img");
+    qemu_img.args([
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        s(&high_path),
+        "--target-image-opts",
+        &format!(
+            "driver=raw,offset={half},size={half},file.driver=nbd,file.server.type=unix,\
+             file.server.path={}",
+            s(server.socket())
+        ),
+    ]);
+    let (a, b) = (Running::start(nbdcopy), Running::start(qemu_img));
+    a.finish().ok();
+    b.finish().ok();
+
+    let out = f.path("out.raw");
+    f.nbdcopy(&[&server.uri, s(&out)]).ok();
+    let out = fs::read(&out).unwrap();
+    assert_eq!(out.len() as u64, 2 * half);
+    assert_same_bytes(&out[..half as usize], &low, "the half nbdcopy wrote");
+    assert_same_bytes(&out[half as usize..], &high, "the half qemu-img wrote");
+    server.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients that stall, and the writer lock of a LUKS file (known bugs, ignored until fixed)
+
+/// A bare NBD client on a Unix socket, attached to the default export (fixed newstyle,
+/// `NBD_OPT_GO`): for client behaviour no tool produces on demand, such as a client whose
+/// network stalls in the middle of a request.
+fn raw_attach(socket: &Path) -> UnixStream {
+    let mut stream = UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).unwrap();
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    // Client flags: FIXED_NEWSTYLE | NO_ZEROES.
+    stream.write_all(&3u32.to_be_bytes()).unwrap();
+    // NBD_OPT_GO (7): export name "" and no information requests.
+    let mut option = Vec::new();
+    option.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
+    option.extend_from_slice(&7u32.to_be_bytes());
+    option.extend_from_slice(&6u32.to_be_bytes());
+    option.extend_from_slice(&0u32.to_be_bytes());
+    option.extend_from_slice(&0u16.to_be_bytes());
+    stream.write_all(&option).unwrap();
+    loop {
+        let mut header = [0u8; 20];
+        stream.read_exact(&mut header).unwrap();
+        let reply = u32::from_be_bytes(header[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(header[16..20].try_into().unwrap());
+        let mut payload = vec![0u8; len as usize];
+        stream.read_exact(&mut payload).unwrap();
+        assert_eq!(reply & 0x8000_0000, 0, "NBD_OPT_GO refused: {reply:#x}");
+        if reply == 1 {
+            return stream; // NBD_REP_ACK
+        }
+    }
+}
+
+/// An NBD request header (no payload).
+fn nbd_request(command: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(28);
+    out.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+    out.extend_from_slice(&0u16.to_be_bytes());
+    out.extend_from_slice(&command.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+    out.extend_from_slice(&offset.to_be_bytes());
+    out.extend_from_slice(&length.to_be_bytes());
+    out
+}
+
+/// Let the server take in what a stalled client sent. Nothing can be polled for (the server
+/// says nothing until the request is complete); if the server were slower than this, the
+/// test would pass without showing anything, never fail wrongly.
+fn let_the_server_read() {
+    thread::sleep(Duration::from_millis(300));
+}
+
+/// A client whose network stalls in the middle of a write payload: nothing of that write was
+/// acknowledged, so there is nothing to finish, and SIGTERM must not wait for the rest of it
+/// (over TCP without keepalive, "the rest" may never come, and a service manager's SIGKILL
+/// then loses the flush and leaves the writer lock to expire).
+#[test]
+fn sigterm_is_not_held_up_by_a_client_stalled_in_the_middle_of_a_write() {
+    let f = Fixture::new();
+    let image = f.create("disk", "16M", &[]);
+    let mut server = f.serve(&image, &[]);
+    let mut stalled = raw_attach(server.socket());
+    // NBD_CMD_WRITE (1) of 1 MiB, of which 1000 bytes arrive.
+    stalled.write_all(&nbd_request(1, 1, 0, 1 << 20)).unwrap();
+    stalled.write_all(&[0x55; 1000]).unwrap();
+    let_the_server_read();
+    server.sigterm();
+    let status = server.wait_exit(Duration::from_secs(10));
+    drop(stalled);
+    let status = status.unwrap_or_else(|| {
+        panic!(
+            "the server still runs 10 s after SIGTERM, waiting for a stalled client: {}",
+            server.stderr()
+        )
+    });
+    assert!(status.success(), "{status}: {}", server.stderr());
+    assert_lock_free(&f.ivdisk_path(), &image);
+}
+
+/// A client that sends reads and stops reading the replies (a hung VM): the server cannot
+/// deliver them, and SIGTERM must still end it in bounded time (flushing and releasing the
+/// lock), not only a second signal that skips the flush.
+#[test]
+fn sigterm_is_not_held_up_by_a_client_that_stops_reading_replies() {
+    let f = Fixture::new();
+    let image = f.create("disk", "64M", &[]);
+    let mut server = f.serve(&image, &[]);
+    let mut stalled = raw_attach(server.socket());
+    for cookie in 0..64 {
+        // NBD_CMD_READ (0) of 32 MiB, replies never read.
+        stalled
+            .write_all(&nbd_request(0, cookie, 0, MAX_BLOCK as u32))
+            .unwrap();
+    }
+    let_the_server_read();
+    server.sigterm();
+    let status = server.wait_exit(STOP_LIMIT);
+    drop(stalled);
+    let status = status.unwrap_or_else(|| {
+        panic!(
+            "the server still runs {STOP_LIMIT:?} after SIGTERM, blocked on a client that \
+             does not read: {}",
+            server.stderr()
+        )
+    });
+    assert!(status.success(), "{status}: {}", server.stderr());
+    assert_lock_free(&f.ivdisk_path(), &image);
+}
+
+/// `ivdisk lock status` of a LUKS file shows the server that writes it, then no lock.
+#[test]
+fn lock_status_of_a_luks_file_shows_its_server() {
+    let f = Fixture::new();
+    let path = f.luks_format("luks.img", Luks::V2 { sector: 4096 }, 4 * MIB);
+    let server = f.serve(&path, &[]);
+    let status = f
+        .ivdisk(&["lock", "status", s(&path), "--json"])
+        .ok()
+        .json();
+    assert_ne!(status["lock"], Value::Null, "{status}");
+    assert!(
+        status.to_string().contains(&server.pid().to_string()),
+        "the holder is the server, pid {}: {status}",
+        server.pid()
+    );
+    f.ivdisk(&["info", s(&path), "--json"]).ok();
+    server.stop();
+    let status = f
+        .ivdisk(&["lock", "status", s(&path), "--json"])
+        .ok()
+        .json();
+    assert_eq!(status["lock"], Value::Null, "{status}");
+}
