@@ -33,8 +33,14 @@ pub(crate) trait Segments: Send {
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
-    /// The data in this range is dead: return its space.
+    /// The data in this range is dead: return its space (possibly later, in the background).
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
+    /// Wait until every punch asked for so far is done.
+    fn settle(&mut self) {}
+    /// Run `done` once every punch asked for so far is done (at once where punches are).
+    fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
+        done()
+    }
     /// The current append position (to undo the appends of a failed operation).
     fn mark(&self) -> (u32, u64);
     fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError>;
@@ -224,6 +230,10 @@ pub(crate) struct Engine {
     /// A commit failed: operations acknowledged since the last flush are lost; the next flush
     /// reports it (whether it was for lack of space, and the cause).
     lost: Option<(bool, String)>,
+    /// Some node is a snapshot's preserved state (a clone), so segment ranges may be shared
+    /// between nodes. Until then a range cut from an extent is dead for sure and `note_dead`
+    /// skips its query (a fifth of a small write's CPU). Set, never cleared while open.
+    clones_may_exist: bool,
 }
 
 fn now_ms() -> i64 {
@@ -246,7 +256,13 @@ impl Engine {
         durability: Box<dyn Durability>,
     ) -> Result<Self, StoreError> {
         Self::init_schema(&db)?;
+        let clones_may_exist = db.query_row(
+            "SELECT EXISTS (SELECT 1 FROM nodes WHERE clone_to IS NOT NULL)",
+            [],
+            |r| r.get::<_, bool>(0),
+        )?;
         Ok(Engine {
+            clones_may_exist,
             db,
             segments,
             durability,
@@ -315,6 +331,9 @@ impl Engine {
             }
         }
         self.commit(true);
+        // Punches run in the background; a clean stop waits for them (an unclean one leaves
+        // the dead bytes to the reclaim at the next open).
+        self.segments.settle();
         if self.lost.is_none() {
             self.durability.mark_clean();
         }
@@ -378,7 +397,11 @@ impl Engine {
                     ))),
                     None => Ok(()),
                 };
-                let _ = reply.send(result);
+                // The reply waits for the punches this commit queued (space is back when flush
+                // returns), without holding up the requests behind it.
+                self.segments.after_punches(Box::new(move || {
+                    let _ = reply.send(result);
+                }));
             }
         }
     }
@@ -522,34 +545,35 @@ impl Engine {
     fn meta(&self, key: &str) -> Result<u64, StoreError> {
         Ok(self
             .db
-            .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| {
-                r.get::<_, i64>(0)
-            })? as u64)
+            .prepare_cached("SELECT value FROM meta WHERE key = ?1")?
+            .query_row([key], |r| r.get::<_, i64>(0))? as u64)
     }
 
     fn bump_meta(&self, key: &str) -> Result<u64, StoreError> {
+        // Cached statements on the IO path: parsing SQL again per operation was 7-8% of a
+        // 4 KiB write's CPU (docs/BENCHMARKS.md, NBD server vs qemu-nbd).
         self.db
-            .execute("UPDATE meta SET value = value + 1 WHERE key = ?1", [key])?;
+            .prepare_cached("UPDATE meta SET value = value + 1 WHERE key = ?1")?
+            .execute([key])?;
         self.meta(key)
     }
 
     fn head(&self, object: &ObjectName) -> Result<Option<Node>, StoreError> {
         Ok(self
             .db
-            .query_row(
+            .prepare_cached(
                 "SELECT id, size, version, snap_seq, birth_seq FROM nodes
                  WHERE name = ?1 AND clone_to IS NULL",
-                [object.as_str()],
-                |r| {
-                    Ok(Node {
-                        id: r.get(0)?,
-                        size: r.get::<_, i64>(1)? as u64,
-                        version: r.get::<_, i64>(2)? as u64,
-                        snap_seq: r.get::<_, i64>(3)? as u64,
-                        birth_seq: r.get::<_, i64>(4)? as u64,
-                    })
-                },
-            )
+            )?
+            .query_row([object.as_str()], |r| {
+                Ok(Node {
+                    id: r.get(0)?,
+                    size: r.get::<_, i64>(1)? as u64,
+                    version: r.get::<_, i64>(2)? as u64,
+                    snap_seq: r.get::<_, i64>(3)? as u64,
+                    birth_seq: r.get::<_, i64>(4)? as u64,
+                })
+            })
             .optional()?)
     }
 
@@ -622,7 +646,7 @@ impl Engine {
     /// Before the first write under a newer snapshot context, keep the head's state for the
     /// snapshots taken since its last write (copy-on-write by reference).
     fn preserve_for_snapshots(
-        &self,
+        &mut self,
         object: &ObjectName,
         head: &mut Node,
         context: &SnapContext,
@@ -631,6 +655,7 @@ impl Engine {
             return Ok(());
         }
         if context.snaps.iter().any(|&s| s > head.snap_seq) {
+            self.clones_may_exist = true;
             self.db.execute(
                 "INSERT INTO nodes (name, clone_from, clone_to, size, version, snap_seq, birth_seq)
                  VALUES (?1, ?2, ?3, ?4, ?5, 0, 0)",
@@ -657,7 +682,9 @@ impl Engine {
         let overlapping: Vec<(u64, u64, Piece)> = {
             let mut stmt = self.db.prepare_cached(
                 "SELECT lo, hi, seg, seg_off, blob, blob_end FROM extents
-                 WHERE node = ?1 AND lo < ?2 AND hi > ?3",
+                 WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
+                     WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
+                 AND lo < ?2 AND hi > ?3",
             )?;
             let rows = stmt.query_map(params![node, hi as i64, lo as i64], |r| {
                 Ok((
@@ -674,10 +701,9 @@ impl Engine {
             rows.collect::<Result<_, _>>()?
         };
         for (e_lo, e_hi, piece) in overlapping {
-            self.db.execute(
-                "DELETE FROM extents WHERE node = ?1 AND lo = ?2",
-                params![node, e_lo as i64],
-            )?;
+            self.db
+                .prepare_cached("DELETE FROM extents WHERE node = ?1 AND lo = ?2")?
+                .execute(params![node, e_lo as i64])?;
             if e_lo < lo {
                 self.insert_extent(node, e_lo, lo, piece)?;
             }
@@ -720,7 +746,7 @@ impl Engine {
     /// A segment range lost its reference: free it unless another node (a snapshot's clone)
     /// still shares it.
     fn note_dead(&mut self, seg: u32, offset: u64, len: u64) -> Result<(), StoreError> {
-        if !self.referenced(seg, offset, offset + len)? {
+        if !self.clones_may_exist || !self.referenced(seg, offset, offset + len)? {
             self.frees_pending.push((seg, offset, len));
         }
         Ok(())
@@ -985,7 +1011,9 @@ impl Engine {
             .db
             .prepare_cached(
                 "SELECT lo, hi, seg, seg_off FROM extents
-                 WHERE node = ?1 AND lo < ?2 AND hi > ?3 ORDER BY lo",
+                 WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
+                     WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
+                 AND lo < ?2 AND hi > ?3 ORDER BY lo",
             )?
             .query_map(params![node.id, end as i64, offset as i64], |r| {
                 Ok((

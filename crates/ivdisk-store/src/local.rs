@@ -13,6 +13,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
 
 use rusqlite::Connection;
 use rustix::fs::{fallocate, flock, FallocateFlags, FlockOperation};
@@ -35,7 +36,12 @@ pub struct LocalStoreOptions {
 
 struct FileSegments {
     dir: PathBuf,
-    files: HashMap<u32, File>,
+    /// Shared with the puncher thread.
+    files: HashMap<u32, Arc<File>>,
+    /// Punches and flush barriers, done in order off the worker thread: a hole punch can
+    /// take long (ext4 mounted with `discard` issues the discard synchronously, measured at
+    /// seconds under random overwrites) and the worker must keep serving meanwhile.
+    puncher: Option<(mpsc::Sender<PunchJob>, std::thread::JoinHandle<()>)>,
     active: u32,
     len: u64,
     unsynced: u64,
@@ -85,7 +91,7 @@ impl FileSegments {
         let mut files = HashMap::new();
         for &n in &numbers {
             let path = segment_path(&dir, n);
-            files.insert(n, open_read_write(&path)?);
+            files.insert(n, Arc::new(open_read_write(&path)?));
         }
         let active = *numbers.last().expect("at least one");
         // Appends past what committed metadata references belong to operations that never
@@ -109,6 +115,7 @@ impl FileSegments {
         let mut segments = FileSegments {
             dir,
             files,
+            puncher: None,
             active,
             len,
             unsynced: 0,
@@ -118,6 +125,8 @@ impl FileSegments {
         };
         if reclaim {
             segments.reclaimed_at_open = segments.punch_unreferenced(db)?;
+            // The reclaim's punches are done when the store is open (tests count on it).
+            segments.settle();
         }
         Ok(segments)
     }
@@ -178,10 +187,60 @@ impl FileSegments {
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(StoreError::io(format!("syncing {}", self.dir.display())))?;
-        self.files.insert(next, file);
+        self.files.insert(next, Arc::new(file));
         self.active = next;
         self.len = 0;
         Ok(())
+    }
+}
+
+enum PunchJob {
+    Punch {
+        file: Arc<File>,
+        offset: u64,
+        len: u64,
+    },
+    /// Run once every earlier punch is done (a flush's reply).
+    Barrier(Box<dyn FnOnce() + Send>),
+}
+
+/// The puncher thread: a failed punch only leaks space (reclaimed by the next open after an
+/// unclean stop), so it is logged, not returned.
+fn run_puncher(jobs: mpsc::Receiver<PunchJob>) {
+    for job in jobs {
+        match job {
+            PunchJob::Punch { file, offset, len } => {
+                if let Err(e) = fallocate(
+                    &*file,
+                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+                    offset,
+                    len,
+                ) {
+                    tracing::warn!(offset, len, error = %e, "could not punch dead data out of a segment; its space stays used");
+                }
+            }
+            PunchJob::Barrier(done) => done(),
+        }
+    }
+}
+
+impl FileSegments {
+    fn puncher(&mut self) -> Result<&mpsc::Sender<PunchJob>, StoreError> {
+        if self.puncher.is_none() {
+            let (jobs, queue) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name("ivdisk-store-punch".into())
+                .spawn(move || run_puncher(queue))
+                .map_err(StoreError::io("starting the store's punch thread"))?;
+            self.puncher = Some((jobs, thread));
+        }
+        Ok(&self.puncher.as_ref().expect("just set").0)
+    }
+}
+
+impl Drop for FileSegments {
+    fn drop(&mut self) {
+        self.settle();
     }
 }
 
@@ -228,16 +287,43 @@ impl Segments for FileSegments {
     }
 
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError> {
+        // The engine widens punches over partial blocks whose other bytes are dead or not
+        // written yet. Done later, a punch past the append position would destroy appends
+        // made meanwhile: only what is written now is punched.
+        let len = match segment == self.active {
+            true => len.min(self.len.saturating_sub(offset)),
+            false => len,
+        };
+        if len == 0 {
+            return Ok(());
+        }
         if let Some(file) = self.files.get(&segment) {
-            fallocate(
-                file,
-                FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            let job = PunchJob::Punch {
+                file: file.clone(),
                 offset,
                 len,
-            )
-            .map_err(|e| StoreError::io("punching dead data out of a segment")(e.into()))?;
+            };
+            self.puncher()?
+                .send(job)
+                .expect("the puncher runs while its sender lives");
         }
         Ok(())
+    }
+
+    fn settle(&mut self) {
+        if let Some((jobs, thread)) = self.puncher.take() {
+            drop(jobs);
+            let _ = thread.join();
+        }
+    }
+
+    fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
+        match &self.puncher {
+            Some((jobs, _)) => jobs
+                .send(PunchJob::Barrier(done))
+                .expect("the puncher runs while its sender lives"),
+            None => done(),
+        }
     }
 
     fn mark(&self) -> (u32, u64) {

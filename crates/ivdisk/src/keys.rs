@@ -160,6 +160,9 @@ pub enum KeyCommand {
         json: bool,
     },
     /// Change the passphrase of a keyslot, keeping its number.
+    #[command(
+        after_help = "Example:\n  ivdisk key change disk.hdr --key-file old.txt --new-key-file new.txt"
+    )]
     Change {
         image: PathBuf,
         /// The current passphrase's file; otherwise asked on the terminal.
@@ -176,6 +179,7 @@ pub enum KeyCommand {
         json: bool,
     },
     /// Check a passphrase, key file or volume key without changing anything.
+    #[command(after_help = "Example:\n  ivdisk key test disk.hdr --key-file pass.txt && echo ok")]
     Test {
         image: PathBuf,
         #[command(flatten)]
