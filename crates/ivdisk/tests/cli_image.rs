@@ -2,84 +2,16 @@
 //! binary on local-backend images in a temporary directory, passphrase files, exit codes
 //! (1 for errors, 2 for usage errors) and messages.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::Command;
 
 use serde_json::Value;
 
-/// The cheapest keyslot: PBKDF2 at cryptsetup's minimum, no benchmark.
-const FAST: [&str; 4] = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+mod common;
 
-/// Set in the environment of this test binary re-run as a writer that dies holding the lock.
-const DIE_HOLDING_LOCK: &str = "IVDISK_TEST_DIE_HOLDING_LOCK";
-
-/// Runs with standard input closed (no terminal: nothing may prompt).
-fn ivdisk(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ivdisk"))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = ivdisk(args);
-    assert!(
-        out.status.success(),
-        "ivdisk {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Runs a command that must fail with exit code 1 (not a usage error); returns its stderr.
-fn fails(args: &[&str]) -> String {
-    let out = ivdisk(args);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "ivdisk {args:?} should fail with exit code 1; stdout {} stderr {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stderr).unwrap()
-}
-
-fn json(args: &[&str]) -> Value {
-    let mut args = args.to_vec();
-    args.push("--json");
-    let text = ok(&args);
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("ivdisk {args:?}: {e}: {text}"))
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
-
-struct Fixture {
-    dir: tempfile::TempDir,
-    /// A passphrase file as `echo` writes it: "correct horse\n".
-    pw: PathBuf,
-}
+use common::{fails, ivdisk, json, ok, p, Fixture, DIE_HOLDING_LOCK, FAST};
 
 impl Fixture {
-    fn new() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        let pw = dir.path().join("pw");
-        std::fs::write(&pw, b"correct horse\n").unwrap();
-        Fixture { dir, pw }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn file(&self, name: &str, content: &[u8]) -> PathBuf {
-        let path = self.path(name);
-        std::fs::write(&path, content).unwrap();
-        path
-    }
-
     /// `ivdisk create IMAGE --size SIZE EXTRA... --passphrase-file pw` with a fast keyslot.
     fn create(&self, image: &Path, size: &str, extra: &[&str]) -> Value {
         let mut args = vec!["create", p(image), "--size", size];

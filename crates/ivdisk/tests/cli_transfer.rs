@@ -12,65 +12,13 @@ use ivdisk_image::{Image, ImageUri, OpenOptions};
 use ivdisk_store::{ObjectName, ObjectStoreExt};
 use serde_json::Value;
 
-/// The cheapest keyslot: PBKDF2 at cryptsetup's minimum, no benchmark.
-const FAST: [&str; 4] = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+mod common;
+
+use common::{exits, fails, ivdisk, json, ok_bytes, p, Fixture, DIE_HOLDING_LOCK, FAST};
+
 /// 16 sectors of 4096 bytes per object: small images still span many objects.
 const OBJECT: u64 = 64 << 10;
 const SECTOR: u64 = 4096;
-
-/// Set in the environment of this test binary re-run as a writer that dies holding the lock.
-const DIE_HOLDING_LOCK: &str = "IVDISK_TEST_DIE_HOLDING_LOCK";
-
-/// Runs with standard input closed (no terminal: nothing may prompt).
-fn ivdisk(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ivdisk"))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> Vec<u8> {
-    let out = ivdisk(args);
-    assert!(
-        out.status.success(),
-        "ivdisk {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out.stdout
-}
-
-/// Runs a command that must exit with `code`; returns its stdout and stderr.
-fn exits(code: i32, args: &[&str]) -> (String, String) {
-    let out = ivdisk(args);
-    assert_eq!(
-        out.status.code(),
-        Some(code),
-        "ivdisk {args:?} should exit with {code}; stdout {} stderr {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
-}
-
-fn fails(args: &[&str]) -> String {
-    exits(1, args).1
-}
-
-fn json(args: &[&str]) -> Value {
-    let mut args = args.to_vec();
-    args.push("--json");
-    let text = ok(&args);
-    serde_json::from_slice(&text)
-        .unwrap_or_else(|e| panic!("ivdisk {args:?}: {e}: {}", String::from_utf8_lossy(&text)))
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
 
 /// Deterministic bytes (xorshift), so a failure reproduces.
 fn random(len: usize, seed: u64) -> Vec<u8> {
@@ -98,30 +46,7 @@ fn raw_disk(seed: u64) -> Vec<u8> {
     disk
 }
 
-struct Fixture {
-    dir: tempfile::TempDir,
-    /// A passphrase file as `echo` writes it: "correct horse\n".
-    pw: PathBuf,
-}
-
 impl Fixture {
-    fn new() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        let pw = dir.path().join("pw");
-        std::fs::write(&pw, b"correct horse\n").unwrap();
-        Fixture { dir, pw }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn file(&self, name: &str, content: &[u8]) -> PathBuf {
-        let path = self.path(name);
-        std::fs::write(&path, content).unwrap();
-        path
-    }
-
     /// `ivdisk import` of `content` (as the file `NAME.raw`) into the new image `NAME`, with
     /// 64 KiB objects and a fast keyslot. Returns the image and import's JSON.
     fn import(&self, name: &str, content: &[u8]) -> (PathBuf, Value) {
@@ -137,7 +62,7 @@ impl Fixture {
     /// `ivdisk export IMAGE FILE` with the fixture's passphrase; returns the file's bytes.
     fn export(&self, image: &Path, name: &str) -> (PathBuf, Vec<u8>) {
         let out = self.path(name);
-        ok(&[
+        ok_bytes(&[
             "export",
             p(image),
             p(&out),
@@ -454,7 +379,7 @@ fn a_header_backup_brings_back_a_destroyed_header() {
     assert_eq!(std::fs::metadata(&backup).unwrap().len(), 16 << 20);
     // A LUKS2 header file: `header dump` reads it and finds the image's parameters.
     let dump: Value =
-        serde_json::from_slice(&ok(&["header", "dump", p(&backup), "--json"])).unwrap();
+        serde_json::from_slice(&ok_bytes(&["header", "dump", p(&backup), "--json"])).unwrap();
     assert_eq!(dump["image"]["image_id"], id);
     let err = fails(&["header", "backup", p(&image), p(&backup)]);
     assert!(err.contains("must not exist"), "{err}");
@@ -470,7 +395,7 @@ fn a_header_backup_brings_back_a_destroyed_header() {
     ];
     args.extend(["--new-passphrase-file", p(&later)]);
     args.extend(FAST);
-    ok(&args);
+    ok_bytes(&args);
 
     // Both binary headers destroyed: nothing opens the image.
     with_store(&image, b"correct horse", async |image| {
@@ -528,7 +453,7 @@ fn another_images_header_backup_needs_force() {
     );
     assert_ne!(id_one, id_two);
     let backup = f.path("one.header");
-    ok(&["header", "backup", p(&one), p(&backup)]);
+    ok_bytes(&["header", "backup", p(&one), p(&backup)]);
 
     let err = fails(&["header", "restore", p(&two), p(&backup)]);
     assert!(
@@ -577,7 +502,7 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     let f = Fixture::new();
     let (image, _) = f.import("disk", &raw_disk(8));
     let backup = f.path("disk.header");
-    ok(&["header", "backup", p(&image), p(&backup)]);
+    ok_bytes(&["header", "backup", p(&image), p(&backup)]);
     let died = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -595,7 +520,7 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     );
     let err = fails(&["header", "restore", p(&image), p(&backup)]);
     assert!(err.contains("lock break"), "{err}");
-    ok(&["lock", "break", p(&image), "--yes"]);
+    ok_bytes(&["lock", "break", p(&image), "--yes"]);
     assert_eq!(
         json(&["header", "restore", p(&image), p(&backup)])["replaced"],
         "same"
