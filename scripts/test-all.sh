@@ -151,6 +151,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 log "cargo check ivdisk-rados without librados (--no-default-features)"
 cargo check -p ivdisk-rados --no-default-features
+log "cargo check ivdisk-rbd without librbd (--no-default-features)"
+cargo check -p ivdisk-rbd --no-default-features
 
 if [[ ${IVDISK_NO_CEPH:-} == 1 ]]; then
   no_ceph_banner
@@ -164,6 +166,15 @@ log "cargo test"
 # bench is caught here; doc tests run separately (--all-targets skips them).
 cargo test --workspace --all-targets
 cargo test --workspace --doc
+
+if [[ -n $CEPH_CLUSTER_DIR ]]; then
+  log "scripts/bench-ceph --quick: ivdisk vs librbd LUKS2 on the test cluster (smoke run)"
+  # One round (~2 minutes) on the debug build the tests just made (a release build costs ~6
+  # minutes on a fresh clone; CI checks that the benchmark works, its figures are not
+  # measurements): fails on a fio error or verify mismatch, a dead server, an image not fully
+  # written or a missing result. Its images are deleted at exit; results in target/bench-ceph-ci/.
+  scripts/bench-ceph --quick --reps 1 --size 128M --binary target/debug/ivdisk --out target/bench-ceph-ci
+fi
 
 log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VAES)"
 # On a CPU with VAES the suites use our VAES XTS; run the crypto tests once more on the

@@ -14,8 +14,9 @@ use openssl::cipher_ctx::CipherCtxRef;
 use zeroize::Zeroizing;
 
 use crate::evp::{ContextPool, Direction};
+use crate::io::Io;
 use crate::rng::NonceSource;
-use crate::suite::{check_key_len, check_run, check_sector_size};
+use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size};
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
 /// Random 96-bit nonces: NIST SP 800-38D section 8.3 caps invocations under one key at 2^32 so
@@ -128,89 +129,91 @@ impl AeadSuite {
 #[cfg(target_arch = "x86_64")]
 impl AeadSuite {
     /// Seal the run's leading groups of four sectors with the four-lane AEGIS-128L; returns how
-    /// many sectors it did (0 where the CPU lacks VAES).
-    fn seal_lanes(
+    /// many sectors it did (0 where the CPU lacks VAES) and the rest of the run.
+    fn seal_lanes<'a>(
         &self,
         key: &[u8; 16],
         first_sector: u64,
-        data: &mut [u8],
+        data: Io<'a>,
         metadata: &mut [u8],
-    ) -> Result<usize, CryptoError> {
+    ) -> Result<(usize, Io<'a>), CryptoError> {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
-        if !available() {
-            return Ok(0);
-        }
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let grouped = data.len() / (LANES * ss) * LANES;
+        if !available() || grouped == 0 {
+            return Ok((0, data));
+        }
+        let (head, rest) = data.split_at(grouped * ss);
         // The nonces of all groups in one draw: at 20 GB/s a per-group call into the generator
         // showed.
         let mut drawn = vec![0u8; grouped * 16];
         self.nonces.fill_each(first_sector, &mut drawn, 16)?;
-        let mut done = 0;
-        let groups = data
-            .chunks_exact_mut(LANES * ss)
+        let groups = head
+            .chunks(LANES * ss)
+            .into_iter()
             .zip(metadata.chunks_exact_mut(LANES * md_len))
             .zip(drawn.chunks_exact(16 * LANES));
-        for (g, ((sectors, metas), drawn)) in groups.enumerate() {
+        for (g, ((group, metas), drawn)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
             let aads: [[u8; AAD_LEN]; LANES] =
                 std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
             let nonces: [[u8; 16]; LANES] =
                 std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
-            let Some(tags) = crypt4(
+            let tags = crypt4(
                 key,
                 nonces.each_ref(),
                 aads.each_ref().map(|a| &a[..]),
-                split_lanes(sectors, ss),
+                &mut split_lanes(group, ss),
                 true,
-            ) else {
-                break;
-            };
+            )
+            .expect("VAES is available and sectors are multiples of 64 bytes");
             for ((md, nonce), tag) in metas.chunks_exact_mut(md_len).zip(&nonces).zip(&tags) {
                 md[..16].copy_from_slice(nonce);
                 md[16..16 + TAG_LEN].copy_from_slice(tag);
             }
-            done += LANES;
         }
-        Ok(done)
+        Ok((grouped, rest))
     }
 
     /// Open the run's leading groups of four sectors with the four-lane AEGIS-128L, zeroing and
-    /// listing in `failed` the sectors whose tag does not verify; returns how many it did.
-    fn open_lanes(
+    /// listing in `failed` the sectors whose tag does not verify; returns how many it did and
+    /// the rest of the run.
+    fn open_lanes<'a>(
         &self,
         key: &[u8; 16],
         first_sector: u64,
-        data: &mut [u8],
+        data: Io<'a>,
         metadata: &[u8],
         failed: &mut Vec<u64>,
-    ) -> usize {
+    ) -> (usize, Io<'a>) {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
-        if !available() {
-            return 0;
-        }
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-        let mut done = 0;
-        let groups = data
-            .chunks_exact_mut(LANES * ss)
+        let grouped = data.len() / (LANES * ss) * LANES;
+        if !available() || grouped == 0 {
+            return (0, data);
+        }
+        let (head, rest) = data.split_at(grouped * ss);
+        let groups = head
+            .chunks(LANES * ss)
+            .into_iter()
             .zip(metadata.chunks_exact(LANES * md_len));
-        for (g, (sectors, metas)) in groups.enumerate() {
+        for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
             let aads: [[u8; AAD_LEN]; LANES] =
                 std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
             let nonces: [&[u8; 16]; LANES] = std::array::from_fn(|i| {
                 metas[i * md_len..][..16].try_into().expect("16-byte nonce")
             });
-            let Some(tags) = crypt4(
+            let mut lanes = split_lanes(group, ss);
+            let tags = crypt4(
                 key,
                 nonces,
                 aads.each_ref().map(|a| &a[..]),
-                split_lanes(sectors, ss),
+                &mut lanes,
                 false,
-            ) else {
-                break;
-            };
-            for (i, (sector, tag)) in sectors.chunks_exact_mut(ss).zip(&tags).enumerate() {
+            )
+            .expect("VAES is available and sectors are multiples of 64 bytes");
+            for (i, (sector, tag)) in lanes.iter_mut().zip(&tags).enumerate() {
                 let stored = &metas[i * md_len + 16..][..TAG_LEN];
                 // Constant time: the comparison must not say how many tag bytes matched.
                 let diff = stored
@@ -218,38 +221,29 @@ impl AeadSuite {
                     .zip(tag)
                     .fold(0u8, |acc, (a, b)| acc | (a ^ b));
                 if diff != 0 {
-                    sector.fill(0);
+                    sector.dst().fill(0);
                     failed.push(base + i as u64);
                 }
             }
-            done += LANES;
         }
-        done
+        (grouped, rest)
     }
 }
 
-/// Four consecutive sectors of a group as four slices.
+/// Four consecutive sectors of a group as four runs.
 #[cfg(target_arch = "x86_64")]
-fn split_lanes(group: &mut [u8], sector_size: usize) -> [&mut [u8]; 4] {
-    let (a, rest) = group.split_at_mut(sector_size);
-    let (b, rest) = rest.split_at_mut(sector_size);
-    let (c, d) = rest.split_at_mut(sector_size);
+fn split_lanes(group: Io<'_>, sector_size: usize) -> [Io<'_>; 4] {
+    let (a, rest) = group.split_at(sector_size);
+    let (b, rest) = rest.split_at(sector_size);
+    let (c, d) = rest.split_at(sector_size);
     [a, b, c, d]
 }
 
-impl crate::SectorCipher for AeadSuite {
-    fn suite(&self) -> Suite {
-        self.suite
-    }
-
-    fn sector_size(&self) -> usize {
-        self.sector_size
-    }
-
-    fn encrypt_sectors(
+impl AeadSuite {
+    fn seal_run(
         &self,
         first_sector: u64,
-        data: &mut [u8],
+        data: Io<'_>,
         metadata: &mut [u8],
     ) -> Result<(), CryptoError> {
         let n = check_run(
@@ -262,13 +256,15 @@ impl crate::SectorCipher for AeadSuite {
         self.reserve_writes(n as u64)?;
         let md_len = self.suite.metadata_len();
         let nonce_len = self.nonce_len();
-        // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it.
-        let done = match &self.engine {
+        // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it
+        // (out of place when asked); the rest one sector at a time, in place.
+        let (done, rest) = match &self.engine {
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => self.seal_lanes(key, first_sector, data, metadata)?,
-            _ => 0,
+            _ => (0, data),
         };
-        let sectors = data[done * self.sector_size..].chunks_exact_mut(self.sector_size);
+        let rest = rest.into_in_place();
+        let sectors = rest.chunks_exact_mut(self.sector_size);
         let metas = metadata[done * md_len..].chunks_exact_mut(md_len);
         let seal = |i: usize,
                     sector: &mut [u8],
@@ -304,10 +300,10 @@ impl crate::SectorCipher for AeadSuite {
         }
     }
 
-    fn decrypt_sectors(
+    fn open_run(
         &self,
         first_sector: u64,
-        data: &mut [u8],
+        data: Io<'_>,
         metadata: &[u8],
     ) -> Result<(), CryptoError> {
         check_run(
@@ -320,15 +316,16 @@ impl crate::SectorCipher for AeadSuite {
         let md_len = self.suite.metadata_len();
         let nonce_len = self.nonce_len();
         let mut failed = Vec::new();
-        let done = match &self.engine {
+        let (done, rest) = match &self.engine {
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => {
                 self.open_lanes(key, first_sector, data, metadata, &mut failed)
             }
-            _ => 0,
+            _ => (0, data),
         };
+        let rest = rest.into_in_place();
         let mut open_all = |mut gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
-            for (i, (sector, md)) in data[done * self.sector_size..]
+            for (i, (sector, md)) in rest
                 .chunks_exact_mut(self.sector_size)
                 .zip(metadata[done * md_len..].chunks_exact(md_len))
                 .enumerate()
@@ -368,6 +365,56 @@ impl crate::SectorCipher for AeadSuite {
         } else {
             Err(CryptoError::Authentication { sectors: failed })
         }
+    }
+}
+
+impl crate::SectorCipher for AeadSuite {
+    fn suite(&self) -> Suite {
+        self.suite
+    }
+
+    fn sector_size(&self) -> usize {
+        self.sector_size
+    }
+
+    fn encrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        self.seal_run(first_sector, Io::InPlace(data), metadata)
+    }
+
+    fn decrypt_sectors(
+        &self,
+        first_sector: u64,
+        data: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError> {
+        self.open_run(first_sector, Io::InPlace(data), metadata)
+    }
+
+    fn encrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(plaintext, ciphertext)?;
+        self.seal_run(first_sector, Io::copy(plaintext, ciphertext), metadata)
+    }
+
+    fn decrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        ciphertext: &[u8],
+        plaintext: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(ciphertext, plaintext)?;
+        self.open_run(first_sector, Io::copy(ciphertext, plaintext), metadata)
     }
 
     fn writes_used(&self) -> Option<u64> {

@@ -55,6 +55,17 @@ pub enum CryptoError {
         sector_size: usize,
     },
 
+    /// An out-of-place run whose output buffer is not as long as its input.
+    #[error(
+        "output buffer of {output} bytes for an input of {input} bytes: expected the same length"
+    )]
+    OutputLength {
+        /// Input bytes.
+        input: usize,
+        /// Output bytes.
+        output: usize,
+    },
+
     /// A metadata buffer whose length does not match the number of sectors.
     #[error("metadata buffer of {got} bytes does not fit {sectors} sectors of {suite}: expected {expected} bytes")]
     MetadataLength {

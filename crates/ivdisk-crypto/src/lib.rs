@@ -24,6 +24,7 @@ mod evp;
 #[allow(unsafe_code)]
 mod ffi;
 mod hctr2;
+mod io;
 mod key;
 mod rng;
 mod suite;

@@ -191,6 +191,36 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         metadata: &[u8],
     ) -> Result<(), CryptoError>;
 
+    /// Encrypt `plaintext` into `ciphertext` (same length) and write each sector's metadata:
+    /// [`SectorCipher::encrypt_sectors`] without a copy first. Suites whose kernels read one
+    /// buffer and write another do it in one pass; the others copy, then work in place.
+    fn encrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(plaintext, ciphertext)?;
+        ciphertext.copy_from_slice(plaintext);
+        self.encrypt_sectors(first_sector, ciphertext, metadata)
+    }
+
+    /// Decrypt `ciphertext` into `plaintext` (same length): [`SectorCipher::decrypt_sectors`]
+    /// without a copy first, with the same promise on [`CryptoError::Authentication`] (the
+    /// failed sectors' plaintext is zeros, every other sector's is correct).
+    fn decrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        ciphertext: &[u8],
+        plaintext: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(ciphertext, plaintext)?;
+        plaintext.copy_from_slice(ciphertext);
+        self.decrypt_sectors(first_sector, plaintext, metadata)
+    }
+
     /// Bytes of metadata per sector.
     fn metadata_len(&self) -> usize {
         self.suite().metadata_len()
@@ -200,6 +230,17 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     fn writes_used(&self) -> Option<u64> {
         None
     }
+}
+
+/// An out-of-place run's output must be exactly as long as its input.
+pub(crate) fn check_out_of_place(input: &[u8], output: &[u8]) -> Result<(), CryptoError> {
+    if input.len() != output.len() {
+        return Err(CryptoError::OutputLength {
+            input: input.len(),
+            output: output.len(),
+        });
+    }
+    Ok(())
 }
 
 /// Check a run's buffers against the cipher's geometry; returns the number of sectors.

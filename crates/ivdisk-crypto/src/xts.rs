@@ -22,9 +22,10 @@ use openssl::cipher::{Cipher, CipherRef};
 use crate::evp::{ContextPool, Direction};
 #[cfg(target_arch = "x86_64")]
 use crate::ffi::xts_vaes::{AesBlockCipher, XtsVaes};
+use crate::io::Io;
 use crate::key::derive_subkey;
 use crate::rng::NonceSource;
-use crate::suite::{check_key_len, check_run, check_sector_size, plain64_iv};
+use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size, plain64_iv};
 use crate::{CipherParams, CryptoError, Suite};
 
 /// AES-256 under `K_t`, the key that maps `aes-xts-random`'s R to the XTS tweak. With the VAES
@@ -92,7 +93,7 @@ impl Engine {
         &self,
         encrypt: bool,
         for_each: impl FnOnce(
-            &mut dyn FnMut(&[u8; 16], &mut [u8]) -> Result<(), CryptoError>,
+            &mut dyn FnMut(&[u8; 16], Io<'_>) -> Result<(), CryptoError>,
         ) -> Result<(), CryptoError>,
     ) -> Result<(), CryptoError> {
         match self {
@@ -109,7 +110,14 @@ impl Engine {
                 pool.with(|ctx| {
                     for_each(&mut |tweak, unit| {
                         pool.set_iv(ctx, tweak)?;
-                        ctx.cipher_update_inplace(unit, unit.len())?;
+                        match unit {
+                            Io::InPlace(data) => {
+                                ctx.cipher_update_inplace(data, data.len())?;
+                            }
+                            Io::Copy { src, dst } => {
+                                ctx.cipher_update(src, Some(dst))?;
+                            }
+                        }
                         Ok(())
                     })
                 })
@@ -166,13 +174,13 @@ impl AesXts {
     fn crypt(
         &self,
         first_sector: u64,
-        data: &mut [u8],
+        data: Io<'_>,
         metadata: &[u8],
         encrypt: bool,
     ) -> Result<(), CryptoError> {
         let md_len = self.suite.metadata_len();
         self.engine.run(encrypt, |unit| {
-            for (i, sector) in data.chunks_exact_mut(self.sector_size).enumerate() {
+            for (i, sector) in data.chunks(self.sector_size).into_iter().enumerate() {
                 let number = first_sector + i as u64;
                 let tweak = match &self.tweak_key {
                     None => plain64_iv(number, self.sector_size),
@@ -219,7 +227,56 @@ impl crate::SectorCipher for AesXts {
             // One draw for the whole run.
             self.nonces.fill_each(first_sector, metadata, 16)?;
         }
-        self.crypt(first_sector, data, metadata, true)
+        self.crypt(first_sector, Io::InPlace(data), metadata, true)
+    }
+
+    fn encrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut [u8],
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(plaintext, ciphertext)?;
+        check_run(
+            self.suite,
+            self.sector_size,
+            first_sector,
+            plaintext.len(),
+            metadata.len(),
+        )?;
+        if self.tweak_key.is_some() {
+            self.nonces.fill_each(first_sector, metadata, 16)?;
+        }
+        self.crypt(
+            first_sector,
+            Io::copy(plaintext, ciphertext),
+            metadata,
+            true,
+        )
+    }
+
+    fn decrypt_sectors_to(
+        &self,
+        first_sector: u64,
+        ciphertext: &[u8],
+        plaintext: &mut [u8],
+        metadata: &[u8],
+    ) -> Result<(), CryptoError> {
+        check_out_of_place(ciphertext, plaintext)?;
+        check_run(
+            self.suite,
+            self.sector_size,
+            first_sector,
+            ciphertext.len(),
+            metadata.len(),
+        )?;
+        self.crypt(
+            first_sector,
+            Io::copy(ciphertext, plaintext),
+            metadata,
+            false,
+        )
     }
 
     fn decrypt_sectors(
@@ -235,7 +292,7 @@ impl crate::SectorCipher for AesXts {
             data.len(),
             metadata.len(),
         )?;
-        self.crypt(first_sector, data, metadata, false)
+        self.crypt(first_sector, Io::InPlace(data), metadata, false)
     }
 }
 
@@ -258,7 +315,7 @@ pub fn xts_crypt_unit(
     } else {
         Engine::new(key)
     };
-    engine.run(encrypt, |unit| unit(tweak, data))
+    engine.run(encrypt, |unit| unit(tweak, Io::InPlace(data)))
 }
 
 fn check_unit(data: &[u8]) -> Result<(), CryptoError> {

@@ -12,7 +12,8 @@
 //! `bad_input.rs`.
 
 use ivdisk_crypto::{
-    new_cipher, CipherParams, CryptoError, ImageId, SectorCipher, Suite, VolumeKey,
+    insecure_cipher_with_sector_number_nonces, new_cipher, CipherParams, CryptoError, ImageId,
+    SectorCipher, Suite, VolumeKey,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -465,6 +466,69 @@ proptest! {
             let (back, result) = decrypt(&*c, first, &single_ct, &single_md);
             prop_assert!(result.is_ok(), "{:?}: {:?}", config, result);
             prop_assert!(back == plain, "{:?}: single-sector writes read as a run of {}", config, count);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// Out of place is in place without the copy: with nonces fixed per sector (the insecure
+    /// test-only cipher, so the two can be compared byte for byte) `encrypt_sectors_to` gives
+    /// exactly `encrypt_sectors`' ciphertext and metadata, for runs with and without four-sector
+    /// groups; `decrypt_sectors_to` gives the plaintext and leaves its input alone; a tampered
+    /// sector fails alone, zeroed in the output; an output of another length is refused.
+    #[test]
+    fn out_of_place_equals_in_place((place, count, seed) in run(11), victim in any::<Index>()) {
+        for config in configs() {
+            let ss = config.sector_size;
+            let first = place.first(ss, count);
+            let params = CipherParams::new(ss, image_id(seed));
+            let c = insecure_cipher_with_sector_number_nonces(config.suite, &key(config, seed), &params).unwrap();
+            let plain = bytes(seed, count * ss);
+            let (ct, md) = encrypt(&*c, first, &plain);
+            let mut ct2 = vec![0xeeu8; plain.len()];
+            let mut md2 = vec![0u8; md.len()];
+            c.encrypt_sectors_to(first, &plain, &mut ct2, &mut md2).unwrap();
+            prop_assert!(ct2 == ct && md2 == md, "{:?}: out-of-place encryption of {} sectors differs", config, count);
+
+            let mut back = vec![0x11u8; plain.len()];
+            c.decrypt_sectors_to(first, &ct, &mut back, &md).unwrap();
+            prop_assert!(back == plain, "{:?}: out-of-place decryption of {} sectors", config, count);
+
+            let mut short = vec![0u8; plain.len() - 1];
+            let refused = c.encrypt_sectors_to(first, &plain, &mut short, &mut md2);
+            prop_assert!(matches!(refused, Err(CryptoError::OutputLength { .. })), "{:?}: {:?}", config, refused);
+            let refused = c.decrypt_sectors_to(first, &ct, &mut short, &md);
+            prop_assert!(matches!(refused, Err(CryptoError::OutputLength { .. })), "{:?}: {:?}", config, refused);
+
+            if config.suite.is_authenticated() {
+                let v = victim.index(count);
+                let mut tampered = ct.clone();
+                tampered[v * ss + ss / 2] ^= 1;
+                let mut out = vec![0x11u8; plain.len()];
+                let result = c.decrypt_sectors_to(first, &tampered, &mut out, &md);
+                match result {
+                    Err(CryptoError::Authentication { sectors }) => prop_assert_eq!(sectors, vec![first + v as u64]),
+                    other => prop_assert!(false, "{:?}: tampered sector {}: {:?}", config, v, other),
+                }
+                for i in 0..count {
+                    let expect: &[u8] = if i == v { &[0u8; 4096][..ss] } else { sector(&plain, ss, i) };
+                    prop_assert_eq!(sector(&out, ss, i), expect, "{:?}: sector {} after tampering {}", config, i, v);
+                }
+            }
+        }
+        // The real (random-nonce) ciphers too: round trip out of place.
+        for config in configs() {
+            let ss = config.sector_size;
+            let first = place.first(ss, count);
+            let c = cipher(config, &key(config, seed), image_id(seed));
+            let plain = bytes(seed ^ 5, count * ss);
+            let mut ct = vec![0u8; plain.len()];
+            let mut md = vec![0u8; count * c.metadata_len()];
+            c.encrypt_sectors_to(first, &plain, &mut ct, &mut md).unwrap();
+            let (back, result) = decrypt(&*c, first, &ct, &md);
+            prop_assert!(result.is_ok() && back == plain, "{:?}: {:?}", config, result);
         }
     }
 }

@@ -29,6 +29,9 @@ pub enum DeviceErrorKind {
     Invalid,
     /// The operation would not be fast (write-zeroes with `FAST_ZERO`).
     NotSupported,
+    /// The storage behind the device is full (NBD's ENOSPC: clients such as qemu may pause
+    /// instead of failing the guest's IO).
+    NoSpace,
 }
 
 impl DeviceError {
@@ -47,6 +50,7 @@ impl DeviceError {
             DeviceErrorKind::OutOfRange if write => Errno::NoSpc,
             DeviceErrorKind::OutOfRange | DeviceErrorKind::Invalid => Errno::Inval,
             DeviceErrorKind::NotSupported => Errno::NotSup,
+            DeviceErrorKind::NoSpace => Errno::NoSpc,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! so a flush on one covers writes completed on all); Unix sockets and TCP.
 //!
 //! - [`BlockDevice`]: what is exported (four required methods); ivdisk images implement it
-//!   (`image.rs`).
+//!   (`image.rs`), and so do librbd images (`rbd.rs`, ivdisk-rbd's `RbdImage`).
 //! - [`serve`]: listen, serve, and on shutdown finish requests in flight.
 //!
 //! Layering: this crate knows NBD and the block-device trait; it never sees layouts, keys or
@@ -19,6 +19,7 @@ mod error;
 mod handshake;
 mod image;
 pub mod proto;
+mod rbd;
 mod server;
 mod transmission;
 

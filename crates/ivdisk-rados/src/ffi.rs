@@ -405,6 +405,11 @@ impl IoCtx {
         })
     }
 
+    /// The raw handle, for another binding that takes a `rados_ioctx_t` (librbd).
+    pub fn raw(&self) -> *mut c_void {
+        self.raw
+    }
+
     /// Reads submitted after this see snapshot `snap` (`None`: the head).
     pub fn set_read_snap(&mut self, snap: Option<u64>) {
         // SAFETY: valid io context; exclusive access through `&mut self`.

@@ -25,6 +25,6 @@ mod store_disabled;
 pub use config::RadosConfig;
 pub use error::RadosError;
 #[cfg(feature = "librados")]
-pub use store::RadosStore;
+pub use store::{RadosStore, RawIoContext};
 #[cfg(not(feature = "librados"))]
 pub use store_disabled::RadosStore;

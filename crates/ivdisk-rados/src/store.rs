@@ -15,6 +15,24 @@ use ivdisk_store::{
 use crate::ffi::{self, Cluster, Errno, IoCtx, SlotResult};
 use crate::{lock_info, RadosConfig, RadosError};
 
+/// A connected io context (a pool and namespace) for FFI users; see
+/// [`RadosStore::raw_io_context`]. It keeps its cluster connection alive, so a handle that
+/// librbd dups from it stays valid for as long as this value lives.
+#[derive(Clone)]
+pub struct RawIoContext {
+    io: Arc<IoCtx>,
+}
+
+impl RawIoContext {
+    /// The `rados_ioctx_t`, valid while this value lives. For FFI users only: the callee may
+    /// submit operations and duplicate the context (as `rbd_open` does) but must not destroy
+    /// it, nor change its namespace, read snapshot or snapshot write context (the store
+    /// relies on them).
+    pub fn as_ptr(&self) -> *mut std::ffi::c_void {
+        self.io.raw()
+    }
+}
+
 /// An object store on one RADOS pool and namespace.
 ///
 /// Where librados' C API cannot give what the trait describes, this store says so:
@@ -192,6 +210,15 @@ impl RadosStore {
             expected_object_size: config.expected_object_size,
             _cluster: cluster,
         })
+    }
+
+    /// The store's pool and namespace as a raw librados io context, for other FFI bindings
+    /// that take a `rados_ioctx_t` (librbd's `rbd_open`, in ivdisk-rbd). It is the store's
+    /// control io context: never pointed at a snapshot, never given a write context.
+    pub fn raw_io_context(&self) -> RawIoContext {
+        RawIoContext {
+            io: self.control.clone(),
+        }
     }
 
     /// An error of a failed operation on `object`, by errno.

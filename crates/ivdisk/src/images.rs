@@ -15,6 +15,7 @@ use ivdisk_image::{
     CreateOptions, Image, ImageError, ImageInfo, ImageUri, LayoutKind, OpenOptions,
     DEFAULT_LOCK_DURATION, MAX_OBJECT_SIZE,
 };
+use ivdisk_rbd::{RbdImage, RbdUri};
 use ivdisk_store::Locker;
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
@@ -25,6 +26,15 @@ use crate::secrets::{confirm, print, with_spinner, PassphraseArgs, PbkdfArgs};
 pub const IMAGE_HELP: &str = "The image: PATH or file:PATH (local backend: a directory holding \
     one image), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS (Ceph), mem:NAME (this \
     process' memory; only useful in tests)";
+
+/// What IMAGE may be for the commands that also take librbd images (`serve`, `info`).
+pub fn image_or_rbd_help() -> String {
+    format!(
+        "{IMAGE_HELP}; or rbd://POOL/IMAGE[@SNAP]?conf=PATH&id=CLIENT&keyring=PATH&namespace=NS&\
+         encryption=auto|none|luks1|luks2 (a librbd image, plain or with librbd's LUKS \
+         encryption, through librbd)"
+    )
+}
 
 /// Layouts for `ivdisk create --help`.
 pub fn layouts_help() -> String {
@@ -167,9 +177,10 @@ pub struct CreateArgs {
 
 #[derive(Args)]
 pub struct InfoArgs {
-    #[arg(help = IMAGE_HELP)]
+    #[arg(help = image_or_rbd_help())]
     image: String,
-    /// Print JSON: size, cipher, layout, sector_size, object_size, keyslots, image_id, lock.
+    /// Print JSON: size, cipher, layout, sector_size, object_size, keyslots, image_id, lock
+    /// (rbd://: size, raw_size, encryption, cipher, sector_size, data_offset, keyslots).
     #[arg(long)]
     json: bool,
 }
@@ -372,7 +383,73 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     Ok(())
 }
 
+/// `ivdisk info rbd://...`: what librbd stores and the LUKS header at its start, read raw
+/// without a passphrase.
+fn info_rbd(args: InfoArgs, rt: &Runtime) -> Result<()> {
+    let uri = RbdUri::parse(&args.image).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let info = rt
+        .block_on(RbdImage::inspect(
+            &uri.config,
+            &uri.image,
+            uri.snapshot.as_deref(),
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let luks = info.luks.as_ref();
+    let encryption = luks.map_or("none", |l| l.format.name());
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "image": uri.to_string(),
+                "size": info.size(),
+                "raw_size": info.raw_size,
+                "encryption": encryption,
+                "cipher": luks.map(|l| l.cipher.clone()),
+                "sector_size": luks.map(|l| l.sector_size),
+                "data_offset": luks.map(|l| l.data_offset),
+                "keyslots": luks.map(|l| l.keyslots.clone()),
+            })
+        );
+        return Ok(());
+    }
+    let mut lines = vec![
+        ("image", format!("{uri} (librbd)")),
+        (
+            "size",
+            format!("{} bytes ({})", info.size(), human_size(info.size())),
+        ),
+    ];
+    match luks {
+        None => lines.push((
+            "encryption",
+            "none (served plain by encryption=auto)".into(),
+        )),
+        Some(l) => {
+            let keyslots: Vec<String> = l.keyslots.iter().map(u32::to_string).collect();
+            lines.extend([
+                (
+                    "raw size",
+                    format!("{} bytes ({})", info.raw_size, human_size(info.raw_size)),
+                ),
+                ("encryption", format!("{} (librbd)", l.format.name())),
+                ("cipher", l.cipher.clone()),
+                ("sector size", format!("{} bytes", l.sector_size)),
+                (
+                    "data offset",
+                    format!("{} bytes ({})", l.data_offset, human_size(l.data_offset)),
+                ),
+                ("keyslots", keyslots.join(", ")),
+            ]);
+        }
+    }
+    println!("{}", aligned(&lines));
+    Ok(())
+}
+
 pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
+    if RbdUri::is_rbd(&args.image) {
+        return info_rbd(args, rt);
+    }
     let uri = parse_uri(&args.image)?;
     let info = info_of(rt, &uri)?;
     let lock = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;

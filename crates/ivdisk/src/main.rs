@@ -70,9 +70,10 @@ enum Command {
         images::layouts_help()
     ))]
     Create(images::CreateArgs),
-    /// Show an image's size, cipher, layout, keyslots and writer lock (no passphrase needed).
+    /// Show an image's size, cipher, layout, keyslots and writer lock (no passphrase needed);
+    /// for rbd:// images, size and librbd encryption format.
     #[command(
-        after_help = "Example:\n  ivdisk info disk.ivd\n  ivdisk info 'rados://rbd/vm1?conf=/etc/ceph/ceph.conf' --json | jq .size"
+        after_help = "Example:\n  ivdisk info disk.ivd\n  ivdisk info 'rados://rbd/vm1?conf=/etc/ceph/ceph.conf' --json | jq .size\n  ivdisk info 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf'   # a librbd image: size, LUKS format"
     )]
     Info(images::InfoArgs),
     /// Grow an image, or shrink it with --allow-shrink (opens it for writing: needs the
@@ -111,7 +112,8 @@ enum Command {
         after_help = "Example:\n  ivdisk verify disk.ivd\n  ivdisk verify 'rados://rbd/vm1?id=admin' --passphrase-file pw.txt --json | jq .bad_lbas\n\nOnly suites with a MAC (aegis128l-random, aegis256-random, aes-gcm-random) detect changed sectors; with the others, verify only shows that every sector reads."
     )]
     Verify(transfer::VerifyArgs),
-    /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM.
+    /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM; rbd:// images
+    /// through librbd.
     #[command(after_help = serve::after_help())]
     Serve(serve::ServeArgs),
 }

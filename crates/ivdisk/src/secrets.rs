@@ -102,7 +102,8 @@ fn read_secret_files(
 }
 
 impl PassphraseArgs {
-    fn read_files(&self) -> Result<Option<Zeroizing<Vec<u8>>>> {
+    /// The secret of --passphrase-file or --key-file, `None` if neither was given (no prompt).
+    pub fn read_files(&self) -> Result<Option<Zeroizing<Vec<u8>>>> {
         read_secret_files(&self.passphrase_file, &self.key_file)
     }
 

@@ -1,18 +1,22 @@
 //! `ivdisk serve`: open an image (read-write under its writer lock, or read-only) and export
 //! it over NBD on a Unix socket or TCP until SIGINT/SIGTERM; then finish the requests in
-//! flight, flush, release the lock and exit 0.
+//! flight, flush, release the lock and exit 0. `rbd://` images are librbd's (plain or with
+//! librbd's LUKS), served through ivdisk-rbd by the same NBD server and shutdown.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use ivdisk_image::{Image, ImageError, ImageUri, OpenOptions};
-use ivdisk_nbd::{serve, BlockDevice, Export, ListenAddress, Listener};
+use ivdisk_nbd::{serve, BlockDevice, Export, ListenAddress, Listener, ServeStats};
+use ivdisk_rbd::{RbdError, RbdImage, RbdOpenOptions, RbdUri};
 use serde_json::json;
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{signal, SignalKind};
+use zeroize::Zeroizing;
 
-use crate::images::{human_size, IMAGE_HELP};
+use crate::images::{human_size, image_or_rbd_help};
 use crate::secrets::{with_spinner, PassphraseArgs};
 
 /// The NBD port (IANA), used when neither --socket nor --listen is given.
@@ -20,7 +24,7 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 
 #[derive(Args)]
 pub struct ServeArgs {
-    #[arg(help = IMAGE_HELP)]
+    #[arg(help = image_or_rbd_help())]
     image: String,
     /// Listen on this Unix socket (created; a stale one left by a dead server is replaced).
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
@@ -29,7 +33,8 @@ pub struct ServeArgs {
     /// no TLS or authentication: anyone who can connect reads the plaintext.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
-    /// Export read-only: no writer lock is taken, writes are refused.
+    /// Export read-only: no writer lock is taken, writes are refused (rbd://: opened with
+    /// librbd's read-only open, no watch or exclusive lock).
     #[arg(long)]
     read_only: bool,
     /// The export's name (clients asking for "" get it too).
@@ -48,10 +53,15 @@ pub fn after_help() -> String {
          flight, flushes, releases the writer lock and exits 0. Clients: qemu, qemu-img, nbdinfo, \
          nbdcopy, nbdfuse, fio (--ioengine=nbd), the kernel's nbd-client. Several clients may \
          attach at once (they share one open image, so a flush by one covers all).\n\nWithout \
-         --socket or --listen it listens on TCP {DEFAULT_LISTEN}.\n\nExample:\n  ivdisk serve \
+         --socket or --listen it listens on TCP {DEFAULT_LISTEN}.\n\nrbd://POOL/IMAGE serves a \
+         librbd image through librbd itself (for comparisons with ivdisk images behind the same \
+         NBD server): encryption=auto (the default) loads librbd's LUKS1/LUKS2 when the image \
+         starts with a LUKS header, asking for its passphrase, and serves other images plain \
+         without asking; encryption=none serves the raw bytes.\n\nExample:\n  ivdisk serve \
          disk.ivd --socket /tmp/disk.sock --passphrase-file pw.txt\n  nbdinfo \
          'nbd+unix:///?socket=/tmp/disk.sock'\n  ivdisk serve 'rados://rbd/vm1?id=admin' --listen \
-         0.0.0.0:10809 --export-name vm1"
+         0.0.0.0:10809 --export-name vm1\n  ivdisk serve 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' \
+         --socket /tmp/vm2.sock --passphrase-file pw.txt   # librbd, LUKS detected"
     )
 }
 
@@ -104,16 +114,22 @@ fn nbd_uri(address: &ListenAddress, export: &str) -> String {
     }
 }
 
-pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
-    let uri = ImageUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
-    let address = match (&args.socket, &args.listen) {
+fn listen_address(args: &ServeArgs) -> ListenAddress {
+    match (&args.socket, &args.listen) {
         (Some(path), _) => ListenAddress::Unix(path.clone()),
         (None, Some(addr)) => ListenAddress::Tcp(addr.clone()),
         (None, None) => ListenAddress::Tcp(DEFAULT_LISTEN.to_owned()),
-    };
+    }
+}
+
+pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
+    if RbdUri::is_rbd(&args.image) {
+        return run_rbd(args, rt);
+    }
+    let uri = ImageUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
     // Bind before asking for the passphrase: a busy address should not cost an unlock.
     let listener = rt
-        .block_on(Listener::bind(&address))
+        .block_on(Listener::bind(&listen_address(&args)))
         .with_context(|| format!("serving image {uri}"))?;
     let address = listener.local_address();
     let passphrase = args.passphrase.existing()?;
@@ -135,52 +151,90 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     })?;
     drop(passphrase);
 
-    let device: std::sync::Arc<dyn BlockDevice> = std::sync::Arc::new(image.clone());
+    let device: Arc<dyn BlockDevice> = Arc::new(image.clone());
     let export = Export {
         name: args.export_name.clone(),
         description: format!("ivdisk image {uri} ({})", image.suite().name()),
         device,
     };
+    announce(
+        &args,
+        &address,
+        json!({
+            "image": uri.to_string(),
+            "size": image.size(),
+            "sector_size": image.sector_size(),
+            "cipher": image.suite().name(),
+            "read_only": image.is_read_only(),
+        }),
+        format!(
+            "image {uri} ({}, {}",
+            human_size(image.size()),
+            image.suite().name()
+        ),
+        image.is_read_only(),
+    );
+    let served = serve_until_signal(
+        rt,
+        listener,
+        export,
+        &uri.to_string(),
+        "the writer lock expires by itself",
+    );
+    // Whatever happened to the server, the image is flushed and its lock released.
+    let closed = rt.block_on(image.close());
+    finish(&args, served, closed.map_err(|e| anyhow!("{e}")))
+}
+
+/// Say that the export is ready: `ready` completed with where and how to reach it, as one
+/// JSON line (--json); or `what` (an open parenthesis, closed here) with attach hints.
+fn announce(
+    args: &ServeArgs,
+    address: &ListenAddress,
+    mut ready: serde_json::Value,
+    what: String,
+    read_only: bool,
+) {
     if args.json {
-        println!(
-            "{}",
-            json!({
-                "image": uri.to_string(),
-                "address": address.to_string(),
-                "uri": nbd_uri(&address, &args.export_name),
-                "export": args.export_name,
-                "size": image.size(),
-                "sector_size": image.sector_size(),
-                "cipher": image.suite().name(),
-                "read_only": image.is_read_only(),
-            })
-        );
+        ready["address"] = address.to_string().into();
+        ready["uri"] = nbd_uri(address, &args.export_name).into();
+        ready["export"] = args.export_name.clone().into();
+        println!("{ready}");
     } else {
         println!(
-            "Serving image {uri} ({}, {}{}) on {address}\n{}",
-            human_size(image.size()),
-            image.suite().name(),
-            if image.is_read_only() {
-                ", read-only"
-            } else {
-                ""
-            },
-            attach_hints(&address, &args.export_name, image.is_read_only())
+            "Serving {what}{}) on {address}\n{}",
+            if read_only { ", read-only" } else { "" },
+            attach_hints(address, &args.export_name, read_only)
         );
     }
-    tracing::info!(image = %uri, %address, "serving");
+}
 
-    let served = rt.block_on(async {
+/// Serve `export` until SIGINT/SIGTERM, then let the requests in flight finish. A second
+/// signal exits at once (`killed`: what happens to the image then, for the message).
+fn serve_until_signal(
+    rt: &Runtime,
+    listener: Listener,
+    export: Export,
+    image: &str,
+    killed: &'static str,
+) -> Result<ServeStats> {
+    tracing::info!(%image, address = %listener.local_address(), "serving");
+    let image = image.to_owned();
+    rt.block_on(async {
         let mut interrupt = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-        let mut terminate = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+        let mut terminate =
+            signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
         let stop = async move {
             let name = tokio::select! {
                 _ = interrupt.recv() => "SIGINT",
                 _ = terminate.recv() => "SIGTERM",
             };
-            tracing::info!(signal = name, "stopping: no new connections, finishing requests in flight");
+            tracing::info!(
+                signal = name,
+                "stopping: no new connections, finishing requests in flight"
+            );
             eprintln!(
-                "ivdisk: {name}: finishing requests in flight, then flushing and closing {uri} \
+                "ivdisk: {name}: finishing requests in flight, then flushing and closing {image} \
                  (a second signal exits at once, without flushing)"
             );
             // A request stuck on an unreachable store must not make the server unkillable.
@@ -189,18 +243,20 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
                     _ = interrupt.recv() => {}
                     _ = terminate.recv() => {}
                 }
-                eprintln!("ivdisk: second signal: exiting without flushing; the writer lock expires by itself");
+                eprintln!("ivdisk: second signal: exiting without flushing; {killed}");
                 std::process::exit(130);
             });
         };
         serve(listener, vec![export], stop)
             .await
             .map_err(|e| anyhow!("{e}"))
-    });
-    // Whatever happened to the server, the image is flushed and its lock released.
-    let closed = rt.block_on(image.close());
+    })
+}
+
+/// The end of a serve: the server's outcome first, then the image's close.
+fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> Result<()> {
     let stats = served?;
-    closed.map_err(|e| anyhow!("{e}"))?;
+    closed?;
     tracing::info!(
         connections = stats.connections,
         protocol_errors = stats.protocol_errors,
@@ -210,6 +266,97 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         eprintln!("ivdisk: image {} flushed and closed", args.image);
     }
     Ok(())
+}
+
+/// Open a librbd image: encryption as `encryption=` says; for `auto`, the passphrase is asked
+/// for (when no file gives it) only once the image turns out to be LUKS.
+fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
+    let mut passphrase = args.passphrase.read_files()?;
+    if uri.encryption.needs_passphrase() && passphrase.is_none() {
+        passphrase = Some(args.passphrase.existing()?);
+    }
+    let open = |passphrase: Option<&Zeroizing<Vec<u8>>>| {
+        let encryption = uri
+            .encryption
+            .with_passphrase(passphrase.cloned())
+            .expect("a passphrase is there when the encryption kind needs one");
+        let options = RbdOpenOptions {
+            image: uri.image.clone(),
+            snapshot: uri.snapshot.clone(),
+            read_only: args.read_only,
+            encryption,
+        };
+        with_spinner("opening (a LUKS unlock takes seconds by design)", || {
+            rt.block_on(RbdImage::open(&uri.config, options))
+        })
+    };
+    let opened = match open(passphrase.as_ref()) {
+        Err(RbdError::PassphraseRequired { image, format }) => {
+            let asked = args
+                .passphrase
+                .existing()
+                .with_context(|| format!("rbd image {image} is {format}-encrypted (librbd)"))?;
+            passphrase = Some(asked);
+            open(passphrase.as_ref())
+        }
+        other => other,
+    };
+    opened.map_err(|e| match &e {
+        RbdError::WrongPassphrase { .. } => {
+            let secret = passphrase.as_ref().map_or(&[][..], |p| p.as_slice());
+            anyhow!("{e}{}", args.passphrase.unlock_hint(secret))
+        }
+        _ => anyhow!("{e}"),
+    })
+}
+
+fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
+    let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
+    // Bind before asking for a passphrase: a busy address should not cost an unlock.
+    let listener = rt
+        .block_on(Listener::bind(&listen_address(&args)))
+        .with_context(|| format!("serving rbd image {}", uri.spec()))?;
+    let address = listener.local_address();
+    let image = Arc::new(open_rbd(&args, &uri, rt)?);
+    let encryption = image.encryption().map_or("none", |f| f.name());
+    let export = Export {
+        name: args.export_name.clone(),
+        description: format!("librbd image {} (encryption {encryption})", image.name()),
+        device: image.clone(),
+    };
+    announce(
+        &args,
+        &address,
+        json!({
+            "image": uri.to_string(),
+            "size": image.size(),
+            "encryption": encryption,
+            "backend": "librbd",
+            "read_only": image.is_read_only(),
+        }),
+        format!(
+            "librbd image {} ({}, encryption {encryption}",
+            image.name(),
+            human_size(image.size())
+        ),
+        image.is_read_only(),
+    );
+    let served = serve_until_signal(
+        rt,
+        listener,
+        export,
+        &uri.spec(),
+        "librbd's exclusive lock passes to the next writer",
+    );
+    // The server has returned, so no connection holds the image any more: flush and close
+    // it (and, in the unexpected case of a leftover reference, still flush it).
+    let closed = rt.block_on(async {
+        match Arc::try_unwrap(image) {
+            Ok(image) => image.close().await,
+            Err(image) => image.flush().await,
+        }
+    });
+    finish(&args, served, closed.map_err(|e| anyhow!("{e}")))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 use core::arch::x86_64::*;
 
 use super::simd::{load128, load512, store512};
+use crate::io::Io;
 
 /// Messages per call.
 pub(crate) const LANES: usize = 4;
@@ -27,8 +28,8 @@ pub(crate) fn available() -> bool {
     super::xts_vaes::available()
 }
 
-/// Run four messages of equal length (a multiple of 64 bytes) through AEGIS-128L in place under
-/// one key, with their own nonces and associated data of 32 bytes or less. Encrypting returns
+/// Run four messages of equal length (a multiple of 64 bytes) through AEGIS-128L (in place or
+/// out of place, per message) under one key, with their own nonces and associated data of 32 bytes or less. Encrypting returns
 /// the four tags; decrypting returns each tag as computed from the recovered plaintext, for the
 /// caller to compare with the stored one (and to zero the messages that do not match). `None`
 /// when the CPU lacks the features or the shapes do not fit: the caller then goes one message at
@@ -37,10 +38,10 @@ pub(crate) fn crypt4(
     key: &[u8; 16],
     nonces: [&[u8; 16]; LANES],
     aads: [&[u8]; LANES],
-    data: [&mut [u8]; LANES],
+    data: &mut [Io<'_>; LANES],
     encrypt: bool,
 ) -> Option<[[u8; 16]; LANES]> {
-    if !available() || !fits(&aads, &data) {
+    if !available() || !fits(&aads, data) {
         return None;
     }
     // SAFETY: the CPU has AVX-512F/BW, VAES and AES-NI (`available` above), the features of
@@ -48,7 +49,7 @@ pub(crate) fn crypt4(
     Some(unsafe { crypt4_vaes(key, nonces, aads, data, encrypt) })
 }
 
-fn fits(aads: &[&[u8]; LANES], data: &[&mut [u8]; LANES]) -> bool {
+fn fits(aads: &[&[u8]; LANES], data: &[Io<'_>; LANES]) -> bool {
     let len = data[0].len();
     let aad_len = aads[0].len();
     len.is_multiple_of(64)
@@ -119,7 +120,7 @@ fn crypt4_vaes(
     key: &[u8; 16],
     nonces: [&[u8; 16]; LANES],
     aads: [&[u8]; LANES],
-    data: [&mut [u8]; LANES],
+    data: &mut [Io<'_>; LANES],
     encrypt: bool,
 ) -> [[u8; 16]; LANES] {
     let k = _mm512_broadcast_i32x4(load128(key));
@@ -150,10 +151,10 @@ fn crypt4_vaes(
     let [d0, d1, d2, d3] = data;
     for off in (0..len).step_by(64) {
         let rows = [
-            load512(&d0[off..]),
-            load512(&d1[off..]),
-            load512(&d2[off..]),
-            load512(&d3[off..]),
+            load512(&d0.src()[off..]),
+            load512(&d1.src()[off..]),
+            load512(&d2.src()[off..]),
+            load512(&d3.src()[off..]),
         ];
         let x = transpose(rows);
         let mut out = [_mm512_setzero_si512(); 4];
@@ -171,10 +172,10 @@ fn crypt4_vaes(
             }
         }
         let rows = transpose(out);
-        store512(&mut d0[off..], rows[0]);
-        store512(&mut d1[off..], rows[1]);
-        store512(&mut d2[off..], rows[2]);
-        store512(&mut d3[off..], rows[3]);
+        store512(&mut d0.dst()[off..], rows[0]);
+        store512(&mut d1.dst()[off..], rows[1]);
+        store512(&mut d2.dst()[off..], rows[2]);
+        store512(&mut d3.dst()[off..], rows[3]);
     }
 
     let mut lens = [0u8; 16];

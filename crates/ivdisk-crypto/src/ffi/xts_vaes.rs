@@ -14,6 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::simd::{load128, load512, store128, store512};
+use crate::io::Io;
 
 use zeroize::Zeroize;
 
@@ -68,9 +69,9 @@ impl XtsVaes {
         })
     }
 
-    /// En- or decrypt `data` (a whole number of 16-byte blocks) in place as one data unit whose
-    /// tweak value (before encryption with K2) is `tweak`.
-    pub(crate) fn crypt(&self, tweak: &[u8; 16], data: &mut [u8], encrypt: bool) {
+    /// En- or decrypt `data` (a whole number of 16-byte blocks, in place or out of place) as
+    /// one data unit whose tweak value (before encryption with K2) is `tweak`.
+    pub(crate) fn crypt(&self, tweak: &[u8; 16], data: Io<'_>, encrypt: bool) {
         assert!(
             data.len().is_multiple_of(16),
             "XTS data units here are whole blocks"
@@ -249,7 +250,7 @@ fn crypt_unit(
     keys: &RoundKeys,
     tweak_keys: &RoundKeys,
     tweak: &[u8; 16],
-    data: &mut [u8],
+    mut data: Io<'_>,
     encrypt: bool,
 ) {
     // T = AES(K2, tweak), with 128-bit AES-NI.
@@ -272,30 +273,33 @@ fn crypt_unit(
         *r = _mm512_broadcast_i32x4(load128(k));
     }
 
-    let mut chunks = data.chunks_exact_mut(256);
-    for chunk in &mut chunks {
+    let len = data.len();
+    let whole = len - len % 256;
+    for at in (0..whole).step_by(256) {
         let m1 = mul_x4(tw, poly);
         let m2 = mul_x4(m1, poly);
         let masks = [tw, m1, m2, mul_x4(m2, poly)];
         let mut x = [_mm512_setzero_si512(); 4];
         for i in 0..4 {
-            x[i] = _mm512_xor_si512(load512(&chunk[i * 64..]), masks[i]);
+            x[i] = _mm512_xor_si512(load512(&data.src()[at + i * 64..]), masks[i]);
         }
         aes4(&mut x, &rk, keys.rounds, encrypt);
         for i in 0..4 {
-            store512(&mut chunk[i * 64..], _mm512_xor_si512(x[i], masks[i]));
+            store512(
+                &mut data.dst()[at + i * 64..],
+                _mm512_xor_si512(x[i], masks[i]),
+            );
         }
         tw = mul_x4(masks[3], poly);
     }
     // The rest (data units of 32 or 48 bytes in the IEEE vectors, never for disk sectors):
     // one block at a time with 128-bit AES-NI.
-    let rest = chunks.into_remainder();
     let mut lanes = [0u8; 64];
     store512(&mut lanes, tw);
     let mut m = u128::from_le_bytes(lanes[..16].try_into().expect("16 bytes"));
-    for block in rest.chunks_exact_mut(16) {
+    for at in (whole..len).step_by(16) {
         let mask = load128(&m.to_le_bytes());
-        let mut b = _mm_xor_si128(load128(block), mask);
+        let mut b = _mm_xor_si128(load128(&data.src()[at..]), mask);
         b = _mm_xor_si128(b, load128(&keys.keys[0]));
         for k in &keys.keys[1..keys.rounds] {
             b = if encrypt {
@@ -310,7 +314,7 @@ fn crypt_unit(
         } else {
             _mm_aesdeclast_si128(b, last)
         };
-        store128(block, _mm_xor_si128(b, mask));
+        store128(&mut data.dst()[at..], _mm_xor_si128(b, mask));
         m = mul_x(m);
     }
     lanes.zeroize();

@@ -137,10 +137,14 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     /// Read steps fetching the ciphertext and metadata of `count` sectors.
     fn read(&self, steps: &mut Vec<ReadStep>, first: u32, count: u32);
 
-    /// Fill `ciphertext` and `metadata` from the results of [`SectorLayout::read`]'s steps
-    /// (consumed from `results` in order). Bytes never written come out zero: `metadata`
-    /// arrives zeroed, `ciphertext` may arrive holding anything (it is the caller's read
-    /// buffer) and must be overwritten whole. An `Err` names what was malformed.
+    /// Fill `metadata`, and `ciphertext` or the returned buffer, from the results of
+    /// [`SectorLayout::read`]'s steps (consumed from `results` in order). Bytes never written
+    /// come out zero: `metadata` arrives zeroed, `ciphertext` may arrive holding anything (it
+    /// is the caller's read buffer) and must be overwritten whole, unless the ciphertext comes
+    /// back as `Some(bytes)` (exactly `ciphertext.len()` of them, `ciphertext` untouched): the
+    /// store's own buffer when one extent holds the whole run, so the caller can decrypt from
+    /// it straight into its buffer instead of copying first. An `Err` names what was
+    /// malformed.
     fn decode(
         &self,
         results: &mut dyn Iterator<Item = ReadResult>,
@@ -148,7 +152,52 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<(), String>;
+    ) -> Result<Option<Vec<u8>>, String>;
+}
+
+/// The store's buffer of a read of `[base, base + out.len())` when one extent covers exactly
+/// that (the common case: a written run), or else `None` after [`place_extents`] into `out`.
+pub(crate) fn take_or_place_extents(
+    result: Option<ReadResult>,
+    base: u64,
+    out: &mut [u8],
+) -> Result<Option<Vec<u8>>, String> {
+    match whole_extent(result, base, out.len()) {
+        Ok(data) => Ok(Some(data)),
+        Err(other) => place_extents(other, base, out).map(|()| None),
+    }
+}
+
+/// The bytes of a read of `[base, base + len)`: the store's buffer when one extent covers
+/// exactly that, else a new buffer the extents are placed into.
+pub(crate) fn extent_bytes(
+    result: Option<ReadResult>,
+    base: u64,
+    len: usize,
+) -> Result<Vec<u8>, String> {
+    whole_extent(result, base, len).or_else(|other| {
+        let mut out = vec![0u8; len];
+        place_extents(other, base, &mut out).map(|()| out)
+    })
+}
+
+/// `Ok(buffer)` (cut to `len`) if `result` is one extent starting at `base` with at least `len`
+/// bytes, else the result back.
+fn whole_extent(
+    result: Option<ReadResult>,
+    base: u64,
+    len: usize,
+) -> Result<Vec<u8>, Option<ReadResult>> {
+    match result {
+        Some(ReadResult::Extents(mut extents))
+            if extents.len() == 1 && extents[0].offset == base && extents[0].data.len() >= len =>
+        {
+            let mut data = extents.pop().expect("one extent").data;
+            data.truncate(len);
+            Ok(data)
+        }
+        other => Err(other),
+    }
 }
 
 /// Copy the extents of a read of `[base, base + out.len())` into `out` and zero what no

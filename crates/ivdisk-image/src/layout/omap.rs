@@ -4,7 +4,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{place_extents, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, ObjectGeometry, SectorLayout};
 
 /// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
 const MAX_KEYS_PER_STEP: u32 = 1024;
@@ -74,9 +74,9 @@ impl SectorLayout for Omap {
         count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<(), String> {
+    ) -> Result<Option<Vec<u8>>, String> {
         let ml = self.0.metadata_len;
-        place_extents(
+        let taken = take_or_place_extents(
             results.next(),
             first as u64 * self.0.sector_size as u64,
             ciphertext,
@@ -102,6 +102,6 @@ impl SectorLayout for Omap {
                 metadata[at..at + ml].copy_from_slice(&value);
             }
         }
-        Ok(())
+        Ok(taken)
     }
 }

@@ -4,7 +4,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{place_extents, ObjectGeometry, SectorLayout};
+use super::{extent_bytes, ObjectGeometry, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct Unaligned(pub ObjectGeometry);
@@ -50,13 +50,14 @@ impl SectorLayout for Unaligned {
         count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<(), String> {
+    ) -> Result<Option<Vec<u8>>, String> {
         let (ss, ml) = (self.0.sector_size, self.0.metadata_len);
-        let mut slots = vec![0u8; count as usize * self.slot()];
-        place_extents(
+        // Sector and metadata interleave, so the ciphertext is copied out either way; only
+        // the store's buffer is used as it is when one extent holds the run.
+        let slots = extent_bytes(
             results.next(),
             first as u64 * self.slot() as u64,
-            &mut slots,
+            count as usize * self.slot(),
         )?;
         for ((slot, sector), meta) in slots
             .chunks_exact(self.slot())
@@ -66,6 +67,6 @@ impl SectorLayout for Unaligned {
             sector.copy_from_slice(&slot[..ss]);
             meta.copy_from_slice(&slot[ss..]);
         }
-        Ok(())
+        Ok(None)
     }
 }

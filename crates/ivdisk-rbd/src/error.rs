@@ -1,0 +1,149 @@
+use std::io;
+
+use ivdisk_header::HeaderError;
+use ivdisk_rados::RadosError;
+
+use crate::LuksFormat;
+
+/// Everything that can go wrong with an rbd image. `image` is always `POOL/IMAGE` (with
+/// `@SNAP` when a snapshot is open), as the `rbd` tool names it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RbdError {
+    #[error(
+        "ivdisk was built without librbd support (the `librbd` feature of ivdisk-rbd is off); \
+         rebuild with it (needs librbd-dev)"
+    )]
+    NotBuilt,
+
+    #[error("invalid rbd address `{uri}`: {reason}")]
+    InvalidUri { uri: String, reason: String },
+
+    #[error("rbd image {image}: {source}")]
+    Rados {
+        image: String,
+        #[source]
+        source: RadosError,
+    },
+
+    #[error(
+        "rbd image {image} does not exist; check the name (`rbd ls {pool}`) or create it \
+         (`rbd create --size 10G {image}`)"
+    )]
+    NotFound { image: String, pool: String },
+
+    #[error(
+        "rbd image {image} has no snapshot `{snapshot}`; list them with `rbd snap ls {image}`"
+    )]
+    NoSuchSnapshot { image: String, snapshot: String },
+
+    #[error("opening rbd image {image} failed: {source}")]
+    Open {
+        image: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error(
+        "rbd image {image} is {format}-encrypted (librbd's `rbd encryption format`): its \
+         passphrase is needed"
+    )]
+    PassphraseRequired { image: String, format: LuksFormat },
+
+    #[error(
+        "rbd image {image}: the passphrase opens no {format} keyslot; give the passphrase \
+         the image was formatted with (`rbd encryption format {image} {} FILE`)",
+        .format.name()
+    )]
+    WrongPassphrase { image: String, format: LuksFormat },
+
+    #[error(
+        "rbd image {image} has no {expected} header{}; open it with encryption=auto to detect \
+         its format, or encryption=none for a plain image",
+        found.map(|f| format!(" (it is {f})")).unwrap_or_else(|| " (it is not encrypted)".into())
+    )]
+    NotEncrypted {
+        image: String,
+        expected: LuksFormat,
+        found: Option<LuksFormat>,
+    },
+
+    #[error(
+        "rbd image {image} starts with a LUKS header of version {version}; librbd loads LUKS1 \
+         and LUKS2 only"
+    )]
+    UnsupportedLuksVersion { image: String, version: u16 },
+
+    #[error("rbd image {image}: loading its {format} encryption failed: {source}")]
+    EncryptionLoad {
+        image: String,
+        format: LuksFormat,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("rbd image {image}: its {format} header cannot be read: {source}")]
+    Header {
+        image: String,
+        format: LuksFormat,
+        #[source]
+        source: HeaderError,
+    },
+
+    #[error("rbd image {image}: {len} bytes at offset {offset} lie past its end ({size} bytes)")]
+    OutOfRange {
+        image: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+
+    #[error("rbd image {image} is open read-only{}", if *snapshot { " (a snapshot)" } else { "" })]
+    ReadOnly { image: String, snapshot: bool },
+
+    #[error(
+        "rbd image {image}: {what} at offset {offset} failed: the pool is full or over its \
+         quota (`ceph df`, `ceph osd pool get-quota`)"
+    )]
+    NoSpace {
+        image: String,
+        what: &'static str,
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("rbd image {image}: {what} of {len} bytes at offset {offset} failed: {source}")]
+    Io {
+        image: String,
+        what: &'static str,
+        offset: u64,
+        len: u64,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("rbd image {image}: {reason}")]
+    Closed { image: String, reason: String },
+
+    #[error("rbd image {image}: closing failed: {source}")]
+    Close {
+        image: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl RbdError {
+    /// The errno librbd reported, for errors that carry one.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            RbdError::Open { source, .. }
+            | RbdError::EncryptionLoad { source, .. }
+            | RbdError::NoSpace { source, .. }
+            | RbdError::Io { source, .. }
+            | RbdError::Close { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
