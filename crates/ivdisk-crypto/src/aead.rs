@@ -52,6 +52,10 @@ pub(crate) struct AeadSuite {
     image_id: ImageId,
     engine: Engine,
     nonces: NonceSource,
+    /// AEGIS-128L outside groups of four: our AVX-512 code where the CPU has it (checked here
+    /// once), libaegis otherwise.
+    #[cfg(target_arch = "x86_64")]
+    aegis128l_one: Option<crate::ffi::aegis128l_avx512::Avx512>,
 }
 
 impl std::fmt::Debug for AeadSuite {
@@ -94,6 +98,11 @@ impl AeadSuite {
             suite,
             sector_size: params.sector_size,
             image_id: params.image_id,
+            #[cfg(target_arch = "x86_64")]
+            aegis128l_one: match engine {
+                Engine::Aegis128L(_) => crate::ffi::aegis128l_avx512::Avx512::new(),
+                _ => None,
+            },
             engine,
             nonces,
         })
@@ -140,7 +149,7 @@ impl AeadSuite {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let grouped = data.len() / (LANES * ss) * LANES;
-        if !available() || grouped == 0 {
+        if grouped == 0 || !available() {
             return Ok((0, data));
         }
         let (head, rest) = data.split_at(grouped * ss);
@@ -189,7 +198,7 @@ impl AeadSuite {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let grouped = data.len() / (LANES * ss) * LANES;
-        if !available() || grouped == 0 {
+        if grouped == 0 || !available() {
             return (0, data);
         }
         let (head, rest) = data.split_at(grouped * ss);
@@ -230,6 +239,78 @@ impl AeadSuite {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// Seal the sectors the four-lane code left (a single-sector run, the remainder of a run)
+    /// one at a time with the AVX-512 AEGIS-128L, out of place when asked; returns how many it
+    /// did (0 where the CPU lacks the features: libaegis then does them) and the rest of the run.
+    fn seal_singles<'a>(
+        &self,
+        key: &[u8; 16],
+        first_sector: u64,
+        data: Io<'a>,
+        metadata: &mut [u8],
+    ) -> Result<(usize, Io<'a>), CryptoError> {
+        let Some(kernel) = self.aegis128l_one else {
+            return Ok((0, data));
+        };
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let (mut rest, mut done) = (data, 0);
+        while rest.len() > 0 {
+            let (sector, tail) = rest.split_at(ss);
+            rest = tail;
+            let number = first_sector + done as u64;
+            let (nonce, md) = metadata[done * md_len..][..md_len].split_at_mut(16);
+            self.nonces.fill(number, nonce)?;
+            let nonce: &[u8; 16] = (&*nonce).try_into().expect("16-byte nonce");
+            let tag = kernel.seal(key, nonce, &aad(&self.image_id, number), sector);
+            md[..TAG_LEN].copy_from_slice(&tag);
+            md[TAG_LEN..].fill(0);
+            done += 1;
+        }
+        Ok((done, rest))
+    }
+
+    /// Open the sectors the four-lane code left one at a time with the AVX-512 AEGIS-128L,
+    /// zeroing and listing in `failed` those whose tag does not verify; returns how many it did
+    /// (0 where the CPU lacks the features) and the rest of the run.
+    fn open_singles<'a>(
+        &self,
+        key: &[u8; 16],
+        first_sector: u64,
+        data: Io<'a>,
+        metadata: &[u8],
+        failed: &mut Vec<u64>,
+    ) -> (usize, Io<'a>) {
+        let Some(kernel) = self.aegis128l_one else {
+            return (0, data);
+        };
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let (mut rest, mut done) = (data, 0);
+        while rest.len() > 0 {
+            let (sector, tail) = rest.split_at(ss);
+            rest = tail;
+            let number = first_sector + done as u64;
+            let md = &metadata[done * md_len..][..md_len];
+            let nonce: &[u8; 16] = md[..16].try_into().expect("16-byte nonce");
+            let tag: &[u8; TAG_LEN] = md[16..16 + TAG_LEN].try_into().expect("fixed layout");
+            let ok = if md[16 + TAG_LEN..].iter().all(|&b| b == 0) {
+                // On a tag mismatch `open` zeroes the sector: no unauthenticated plaintext.
+                kernel.open(key, nonce, &aad(&self.image_id, number), sector, tag)
+            } else {
+                let mut sector = sector;
+                sector.dst().fill(0);
+                false
+            };
+            if !ok {
+                failed.push(number);
+            }
+            done += 1;
+        }
+        (done, rest)
+    }
+}
+
 /// Four consecutive sectors of a group as four runs.
 #[cfg(target_arch = "x86_64")]
 fn split_lanes(group: Io<'_>, sector_size: usize) -> [Io<'_>; 4] {
@@ -256,13 +337,27 @@ impl AeadSuite {
         self.reserve_writes(n as u64)?;
         let md_len = self.suite.metadata_len();
         let nonce_len = self.nonce_len();
-        // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it
-        // (out of place when asked); the rest one sector at a time, in place.
+        // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it, the
+        // other AEGIS-128L sectors through the one-message AVX-512 code (both out of place when
+        // asked); whatever is left one sector at a time, in place.
         let (done, rest) = match &self.engine {
             #[cfg(target_arch = "x86_64")]
-            Engine::Aegis128L(key) => self.seal_lanes(key, first_sector, data, metadata)?,
+            Engine::Aegis128L(key) => {
+                let (lanes, rest) = self.seal_lanes(key, first_sector, data, metadata)?;
+                // Wraps only when no sector is left (a run ending at u64::MAX).
+                let (singles, rest) = self.seal_singles(
+                    key,
+                    first_sector.wrapping_add(lanes as u64),
+                    rest,
+                    &mut metadata[lanes * md_len..],
+                )?;
+                (lanes + singles, rest)
+            }
             _ => (0, data),
         };
+        if rest.len() == 0 {
+            return Ok(());
+        }
         let rest = rest.into_in_place();
         let sectors = rest.chunks_exact_mut(self.sector_size);
         let metas = metadata[done * md_len..].chunks_exact_mut(md_len);
@@ -319,10 +414,22 @@ impl AeadSuite {
         let (done, rest) = match &self.engine {
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => {
-                self.open_lanes(key, first_sector, data, metadata, &mut failed)
+                let (lanes, rest) = self.open_lanes(key, first_sector, data, metadata, &mut failed);
+                // Wraps only when no sector is left (a run ending at u64::MAX).
+                let singles = self.open_singles(
+                    key,
+                    first_sector.wrapping_add(lanes as u64),
+                    rest,
+                    &metadata[lanes * md_len..],
+                    &mut failed,
+                );
+                (lanes + singles.0, singles.1)
             }
             _ => (0, data),
         };
+        if rest.len() == 0 {
+            return authenticated(failed);
+        }
         let rest = rest.into_in_place();
         let mut open_all = |mut gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
             for (i, (sector, md)) in rest
@@ -360,11 +467,16 @@ impl AeadSuite {
                 .with(|ctx| open_all(Some((&gcm.decrypt, ctx))))?,
             _ => open_all(None)?,
         }
-        if failed.is_empty() {
-            Ok(())
-        } else {
-            Err(CryptoError::Authentication { sectors: failed })
-        }
+        authenticated(failed)
+    }
+}
+
+/// The outcome of opening a run: an error naming the sectors whose tag did not verify, if any.
+fn authenticated(failed: Vec<u64>) -> Result<(), CryptoError> {
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CryptoError::Authentication { sectors: failed })
     }
 }
 

@@ -1,8 +1,9 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
 //! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
-//! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`:
-//! callable only once the CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says why it is sound in a
-//! `// SAFETY:` line.
+//! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
+//! one-message AEGIS-128L with AVX-512VL in `aegis128l_avx512`: callable only once the CPU is
+//! known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says why it
+//! is sound in a `// SAFETY:` line.
 //!
 //! Fork handler:
 //! Why: the nonce generator keeps its state in user space. After `fork()` parent and child
@@ -11,6 +12,8 @@
 //! generator compares it (one relaxed atomic load) before every draw and reseeds from the OS
 //! when it changed. No syscall on the hot path.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod aegis128l_avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod aegis128l_vaes;
 #[cfg(target_arch = "x86_64")]

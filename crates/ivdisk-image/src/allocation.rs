@@ -54,7 +54,11 @@ impl Image {
                 async move {
                     match inner
                         .store
-                        .read_op(&name, ReadOp::new().step(ReadStep::Stat))
+                        .read_op(&name, {
+                            let mut op = ReadOp::new().step(ReadStep::Stat);
+                            op.snap = inner.read_snap();
+                            op
+                        })
                         .await
                     {
                         Ok(_) => Ok(true),

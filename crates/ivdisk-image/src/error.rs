@@ -98,6 +98,18 @@ pub enum ImageError {
         source: RadosError,
     },
 
+    /// A snapshot name already taken.
+    #[error("image {image} already has a snapshot named `{snapshot}`; pick another name or remove it first (`ivdisk snap rm {image}@{snapshot}`)")]
+    SnapshotExists { image: String, snapshot: String },
+
+    /// No snapshot by that name.
+    #[error("image {image} has no snapshot named `{snapshot}` (list them with `ivdisk snap ls {image}`)")]
+    SnapshotNotFound { image: String, snapshot: String },
+
+    /// Deleting an image that still has snapshots.
+    #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {image}@NAME`), nothing was deleted", names.len(), names.join(", "))]
+    HasSnapshots { image: String, names: Vec<String> },
+
     /// The stored data does not have the shape the header describes.
     #[error("image {image}: {reason}")]
     Corrupt { image: String, reason: String },
@@ -124,6 +136,42 @@ pub enum ImageError {
     /// object is gone: the count of writes made under the key went with it.
     #[error("image {image}: the header object is missing, and with it the count of writes made under the {suite} key (the suite's nonce bound counts them); restoring starts that count from zero, which can let the key pass the bound: pass --force to restore anyway, then move the data to a new image (ivdisk export, ivdisk import) soon; nothing was changed")]
     NonceCountLost { image: String, suite: Suite },
+
+    /// A backup file (`ivdisk backup`) that is not one, or is truncated or damaged (a record
+    /// checksum, the file's SHA-256 or its structure is wrong). Found before anything was
+    /// written: nothing was created or changed.
+    #[error("backup file {file}: {reason}; nothing was restored")]
+    BackupDamaged { file: String, reason: String },
+
+    /// Reading or writing a backup file failed.
+    #[error("backup file {file}: {context}: {source}")]
+    BackupIo {
+        file: String,
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A backup would overwrite an existing file.
+    #[error("backup file {file} exists; choose another name or pass --force to overwrite it")]
+    BackupFileExists { file: String },
+
+    /// A restore target store already holds data objects of the backed-up image's id (a
+    /// half-deleted image, or the same image restored there under another name). Nothing was
+    /// written.
+    #[error("image {image}: the store already holds {count} data object(s) named {prefix}*, of image id {}, the id of the backup (the image itself, restored or copied there under another name, or a half-deleted one); a restore keeps the image id, so restore into another store or delete those objects first; nothing was written", prefix.trim_start_matches("ivdisk_data.").trim_end_matches('.'))]
+    DataObjectsExist {
+        image: String,
+        prefix: String,
+        count: usize,
+    },
+
+    /// An incremental backup that does not apply to this image: another image id, or the
+    /// image is not in the state the increment starts from. Nothing was changed.
+    #[error(
+        "image {image}: this incremental backup does not apply here: {reason}; nothing was changed"
+    )]
+    IncrementalMismatch { image: String, reason: String },
 }
 
 impl ImageError {

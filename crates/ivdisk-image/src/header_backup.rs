@@ -25,8 +25,8 @@ use ivdisk_header::{Header, MemoryHeaderIo};
 use ivdisk_store::{StoreError, WriteOp, WriteStep};
 
 use crate::header_object::HeaderRegion;
-use crate::image::{header_object_name, object_name, parse_header};
-use crate::keyslots::{missing_header, refuse_luks_file, HeaderTarget};
+use crate::image::{header_object_name, object_name, parse_header, read_header};
+use crate::keyslots::{missing_header, refuse_luks_file};
 use crate::writer_lock::{WriterLock, DEFAULT_LOCK_DURATION};
 use crate::{Image, ImageError, ImageUri};
 
@@ -124,15 +124,25 @@ impl Image {
     /// The header region of an ivdisk image, as the bytes of a LUKS2 header file. Refused if
     /// the header does not read (a backup must be restorable).
     pub async fn backup_header(uri: &ImageUri) -> Result<(Vec<u8>, HeaderBackupInfo), ImageError> {
-        let target = HeaderTarget::read(uri, "a header backup").await?;
-        let parsed = parse_header(&target.image, &target.header)?;
+        let what = "a header backup";
+        refuse_luks_file(uri, what)?;
+        let image = uri.to_string();
+        // Only reads: a local image's store opens read-only (on a read-only directory too).
+        let store = uri.open_store_read_only().await?;
+        let object = object_name(&image, header_object_name(uri.image_name()))?;
+        let (header, region) = match read_header(store.as_ref(), &object, &image).await {
+            Err(ImageError::NotFound { .. }) => {
+                return Err(missing_header(store, uri, &image, what).await)
+            }
+            other => other?,
+        };
+        let parsed = parse_header(&image, &header)?;
         let mut out = MemoryHeaderIo::default();
-        let len = target
-            .header
-            .backup(&target.region, &mut out)
-            .map_err(ImageError::header(&target.image))?;
+        let len = header
+            .backup(&region, &mut out)
+            .map_err(ImageError::header(&image))?;
         debug_assert_eq!(len, out.0.len() as u64);
-        Ok((out.0, summary(&target.header, parsed.params.image_id)))
+        Ok((out.0, summary(&header, parsed.params.image_id)))
     }
 
     /// Write a header backup (from [`Image::backup_header`] or `ivdisk header backup`) back

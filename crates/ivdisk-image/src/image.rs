@@ -8,13 +8,14 @@ use std::time::Duration;
 use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
 use ivdisk_header::{FormatSpec, Header, ImageParams, PbkdfRequest, FORMAT_VERSION};
 use ivdisk_store::{
-    Locker, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, StoreError,
-    WriteOp, WriteStep,
+    Locker, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, SnapContext,
+    SnapId, StoreError, WriteOp, WriteStep,
 };
 
 use crate::header_object::HeaderRegion;
 use crate::layout::{LayoutKind, ObjectGeometry, SectorLayout};
 use crate::range_lock::RangeLocks;
+use crate::snapshot::{SnapshotInfo, SnapshotTable};
 use crate::writer_lock::{self, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
 use crate::{ImageError, ImageUri};
 
@@ -27,7 +28,7 @@ pub const MAX_OBJECT_SIZE: u64 = 64 << 20;
 /// (`aes-gcm-random`): a crash loses at most this many from the budget.
 pub const NONCE_RESERVATION: u64 = 1 << 16;
 /// Header-object omap key holding the reserved nonce count.
-const NONCE_KEY: &[u8] = b"ivdisk.nonce_writes_reserved";
+pub(crate) const NONCE_KEY: &[u8] = b"ivdisk.nonce_writes_reserved";
 
 /// Name of an image's header object.
 pub fn header_object_name(image_name: &str) -> String {
@@ -79,6 +80,9 @@ pub struct OpenOptions {
     pub read_only: bool,
     /// How long the writer lock survives without renewal (it is renewed every third of it).
     pub lock_duration: Duration,
+    /// Open this snapshot (by name) instead of the image's head: always read-only, with the
+    /// size the image had when the snapshot was taken.
+    pub snapshot: Option<String>,
 }
 
 impl Default for OpenOptions {
@@ -86,6 +90,7 @@ impl Default for OpenOptions {
         OpenOptions {
             read_only: false,
             lock_duration: DEFAULT_LOCK_DURATION,
+            snapshot: None,
         }
     }
 }
@@ -109,6 +114,8 @@ pub struct ImageInfo {
     pub object_size: u64,
     pub image_id: ImageId,
     pub keyslots: Vec<u32>,
+    /// Snapshots, oldest first (none for LUKS volumes made by other tools).
+    pub snapshots: Vec<SnapshotInfo>,
 }
 
 /// An open image. Cheap to clone (clones share the open image); IO methods take `&self` and
@@ -157,6 +164,10 @@ pub(crate) struct Inner {
     pub(crate) header_change: tokio::sync::Mutex<()>,
     /// A LUKS volume made by another tool (cryptsetup file, librbd image): no resize.
     pub(crate) foreign: bool,
+    /// Opened at this snapshot (name, id): reads go to the snapshot, writes are refused.
+    pub(crate) snapshot: Option<(String, SnapId)>,
+    /// The snapshot context every data write carries (`None`: the image has no snapshots).
+    pub(crate) snap_context: std::sync::RwLock<Option<SnapContext>>,
 }
 
 /// The parts of an open image (see [`Image::from_spec`]).
@@ -180,6 +191,8 @@ pub(crate) struct EngineSpec {
     pub(crate) lock: Option<WriterLock>,
     pub(crate) nonces_reserved: u64,
     pub(crate) foreign: bool,
+    pub(crate) snapshot: Option<(String, SnapId)>,
+    pub(crate) snap_context: Option<SnapContext>,
 }
 
 fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
@@ -386,7 +399,12 @@ impl Image {
         if let Some(path) = crate::foreign::luks_file_path(uri) {
             return crate::foreign::open_file(&image, path, passphrase, options).await;
         }
-        let store = uri.open_store(false).await?;
+        // Read-only (a snapshot always is): the store too, so that a local image opens on a
+        // read-only directory and beside a writer in another process.
+        let store = match options.read_only || options.snapshot.is_some() {
+            true => uri.open_store_read_only().await?,
+            false => uri.open_store(false).await?,
+        };
         Image::open_in(image, store, uri.image_name(), passphrase, options).await
     }
 
@@ -431,7 +449,24 @@ impl Image {
         volume_key: VolumeKey,
         options: &OpenOptions,
     ) -> Result<Image, ImageError> {
-        let lock = if options.read_only {
+        let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
+        let snapshot = match &options.snapshot {
+            None => None,
+            Some(name) => {
+                Some(
+                    table
+                        .find(name)
+                        .cloned()
+                        .ok_or_else(|| ImageError::SnapshotNotFound {
+                            image: image.clone(),
+                            snapshot: name.clone(),
+                        })?,
+                )
+            }
+        };
+        // A snapshot is never written.
+        let read_only = options.read_only || snapshot.is_some();
+        let lock = if read_only {
             None
         } else {
             Some(
@@ -450,6 +485,11 @@ impl Image {
             None => header.clone(),
         };
         let parsed = parse_header(&image, &header)?;
+        // Under the lock the table cannot change any more (snapshot changes take it too).
+        let table = match &lock {
+            Some(_) => SnapshotTable::read(store.as_ref(), &header_object, &image).await?,
+            None => table,
+        };
         let mut cipher_params =
             CipherParams::new(parsed.sector_size as usize, parsed.params.image_id);
         let mut nonces_reserved = 0;
@@ -472,15 +512,17 @@ impl Image {
             object_size: parsed.params.object_size,
             data_offset: 0,
             iv_sector_base: 0,
-            size: parsed.size,
+            size: snapshot.as_ref().map_or(parsed.size, |s| s.size),
             suite: parsed.suite,
             layout: parsed.layout,
             cipher,
             image_id: parsed.params.image_id,
-            read_only: options.read_only,
+            read_only,
             lock,
             nonces_reserved,
             foreign: false,
+            snap_context: table.context(),
+            snapshot: snapshot.map(|s| (s.name, s.id)),
         }))
     }
 
@@ -514,6 +556,8 @@ impl Image {
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
             foreign: spec.foreign,
+            snapshot: spec.snapshot,
+            snap_context: std::sync::RwLock::new(spec.snap_context),
         };
         tracing::debug!(image = %inner.name, read_only = inner.read_only, "opened image");
         Image {
@@ -649,7 +693,7 @@ impl Image {
         if let Some(path) = crate::foreign::luks_file_path(uri) {
             return crate::foreign::info_file(&image, path).await;
         }
-        let store = uri.open_store(false).await?;
+        let store = uri.open_store_read_only().await?;
         let object = object_name(&image, header_object_name(uri.image_name()))?;
         let (header, _) = match read_header(store.as_ref(), &object, &image).await {
             // No ivdisk image by that name: a librbd image (`rbd_id.NAME`) perhaps.
@@ -667,6 +711,9 @@ impl Image {
             object_size: parsed.params.object_size,
             image_id: parsed.params.image_id,
             keyslots: header.keyslots().iter().map(|k| k.id).collect(),
+            snapshots: SnapshotTable::read(store.as_ref(), &object, &image)
+                .await?
+                .snapshots,
         })
     }
 
@@ -689,6 +736,14 @@ impl Image {
             DEFAULT_LOCK_DURATION,
         )
         .await?;
+        let snapshots = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
+        if !snapshots.snapshots.is_empty() {
+            drop(lock.release().await);
+            return Err(ImageError::HasSnapshots {
+                image,
+                names: snapshots.snapshots.into_iter().map(|s| s.name).collect(),
+            });
+        }
         let objects = store
             .list(&data_object_prefix(&parsed.params.image_id))
             .await
@@ -726,7 +781,7 @@ impl Image {
         if let Some(path) = crate::foreign::luks_file_path(uri) {
             return crate::foreign::lock_holder_file(&uri.to_string(), path).await;
         }
-        let (image, store, object) = existing_header_object(uri).await?;
+        let (image, store, object) = existing_header_object(uri, true).await?;
         writer_lock::holder(store.as_ref(), &object)
             .await
             .map_err(ImageError::store(&image))
@@ -744,7 +799,7 @@ impl Image {
                     .into(),
             });
         }
-        let (image, store, object) = existing_header_object(uri).await?;
+        let (image, store, object) = existing_header_object(uri, false).await?;
         let Some(holder) = writer_lock::holder(store.as_ref(), &object)
             .await
             .map_err(ImageError::store(&image))?
@@ -763,13 +818,17 @@ impl Image {
     }
 }
 
-/// The store and header object of an existing image (`NotFound` if there is none), with the
-/// image's display name.
+/// The store (opened read-only if `read_only`) and header object of an existing image
+/// (`NotFound` if there is none), with the image's display name.
 async fn existing_header_object(
     uri: &ImageUri,
+    read_only: bool,
 ) -> Result<(String, Arc<dyn ObjectStore>, ObjectName), ImageError> {
     let image = uri.to_string();
-    let store = uri.open_store(false).await?;
+    let store = match read_only {
+        true => uri.open_store_read_only().await?,
+        false => uri.open_store(false).await?,
+    };
     let object = object_name(&image, header_object_name(uri.image_name()))?;
     if store
         .stat(&object)
@@ -809,6 +868,19 @@ impl Inner {
     pub(crate) fn data_object(&self, n: u64) -> ObjectName {
         ObjectName::new(format!("{}{n:016x}", self.data_prefix))
             .expect("data object names are printable ASCII")
+    }
+
+    /// The snapshot context for a data write (a clone: writes own their operation).
+    pub(crate) fn snap_context(&self) -> Option<SnapContext> {
+        self.snap_context
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The snapshot reads go to (`None`: the head).
+    pub(crate) fn read_snap(&self) -> Option<SnapId> {
+        self.snapshot.as_ref().map(|&(_, id)| id)
     }
 
     pub(crate) fn check_writable(&self) -> Result<(), ImageError> {

@@ -137,6 +137,7 @@ impl Inner {
     async fn read_piece(&self, piece: Piece, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
         let object = self.data_object(piece.object);
         let mut op = ReadOp::new();
+        op.snap = self.read_snap();
         self.layout.read(&mut op.steps, piece.index, piece.count);
         let results = match self.store.read_op(&object, op).await {
             Ok(results) => results,
@@ -300,6 +301,7 @@ impl Inner {
         let ss = self.sector_size as u64;
         let piece_end = piece.lba + piece.count as u64;
         let mut op = WriteOp::new();
+        op.snap_context = self.snap_context();
         // The sectors of this piece that get encrypted content: all, or only partial edges.
         let encrypted: Vec<(u64, u64)> = match fill {
             Fill::Unwritten => [head, tail]

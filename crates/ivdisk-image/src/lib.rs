@@ -9,6 +9,10 @@
 //!   ([`Image::backup_header`], [`Image::restore_header`]) on the header object.
 //! - [`LayoutKind`]: where metadata lives in an object (`object-end`, `unaligned`, `omap`,
 //!   `none`); one module per layout in `layout/`.
+//! - Snapshots ([`Image::create_snapshot`], [`Image::snapshots`], remove, rollback; open one
+//!   read-only with [`OpenOptions::snapshot`]), in `snapshot.rs`.
+//! - Encrypted backups without the passphrase ([`Image::backup`], [`Image::restore_backup`],
+//!   full or incremental between snapshots), in `backup.rs`.
 //! - The writer lock (one writer per image, renewed while open, breakable when stale).
 //!
 //! Layering: this crate uses the crypto, header and store crates and never speaks NBD or
@@ -17,6 +21,7 @@
 #![deny(unsafe_code)]
 
 mod allocation;
+mod backup;
 mod error;
 mod foreign;
 mod header_backup;
@@ -27,10 +32,15 @@ mod keyslots;
 mod layout;
 mod on_store;
 mod range_lock;
+mod snapshot;
 mod uri;
 mod writer_lock;
 
 pub use allocation::AllocationExtent;
+pub use backup::{
+    partial_path, BackupBase, BackupDescription, BackupKind, BackupOptions, BackupPhase,
+    BackupProgress, BackupSummary, BACKUP_MAGIC, BACKUP_STATE_KEY, BACKUP_VERSION,
+};
 pub use error::ImageError;
 pub use header_backup::{HeaderBackupInfo, HeaderRestore, ReplacedHeader};
 pub use image::{
@@ -38,5 +48,6 @@ pub use image::{
     DEFAULT_OBJECT_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
 };
 pub use layout::{LayoutKind, ObjectGeometry};
+pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};

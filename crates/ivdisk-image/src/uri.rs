@@ -116,6 +116,36 @@ impl ImageUri {
         })
     }
 
+    /// Parse `IMAGE` or `IMAGE@SNAPSHOT` (`rados://POOL/IMAGE@SNAP?...`, `PATH@SNAP`,
+    /// `mem:NAME@SNAP`). A local path that exists as written is never split, so a directory
+    /// whose name holds `@` still opens.
+    pub fn parse_with_snapshot(text: &str) -> Result<(ImageUri, Option<String>), ImageError> {
+        let (base, query) = match text.split_once('?') {
+            Some((base, query)) if text.starts_with("rados://") => (base, Some(query)),
+            _ => (text, None),
+        };
+        let split = match base.rsplit_once('@') {
+            Some((image, snap)) if !snap.contains('/') => Some((image, snap)),
+            _ => None,
+        };
+        let Some((image, snap)) = split else {
+            return Ok((ImageUri::parse(text)?, None));
+        };
+        let whole = ImageUri::parse(text);
+        if let Ok(ImageUri::Local { dir }) = &whole {
+            if dir.exists() {
+                return Ok((whole?, None));
+            }
+        }
+        let rest = match query {
+            Some(q) => format!("{image}?{q}"),
+            None => image.to_owned(),
+        };
+        let uri = ImageUri::parse(&rest)?;
+        crate::snapshot::check_name(&rest, snap)?;
+        Ok((uri, Some(snap.to_owned())))
+    }
+
     /// The image's name inside its store (its header object is named from it).
     pub fn image_name(&self) -> &str {
         match self {
@@ -133,9 +163,26 @@ impl ImageUri {
 
     /// Open the store this image lives in. `create` makes a local store directory if missing.
     pub async fn open_store(&self, create: bool) -> Result<Arc<dyn ObjectStore>, ImageError> {
+        self.open_store_as(create, false).await
+    }
+
+    /// Open the store this image lives in to read only. A local store is opened read-only
+    /// (`LocalStore::open_read_only`: nothing in its directory is written or locked, so this
+    /// works on a read-only mount and beside a writer in another process), or shares a store
+    /// this process already has open for the directory. Other stores open as
+    /// [`ImageUri::open_store`] opens them.
+    pub async fn open_store_read_only(&self) -> Result<Arc<dyn ObjectStore>, ImageError> {
+        self.open_store_as(false, true).await
+    }
+
+    async fn open_store_as(
+        &self,
+        create: bool,
+        read_only: bool,
+    ) -> Result<Arc<dyn ObjectStore>, ImageError> {
         let image = self.to_string();
         match self {
-            ImageUri::Local { dir } => open_local(dir, create).map_err(|e| match e {
+            ImageUri::Local { dir } => open_local(dir, create, read_only).map_err(|e| match e {
                 ivdisk_store::StoreError::Io { source, .. }
                     if !create && source.kind() == std::io::ErrorKind::NotFound =>
                 {
@@ -197,9 +244,16 @@ fn memory_store() -> Arc<dyn ObjectStore> {
     Arc::new(store.another_client())
 }
 
-/// A local store may be opened by one process at a time; within the process, every opener of
-/// a directory shares the open store (with a client identity of its own).
-fn open_local(dir: &Path, create: bool) -> Result<Arc<dyn ObjectStore>, ivdisk_store::StoreError> {
+/// A local store may be opened for writing by one process at a time; within the process, every
+/// opener of a directory shares the open store (with a client identity of its own). A reader
+/// (`read_only`) shares any open store of the directory, preferring one open for writing (it
+/// sees this process' writes at once, not at their commit); a writer never gets a read-only
+/// store: it opens the directory for writing beside it.
+fn open_local(
+    dir: &Path,
+    create: bool,
+    read_only: bool,
+) -> Result<Arc<dyn ObjectStore>, ivdisk_store::StoreError> {
     // Every live client of each open directory: any of them can make another (the store stays
     // open while one lives), whichever opened it first.
     static OPEN: OnceLock<Mutex<HashMap<PathBuf, Vec<Weak<LocalStore>>>>> = OnceLock::new();
@@ -213,7 +267,12 @@ fn open_local(dir: &Path, create: bool) -> Result<Arc<dyn ObjectStore>, ivdisk_s
         !clients.is_empty()
     });
     if let Some(clients) = open.get_mut(&key) {
-        if let Some(live) = clients.iter().find_map(Weak::upgrade) {
+        let live: Vec<Arc<LocalStore>> = clients.iter().filter_map(Weak::upgrade).collect();
+        let shared = live
+            .iter()
+            .find(|s| !s.is_read_only())
+            .or(live.first().filter(|_| read_only));
+        if let Some(live) = shared {
             let store = Arc::new(live.another_client());
             clients.push(Arc::downgrade(&store));
             return Ok(store);
@@ -236,16 +295,60 @@ fn open_local(dir: &Path, create: bool) -> Result<Arc<dyn ObjectStore>, ivdisk_s
             });
         }
     }
-    let options = LocalStoreOptions { create };
-    let store = Arc::new(LocalStore::open_with(dir, &options)?);
+    let store = Arc::new(match read_only {
+        true => LocalStore::open_read_only(dir)?,
+        false => LocalStore::open_with(dir, &LocalStoreOptions { create })?,
+    });
     let key = std::fs::canonicalize(dir).unwrap_or(key);
-    open.insert(key, vec![Arc::downgrade(&store)]);
+    open.entry(key).or_default().push(Arc::downgrade(&store));
     Ok(store)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshots_follow_the_last_at_sign() {
+        let (uri, snap) =
+            ImageUri::parse_with_snapshot("rados://rbd/vm1@monday?conf=/etc/ceph/c.conf").unwrap();
+        assert_eq!(snap.as_deref(), Some("monday"));
+        match uri {
+            ImageUri::Rados { image, conf, .. } => {
+                assert_eq!(image, "vm1");
+                assert_eq!(conf.as_deref(), Some(Path::new("/etc/ceph/c.conf")));
+            }
+            other => panic!("{other:?}"),
+        }
+        let (uri, snap) = ImageUri::parse_with_snapshot("mem:a@b").unwrap();
+        assert_eq!((uri.image_name(), snap.as_deref()), ("a", Some("b")));
+        let (uri, snap) = ImageUri::parse_with_snapshot("/no/such/dir/disk.ivd@s1").unwrap();
+        assert_eq!(
+            (uri, snap.as_deref()),
+            (
+                ImageUri::Local {
+                    dir: "/no/such/dir/disk.ivd".into()
+                },
+                Some("s1")
+            )
+        );
+        // No snapshot: plain addresses, and an '@' inside a directory name.
+        assert_eq!(ImageUri::parse_with_snapshot("disk.ivd").unwrap().1, None);
+        assert_eq!(
+            ImageUri::parse_with_snapshot("/tmp/x@y/disk.ivd")
+                .unwrap()
+                .1,
+            None
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("disk@2");
+        std::fs::create_dir(&odd).unwrap();
+        let (uri, snap) = ImageUri::parse_with_snapshot(odd.to_str().unwrap()).unwrap();
+        assert_eq!((uri, snap), (ImageUri::Local { dir: odd }, None));
+        // A bad snapshot name is refused.
+        assert!(ImageUri::parse_with_snapshot("mem:a@").is_err());
+        assert!(ImageUri::parse_with_snapshot("rados://rbd/vm@?x=1").is_err());
+    }
 
     #[test]
     fn parses_every_scheme() {

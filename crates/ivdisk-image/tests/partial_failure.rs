@@ -2,102 +2,25 @@
 //! and every object holds either its old or its new content, never a mix.
 //!
 //! The store below the image is the real memory store behind a thin wrapper that fails the
-//! write operations of one chosen object (a fault injected below the unit under test).
+//! write operations of one chosen object (`common::FailingStore`: a fault injected below the
+//! unit under test).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+mod common;
+
 use std::sync::Arc;
+
+use common::FailingStore;
 
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageError, LayoutKind, OpenOptions};
-use ivdisk_store::{
-    LockRequest, Locker, MemoryStore, ObjectName, ObjectStore, ReadOp, ReadResult, SnapId,
-    StoreError, WriteOp, WriteOutcome,
-};
+use ivdisk_store::StoreError;
 
 const PASS: &[u8] = b"partial failure";
 const OBJECT: u64 = 64 << 10;
 
-/// The memory store, except that while `armed`, write operations on `victim` fail.
-struct FailingStore {
-    inner: MemoryStore,
-    victim: std::sync::Mutex<Option<ObjectName>>,
-    armed: AtomicBool,
-}
-
-#[async_trait::async_trait]
-impl ObjectStore for FailingStore {
-    async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
-        let victim = self.victim.lock().unwrap().clone();
-        if self.armed.load(Ordering::SeqCst) && victim.as_ref() == Some(object) {
-            return Err(StoreError::Io {
-                context: format!("injected failure writing `{object}`"),
-                source: std::io::ErrorKind::Other.into(),
-            });
-        }
-        self.inner.write_op(object, op).await
-    }
-    async fn read_op(
-        &self,
-        object: &ObjectName,
-        op: ReadOp,
-    ) -> Result<Vec<ReadResult>, StoreError> {
-        self.inner.read_op(object, op).await
-    }
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
-        self.inner.list(prefix).await
-    }
-    async fn snap_create(&self) -> Result<SnapId, StoreError> {
-        self.inner.snap_create().await
-    }
-    async fn snap_remove(&self, snap: SnapId) -> Result<(), StoreError> {
-        self.inner.snap_remove(snap).await
-    }
-    async fn lock_exclusive(
-        &self,
-        object: &ObjectName,
-        request: LockRequest,
-    ) -> Result<(), StoreError> {
-        self.inner.lock_exclusive(object, request).await
-    }
-    async fn unlock(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-        cookie: &str,
-    ) -> Result<(), StoreError> {
-        self.inner.unlock(object, lock, cookie).await
-    }
-    async fn list_lockers(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-    ) -> Result<Vec<Locker>, StoreError> {
-        self.inner.list_lockers(object, lock).await
-    }
-    async fn break_lock(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-        client: &str,
-        cookie: &str,
-    ) -> Result<(), StoreError> {
-        self.inner.break_lock(object, lock, client, cookie).await
-    }
-    async fn flush(&self) -> Result<(), StoreError> {
-        self.inner.flush().await
-    }
-    fn client_id(&self) -> &str {
-        self.inner.client_id()
-    }
-}
-
 async fn check(layout: LayoutKind) {
-    let store = Arc::new(FailingStore {
-        inner: MemoryStore::new().unwrap(),
-        victim: std::sync::Mutex::new(None),
-        armed: AtomicBool::new(false),
-    });
+    let store = Arc::new(FailingStore::new());
     let options = CreateOptions {
         suite: Suite::DEFAULT,
         layout: Some(layout),
@@ -111,8 +34,7 @@ async fn check(layout: LayoutKind) {
     // Old content: objects 0..4 full of 0x11.
     let old = vec![0x11u8; 4 * OBJECT as usize];
     image.write(0, &old).await.unwrap();
-    *store.victim.lock().unwrap() = Some(image.data_object(2));
-    store.armed.store(true, Ordering::SeqCst);
+    store.fail_object(image.data_object(2));
     // New content spans objects 1 (partly, from a sub-sector offset) .. 3 (partly).
     let (start, len) = (OBJECT + 1000, 2 * OBJECT as usize);
     let err = image.write(start, &vec![0x22u8; len]).await.unwrap_err();
@@ -120,7 +42,7 @@ async fn check(layout: LayoutKind) {
         matches!(&err, ImageError::Store { source: StoreError::Io { context, .. }, .. } if context.contains("injected")),
         "{err}"
     );
-    store.armed.store(false, Ordering::SeqCst);
+    store.arm(false);
     // Every object is whole: old, or new where the request covered it.
     let mut now = vec![0u8; 4 * OBJECT as usize];
     image.read(0, &mut now).await.unwrap();

@@ -965,6 +965,11 @@ pub async fn omap<S: ObjectStore>(c: Clients<S>) {
         omap_range(s, &o, b"r035", Some(b"r06"), 10).await,
         (range(4, 6), false)
     );
+    assert_eq!(
+        omap_range(s, &o, b"r03", Some(b"r07"), usize::MAX).await,
+        (range(3, 7), false),
+        "no limit (usize::MAX) is all keys in range"
+    );
     assert_eq!(omap_range(s, &o, b"", None, 3).await, (range(0, 3), true));
     assert_eq!(
         omap_range(s, &o, b"", None, 10).await,

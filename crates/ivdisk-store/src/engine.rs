@@ -63,6 +63,28 @@ impl Durability for NoDurability {
     }
 }
 
+/// Where a read-only engine gets its metadata connections (local.rs): read-only ones that see
+/// committed states only, while a writer in another process may be committing.
+pub(crate) trait MetaSource: Send {
+    /// A new read-only connection.
+    fn connect(&mut self) -> Result<Connection, StoreError>;
+    /// Whether what the current connection reads may no longer be the committed state (it
+    /// reads the database file as immutable and a writer has changed it since): the engine
+    /// then reconnects and reads again.
+    fn stale(&self) -> bool;
+}
+
+/// The state of a read-only engine.
+struct ReadOnlyState {
+    source: Box<dyn MetaSource>,
+    /// `Engine::db` is a connection from `source` (not a placeholder after a release).
+    connected: bool,
+}
+
+/// How often a read of a read-only engine is tried before giving up (on SQLite refusing to
+/// start a read transaction, or the object changing under every attempt).
+const READ_ONLY_ATTEMPTS: u32 = 50;
+
 /// A WAL file synced through a second descriptor (SQLite's own sync is off between flushes),
 /// and the marker file a clean stop leaves (`clean_marker`).
 pub(crate) struct WalFile {
@@ -71,16 +93,20 @@ pub(crate) struct WalFile {
 }
 impl Durability for WalFile {
     fn mark_clean(&mut self) {
-        if let Err(e) = std::fs::write(&self.clean_marker, b"") {
-            tracing::warn!("could not mark the store as cleanly stopped: {e}");
+        match std::fs::write(&self.clean_marker, b"") {
+            Ok(()) => crate::fault_io::write(|| self.clean_marker.clone(), 0, b""),
+            Err(e) => tracing::warn!("could not mark the store as cleanly stopped: {e}"),
         }
     }
 
     fn sync_wal(&mut self) -> Result<(), StoreError> {
         match std::fs::File::open(&self.wal) {
-            Ok(f) => f
-                .sync_data()
-                .map_err(StoreError::io(format!("syncing {}", self.wal.display()))),
+            Ok(f) => {
+                f.sync_data()
+                    .map_err(StoreError::io(format!("syncing {}", self.wal.display())))?;
+                crate::fault_io::synced(&self.wal);
+                Ok(())
+            }
             // No WAL yet (nothing written since the last checkpoint): nothing to sync.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(StoreError::io(format!("opening {}", self.wal.display()))(e)),
@@ -133,6 +159,15 @@ pub(crate) enum Request {
     },
     Flush {
         reply: Reply<()>,
+    },
+    /// Close the metadata connection (a read-only engine), say so on `released`, and open a
+    /// new one once `resume` is dropped: a read-write open of the same store in this process
+    /// must create SQLite's shared-memory index itself (SQLite shares it between a process'
+    /// connections, read-only if a read-only connection created it). Read-write engines only
+    /// say `released`.
+    Release {
+        released: mpsc::Sender<()>,
+        resume: mpsc::Receiver<()>,
     },
 }
 
@@ -234,6 +269,34 @@ pub(crate) struct Engine {
     /// between nodes. Until then a range cut from an extent is dead for sure and `note_dead`
     /// skips its query (a fifth of a small write's CPU). Set, never cleared while open.
     clones_may_exist: bool,
+    /// Opened read-only (local.rs): changes are refused, reads see committed states.
+    read_only: Option<ReadOnlyState>,
+}
+
+/// A failed read of a read-only engine; `transient` if SQLite only could not start the read
+/// transaction for now.
+struct Failure {
+    error: StoreError,
+    transient: bool,
+}
+
+/// SQLite refusing to start a read transaction for now: busy, or a read-only connection that
+/// cannot use the shared-memory index until a writer has rebuilt it.
+fn transient(e: &rusqlite::Error) -> bool {
+    const SQLITE_READONLY_RECOVERY: i32 = 8 | (1 << 8);
+    const SQLITE_READONLY_CANTINIT: i32 = 8 | (5 << 8);
+    match e {
+        rusqlite::Error::SqliteFailure(code, _) => {
+            matches!(
+                code.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            ) || matches!(
+                code.extended_code,
+                SQLITE_READONLY_RECOVERY | SQLITE_READONLY_CANTINIT
+            )
+        }
+        _ => false,
+    }
 }
 
 fn now_ms() -> i64 {
@@ -274,7 +337,38 @@ impl Engine {
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
             lost: None,
+            read_only: None,
         })
+    }
+
+    /// An engine that only reads, through connections from `source` (committed states only),
+    /// and refuses every change with [`StoreError::ReadOnly`].
+    pub(crate) fn new_read_only(
+        mut source: Box<dyn MetaSource>,
+        segments: Box<dyn Segments>,
+    ) -> Result<Self, StoreError> {
+        let db = source.connect()?;
+        let mut engine = Engine {
+            clones_may_exist: false,
+            db,
+            segments,
+            durability: Box::new(NoDurability),
+            in_txn: false,
+            txn_mark: (0, 0),
+            txn_frees: 0,
+            txn_ops: 0,
+            txn_started: Instant::now(),
+            last_durable: Instant::now(),
+            frees_pending: Vec::new(),
+            lost: None,
+            read_only: Some(ReadOnlyState {
+                source,
+                connected: true,
+            }),
+        };
+        // Fail now on what is no store (or not readable), not at the first read.
+        engine.consistent(|e| Ok((e.meta("version")?, None)))?;
+        Ok(engine)
     }
 
     /// Create the tables of a new store (a no-op on an existing one).
@@ -340,6 +434,9 @@ impl Engine {
     }
 
     fn handle(&mut self, request: Request) {
+        if self.read_only.is_some() {
+            return self.handle_read_only(request);
+        }
         match request {
             Request::Write { object, op, reply } => {
                 let result = self.in_operation(|e| e.write(&object, &op));
@@ -403,7 +500,190 @@ impl Engine {
                     let _ = reply.send(result);
                 }));
             }
+            Request::Release { released, .. } => {
+                let _ = released.send(());
+            }
         }
+    }
+
+    /// A request to a read-only engine: reads in read transactions, changes refused, flush
+    /// a no-op (nothing to make durable).
+    fn handle_read_only(&mut self, request: Request) {
+        fn refuse<T>(what: String) -> Result<T, StoreError> {
+            Err(StoreError::ReadOnly { what })
+        }
+        match request {
+            Request::Read { object, op, reply } => {
+                let reads_data = op.steps.iter().any(|s| matches!(s, ReadStep::Read { .. }));
+                let result = self.consistent(|e| {
+                    let results = e.read(&object, &op)?;
+                    // The node whose segment data was read, checked unchanged afterwards.
+                    let node = match (reads_data, op.snap) {
+                        (false, _) => None,
+                        (true, Some(snap)) => e.node_at(&object, snap)?,
+                        (true, None) => e.head(&object)?,
+                    };
+                    Ok((results, node.map(|n| (n.id, n.version))))
+                });
+                let _ = reply.send(result);
+            }
+            Request::List { prefix, reply } => {
+                let _ = reply.send(self.consistent(|e| Ok((e.list(&prefix)?, None))));
+            }
+            Request::ListLockers {
+                object,
+                lock,
+                reply,
+            } => {
+                let _ = reply.send(self.consistent(|e| Ok((e.lockers(&object, &lock)?, None))));
+            }
+            Request::Flush { reply } => {
+                let _ = reply.send(Ok(()));
+            }
+            Request::Write { object, reply, .. } => {
+                let _ = reply.send(refuse(format!("writing object `{object}`")));
+            }
+            Request::SnapCreate { reply } => {
+                let _ = reply.send(refuse("creating a snapshot".into()));
+            }
+            Request::SnapRemove { snap, reply } => {
+                let _ = reply.send(refuse(format!("removing snapshot {snap}")));
+            }
+            Request::Lock {
+                object,
+                request,
+                reply,
+                ..
+            } => {
+                let _ = reply.send(refuse(format!(
+                    "taking lock `{}` on `{object}`",
+                    request.name
+                )));
+            }
+            Request::Unlock {
+                object,
+                lock,
+                reply,
+                ..
+            } => {
+                let _ = reply.send(refuse(format!("removing lock `{lock}` on `{object}`")));
+            }
+            Request::Release { released, resume } => {
+                self.disconnect();
+                let _ = released.send(());
+                // Until the read-write open is done (`resume` dropped); a bound for safety.
+                let _ = resume.recv_timeout(Duration::from_secs(60));
+            }
+        }
+    }
+
+    /// Replace a read-only engine's connection by a placeholder (the next read reconnects).
+    fn disconnect(&mut self) {
+        if let Some(state) = self.read_only.as_mut() {
+            if let Ok(placeholder) = Connection::open_in_memory() {
+                self.db = placeholder;
+                state.connected = false;
+            }
+        }
+    }
+
+    /// Run `query` in a read-only engine so that everything it returns comes from one
+    /// committed state: in one read transaction (a writer in another process may commit
+    /// meanwhile), read again on a fresh connection when the source says the connection went
+    /// stale, and tried again when SQLite cannot start a read transaction for now.
+    ///
+    /// `query` also returns the node (id, version) whose segment data it read, if any. Segment
+    /// data is not under the transaction: a writer frees the data of an overwritten range and
+    /// punches it out of its segment once that commit is durable, so a read racing with it can
+    /// find zeros. The node being unchanged in a later state proves the data read was live
+    /// throughout (a punch only follows a commit that changed or removed every node using the
+    /// range); otherwise the query runs again.
+    fn consistent<T>(
+        &mut self,
+        mut query: impl FnMut(&mut Self) -> Result<(T, Option<(i64, u64)>), StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let outcome = match self.read_transaction(&mut query) {
+                Ok((value, None)) => Ok(Some(value)),
+                Ok((value, Some((id, version)))) => self
+                    .read_transaction(&mut |e: &mut Self| Ok((e.node_unchanged(id, version)?, ())))
+                    .map(|(same, ())| same.then_some(value)),
+                Err(failure) => Err(failure),
+            };
+            let stale = self.read_only.as_ref().is_some_and(|s| s.source.stale());
+            let (retry, waiting, last) = match outcome {
+                Ok(Some(value)) if !stale => return Ok(value),
+                Ok(_) => (true, false, None),
+                Err(Failure { error, transient }) => (stale || transient, transient, Some(error)),
+            };
+            if !retry || attempt >= READ_ONLY_ATTEMPTS {
+                return Err(last.unwrap_or_else(|| {
+                    StoreError::Database(format!(
+                        "the data read kept changing under a concurrent writer ({attempt} \
+                         attempts); try again"
+                    ))
+                }));
+            }
+            if waiting {
+                // SQLite cannot start a read transaction for now (a writer is busy with the
+                // log index). Now and then on a new connection: one that mapped the index of
+                // a writer that died since sees it torn until a writer comes, a new one reads
+                // the log itself.
+                std::thread::sleep(Duration::from_millis(u64::from(attempt.min(20))));
+            }
+            if stale || (waiting && attempt % 10 == 0) {
+                self.disconnect();
+            }
+        }
+    }
+
+    /// One read transaction of a read-only engine, reconnecting first if needed.
+    fn read_transaction<T, U>(
+        &mut self,
+        body: &mut impl FnMut(&mut Self) -> Result<(T, U), StoreError>,
+    ) -> Result<(T, U), Failure> {
+        let permanent = |error: StoreError| Failure {
+            error,
+            transient: false,
+        };
+        if let Some(state) = self.read_only.as_mut() {
+            if !state.connected {
+                self.db = state.source.connect().map_err(permanent)?;
+                state.connected = true;
+            }
+        }
+        self.db
+            .execute_batch("BEGIN")
+            .map_err(|e| permanent(e.into()))?;
+        // The read transaction starts at the first read: done here, so that SQLite's refusals
+        // to start one for now (busy, a log being recovered) are told from real failures.
+        let started = self
+            .db
+            .query_row("SELECT value FROM meta WHERE key = 'version'", [], |r| {
+                r.get::<_, i64>(0)
+            });
+        let result = match started {
+            Ok(_) => body(self).map_err(permanent),
+            Err(e) => Err(Failure {
+                transient: transient(&e),
+                error: e.into(),
+            }),
+        };
+        if !self.db.is_autocommit() {
+            let _ = self.db.execute_batch("COMMIT");
+        }
+        result
+    }
+
+    /// Whether node `id` still exists at `version`.
+    fn node_unchanged(&self, id: i64, version: u64) -> Result<bool, StoreError> {
+        Ok(self.db.query_row(
+            "SELECT EXISTS (SELECT 1 FROM nodes WHERE id = ?1 AND version = ?2)",
+            params![id, version as i64],
+            |r| r.get::<_, bool>(0),
+        )?)
     }
 
     /// Run one mutating operation inside the group transaction, all or nothing.
@@ -970,7 +1250,9 @@ impl Engine {
                     ReadResult::Omap { pairs, more: false }
                 }
                 ReadStep::OmapGetRange { start, end, max } => {
-                    let limit = (*max as i64).saturating_add(1);
+                    // One more than asked tells whether there is more; SQLite reads a negative LIMIT as
+                    // none (a `max` past i64, such as usize::MAX, means all).
+                    let limit = i64::try_from(*max).map_or(-1, |m| m.saturating_add(1));
                     let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = match end {
                         Some(end) => self
                             .db
@@ -1215,6 +1497,11 @@ impl EngineHandle {
             .spawn(move || engine.run(receiver))
             .map_err(StoreError::io("starting the store worker thread"))?;
         Ok((EngineHandle { sender }, worker))
+    }
+
+    /// Send a request without awaiting a reply (false if the worker is gone).
+    pub(crate) fn send(&self, request: Request) -> bool {
+        self.sender.send(request).is_ok()
     }
 
     pub(crate) async fn call<T>(

@@ -73,6 +73,18 @@ pub enum StoreError {
     )]
     AlreadyOpen { path: String, pid: String },
 
+    /// A change (a write, a snapshot, a lock) asked of a store opened read-only.
+    #[error("{what}: refused, the store was opened read-only")]
+    ReadOnly { what: String },
+
+    /// Opening a store for writing where its directory or files cannot be written (a
+    /// read-only mount, no permission, immutable files). Nothing was changed.
+    #[error(
+        "the store at {path} cannot be opened for writing ({reason}); open it read-only instead \
+         (e.g. `ivdisk serve --read-only`; commands that only read open it read-only by themselves)"
+    )]
+    NotWritable { path: String, reason: String },
+
     #[error("the store's metadata database failed: {0}")]
     Database(String),
 

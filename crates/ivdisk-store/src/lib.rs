@@ -13,6 +13,12 @@
 mod engine;
 mod error;
 mod ext;
+#[cfg(feature = "fault-io")]
+pub mod fault_io;
+#[cfg(not(feature = "fault-io"))]
+mod fault_io;
+#[cfg(feature = "fault-io")]
+pub mod ffi_vfs;
 mod local;
 mod memory;
 mod types;

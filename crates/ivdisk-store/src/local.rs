@@ -1,26 +1,33 @@
 //! The local embedded backend: one directory holding the objects of any number of images.
 //!
 //! ```text
-//! DIR/LOCK            flock'ed by the one process that has the store open (holds its pid)
+//! DIR/LOCK            flock'ed by the one process that has the store open for writing (its pid)
 //! DIR/meta.sqlite     SQLite (WAL mode): objects, extent maps, omap, snapshots, locks
 //! DIR/data/seg-N      append-only data segments, sparse: dead ranges are punched out
 //! ```
 //!
 //! See the engine module for the commit protocol and docs/ARCHITECTURE.md for why.
+//!
+//! A store opened read-only ([`LocalStore::open_read_only`]) changes nothing in the directory
+//! (no `LOCK`, no recovery, SQLite opened read-only) and reads committed states, also while
+//! another process has the store open for writing; see `ReadOnlyMeta`.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::unix::fs::FileExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::time::Duration;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OpenFlags};
 use rustix::fs::{fallocate, flock, FallocateFlags, FlockOperation};
 
 use crate::engine::{
-    delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, Segments,
-    WalFile,
+    delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, MetaSource,
+    Request, Segments, WalFile,
 };
 use crate::StoreError;
 
@@ -111,6 +118,7 @@ impl FileSegments {
             );
             file.set_len(len)
                 .map_err(StoreError::io("truncating the active segment"))?;
+            crate::fault_io::set_len(|| segment_path(&dir, active), len);
         }
         let mut segments = FileSegments {
             dir,
@@ -256,6 +264,7 @@ impl Segments for FileSegments {
                 "writing {}",
                 segment_path(&self.dir, self.active).display()
             )))?;
+        crate::fault_io::write(|| segment_path(&self.dir, self.active), at, data);
         self.len += data.len() as u64;
         self.unsynced += data.len() as u64;
         if !self.dirty.contains(&self.active) {
@@ -281,6 +290,7 @@ impl Segments for FileSegments {
                 "syncing {}",
                 segment_path(&self.dir, n).display()
             )))?;
+            crate::fault_io::synced(&segment_path(&self.dir, n));
         }
         self.unsynced = 0;
         Ok(())
@@ -298,6 +308,7 @@ impl Segments for FileSegments {
             return Ok(());
         }
         if let Some(file) = self.files.get(&segment) {
+            crate::fault_io::punch(|| segment_path(&self.dir, segment), offset, len);
             let job = PunchJob::Punch {
                 file: file.clone(),
                 offset,
@@ -336,11 +347,13 @@ impl Segments for FileSegments {
             self.files.remove(&gone);
             self.dirty.retain(|&n| n != gone);
             let _ = std::fs::remove_file(segment_path(&self.dir, gone));
+            crate::fault_io::removed(&segment_path(&self.dir, gone));
             self.active -= 1;
         }
         self.files[&self.active]
             .set_len(mark.1)
             .map_err(StoreError::io("taking back a failed operation's data"))?;
+        crate::fault_io::set_len(|| segment_path(&self.dir, self.active), mark.1);
         self.unsynced = self
             .unsynced
             .saturating_sub(self.len.saturating_sub(mark.1));
@@ -360,7 +373,20 @@ struct DirectoryLock {
 
 fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
     let path = dir.join("LOCK");
-    let mut file = open_read_write(&path)?;
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| match e.raw_os_error() {
+            // A read-only mount, no permission, an immutable file: nothing can be written.
+            Some(libc::EROFS | libc::EACCES | libc::EPERM) => StoreError::NotWritable {
+                path: dir.display().to_string(),
+                reason: format!("opening {} for writing: {e}", path.display()),
+            },
+            _ => StoreError::io(format!("opening {}", path.display()))(e),
+        })?;
     if flock(&file, FlockOperation::NonBlockingLockExclusive).is_err() {
         let mut pid = String::new();
         let _ = file.read_to_string(&mut pid);
@@ -391,8 +417,17 @@ pub struct RecoveryReport {
     pub reclaimed_bytes: u64,
 }
 
-/// The local embedded object store: a directory, one writer process at a time.
-pub struct LocalStore(Client, RecoveryReport);
+/// The local embedded object store: a directory, one writer process at a time, and any number
+/// of read-only openers ([`LocalStore::open_read_only`]).
+pub struct LocalStore(Client, RecoveryReport, Option<Arc<ReaderLink>>);
+
+impl Drop for LocalStore {
+    fn drop(&mut self) {
+        // Before the client: the last client's drop waits for the worker, which stops only
+        // when every request sender (the link holds one) is gone.
+        self.2.take();
+    }
+}
 
 impl LocalStore {
     /// Open an existing store.
@@ -418,6 +453,10 @@ impl LocalStore {
                 .map_err(StoreError::io(format!("creating {}", dir.display())))?;
         }
         let lock = lock_directory(dir)?;
+        // Read-only stores of this directory in this process let go of their connections
+        // until ours has created SQLite's shared-memory index (see `pause_readers`).
+        let opening = opening_lock();
+        let paused = pause_readers(&meta);
         let mut report = RecoveryReport::default();
         let wal_path = dir.join("meta.sqlite-wal");
         if let Some(scan) = crate::wal_check::scan_file(&wal_path)
@@ -438,14 +477,31 @@ impl LocalStore {
             }
         }
         let db = Connection::open(&meta)?;
+        if db.is_readonly(rusqlite::MAIN_DB)? {
+            return Err(StoreError::NotWritable {
+                path: dir.display().to_string(),
+                reason: format!("{} is not writable", meta.display()),
+            });
+        }
         db.execute_batch(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;",
         )?;
         Engine::init_schema(&db)?;
+        drop(paused);
+        drop(opening);
         // A clean stop leaves CLEAN; without it, frees still pending at the crash are redone.
         let clean_marker = dir.join("CLEAN");
         let was_clean = match std::fs::remove_file(&clean_marker) {
-            Ok(()) => true,
+            Ok(()) => {
+                crate::fault_io::removed(&clean_marker);
+                // The removal must be durable before this run frees anything: a marker that
+                // came back after a power cut would make the next open skip the reclaim of
+                // space freed (but not yet punched) by this run.
+                File::open(dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(StoreError::io(format!("syncing {}", dir.display())))?;
+                true
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
             Err(e) => {
                 return Err(StoreError::io(format!(
@@ -470,13 +526,73 @@ impl LocalStore {
                 _life: std::sync::Arc::new(Lifetime::new(worker, Box::new(lock))),
             },
             report,
+            None,
         ))
     }
 
+    /// Open an existing store read-only. Nothing in the directory is created, written,
+    /// truncated, punched, locked or renamed: no `LOCK` (so it opens while another process
+    /// has the store open for writing), no recovery after an unclean stop (the committed
+    /// state is read as it is), SQLite opened read-only. So it works on a read-only mount and
+    /// on files this process may not write.
+    ///
+    /// Reads see committed states only (a writer commits every 500 ms and on flush), each read
+    /// operation one state: a read racing with a writer's commits may see the state before
+    /// or after them, never a mix of two. Changes (writes, snapshots, locks) fail
+    /// [`StoreError::ReadOnly`]; `list_lockers` works; `flush` does nothing. The recovery
+    /// report is all zero (nothing is repaired).
+    pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let dir = dir.as_ref();
+        let meta = dir.join("meta.sqlite");
+        let id = match std::fs::metadata(&meta) {
+            Ok(m) => (m.dev(), m.ino()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(StoreError::Io {
+                    context: format!("{} holds no ivdisk store", dir.display()),
+                    source: e,
+                })
+            }
+            Err(e) => return Err(StoreError::io(format!("reading {}", meta.display()))(e)),
+        };
+        let _opening = opening_lock();
+        let source = ReadOnlyMeta {
+            path: meta,
+            private: None,
+        };
+        let segments = ReadOnlySegments {
+            dir: dir.join("data"),
+            files: RefCell::default(),
+        };
+        let engine = Engine::new_read_only(Box::new(source), Box::new(segments))?;
+        let (handle, worker) = EngineHandle::spawn(engine, "ivdisk-local-store-ro")?;
+        let link = Arc::new(ReaderLink(handle.clone()));
+        let mut readers = READERS.lock().unwrap_or_else(|e| e.into_inner());
+        readers.retain(|(_, r)| r.strong_count() > 0);
+        readers.push((id, Arc::downgrade(&link)));
+        Ok(LocalStore(
+            Client {
+                handle,
+                id: random_client_id("local"),
+                _life: std::sync::Arc::new(Lifetime::new(worker, Box::new(()))),
+            },
+            RecoveryReport::default(),
+            Some(link),
+        ))
+    }
+
+    /// Whether this store was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.2.is_some()
+    }
+
     /// A second client identity on the same open store (for locks between users in one
-    /// process; other processes cannot open the store while this one has it).
+    /// process; other processes cannot open the store for writing while this one has it).
     pub fn another_client(&self) -> Self {
-        LocalStore(self.0.another(random_client_id("local")), self.1)
+        LocalStore(
+            self.0.another(random_client_id("local")),
+            self.1,
+            self.2.clone(),
+        )
     }
 
     /// What opening found after an unclean stop (all zero after a clean one).
@@ -486,3 +602,250 @@ impl LocalStore {
 }
 
 delegate_object_store!(LocalStore);
+
+/// The metadata of a read-only store. SQLite needs care here (its "read-only WAL databases"):
+///
+/// - Without a `meta.sqlite-wal` (or with an empty one), as after a clean stop, the database
+///   file holds every commit. A plain read-only connection would still create the `-wal` and
+///   `-shm` files (and fails where it cannot), so the file is opened `immutable=1`: no locks,
+///   no side files.
+/// - With a log and its `-shm` index (a writer is open, or stopped uncleanly, or stopped while
+///   a reader held the log), the connection is `mode=ro&readonly_shm=1`: SQLite maps the index
+///   read-only, and when no writer holds it builds a private index of the log in memory (the
+///   commits with valid checksums); a writer that comes or goes meanwhile is noticed by
+///   SQLite. Only advisory locks (`fcntl`) are taken, nothing is written.
+/// - With a log but no index (no writer is open: a writer creates the index as it opens; a
+///   copy of a crashed store without it), SQLite's lock-free VFS (`unix-none`) in exclusive
+///   locking mode reads the log into an index in memory.
+///
+/// The first and last ways are right only while no writer changes the files, so `stale` checks
+/// after every read that no writer has come (a log has appeared, or an index, or the files
+/// changed: device, inode, size, mtime); if one has, the engine reconnects (now the
+/// second way) and reads again.
+struct ReadOnlyMeta {
+    path: PathBuf,
+    /// Opened the first or last way: the files as they were.
+    private: Option<PrivateView>,
+}
+
+struct PrivateView {
+    db: Option<FileStamp>,
+    /// The log, for the last way (`None`: opened immutable, without a log).
+    log: Option<FileStamp>,
+}
+
+/// What changes when a file is written or replaced. Not ctime: SQLite running as root
+/// `fchown`s the log it opens to the database's owner, which sets the log's ctime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<FileStamp> {
+        let m = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        })
+    }
+}
+
+impl ReadOnlyMeta {
+    fn side_file(&self, suffix: &str) -> PathBuf {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(suffix);
+        PathBuf::from(name)
+    }
+
+    /// `file:` URI of the database with `query` (the path percent-encoded).
+    fn uri(&self, query: &str) -> String {
+        let mut uri = String::from("file:");
+        for &b in self.path.as_os_str().as_bytes() {
+            match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'/' | b'.' | b'_' | b'-' | b'~' => {
+                    uri.push(b as char)
+                }
+                _ => uri.push_str(&format!("%{b:02X}")),
+            }
+        }
+        uri.push('?');
+        uri.push_str(query);
+        uri
+    }
+
+    fn open(&self, query: &str, setup: &str) -> Result<Connection, StoreError> {
+        let db = Connection::open_with_flags(
+            self.uri(query),
+            OpenFlags::SQLITE_OPEN_READ_ONLY
+                | OpenFlags::SQLITE_OPEN_URI
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|e| {
+            StoreError::Database(format!("opening {} read-only: {e}", self.path.display()))
+        })?;
+        db.busy_timeout(Duration::from_secs(5))?;
+        db.execute_batch(setup)?;
+        Ok(db)
+    }
+}
+
+impl MetaSource for ReadOnlyMeta {
+    fn connect(&mut self) -> Result<Connection, StoreError> {
+        let log = FileStamp::of(&self.side_file("-wal")).filter(|l| l.size > 0);
+        let db = FileStamp::of(&self.path);
+        if log.is_some() && self.side_file("-shm").exists() {
+            self.private = None;
+            return self.open("mode=ro&readonly_shm=1", "PRAGMA query_only = 1");
+        }
+        // Stamps taken before opening: a change from here on is seen.
+        self.private = Some(PrivateView { db, log });
+        match log {
+            None => self.open("mode=ro&immutable=1", "PRAGMA query_only = 1"),
+            Some(_) => self.open(
+                "mode=ro&vfs=unix-none",
+                "PRAGMA query_only = 1; PRAGMA locking_mode = EXCLUSIVE",
+            ),
+        }
+    }
+
+    fn stale(&self) -> bool {
+        let Some(view) = &self.private else {
+            return false;
+        };
+        let log = FileStamp::of(&self.side_file("-wal")).filter(|l| l.size > 0);
+        FileStamp::of(&self.path) != view.db
+            || match view.log {
+                None => log.is_some(),
+                Some(_) => log != view.log || self.side_file("-shm").exists(),
+            }
+    }
+}
+
+/// The segments of a read-only store: opened for reading when first read (a writer in another
+/// process may start new ones), never written.
+struct ReadOnlySegments {
+    dir: PathBuf,
+    files: RefCell<HashMap<u32, File>>,
+}
+
+impl Segments for ReadOnlySegments {
+    fn append(&mut self, _data: &[u8]) -> Result<(u32, u64), StoreError> {
+        Err(StoreError::ReadOnly {
+            what: "appending data".into(),
+        })
+    }
+
+    fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        let path = segment_path(&self.dir, segment);
+        let mut files = self.files.borrow_mut();
+        let file = match files.entry(segment) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => match File::open(&path) {
+                Ok(file) => e.insert(file),
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::Corrupt(format!(
+                        "an extent points into missing segment {segment}"
+                    )))
+                }
+                Err(err) => return Err(StoreError::io(format!("opening {}", path.display()))(err)),
+            },
+        };
+        file.read_exact_at(buf, offset)
+            .map_err(StoreError::io(format!("reading {}", path.display())))
+    }
+
+    fn sync(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn punch(&mut self, _segment: u32, _offset: u64, _len: u64) -> Result<(), StoreError> {
+        Err(StoreError::ReadOnly {
+            what: "punching dead data".into(),
+        })
+    }
+
+    fn mark(&self) -> (u32, u64) {
+        (0, 0)
+    }
+
+    fn rewind(&mut self, _mark: (u32, u64)) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn unsynced(&self) -> u64 {
+        0
+    }
+}
+
+/// How a read-write open reaches a read-only store of the same directory in this process.
+/// Held by every client of the read-only store (so it lives exactly as long as they do).
+struct ReaderLink(EngineHandle);
+
+/// The read-only stores open in this process, by (device, inode) of their database file:
+/// SQLite shares state between a process' connections to one file by inode, so a bind mount
+/// of the directory elsewhere is the same store.
+static READERS: Mutex<Vec<(FileId, Weak<ReaderLink>)>> = Mutex::new(Vec::new());
+
+/// (device, inode).
+type FileId = (u64, u64);
+
+/// Held while a store of this process opens its metadata connection, so that no read-only
+/// store opens between a read-write open pausing the others and creating its index.
+static OPENING: Mutex<()> = Mutex::new(());
+
+fn opening_lock() -> std::sync::MutexGuard<'static, ()> {
+    OPENING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Read-only stores paused by a read-write open; dropping this lets them reconnect.
+struct PausedReaders {
+    _resume: Vec<mpsc::Sender<()>>,
+}
+
+/// Make every read-only store of `meta`'s store in this process close its connection, and
+/// wait until they have. SQLite keeps one shared-memory index per file and process, opened
+/// read-only if a read-only connection (`readonly_shm`) opened it first; a writer's
+/// connection in the same process would then fail ("attempt to write a readonly database").
+/// With the readers closed, the writer opens the index read-write, and the readers share it
+/// when they reconnect.
+fn pause_readers(meta: &Path) -> PausedReaders {
+    let Ok(m) = std::fs::metadata(meta) else {
+        return PausedReaders {
+            _resume: Vec::new(),
+        };
+    };
+    let id = (m.dev(), m.ino());
+    let links: Vec<Arc<ReaderLink>> = {
+        let mut readers = READERS.lock().unwrap_or_else(|e| e.into_inner());
+        readers.retain(|(_, r)| r.strong_count() > 0);
+        readers
+            .iter()
+            .filter(|(of, _)| *of == id)
+            .filter_map(|(_, r)| r.upgrade())
+            .collect()
+    };
+    let mut resumes = Vec::new();
+    let mut released = Vec::new();
+    for link in &links {
+        let (done, wait) = mpsc::channel();
+        let (resume, resumed) = mpsc::channel();
+        if link.0.send(Request::Release {
+            released: done,
+            resume: resumed,
+        }) {
+            released.push(wait);
+            resumes.push(resume);
+        }
+    }
+    drop(links);
+    for wait in released {
+        let _ = wait.recv_timeout(Duration::from_secs(30));
+    }
+    PausedReaders { _resume: resumes }
+}

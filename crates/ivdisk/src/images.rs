@@ -251,6 +251,11 @@ pub fn parse_uri(text: &str) -> Result<ImageUri> {
     ImageUri::parse(text).map_err(flat)
 }
 
+/// `IMAGE` or `IMAGE@SNAP` (commands that only read accept a snapshot).
+pub fn parse_image_at(text: &str) -> Result<(ImageUri, Option<String>)> {
+    ImageUri::parse_with_snapshot(text).map_err(flat)
+}
+
 /// The image's header, without a passphrase.
 pub fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
     rt.block_on(Image::info(uri)).map_err(flat)
@@ -309,6 +314,7 @@ fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
         "object_size": info.object_size,
         "keyslots": info.keyslots,
         "image_id": hex::encode(info.image_id.0),
+        "snapshots": info.snapshots.iter().map(crate::snapshots::snapshot_json).collect::<Vec<_>>(),
     })
 }
 
@@ -333,6 +339,18 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
         ),
         ("keyslots", keyslots.join(", ")),
         ("image id", hex::encode(info.image_id.0)),
+        (
+            "snapshots",
+            if info.snapshots.is_empty() {
+                "none".to_owned()
+            } else {
+                info.snapshots
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        ),
     ]
 }
 
@@ -450,15 +468,46 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
     if RbdUri::is_rbd(&args.image) {
         return info_rbd(args, rt);
     }
-    let uri = parse_uri(&args.image)?;
-    let info = info_of(rt, &uri)?;
+    let (uri, snapshot) = parse_image_at(&args.image)?;
+    let mut info = info_of(rt, &uri)?;
+    // IMAGE@SNAP: the image as that snapshot reads (its size).
+    let snapshot = match snapshot {
+        None => None,
+        Some(name) => {
+            let snap = info
+                .snapshots
+                .iter()
+                .find(|s| s.name == name)
+                .cloned()
+                .ok_or_else(|| {
+                    flat(ImageError::SnapshotNotFound {
+                        image: uri.to_string(),
+                        snapshot: name,
+                    })
+                })?;
+            info.size = snap.size;
+            Some(snap)
+        }
+    };
     let lock = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
     if args.json {
         let mut value = info_json(&uri, &info);
+        value["snapshot"] = snapshot
+            .as_ref()
+            .map_or(Value::Null, crate::snapshots::snapshot_json);
         value["lock"] = lock.as_ref().map_or(Value::Null, locker_json);
         println!("{value}");
     } else {
         let mut lines = info_lines(&uri, &info);
+        if let Some(snap) = &snapshot {
+            lines.insert(
+                1,
+                (
+                    "snapshot",
+                    format!("{} (id {}, read-only)", snap.name, snap.id),
+                ),
+            );
+        }
         lines.push((
             "writer lock",
             lock.as_ref().map_or("none".to_owned(), describe_locker),

@@ -2,16 +2,20 @@
 //! their keyslots (`header`, `key`), creates, shows, resizes and deletes images on any store
 //! and manages their writer lock and passphrases (`create`, `info`, `resize`, `delete`, `lock`,
 //! `passphrase`), copies plaintext in and out and checks every sector (`import`, `export`,
-//! `verify`), and serves images over NBD (`serve`).
+//! `verify`), backs them up and restores them without the passphrase (`backup`, `restore`),
+//! and serves images over NBD (`serve`).
 //!
 //! The image commands run the image layer's async code on one tokio runtime, built here for
 //! them only; `suites`, `header` and `key` stay synchronous.
 
+mod backup;
+mod convert;
 mod images;
 mod keys;
 mod passphrases;
 mod secrets;
 mod serve;
+mod snapshots;
 mod transfer;
 
 use std::io::IsTerminal;
@@ -112,6 +116,27 @@ enum Command {
         after_help = "Example:\n  ivdisk verify disk.ivd\n  ivdisk verify 'rados://rbd/vm1?id=admin' --passphrase-file pw.txt --json | jq .bad_lbas\n\nOnly suites with a MAC (aegis128l-random, aegis256-random, aes-gcm-random) detect changed sectors; with the others, verify only shows that every sector reads."
     )]
     Verify(transfer::VerifyArgs),
+    /// Copy the plaintext of a LUKS file, an rbd:// image, a raw file or another ivdisk image
+    /// into a NEW random-IV image (zeros skipped), then read it all back and compare.
+    #[command(after_help = format!(
+        "{}\n\n{}\n{}",
+        convert::after_help(),
+        suites_help(),
+        images::layouts_help()
+    ))]
+    Convert(convert::ConvertArgs),
+    /// Snapshots of an image (IMAGE@SNAP): create, ls, rm, rollback. Open one read-only as
+    /// IMAGE@SNAP with serve, export, verify, info.
+    #[command(subcommand)]
+    Snap(snapshots::SnapCommand),
+    /// Back up an image or snapshot (IMAGE[@SNAP]) into one portable file: header, ciphertext
+    /// and metadata of the written sectors, no passphrase needed; --since for an increment.
+    #[command(after_help = backup::backup_help())]
+    Backup(backup::BackupArgs),
+    /// Restore a backup file (`ivdisk backup`) into a new image on any store (checked whole
+    /// first), or apply an incremental one onto the image restored from its base.
+    #[command(after_help = backup::restore_help())]
+    Restore(backup::RestoreArgs),
     /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM; rbd:// images
     /// through librbd.
     #[command(after_help = serve::after_help())]
@@ -210,7 +235,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Import(args) => transfer::import(args, &runtime()?),
         Command::Export(args) => transfer::export(args, &runtime()?),
         Command::Verify(args) => transfer::verify(args, &runtime()?),
+        Command::Convert(args) => convert::convert(args, &runtime()?),
         Command::Serve(args) => serve::run(args, &runtime()?),
+        Command::Snap(command) => snapshots::run(command, &runtime()?),
+        Command::Backup(args) => backup::backup(args, &runtime()?),
+        Command::Restore(args) => backup::restore(args, &runtime()?),
     }
 }
 

@@ -126,17 +126,18 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     if RbdUri::is_rbd(&args.image) {
         return run_rbd(args, rt);
     }
-    let uri = ImageUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
+    let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
     // Bind before asking for the passphrase: a busy address should not cost an unlock.
     let listener = rt
         .block_on(Listener::bind(&listen_address(&args)))
         .with_context(|| format!("serving image {uri}"))?;
     let address = listener.local_address();
     let passphrase = args.passphrase.existing()?;
-    let options = if args.read_only {
-        OpenOptions::read_only()
-    } else {
-        OpenOptions::default()
+    // A snapshot is always served read-only.
+    let options = OpenOptions {
+        read_only: args.read_only || snapshot.is_some(),
+        snapshot,
+        ..OpenOptions::default()
     };
     let image = with_spinner(
         "unlocking (the key derivation takes seconds by design)",
@@ -162,13 +163,18 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         &address,
         json!({
             "image": uri.to_string(),
+            "snapshot": image.snapshot(),
             "size": image.size(),
             "sector_size": image.sector_size(),
             "cipher": image.suite().name(),
             "read_only": image.is_read_only(),
         }),
         format!(
-            "image {uri} ({}, {}",
+            "image {uri}{} ({}, {}",
+            image
+                .snapshot()
+                .map(|s| format!("@{s}"))
+                .unwrap_or_default(),
             human_size(image.size()),
             image.suite().name()
         ),

@@ -25,23 +25,24 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ivdisk_image::{AllocationExtent, Image, ImageError, ImageUri, OpenOptions};
 use serde_json::json;
 use tokio::runtime::Runtime;
+use zeroize::Zeroizing;
 
 use crate::images::{
-    flat, human_size, info_of, parse_uri, refuse_existing, FormatArgs, IMAGE_HELP,
+    flat, human_size, info_of, parse_image_at, parse_uri, refuse_existing, FormatArgs, IMAGE_HELP,
 };
 use crate::secrets::{with_spinner, PassphraseArgs};
 
 /// Chunks in flight at once.
-const IN_FLIGHT: usize = 8;
+pub(crate) const IN_FLIGHT: usize = 8;
 /// Largest chunk: one object, but at most this (64 MiB objects would otherwise keep half a
 /// GiB of buffers in flight).
 const MAX_CHUNK: u64 = 8 << 20;
 
-fn chunk_size(image: &Image) -> u64 {
+pub(crate) fn chunk_size(image: &Image) -> u64 {
     image.object_size().min(MAX_CHUNK)
 }
 
-fn all_zero(bytes: &[u8]) -> bool {
+pub(crate) fn all_zero(bytes: &[u8]) -> bool {
     // 16 bytes at a time: data chunks differ from zero in their first bytes almost always,
     // zero chunks are scanned at memory speed.
     let mut chunks = bytes.chunks_exact(16);
@@ -52,7 +53,7 @@ fn all_zero(bytes: &[u8]) -> bool {
 }
 
 /// A byte progress bar on a terminal's stderr; hidden otherwise and with --json.
-fn progress(total: u64, what: &str, json: bool) -> ProgressBar {
+pub(crate) fn progress(total: u64, what: &str, json: bool) -> ProgressBar {
     if json || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -75,15 +76,44 @@ fn pieces(offset: u64, len: u64, chunk: u64) -> impl Iterator<Item = (u64, u64)>
         .map(move |at| (at, chunk.min(end - at)))
 }
 
-/// Open an image read-only with its passphrase (no writer lock: on RADOS this works while the
-/// image is served; a local store is open in one process at a time).
-fn open_read_only(rt: &Runtime, uri: &ImageUri, passphrase: &PassphraseArgs) -> Result<Image> {
-    // Refused before the passphrase is asked for when the image is not there.
-    info_of(rt, uri)?;
+/// Open an image read-only with its passphrase (no writer lock: on RADOS, and on the local
+/// store through a read-only store, this works while the image is served), at its head or at
+/// a snapshot (`IMAGE@SNAP`, always read-only).
+pub(crate) fn open_read_only_at(
+    rt: &Runtime,
+    uri: &ImageUri,
+    snapshot: Option<&str>,
+    passphrase: &PassphraseArgs,
+) -> Result<Image> {
+    unlock_read_only(rt, uri, snapshot, passphrase).map(|(image, _)| image)
+}
+
+/// [`open_read_only_at`], also returning the passphrase it used (convert protects the new
+/// image with it).
+pub(crate) fn unlock_read_only(
+    rt: &Runtime,
+    uri: &ImageUri,
+    snapshot: Option<&str>,
+    passphrase: &PassphraseArgs,
+) -> Result<(Image, Zeroizing<Vec<u8>>)> {
+    // Refused before the passphrase is asked for when the image (or snapshot) is not there.
+    let info = info_of(rt, uri)?;
+    if let Some(name) = snapshot {
+        if !info.snapshots.iter().any(|s| s.name == name) {
+            return Err(flat(ImageError::SnapshotNotFound {
+                image: uri.to_string(),
+                snapshot: name.to_owned(),
+            }));
+        }
+    }
     let secret = passphrase.existing()?;
-    with_spinner(
+    let options = OpenOptions {
+        snapshot: snapshot.map(str::to_owned),
+        ..OpenOptions::read_only()
+    };
+    let image = with_spinner(
         "unlocking (the key derivation takes seconds by design)",
-        || rt.block_on(Image::open(uri, &secret, &OpenOptions::read_only())),
+        || rt.block_on(Image::open(uri, &secret, &options)),
     )
     .map_err(|e| {
         let hint = match &e {
@@ -91,7 +121,8 @@ fn open_read_only(rt: &Runtime, uri: &ImageUri, passphrase: &PassphraseArgs) -> 
             _ => String::new(),
         };
         anyhow::anyhow!("{e}{hint}")
-    })
+    })?;
+    Ok((image, secret))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,7 +145,7 @@ pub struct ImportArgs {
 }
 
 /// The size of a regular file or block device (whose metadata says 0).
-fn source_len(path: &Path, file: &mut File) -> Result<u64> {
+pub(crate) fn source_len(path: &Path, file: &mut File) -> Result<u64> {
     let meta = file
         .metadata()
         .with_context(|| format!("reading the size of {}", path.display()))?;
@@ -197,20 +228,31 @@ fn fill_or_delete(
     let closed = rt.block_on(image.close()).map_err(flat);
     match copied.and_then(|w| closed.map(|()| w)) {
         Ok(written) => Ok(written),
-        Err(e) => {
-            let deleted = rt.block_on(Image::delete(uri, |_, _| {}));
-            Err(match deleted {
-                Ok(()) => e.context(format!(
-                    "importing {} into {uri} failed; the half-made image {uri} was deleted",
-                    path.display()
-                )),
-                Err(d) => e.context(format!(
-                    "importing {} into {uri} failed, and deleting the half-made image failed \
-                     too ({d}); delete it with `ivdisk delete {uri} --yes`",
-                    path.display()
-                )),
-            })
-        }
+        Err(e) => Err(delete_half_made(
+            rt,
+            uri,
+            e,
+            &format!("importing {} into {uri}", path.display()),
+        )),
+    }
+}
+
+/// `e` (what made `what` fail) after deleting the half-made image `uri`, which must be closed
+/// (the delete takes its writer lock): a half-made image must not pass for a copy.
+pub(crate) fn delete_half_made(
+    rt: &Runtime,
+    uri: &ImageUri,
+    e: anyhow::Error,
+    what: &str,
+) -> anyhow::Error {
+    match rt.block_on(Image::delete(uri, |_, _| {})) {
+        Ok(()) => e.context(format!(
+            "{what} failed; the half-made image {uri} was deleted"
+        )),
+        Err(d) => e.context(format!(
+            "{what} failed, and deleting the half-made image failed too ({d}); delete it with \
+             `ivdisk delete {uri} --yes`"
+        )),
     }
 }
 
@@ -296,7 +338,7 @@ enum Sink {
 }
 
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
-    let uri = parse_uri(&args.image)?;
+    let (uri, snapshot) = parse_image_at(&args.image)?;
     let to_stdout = args.file == Path::new("-");
     if to_stdout {
         if std::io::stdout().is_terminal() {
@@ -320,7 +362,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             );
         }
     }
-    let image = open_read_only(rt, &uri, &args.passphrase)?;
+    let image = open_read_only_at(rt, &uri, snapshot.as_deref(), &args.passphrase)?;
     let size = image.size();
     let mut sink = if to_stdout {
         Sink::Stdout(std::io::BufWriter::with_capacity(
@@ -521,11 +563,11 @@ struct Report {
 /// unclean stop on its next open).
 pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
     let json = args.json;
-    let uri = match parse_uri(&args.image) {
-        Ok(uri) => uri,
+    let (uri, snapshot) = match parse_image_at(&args.image) {
+        Ok(parsed) => parsed,
         Err(e) => exit_with(2, &e),
     };
-    let report = match check(&uri, &args.passphrase, json, rt) {
+    let report = match check(&uri, snapshot.as_deref(), &args.passphrase, json, rt) {
         Ok(report) => report,
         Err(e) => exit_with(2, &e),
     };
@@ -582,8 +624,14 @@ fn exit_with(code: i32, e: &anyhow::Error) -> ! {
     std::process::exit(code)
 }
 
-fn check(uri: &ImageUri, passphrase: &PassphraseArgs, json: bool, rt: &Runtime) -> Result<Report> {
-    let image = open_read_only(rt, uri, passphrase)?;
+fn check(
+    uri: &ImageUri,
+    snapshot: Option<&str>,
+    passphrase: &PassphraseArgs,
+    json: bool,
+    rt: &Runtime,
+) -> Result<Report> {
+    let image = open_read_only_at(rt, uri, snapshot, passphrase)?;
     let chunk = chunk_size(&image);
     let ss = image.sector_size() as u64;
     let extents = rt

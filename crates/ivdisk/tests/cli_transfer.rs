@@ -14,24 +14,11 @@ use serde_json::Value;
 
 mod common;
 
-use common::{exits, fails, ivdisk, json, ok_bytes, p, Fixture, DIE_HOLDING_LOCK, FAST};
+use common::{exits, fails, ivdisk, json, ok_bytes, p, random, Fixture, DIE_HOLDING_LOCK, FAST};
 
 /// 16 sectors of 4096 bytes per object: small images still span many objects.
 const OBJECT: u64 = 64 << 10;
 const SECTOR: u64 = 4096;
-
-/// Deterministic bytes (xorshift), so a failure reproduces.
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
 
 /// A raw disk of 10 objects and a partial 11th (12345 bytes: not a multiple of the object
 /// or the sector size): objects 0 and 8 and the tail random, object 4 random in its first
@@ -84,6 +71,9 @@ fn with_store(image: &Path, passphrase: &[u8], work: impl AsyncFnOnce(&Image)) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let uri = ImageUri::parse(p(image)).unwrap();
+        // A read-write store held open first: the read-only image below shares it (a
+        // read-only open alone gets a store that refuses writes), and takes no writer lock.
+        let _writable = uri.open_store(false).await.unwrap();
         let opened = Image::open(&uri, passphrase, &OpenOptions::read_only())
             .await
             .unwrap();
@@ -488,6 +478,7 @@ fn helper_writer_that_dies_holding_the_lock() {
     let options = OpenOptions {
         read_only: false,
         lock_duration: std::time::Duration::from_secs(3600),
+        snapshot: None,
     };
     let opened = rt
         .block_on(Image::open(&uri, b"correct horse", &options))

@@ -13,9 +13,10 @@
 //! read as zeros in qemu too, SIGTERM must not wait for a stalled client, and `info`/`lock
 //! status` work on LUKS files.
 
+mod common;
+
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -1490,41 +1491,6 @@ fn two_clients_write_disjoint_halves_concurrently() {
 // ---------------------------------------------------------------------------------------------
 // Clients that stall, and the writer lock of a LUKS file (known bugs, ignored until fixed)
 
-/// A bare NBD client on a Unix socket, attached to the default export (fixed newstyle,
-/// `NBD_OPT_GO`): for client behaviour no tool produces on demand, such as a client whose
-/// network stalls in the middle of a request.
-fn raw_attach(socket: &Path) -> UnixStream {
-    let mut stream = UnixStream::connect(socket).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut greeting = [0u8; 18];
-    stream.read_exact(&mut greeting).unwrap();
-    assert_eq!(&greeting[..8], b"NBDMAGIC");
-    // Client flags: FIXED_NEWSTYLE | NO_ZEROES.
-    stream.write_all(&3u32.to_be_bytes()).unwrap();
-    // NBD_OPT_GO (7): export name "" and no information requests.
-    let mut option = Vec::new();
-    option.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
-    option.extend_from_slice(&7u32.to_be_bytes());
-    option.extend_from_slice(&6u32.to_be_bytes());
-    option.extend_from_slice(&0u32.to_be_bytes());
-    option.extend_from_slice(&0u16.to_be_bytes());
-    stream.write_all(&option).unwrap();
-    loop {
-        let mut header = [0u8; 20];
-        stream.read_exact(&mut header).unwrap();
-        let reply = u32::from_be_bytes(header[12..16].try_into().unwrap());
-        let len = u32::from_be_bytes(header[16..20].try_into().unwrap());
-        let mut payload = vec![0u8; len as usize];
-        stream.read_exact(&mut payload).unwrap();
-        assert_eq!(reply & 0x8000_0000, 0, "NBD_OPT_GO refused: {reply:#x}");
-        if reply == 1 {
-            return stream; // NBD_REP_ACK
-        }
-    }
-}
-
 /// An NBD request header (no payload).
 fn nbd_request(command: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(28);
@@ -1553,7 +1519,7 @@ fn sigterm_is_not_held_up_by_a_client_stalled_in_the_middle_of_a_write() {
     let f = Fixture::new();
     let image = f.create("disk", "16M", &[]);
     let mut server = f.serve(&image, &[]);
-    let mut stalled = raw_attach(server.socket());
+    let mut stalled = common::raw_nbd_attach(server.socket());
     // NBD_CMD_WRITE (1) of 1 MiB, of which 1000 bytes arrive.
     stalled.write_all(&nbd_request(1, 1, 0, 1 << 20)).unwrap();
     stalled.write_all(&[0x55; 1000]).unwrap();
@@ -1579,7 +1545,7 @@ fn sigterm_is_not_held_up_by_a_client_that_stops_reading_replies() {
     let f = Fixture::new();
     let image = f.create("disk", "64M", &[]);
     let mut server = f.serve(&image, &[]);
-    let mut stalled = raw_attach(server.socket());
+    let mut stalled = common::raw_nbd_attach(server.socket());
     for cookie in 0..64 {
         // NBD_CMD_READ (0) of 32 MiB, replies never read.
         stalled
@@ -1624,4 +1590,152 @@ fn lock_status_of_a_luks_file_shows_its_server() {
         .ok()
         .json();
     assert_eq!(status["lock"], Value::Null, "{status}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots (issue 9)
+
+/// `ivdisk snap create IMAGE@SNAP` while nothing serves the image; later writes do not change
+/// what `ivdisk serve IMAGE@SNAP` serves (read-only, at the snapshot's size), and
+/// `ivdisk export IMAGE@SNAP` writes the same bytes; rollback brings them back to the head.
+#[test]
+fn a_snapshot_is_served_read_only_and_keeps_its_content() {
+    let f = Fixture::new();
+    let image = f.create("disk", "4M", &["--object-size", "64K"]);
+    let server = f.serve(&image, &[]);
+    f.qemu_io(
+        &server.uri,
+        &["write -P 0x11 0 256k", "write -P 0x12 1M 4k"],
+    )
+    .ok();
+    server.stop();
+    let at = format!("{}@monday", s(&image));
+    let created = f.ivdisk(&["snap", "create", &at, "--json"]).ok().json();
+    assert_eq!(created["snapshot"]["name"], "monday", "{created}");
+    assert_eq!(created["snapshot"]["size"], 4 * MIB, "{created}");
+    // Taken names and missing snapshots are refused with what to do.
+    let taken = f.ivdisk(&["snap", "create", &at]).failed().text();
+    assert!(
+        taken.contains("already has a snapshot named `monday`"),
+        "{taken}"
+    );
+
+    // The head changes and grows after the snapshot.
+    let server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["write -P 0x21 64k 64k", "write -z 1M 4k"])
+        .ok();
+    server.stop();
+    f.ivdisk(&["resize", s(&image), "--size", "8M", "--key-file", s(&f.key)])
+        .ok();
+
+    let mut snap = f.start_server(
+        Path::new(&at),
+        &["--socket", s(&f.unique("nbd", ".sock"))],
+        &[],
+    );
+    assert_eq!(snap.ready["read_only"], true, "{}", snap.ready);
+    assert_eq!(snap.ready["snapshot"], "monday", "{}", snap.ready);
+    assert_eq!(snap.ready["size"], 4 * MIB, "{}", snap.ready);
+    f.qemu_io_ro(
+        &snap.uri,
+        &[
+            "read -P 0x11 0 256k",
+            "read -P 0x12 1M 4k",
+            "read -P 0 256k 768k",
+        ],
+    )
+    .ok();
+    let refused = f.qemu_io(&snap.uri, &["write -P 0x99 0 4k"]).failed();
+    assert!(
+        refused.text().contains("Permission denied") || refused.text().contains("read-only"),
+        "{}",
+        refused.text()
+    );
+    snap.sigterm();
+    assert!(snap.wait_exit(STOP_LIMIT).is_some_and(|s| s.success()));
+    snap.stopped = true;
+
+    // Export of the snapshot: its bytes and size; the head has the later writes.
+    let exported = f.path("monday.raw");
+    f.ivdisk(&["export", &at, s(&exported), "--key-file", s(&f.key)])
+        .ok();
+    let bytes = fs::read(&exported).unwrap();
+    assert_eq!(bytes.len() as u64, 4 * MIB);
+    assert!(bytes[..256 << 10].iter().all(|&b| b == 0x11));
+    assert!(bytes[1 << 20..(1 << 20) + 4096].iter().all(|&b| b == 0x12));
+    f.ivdisk(&["verify", &at, "--key-file", s(&f.key)]).ok();
+    // Convert from the snapshot: a new image with the snapshot's content.
+    let copy = f.path("copy.ivd");
+    let mut args = vec!["convert", &at, s(&copy), "--key-file", s(&f.key)];
+    args.extend(FAST);
+    args.extend(["--object-size", "64K", "--json"]);
+    let converted = f.ivdisk(&args).ok().json();
+    assert_eq!(converted["verified"], true, "{converted}");
+    assert_eq!(converted["size"], 4 * MIB, "{converted}");
+    let copied = f.path("copy.raw");
+    f.ivdisk(&["export", s(&copy), s(&copied), "--key-file", s(&f.key)])
+        .ok();
+    assert_same_bytes(
+        &fs::read(&copied).unwrap(),
+        &bytes,
+        "a convert of the snapshot",
+    );
+    let head = f.path("head.raw");
+    f.ivdisk(&["export", s(&image), s(&head), "--key-file", s(&f.key)])
+        .ok();
+    let head_bytes = fs::read(&head).unwrap();
+    assert_eq!(head_bytes.len() as u64, 8 * MIB);
+    assert!(head_bytes[64 << 10..128 << 10].iter().all(|&b| b == 0x21));
+
+    let listed = f.ivdisk(&["snap", "ls", s(&image), "--json"]).ok().json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    let info = f.ivdisk(&["info", s(&image), "--json"]).ok().json();
+    assert_eq!(info["snapshots"][0]["name"], "monday", "{info}");
+    assert_eq!(info["size"], 8 * MIB, "{info}");
+    let info = f.ivdisk(&["info", &at, "--json"]).ok().json();
+    assert_eq!(info["snapshot"]["name"], "monday", "{info}");
+    assert_eq!(info["size"], 4 * MIB, "{info}");
+    let missing = f
+        .ivdisk(&["info", &format!("{}@tuesday", s(&image))])
+        .failed()
+        .text();
+    assert!(missing.contains("no snapshot named `tuesday`"), "{missing}");
+
+    // Deleting an image with snapshots is refused; rollback restores content and size.
+    let refused = f.ivdisk(&["delete", s(&image), "--yes"]).failed().text();
+    assert!(refused.contains("snapshot"), "{refused}");
+    f.ivdisk(&["snap", "rollback", &at, "--json"]).ok();
+    let back = f.path("back.raw");
+    f.ivdisk(&["export", s(&image), s(&back), "--key-file", s(&f.key)])
+        .ok();
+    assert_same_bytes(&fs::read(&back).unwrap(), &bytes, "the head after rollback");
+
+    // Rollback while the image is served for writing: refused, the server keeps serving.
+    let server = f.serve(&image, &[]);
+    let refused = f.ivdisk(&["snap", "rollback", &at]).failed().text();
+    assert!(
+        refused.contains("open") || refused.contains("lock"),
+        "{refused}"
+    );
+    f.qemu_io_ro(&server.uri, &["read -P 0x11 0 256k"]).ok();
+    // Beside the writer, the snapshot is listed and served (the local store opens read-only
+    // in a second process), and the writer's new writes do not reach it.
+    f.qemu_io(&server.uri, &["write -P 0x31 0 4k"]).ok();
+    let listed = f.ivdisk(&["snap", "ls", s(&image), "--json"]).ok().json();
+    assert_eq!(listed[0]["name"], "monday", "{listed}");
+    let mut snap = f.start_server(
+        Path::new(&at),
+        &["--socket", s(&f.unique("nbd", ".sock"))],
+        &[],
+    );
+    f.qemu_io_ro(&snap.uri, &["read -P 0x11 0 256k"]).ok();
+    snap.sigterm();
+    assert!(snap.wait_exit(STOP_LIMIT).is_some_and(|s| s.success()));
+    snap.stopped = true;
+    server.stop();
+
+    f.ivdisk(&["snap", "rm", &at]).ok();
+    let missing = f.ivdisk(&["snap", "rm", &at]).failed().text();
+    assert!(missing.contains("no snapshot named `monday`"), "{missing}");
+    f.ivdisk(&["delete", s(&image), "--yes"]).ok();
 }

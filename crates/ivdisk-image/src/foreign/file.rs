@@ -170,6 +170,8 @@ pub(crate) async fn open_file(
         lock,
         nonces_reserved: 0,
         foreign: true,
+        snapshot: None,
+        snap_context: None,
     }))
 }
 

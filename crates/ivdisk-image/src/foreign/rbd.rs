@@ -566,6 +566,8 @@ pub(crate) async fn open_rbd(
         lock,
         nonces_reserved: 0,
         foreign: true,
+        snapshot: None,
+        snap_context: None,
     }))
 }
 

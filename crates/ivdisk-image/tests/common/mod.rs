@@ -334,7 +334,8 @@ fn dense(results: ReadResult, offset: u64, len: usize) -> Vec<u8> {
     out
 }
 
-/// The stored ciphertext and metadata of sector `lba` (zeros where nothing is stored).
+/// The stored ciphertext and metadata of sector `lba` (zeros where nothing is stored), at the
+/// snapshot the image was opened at, if any.
 pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
     let place = sector_place(image, lba);
     let (ss, ml) = (image.sector_size(), image.suite().metadata_len());
@@ -342,6 +343,8 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
         offset: place.data_offset,
         len: ss as u64,
     });
+    // An image opened at a snapshot shows the snapshot's stored bytes.
+    op.snap = image.snapshot_id();
     op = match &place.metadata {
         MetadataPlace::Bytes(at) => op.step(ReadStep::Read {
             offset: *at,
@@ -744,4 +747,127 @@ pub async fn run_all(test: &str, cases: Vec<Case>) {
         failures.len(),
         failures.join("\n")
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults below the unit under test
+
+/// The real memory store, except that while armed some write operations fail: those on one
+/// chosen object, or the n-th write operation (counting from 1 since it was armed).
+pub struct FailingStore {
+    inner: ivdisk_store::MemoryStore,
+    victim: std::sync::Mutex<Option<ObjectName>>,
+    fail_at: std::sync::atomic::AtomicUsize,
+    writes: std::sync::atomic::AtomicUsize,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl FailingStore {
+    pub fn new() -> FailingStore {
+        FailingStore {
+            inner: ivdisk_store::MemoryStore::new().unwrap(),
+            victim: std::sync::Mutex::new(None),
+            fail_at: 0.into(),
+            writes: 0.into(),
+            armed: false.into(),
+        }
+    }
+
+    /// From now on, every write operation on `object` fails.
+    pub fn fail_object(&self, object: ObjectName) {
+        *self.victim.lock().unwrap() = Some(object);
+        self.arm(true);
+    }
+
+    /// From now on, the `n`-th write operation (counting from 1) fails.
+    pub fn fail_nth_write(&self, n: usize) {
+        self.fail_at.store(n, std::sync::atomic::Ordering::SeqCst);
+        self.writes.store(0, std::sync::atomic::Ordering::SeqCst);
+        self.arm(true);
+    }
+
+    pub fn arm(&self, armed: bool) {
+        self.armed.store(armed, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn fails(&self, object: &ObjectName) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let n = self.writes.fetch_add(1, SeqCst) + 1;
+        self.armed.load(SeqCst)
+            && (self.victim.lock().unwrap().as_ref() == Some(object)
+                || n == self.fail_at.load(SeqCst))
+    }
+}
+
+#[async_trait::async_trait]
+impl ivdisk_store::ObjectStore for FailingStore {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        if self.fails(object) {
+            return Err(ivdisk_store::StoreError::Io {
+                context: format!("injected failure writing `{object}`"),
+                source: std::io::ErrorKind::Other.into(),
+            });
+        }
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ReadOp,
+    ) -> Result<Vec<ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
+        self.inner.snap_create().await
+    }
+    async fn snap_remove(
+        &self,
+        snap: ivdisk_store::SnapId,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.snap_remove(snap).await
+    }
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: ivdisk_store::LockRequest,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.lock_exclusive(object, request).await
+    }
+    async fn unlock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.unlock(object, lock, cookie).await
+    }
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
+        self.inner.list_lockers(object, lock).await
+    }
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.break_lock(object, lock, client, cookie).await
+    }
+    async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.flush().await
+    }
+    fn client_id(&self) -> &str {
+        self.inner.client_id()
+    }
 }

@@ -96,3 +96,53 @@ impl Fixture {
         path
     }
 }
+
+/// Deterministic bytes (xorshift), so a failure reproduces.
+pub fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// A bare NBD client on a Unix socket, attached to the default export (fixed newstyle,
+/// `NBD_OPT_GO`, no structured replies): for client behaviour no tool produces on demand (a
+/// client that stalls mid-request) and to see the server's own answer to a write that qemu-io
+/// and libnbd refuse before sending on a read-only export.
+pub fn raw_nbd_attach(socket: &Path) -> std::os::unix::net::UnixStream {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).unwrap();
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    // Client flags: FIXED_NEWSTYLE | NO_ZEROES.
+    stream.write_all(&3u32.to_be_bytes()).unwrap();
+    // NBD_OPT_GO (7): export name "" and no information requests.
+    let mut option = Vec::new();
+    option.extend_from_slice(&0x4948_4156_454F_5054u64.to_be_bytes());
+    option.extend_from_slice(&7u32.to_be_bytes());
+    option.extend_from_slice(&6u32.to_be_bytes());
+    option.extend_from_slice(&0u32.to_be_bytes());
+    option.extend_from_slice(&0u16.to_be_bytes());
+    stream.write_all(&option).unwrap();
+    loop {
+        let mut header = [0u8; 20];
+        stream.read_exact(&mut header).unwrap();
+        let reply = u32::from_be_bytes(header[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(header[16..20].try_into().unwrap());
+        let mut payload = vec![0u8; len as usize];
+        stream.read_exact(&mut payload).unwrap();
+        assert_eq!(reply & 0x8000_0000, 0, "NBD_OPT_GO refused: {reply:#x}");
+        if reply == 1 {
+            return stream; // NBD_REP_ACK
+        }
+    }
+}

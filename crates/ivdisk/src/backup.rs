@@ -1,0 +1,227 @@
+//! `ivdisk backup` and `ivdisk restore`: an image's ciphertext, metadata and header in one
+//! portable file, and back into an image on any store, without the passphrase (the library
+//! side, file format included, is `ivdisk_image`'s `backup.rs`).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use ivdisk_image::{
+    BackupOptions, BackupPhase, BackupProgress, BackupSummary, Image, ImageError, ImageUri,
+};
+use serde_json::{json, Value};
+use tokio::runtime::Runtime;
+
+use crate::images::{flat, human_size, parse_image_at, parse_uri};
+
+pub fn backup_help() -> &'static str {
+    "Examples:\n  ivdisk backup disk.ivd disk.ivdbak\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin'\n  ivdisk backup 'rados://rbd/vm1@nightly?id=admin' vm1-nightly.ivdbak --json\n  ivdisk backup 'rados://rbd/vm1@tuesday?id=admin' vm1-mon-tue.ivdbak --since nightly\n\n\
+     No passphrase is needed: the file holds the image's header (its keyslots) and the \
+     ciphertext and per-sector metadata of the sectors ever written, nothing decrypted; holes \
+     and unwritten sectors take no space. It is written to FILE.partial and renamed when \
+     complete, and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
+     The head is read under the writer lock (refused while the image is served for writing); \
+     a snapshot (IMAGE@SNAP) is read without it, with the size it had. With --since OLDER, only \
+     the objects that changed between snapshot OLDER and SNAP go in (an incremental backup, \
+     restored onto an image restored from OLDER's backup)."
+}
+
+pub fn restore_help() -> &'static str {
+    "Examples:\n  ivdisk restore disk.ivdbak copy.ivd\n  ivdisk restore vm1-nightly.ivdbak 'rados://rbd/vm1-copy?id=admin' --json\n  ivdisk restore vm1-mon-tue.ivdbak 'rados://rbd/vm1-copy?id=admin'   # the increment, after the full backup\n\n\
+     The whole file is checked first (its SHA-256, every record's checksum, its structure): a \
+     truncated or changed file is refused before anything is created. A full backup creates \
+     IMAGE (which must not exist), writing its header last, and removes everything it wrote if \
+     it fails. The image opens with the passphrases it had when it was backed up, and keeps \
+     its image id, so a store can hold one restore of an image. An incremental backup updates \
+     an image restored from the backup of its --since snapshot, and is refused anywhere else \
+     (another image, another snapshot, or an image written since its restore where the \
+     increment changes it)."
+}
+
+#[derive(Args)]
+pub struct BackupArgs {
+    /// The image, or one of its snapshots as IMAGE@SNAP: PATH, rados://POOL/IMAGE?..., mem:NAME.
+    image: String,
+    /// The backup file to write.
+    file: PathBuf,
+    /// Incremental: only what changed since this older snapshot of the image (needs
+    /// IMAGE@SNAP).
+    #[arg(long, value_name = "SNAP")]
+    since: Option<String>,
+    /// Overwrite FILE if it exists.
+    #[arg(long)]
+    force: bool,
+    /// Print JSON: image, file, kind, snapshot, base, image_id, suite, layout, size, objects,
+    /// removed, data_bytes, bytes, seconds, sha256; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct RestoreArgs {
+    /// The backup file (from `ivdisk backup`).
+    file: PathBuf,
+    /// The image to create (full backup) or update (incremental backup): PATH or file:PATH
+    /// (a new local store directory), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS,
+    /// mem:NAME.
+    image: String,
+    /// Print JSON: image, file, kind, snapshot, base, image_id, suite, layout, size, objects,
+    /// removed, data_bytes, bytes, seconds, sha256; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A progress bar on a terminal's stderr that follows the phases; hidden otherwise.
+struct Bar {
+    bar: ProgressBar,
+    phase: Option<BackupPhase>,
+}
+
+impl Bar {
+    fn new(json: bool) -> Bar {
+        let bar = if json || !std::io::stderr().is_terminal() {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(0)
+        };
+        Bar { bar, phase: None }
+    }
+
+    fn update(&mut self, p: BackupProgress) {
+        if self.phase != Some(p.phase) {
+            self.phase = Some(p.phase);
+            let (template, message) = match p.phase {
+                BackupPhase::Reading => (
+                    "{msg} {bar:40} {pos}/{len} objects ({per_sec}, {eta} left)",
+                    "backing up",
+                ),
+                BackupPhase::Verifying => (
+                    "{msg} {bar:40} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta} left)",
+                    "checking the file",
+                ),
+                BackupPhase::Writing => (
+                    "{msg} {bar:40} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta} left)",
+                    "restoring",
+                ),
+            };
+            self.bar.set_style(
+                ProgressStyle::with_template(template).expect("a valid progress template"),
+            );
+            self.bar.set_message(message);
+            self.bar.reset();
+        }
+        self.bar.set_length(p.total);
+        self.bar.set_position(p.done);
+    }
+}
+
+fn summary_json(s: &BackupSummary) -> Value {
+    let d = &s.description;
+    json!({
+        "kind": d.kind,
+        "snapshot": d.snapshot,
+        "base": d.base.as_ref().map(|b| json!({"snapshot": b.snapshot, "size": b.size})),
+        "image_id": d.image_id,
+        "suite": d.suite,
+        "layout": d.layout,
+        "size": d.size,
+        "objects": s.objects,
+        "removed": s.removed,
+        "data_bytes": s.data_bytes,
+        "bytes": s.file_bytes,
+        "seconds": s.seconds,
+        "sha256": s.sha256,
+    })
+}
+
+fn what(s: &BackupSummary) -> String {
+    let d = &s.description;
+    let source = match &d.snapshot {
+        Some(snap) => format!("{}@{snap}", d.image),
+        None => d.image.clone(),
+    };
+    match &d.base {
+        Some(base) => format!(
+            "the changes of {source} since snapshot {}: {} object(s) changed, {} removed",
+            base.snapshot, s.objects, s.removed
+        ),
+        None => format!(
+            "{source} ({}, {} object(s) with data)",
+            human_size(d.size),
+            s.objects
+        ),
+    }
+}
+
+pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
+    let (uri, snapshot) = parse_image_at(&args.image)?;
+    if args.since.is_some() && snapshot.is_none() {
+        anyhow::bail!(
+            "--since needs the newer snapshot too: write IMAGE@SNAP (an increment goes from \
+             snapshot {} to SNAP)",
+            args.since.as_deref().unwrap_or_default()
+        );
+    }
+    let options = BackupOptions {
+        snapshot,
+        since: args.since.clone(),
+        overwrite: args.force,
+    };
+    let mut bar = Bar::new(args.json);
+    let result = rt.block_on(Image::backup(&uri, &options, &args.file, |p| bar.update(p)));
+    bar.bar.finish_and_clear();
+    let summary = result.map_err(|e| backup_error(e, &uri))?;
+    let mut value = summary_json(&summary);
+    value["image"] = json!(uri.to_string());
+    value["file"] = json!(args.file);
+    crate::secrets::print(
+        args.json,
+        value,
+        format!(
+            "backed up {} into {} ({}) in {:.1} s; SHA-256 {}",
+            what(&summary),
+            args.file.display(),
+            human_size(summary.file_bytes),
+            summary.seconds,
+            summary.sha256
+        ),
+    );
+    Ok(())
+}
+
+/// The library's error, with a hint where the command line knows one.
+fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
+    match e {
+        ImageError::Locked { .. } => anyhow::anyhow!(
+            "{e}; or back up a snapshot, which needs no lock: `ivdisk snap create {uri}@NAME` \
+             (with the writer stopped), then `ivdisk backup {uri}@NAME FILE`"
+        ),
+        e => flat(e),
+    }
+}
+
+pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let mut bar = Bar::new(args.json);
+    let result = rt.block_on(Image::restore_backup(&args.file, &uri, |p| bar.update(p)));
+    bar.bar.finish_and_clear();
+    let summary = result.map_err(flat)?;
+    let mut value = summary_json(&summary);
+    value["image"] = json!(uri.to_string());
+    value["file"] = json!(args.file);
+    crate::secrets::print(
+        args.json,
+        value,
+        format!(
+            "restored {} from {} into image {uri} in {:.1} s (file SHA-256 {} checked); it opens \
+             with the passphrases it had when backed up",
+            what(&summary),
+            args.file.display(),
+            summary.seconds,
+            summary.sha256
+        ),
+    );
+    Ok(())
+}

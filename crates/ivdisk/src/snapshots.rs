@@ -1,0 +1,192 @@
+//! `ivdisk snap create|ls|rm|rollback`: snapshots of an image, by `IMAGE@SNAP`. No passphrase
+//! is needed (a snapshot copies ciphertext, it never decrypts); create, rm and rollback take
+//! the image's writer lock, so they refuse while the image is served for writing.
+
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use ivdisk_image::{Image, ImageUri, SnapshotInfo};
+use serde_json::{json, Value};
+use tokio::runtime::Runtime;
+
+use crate::images::{flat, human_size};
+
+#[derive(Subcommand)]
+pub enum SnapCommand {
+    /// Take a snapshot: what IMAGE reads now, kept read-only under NAME.
+    #[command(
+        after_help = "Example:\n  ivdisk snap create disk.ivd@before-upgrade\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin' --json\n\nThe image must not be open for writing (stop `ivdisk serve` first): a writer would keep writing under its old snapshot list."
+    )]
+    Create(SnapArgs),
+    /// List an image's snapshots, oldest first.
+    #[command(
+        after_help = "Example:\n  ivdisk snap ls disk.ivd\n  ivdisk snap ls disk.ivd --json | jq '.[].name'"
+    )]
+    Ls(ListArgs),
+    /// Remove a snapshot; the data only it kept is freed.
+    #[command(after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade")]
+    Rm(SnapArgs),
+    /// Put IMAGE back to a snapshot (its data and its size); later snapshots stay.
+    #[command(
+        after_help = "Example:\n  ivdisk snap rollback disk.ivd@before-upgrade\n\nEverything written since the snapshot is lost unless another snapshot keeps it. The image must not be open for writing."
+    )]
+    Rollback(SnapArgs),
+}
+
+#[derive(Args)]
+pub struct SnapArgs {
+    /// IMAGE@SNAP: the image (PATH, rados://POOL/IMAGE?..., mem:NAME) and the snapshot name
+    /// (rados://POOL/IMAGE@SNAP?conf=...).
+    image: String,
+    /// Print JSON instead of text; no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ListArgs {
+    /// The image (PATH, rados://POOL/IMAGE?..., mem:NAME).
+    image: String,
+    /// Print a JSON array (name, id, size, created) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn image_at(text: &str) -> Result<(ImageUri, String)> {
+    let (uri, snapshot) = ImageUri::parse_with_snapshot(text).map_err(flat)?;
+    match snapshot {
+        Some(name) => Ok((uri, name)),
+        None => bail!("`{text}` names no snapshot: write IMAGE@SNAP (e.g. disk.ivd@monday)"),
+    }
+}
+
+pub fn snapshot_json(s: &SnapshotInfo) -> Value {
+    json!({"name": s.name, "id": s.id, "size": s.size, "created": s.created})
+}
+
+pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
+    match command {
+        SnapCommand::Create(args) => {
+            let (uri, name) = image_at(&args.image)?;
+            let snap = rt
+                .block_on(Image::create_snapshot_of(&uri, &name))
+                .map_err(flat)?;
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"image": uri.to_string(), "snapshot": snapshot_json(&snap)})
+                );
+            } else {
+                println!(
+                    "created snapshot {uri}@{} ({}); open it read-only as {uri}@{}",
+                    snap.name,
+                    human_size(snap.size),
+                    snap.name
+                );
+            }
+        }
+        SnapCommand::Ls(args) => {
+            let uri = ImageUri::parse(&args.image).map_err(flat)?;
+            let snaps = rt.block_on(Image::snapshots(&uri)).map_err(flat)?;
+            if args.json {
+                println!(
+                    "{}",
+                    Value::Array(snaps.iter().map(snapshot_json).collect())
+                );
+            } else if snaps.is_empty() {
+                println!("image {uri} has no snapshots");
+            } else {
+                println!("{:<24} {:>6} {:>12}  created (UTC)", "name", "id", "size");
+                for s in &snaps {
+                    println!(
+                        "{:<24} {:>6} {:>12}  {}",
+                        s.name,
+                        s.id,
+                        human_size(s.size),
+                        utc(s.created)
+                    );
+                }
+            }
+        }
+        SnapCommand::Rm(args) => {
+            let (uri, name) = image_at(&args.image)?;
+            rt.block_on(Image::remove_snapshot(&uri, &name))
+                .map_err(flat)?;
+            if args.json {
+                println!("{}", json!({"image": uri.to_string(), "removed": name}));
+            } else {
+                println!("removed snapshot {uri}@{name}");
+            }
+        }
+        SnapCommand::Rollback(args) => {
+            let (uri, name) = image_at(&args.image)?;
+            let bar = if args.json {
+                ProgressBar::hidden()
+            } else {
+                let bar = ProgressBar::new(0);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "rolling back {bar:40} {pos}/{len} objects ({eta} left)",
+                    )
+                    .expect("a valid progress template"),
+                );
+                bar
+            };
+            let snap = rt
+                .block_on(Image::rollback_snapshot(&uri, &name, |done, all| {
+                    bar.set_length(all);
+                    bar.set_position(done);
+                }))
+                .map_err(flat);
+            bar.finish_and_clear();
+            let snap = snap?;
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"image": uri.to_string(), "rolled_back_to": snapshot_json(&snap)})
+                );
+            } else {
+                println!(
+                    "image {uri} rolled back to snapshot {} ({})",
+                    snap.name,
+                    human_size(snap.size)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS` (UTC), without a date crate.
+fn utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + (month <= 2) as i64;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00");
+        assert_eq!(utc(1_795_000_000), "2026-11-18 11:06:40");
+    }
+}

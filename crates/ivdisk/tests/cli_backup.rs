@@ -1,0 +1,192 @@
+//! `ivdisk backup` and `ivdisk restore` as a user runs them: the built binary on local-backend
+//! images in a temporary directory. A backup restored into a new directory exports the same
+//! plaintext with the same passphrase; a snapshot's backup restores the snapshot; an increment
+//! brings a restored image to a newer snapshot; a damaged file is refused with exit code 1 and
+//! nothing is created.
+
+use std::path::PathBuf;
+
+use ivdisk_image::{Image, ImageUri, OpenOptions};
+use serde_json::Value;
+
+mod common;
+
+use common::{fails, ivdisk, json, ok, ok_bytes, p, random, Fixture, FAST};
+
+const OBJECT: u64 = 64 << 10;
+
+/// 10 objects: objects 0, 4 (its first 1000 bytes) and 8 random, the rest zeros.
+fn raw_disk(seed: u64) -> Vec<u8> {
+    let o = OBJECT as usize;
+    let mut disk = vec![0u8; 10 * o];
+    disk[..o].copy_from_slice(&random(o, seed));
+    disk[4 * o..4 * o + 1000].copy_from_slice(&random(1000, seed + 1));
+    disk[8 * o..9 * o].copy_from_slice(&random(o, seed + 2));
+    disk
+}
+
+impl Fixture {
+    /// `ivdisk import` of `content` into the new local image `NAME` (64 KiB objects).
+    fn imported(&self, name: &str, content: &[u8], cipher: &str) -> PathBuf {
+        let raw = self.file(&format!("{name}.raw"), content);
+        let image = self.path(name);
+        let mut args = vec!["import", p(&raw), p(&image), "--object-size", "64K"];
+        args.extend(["--cipher", cipher, "--passphrase-file", p(&self.pw)]);
+        args.extend(FAST);
+        ok(&args);
+        image
+    }
+
+    /// The plaintext of an image (or `IMAGE@SNAP`), through `ivdisk export`.
+    fn exported(&self, image: &str, name: &str) -> Vec<u8> {
+        let out = self.path(name);
+        ok_bytes(&["export", image, p(&out), "--passphrase-file", p(&self.pw)]);
+        std::fs::read(&out).unwrap()
+    }
+}
+
+fn hex64(v: &Value) -> bool {
+    v.as_str()
+        .is_some_and(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+#[test]
+fn a_backup_restores_into_a_new_directory_and_reads_the_same() {
+    let fx = Fixture::new();
+    let disk = raw_disk(11);
+    let image = fx.imported("disk.ivd", &disk, "aes-gcm-random");
+    let file = fx.path("disk.ivdbak");
+    let made = json(&["backup", p(&image), p(&file)]);
+    assert_eq!(made["kind"], "full");
+    assert_eq!(made["image"], p(&image));
+    assert_eq!(made["file"], p(&file));
+    assert_eq!(made["size"], 10 * OBJECT);
+    assert_eq!(made["objects"], 3, "{made}");
+    assert_eq!(made["removed"], 0);
+    assert_eq!(made["bytes"], std::fs::metadata(&file).unwrap().len());
+    assert!(made["data_bytes"].as_u64().unwrap() >= 2 * OBJECT + 1000);
+    assert!(made["seconds"].is_f64());
+    assert!(hex64(&made["sha256"]), "{made}");
+    assert!(made["snapshot"].is_null() && made["base"].is_null());
+    assert!(!fx.path("disk.ivdbak.partial").exists());
+
+    let copy = fx.path("copy.ivd");
+    let restored = json(&["restore", p(&file), p(&copy)]);
+    assert_eq!(restored["sha256"], made["sha256"]);
+    assert_eq!(restored["objects"], 3);
+    assert_eq!(restored["image"], p(&copy));
+    assert_eq!(restored["kind"], "full");
+    assert_eq!(fx.exported(p(&copy), "copy.raw"), disk);
+    assert_eq!(fx.exported(p(&image), "disk.out"), disk);
+    let (a, b) = (json(&["info", p(&image)]), json(&["info", p(&copy)]));
+    assert_eq!(a["image_id"], b["image_id"]);
+    assert_eq!(a["cipher"], b["cipher"]);
+    assert_eq!(a["size"], b["size"]);
+
+    // Again into the same directory: refused, the image is there.
+    let err = fails(&["restore", p(&file), p(&copy)]);
+    assert!(err.contains("already exists"), "{err}");
+    // An existing backup file needs --force.
+    let err = fails(&["backup", p(&image), p(&file)]);
+    assert!(err.contains("--force"), "{err}");
+    ok(&["backup", p(&image), p(&file), "--force"]);
+}
+
+#[test]
+fn a_damaged_file_is_refused_and_nothing_is_left() {
+    let fx = Fixture::new();
+    let image = fx.imported("disk.ivd", &raw_disk(5), "aegis128l-random");
+    let file = fx.path("disk.ivdbak");
+    ok(&["backup", p(&image), p(&file)]);
+    let good = std::fs::read(&file).unwrap();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("flipped", {
+            let mut b = good.clone();
+            let at = b.len() * 2 / 3;
+            b[at] ^= 0x10;
+            b
+        }),
+        ("truncated", good[..good.len() - 30].to_vec()),
+        ("flipped in the description", {
+            let mut b = good.clone();
+            b[40] ^= 1;
+            b
+        }),
+    ];
+    for (what, bytes) in cases {
+        let bad = fx.file("bad.ivdbak", &bytes);
+        let target = fx.path("target.ivd");
+        let out = ivdisk(&["restore", p(&bad), p(&target), "--json"]);
+        assert_eq!(out.status.code(), Some(1), "{what}");
+        assert!(out.stdout.is_empty(), "{what}: no JSON report on failure");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains("nothing was restored"), "{what}: {err}");
+        assert!(!target.exists(), "{what}: the target directory was created");
+    }
+    let err = fails(&[
+        "restore",
+        p(&fx.file("zeros", &[0u8; 100])),
+        p(&fx.path("t2")),
+    ]);
+    assert!(err.contains("not an ivdisk backup"), "{err}");
+}
+
+#[test]
+fn snapshots_and_increments() {
+    let fx = Fixture::new();
+    let disk = raw_disk(21);
+    let image = fx.imported("disk.ivd", &disk, "aegis128l-random");
+    let at = |snap: &str| format!("{}@{snap}", p(&image));
+    ok(&["snap", "create", &at("one")]);
+    // Change the image after "one": an object rewritten, a bigger size.
+    let patch = random(5000, 99);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let uri = ImageUri::parse(p(&image)).unwrap();
+        let opened = Image::open(&uri, b"correct horse", &OpenOptions::default())
+            .await
+            .unwrap();
+        opened.write(4 * OBJECT + 100, &patch).await.unwrap();
+        opened.resize(12 * OBJECT, false).await.unwrap();
+        opened.close().await.unwrap();
+    });
+    ok(&["snap", "create", &at("two")]);
+
+    let one = fx.path("one.ivdbak");
+    let made = json(&["backup", &at("one"), p(&one)]);
+    assert_eq!(made["snapshot"], "one");
+    assert_eq!(made["size"], 10 * OBJECT, "the snapshot's size");
+    let inc = fx.path("one-two.ivdbak");
+    let made_inc = json(&["backup", &at("two"), p(&inc), "--since", "one"]);
+    assert_eq!(made_inc["kind"], "incremental");
+    assert_eq!(made_inc["base"]["snapshot"], "one");
+    assert_eq!(made_inc["objects"], 1, "{made_inc}");
+    assert!(made_inc["bytes"].as_u64().unwrap() < made["bytes"].as_u64().unwrap());
+    // --since without IMAGE@SNAP is a mistake.
+    let err = fails(&["backup", p(&image), p(&fx.path("x")), "--since", "one"]);
+    assert!(err.contains("IMAGE@SNAP"), "{err}");
+
+    let copy = fx.path("copy.ivd");
+    ok(&["restore", p(&one), p(&copy)]);
+    assert_eq!(fx.exported(p(&copy), "copy1.raw"), disk);
+    let applied = json(&["restore", p(&inc), p(&copy)]);
+    assert_eq!(applied["kind"], "incremental");
+    let mut expected = disk.clone();
+    expected.resize(12 * OBJECT as usize, 0);
+    let at_patch = 4 * OBJECT as usize + 100;
+    expected[at_patch..at_patch + patch.len()].copy_from_slice(&patch);
+    assert_eq!(fx.exported(p(&copy), "copy2.raw"), expected);
+    assert_eq!(fx.exported(&at("two"), "two.raw"), expected);
+    // Twice: the copy is at "two" now.
+    let err = fails(&["restore", p(&inc), p(&copy)]);
+    assert!(err.contains("does not apply"), "{err}");
+}
+
+#[test]
+fn help_shows_examples() {
+    for command in ["backup", "restore"] {
+        let help = ok(&[command, "--help"]);
+        assert!(help.contains("Examples:"), "{command}: {help}");
+        assert!(help.contains("--json"), "{command}: {help}");
+    }
+}
