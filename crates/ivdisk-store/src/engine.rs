@@ -14,6 +14,7 @@
 //! has been synced, at the latest every 500 ms, and durably (WAL synced) on flush and
 //! once a second.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -157,8 +158,10 @@ pub(crate) enum Request {
         lock: String,
         reply: Reply<Vec<Locker>>,
     },
+    /// With `reclaim`, the reply also waits until the dead data freed so far is punched.
     Flush {
         reply: Reply<()>,
+        reclaim: bool,
     },
     /// Close the metadata connection (a read-only engine), say so on `released`, and open a
     /// new one once `resume` is dropped: a read-write open of the same store in this process
@@ -178,6 +181,10 @@ pub(crate) enum Request {
 /// promises durability. A crash loses the open transaction whole: acknowledged but unflushed
 /// operations, never part of one.
 const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
+/// At most this many object heads are cached (`Engine::heads`); then the cache starts over.
+const HEAD_CACHE_SIZE: usize = 1 << 16;
+/// At most this many requests are handled before their replies are sent.
+const ANSWER_BURST: usize = 32;
 const COMMIT_MAX_OPS: usize = 200_000;
 const COMMIT_MAX_BYTES: u64 = 1 << 30;
 /// Durable commits happen at least this often even without a flush (bounds the loss after a
@@ -202,6 +209,7 @@ CREATE TABLE IF NOT EXISTS extents (
     node INTEGER NOT NULL, lo INTEGER NOT NULL, hi INTEGER NOT NULL,
     seg INTEGER NOT NULL, seg_off INTEGER NOT NULL,
     blob INTEGER NOT NULL, blob_end INTEGER NOT NULL,
+    inline BLOB,
     PRIMARY KEY (node, lo)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS extent_by_blob ON extents(seg, blob);
@@ -217,8 +225,55 @@ CREATE TABLE IF NOT EXISTS locks (
 );
 ";
 
-/// Where an extent's bytes are: `seg_off` in segment `seg`, inside the blob (the one append)
-/// `[blob, blob_end)` they were written by.
+/// Writes of at most this many bytes are kept in their extent's row in SQLite (`inline`)
+/// instead of a segment: a segment append this small costs a system call and leaves later
+/// appends off block boundaries, so that every dead range needs widening queries before it can
+/// be punched (the 32-byte metadata extent of a 4 KiB write in the `object-end` layout was a
+/// quarter of the worker's time that way).
+const INLINE_MAX: usize = 1024;
+
+/// Where an extent's bytes are.
+#[derive(Debug, Clone)]
+enum Stored {
+    Segment(Piece),
+    /// In the extent's row (column `inline`; `seg` is -1).
+    Inline(Vec<u8>),
+}
+
+impl Stored {
+    /// The same bytes from `skip` on (`len` of them).
+    fn sub(&self, skip: u64, len: u64) -> Stored {
+        match self {
+            Stored::Segment(piece) => Stored::Segment(Piece {
+                seg_off: piece.seg_off + skip,
+                ..*piece
+            }),
+            Stored::Inline(data) => {
+                Stored::Inline(data[skip as usize..(skip + len) as usize].to_vec())
+            }
+        }
+    }
+}
+
+/// An extent as `read_extents` selects it: lo, hi, seg, seg_off, inline data.
+type ExtentRow = (u64, u64, i64, u64, Option<Vec<u8>>);
+
+/// `seg` of inline extents.
+const INLINE_SEG: i64 = -1;
+
+/// The extents overlapping `[?3, ?2)` of node `?1`: the last one starting at or before `?3`
+/// and those starting inside (a seek on `(node, lo)`, not a walk over the node's extents).
+const READ_EXTENTS: &str = "SELECT lo, hi, seg, seg_off, inline FROM extents
+     WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
+         WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
+     AND lo < ?2 AND hi > ?3 ORDER BY lo";
+const READ_EXTENTS_WITHOUT_INLINE: &str = "SELECT lo, hi, seg, seg_off, NULL FROM extents
+     WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
+         WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
+     AND lo < ?2 AND hi > ?3 ORDER BY lo";
+
+/// Where an extent's bytes are in the segments: `seg_off` in segment `seg`, inside the blob
+/// (the one append) `[blob, blob_end)` they were written by.
 #[derive(Debug, Clone, Copy)]
 struct Piece {
     seg: u32,
@@ -271,6 +326,21 @@ pub(crate) struct Engine {
     clones_may_exist: bool,
     /// Opened read-only (local.rs): changes are refused, reads see committed states.
     read_only: Option<ReadOnlyState>,
+    /// Space ran out since the last flush (see the flush request).
+    space_short: bool,
+    /// The extents table has the `inline` column (always, once a read-write open ran).
+    inline_column: bool,
+    /// The heads of objects written or read lately, as in the open transaction (read-write
+    /// engines only): a write looks its object up here instead of in SQLite. Cleared whenever
+    /// SQLite's state goes back (a rolled back operation or transaction).
+    heads: std::cell::RefCell<HashMap<String, Node>>,
+    /// Replies of the requests handled in the current burst (`answer`).
+    answers: Vec<Box<dyn FnOnce() + Send>>,
+    /// The last object version handed out and the value stored in `meta` (written once per
+    /// commit, not per operation). Versions only grow: one handed to an operation that is
+    /// then rolled back is simply skipped.
+    version: u64,
+    version_stored: u64,
 }
 
 /// A failed read of a read-only engine; `transient` if SQLite only could not start the read
@@ -306,6 +376,67 @@ fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Every error `op` would meet on an object whose head is `head`, found before anything
+/// changes: the same errors, for the same first failing step, as applying it step by step.
+/// (A version only changes at the end of an operation, so `AssertVersion` compares with the
+/// version at its start, or 0 for an object the operation created.)
+fn check_write(object: &ObjectName, op: &WriteOp, head: Option<&Node>) -> Result<(), StoreError> {
+    let mut version = head.map(|h| h.version);
+    for step in &op.steps {
+        match step {
+            WriteStep::CreateExclusive => {
+                if version.is_some() {
+                    return Err(StoreError::Exists {
+                        object: object.to_string(),
+                    });
+                }
+                version = Some(0);
+            }
+            WriteStep::AssertExists => {
+                version.ok_or_else(|| not_found(object))?;
+            }
+            WriteStep::AssertVersion(expected) => {
+                let actual = version.ok_or_else(|| not_found(object))?;
+                if actual != *expected {
+                    return Err(StoreError::VersionMismatch {
+                        object: object.to_string(),
+                        expected: *expected,
+                        actual,
+                    });
+                }
+            }
+            WriteStep::Write { offset, data } => {
+                check_range(object, *offset, data.len() as u64)?;
+                version.get_or_insert(0);
+            }
+            WriteStep::WriteFull(data) => {
+                check_range(object, 0, data.len() as u64)?;
+                version.get_or_insert(0);
+            }
+            WriteStep::Zero { offset, len } => {
+                check_range(object, *offset, *len)?;
+                version.ok_or_else(|| not_found(object))?;
+            }
+            WriteStep::Truncate(size) => {
+                check_range(object, *size, 0)?;
+                version.get_or_insert(0);
+            }
+            WriteStep::Remove => {
+                version.take().ok_or_else(|| not_found(object))?;
+            }
+            WriteStep::OmapSet(_) => {
+                version.get_or_insert(0);
+            }
+            WriteStep::OmapRemoveKeys(_) | WriteStep::OmapRemoveRange { .. } => {
+                version.ok_or_else(|| not_found(object))?;
+            }
+            // Depends on the snapshot's state: applied in a SAVEPOINT instead.
+            WriteStep::Rollback(_) => {}
+        }
+    }
+    Ok(())
+}
+
 fn not_found(object: &ObjectName) -> StoreError {
     StoreError::NotFound {
         object: object.to_string(),
@@ -324,7 +455,10 @@ impl Engine {
             [],
             |r| r.get::<_, bool>(0),
         )?;
+        let version = Self::stored_meta(&db, "version")?;
         Ok(Engine {
+            version,
+            version_stored: version,
             clones_may_exist,
             db,
             segments,
@@ -338,6 +472,10 @@ impl Engine {
             frees_pending: Vec::new(),
             lost: None,
             read_only: None,
+            answers: Vec::new(),
+            space_short: false,
+            heads: Default::default(),
+            inline_column: true,
         })
     }
 
@@ -349,6 +487,8 @@ impl Engine {
     ) -> Result<Self, StoreError> {
         let db = source.connect()?;
         let mut engine = Engine {
+            version: 0,
+            version_stored: 0,
             clones_may_exist: false,
             db,
             segments,
@@ -361,6 +501,10 @@ impl Engine {
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
             lost: None,
+            answers: Vec::new(),
+            space_short: false,
+            heads: Default::default(),
+            inline_column: true,
             read_only: Some(ReadOnlyState {
                 source,
                 connected: true,
@@ -368,17 +512,32 @@ impl Engine {
         };
         // Fail now on what is no store (or not readable), not at the first read.
         engine.consistent(|e| Ok((e.meta("version")?, None)))?;
+        engine.inline_column = Self::has_inline_column(&engine.db)?;
         Ok(engine)
     }
 
     /// Create the tables of a new store (a no-op on an existing one).
     pub(crate) fn init_schema(db: &Connection) -> Result<(), StoreError> {
         db.execute_batch(SCHEMA)?;
+        // Stores made before inline extents existed gain the column.
+        if !Self::has_inline_column(db)? {
+            db.execute_batch("ALTER TABLE extents ADD COLUMN inline BLOB")?;
+        }
         db.execute(
             "INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0), ('snap_seq', 0)",
             [],
         )?;
         Ok(())
+    }
+
+    /// Whether the extents table has the `inline` column (a read-only open of a store last
+    /// written by an older version may lack it; it then has no inline extents either).
+    fn has_inline_column(db: &Connection) -> Result<bool, StoreError> {
+        Ok(db.query_row(
+            "SELECT COUNT(*) FROM pragma_table_info('extents') WHERE name = 'inline'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )? > 0)
     }
 
     /// The largest segment offset referenced in `segment` (recovery truncates the rest).
@@ -410,6 +569,15 @@ impl Engine {
             };
             if let Some(request) = request {
                 self.handle(request);
+                // Take what else is queued before replying (see `answer`), a bounded burst so
+                // the first reply is not held back long.
+                for _ in 1..ANSWER_BURST {
+                    match requests.try_recv() {
+                        Ok(request) => self.handle(request),
+                        Err(_) => break,
+                    }
+                }
+                self.send_answers();
             }
             if self.in_txn
                 && (self.txn_ops >= COMMIT_MAX_OPS
@@ -433,26 +601,56 @@ impl Engine {
         }
     }
 
+    /// Queue a reply; `send_answers` sends the queue. Replies go out in bursts because each
+    /// send wakes the awaiting task's runtime thread, and a wakeup per operation (a futex call
+    /// and, on a VM, an inter-processor interrupt) was a quarter of the worker's time on
+    /// 4 KiB writes at queue depth 32 (docs/BENCHMARKS.md, "Local store writes").
+    fn answer<T: Send + 'static>(&mut self, reply: Reply<T>, result: Result<T, StoreError>) {
+        if let Err(StoreError::NoSpace { .. }) = &result {
+            self.space_short = true;
+        }
+        self.answers.push(Box::new(move || {
+            let _ = reply.send(result);
+        }));
+    }
+
+    /// Operations since the last flush are lost (the next flush says so).
+    fn note_lost(&mut self, e: &StoreError) {
+        let no_space = matches!(e, StoreError::NoSpace { .. });
+        self.space_short |= no_space;
+        self.lost = Some((no_space, e.to_string()));
+    }
+
+    fn send_answers(&mut self) {
+        for answer in self.answers.drain(..) {
+            answer();
+        }
+    }
+
     fn handle(&mut self, request: Request) {
         if self.read_only.is_some() {
             return self.handle_read_only(request);
         }
         match request {
             Request::Write { object, op, reply } => {
-                let result = self.in_operation(|e| e.write(&object, &op));
-                let _ = reply.send(result);
+                let result = self.apply_write(&object, &op);
+                self.answer(reply, result);
             }
             Request::Read { object, op, reply } => {
-                let _ = reply.send(self.read(&object, &op));
+                let result = self.read(&object, &op);
+                self.answer(reply, result);
             }
             Request::List { prefix, reply } => {
-                let _ = reply.send(self.list(&prefix));
+                let result = self.list(&prefix);
+                self.answer(reply, result);
             }
             Request::SnapCreate { reply } => {
-                let _ = reply.send(self.in_operation(|e| e.snap_create()));
+                let result = self.in_operation(|e| e.snap_create());
+                self.answer(reply, result);
             }
             Request::SnapRemove { snap, reply } => {
-                let _ = reply.send(self.in_operation(|e| e.snap_remove(snap)));
+                let result = self.in_operation(|e| e.snap_remove(snap));
+                self.answer(reply, result);
             }
             Request::Lock {
                 object,
@@ -460,7 +658,8 @@ impl Engine {
                 request,
                 reply,
             } => {
-                let _ = reply.send(self.in_operation(|e| e.lock(&object, &client, &request)));
+                let result = self.in_operation(|e| e.lock(&object, &client, &request));
+                self.answer(reply, result);
             }
             Request::Unlock {
                 object,
@@ -469,17 +668,19 @@ impl Engine {
                 cookie,
                 reply,
             } => {
-                let _ =
-                    reply.send(self.in_operation(|e| e.unlock(&object, &lock, &client, &cookie)));
+                let result = self.in_operation(|e| e.unlock(&object, &lock, &client, &cookie));
+                self.answer(reply, result);
             }
             Request::ListLockers {
                 object,
                 lock,
                 reply,
             } => {
-                let _ = reply.send(self.lockers(&object, &lock));
+                let result = self.lockers(&object, &lock);
+                self.answer(reply, result);
             }
-            Request::Flush { reply } => {
+            Request::Flush { reply, reclaim } => {
+                self.send_answers();
                 self.commit(true);
                 let result = match self.lost.take() {
                     Some((true, e)) => Err(StoreError::NoSpace {
@@ -494,13 +695,22 @@ impl Engine {
                     ))),
                     None => Ok(()),
                 };
-                // The reply waits for the punches this commit queued (space is back when flush
-                // returns), without holding up the requests behind it.
-                self.segments.after_punches(Box::new(move || {
-                    let _ = reply.send(result);
-                }));
+                // Dead data is punched in the background (on a file system mounted with
+                // `discard` each punch waits for the device: seconds for a backlog of small
+                // ranges), so a flush does not wait for it, except when space ran out since
+                // the last flush, or when asked (`LocalStore::reclaim_space`): then the reply
+                // waits for the punches this commit queued, so space is back when flush
+                // returns (without holding up other requests).
+                if std::mem::take(&mut self.space_short) || reclaim {
+                    self.segments.after_punches(Box::new(move || {
+                        let _ = reply.send(result);
+                    }));
+                } else {
+                    self.answer(reply, result);
+                }
             }
             Request::Release { released, .. } => {
+                self.send_answers();
                 let _ = released.send(());
             }
         }
@@ -537,7 +747,7 @@ impl Engine {
             } => {
                 let _ = reply.send(self.consistent(|e| Ok((e.lockers(&object, &lock)?, None))));
             }
-            Request::Flush { reply } => {
+            Request::Flush { reply, .. } => {
                 let _ = reply.send(Ok(()));
             }
             Request::Write { object, reply, .. } => {
@@ -652,6 +862,7 @@ impl Engine {
             if !state.connected {
                 self.db = state.source.connect().map_err(permanent)?;
                 state.connected = true;
+                self.inline_column = Self::has_inline_column(&self.db).map_err(permanent)?;
             }
         }
         self.db
@@ -686,11 +897,8 @@ impl Engine {
         )?)
     }
 
-    /// Run one mutating operation inside the group transaction, all or nothing.
-    fn in_operation<T>(
-        &mut self,
-        body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
+    /// Open the group transaction if none is open.
+    fn begin(&mut self) -> Result<(), StoreError> {
         if !self.in_txn {
             self.db.execute_batch("BEGIN IMMEDIATE")?;
             self.in_txn = true;
@@ -699,6 +907,85 @@ impl Engine {
             self.txn_mark = self.segments.mark();
             self.txn_frees = self.frees_pending.len();
         }
+        Ok(())
+    }
+
+    /// Apply a write operation, all or nothing.
+    ///
+    /// Most operations can be checked completely before anything changes (see
+    /// `check_write`): those append their data, then change the metadata without a SAVEPOINT
+    /// (whose sub-journal and statement parsing were about a sixth of a small write's CPU).
+    /// Nothing but an SQLite or IO error can then fail them, and such an error takes the
+    /// whole open transaction with it, as a failed commit does. The rest (rollbacks to a
+    /// snapshot) run in a SAVEPOINT.
+    fn apply_write(
+        &mut self,
+        object: &ObjectName,
+        op: &WriteOp,
+    ) -> Result<WriteOutcome, StoreError> {
+        if op.steps.iter().any(|s| matches!(s, WriteStep::Rollback(_))) {
+            return self.in_operation(|e| {
+                let head = e.head(object)?;
+                e.write(object, op, head, None)
+            });
+        }
+        self.begin()?;
+        let head = self.head(object)?;
+        check_write(object, op, head.as_ref())?;
+        let mark = self.segments.mark();
+        let mut pieces = Vec::with_capacity(op.steps.len());
+        for step in &op.steps {
+            let data = match step {
+                WriteStep::Write { data, .. } | WriteStep::WriteFull(data) => data,
+                _ => continue,
+            };
+            if data.len() <= INLINE_MAX {
+                continue;
+            }
+            match self.segments.append(data) {
+                Ok(at) => pieces.push(Piece::appended(at, data.len())),
+                Err(e) => {
+                    if let Err(rewind) = self.segments.rewind(mark) {
+                        tracing::warn!("could not take back a failed operation's data: {rewind}");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        match self.write(object, op, head, Some(pieces)) {
+            Ok(outcome) => {
+                self.txn_ops += 1;
+                Ok(outcome)
+            }
+            Err(e) => {
+                self.lose_transaction(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// An error inside the open transaction that cannot be undone alone: roll back every
+    /// operation since the last commit (the next flush reports the loss).
+    fn lose_transaction(&mut self, e: &StoreError) {
+        self.heads.borrow_mut().clear();
+        if !self.db.is_autocommit() {
+            let _ = self.db.execute_batch("ROLLBACK");
+        }
+        tracing::error!("an operation failed and took its transaction with it: {e}");
+        self.in_txn = false;
+        self.frees_pending.truncate(self.txn_frees);
+        self.note_lost(e);
+        if let Err(rewind) = self.segments.rewind(self.txn_mark) {
+            tracing::warn!("could not take back the lost operations' data: {rewind}");
+        }
+    }
+
+    /// Run one mutating operation inside the group transaction, all or nothing.
+    fn in_operation<T>(
+        &mut self,
+        body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.begin()?;
         self.db.execute_batch("SAVEPOINT op")?;
         let mark = self.segments.mark();
         let frees = self.frees_pending.len();
@@ -709,6 +996,7 @@ impl Engine {
                 Ok(value)
             }
             Err(e) => {
+                self.heads.borrow_mut().clear();
                 // SQLite rolls the whole transaction back by itself on some errors
                 // (SQLITE_FULL, SQLITE_IOERR, SQLITE_NOMEM): then every operation since the
                 // last commit is gone, as if the commit had failed.
@@ -721,7 +1009,7 @@ impl Engine {
                     tracing::error!("an operation failed and took its transaction with it: {e}");
                     self.in_txn = false;
                     self.frees_pending.truncate(self.txn_frees);
-                    self.lost = Some((matches!(e, StoreError::NoSpace { .. }), e.to_string()));
+                    self.note_lost(&e);
                     self.txn_mark
                 } else {
                     self.frees_pending.truncate(frees);
@@ -744,21 +1032,41 @@ impl Engine {
                 if self.segments.unsynced() > 0 {
                     self.segments.sync()?;
                 }
+                if self.version != self.version_stored {
+                    self.db
+                        .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'version'")?
+                        .execute([self.version as i64])?;
+                }
                 self.in_txn = false;
                 self.db.execute_batch("COMMIT")?;
+                self.version_stored = self.version;
             }
             if durable {
                 self.segments.sync()?;
                 self.durability.sync_wal()?;
                 self.last_durable = Instant::now();
-                for (segment, offset, len) in std::mem::take(&mut self.frees_pending) {
-                    let (from, to) = self.widen_to_blocks(segment, offset, offset + len)?;
+                // Neighbouring dead ranges (appended one after the other, overwritten in the
+                // same interval) become one punch, with one widening.
+                let mut frees = std::mem::take(&mut self.frees_pending);
+                frees.sort_unstable();
+                let mut merged: Vec<(u32, u64, u64)> = Vec::with_capacity(frees.len());
+                for (segment, offset, len) in frees {
+                    match merged.last_mut() {
+                        Some((s, _, end)) if *s == segment && offset <= *end => {
+                            *end = (*end).max(offset + len);
+                        }
+                        _ => merged.push((segment, offset, offset + len)),
+                    }
+                }
+                for (segment, offset, end) in merged {
+                    let (from, to) = self.widen_to_blocks(segment, offset, end)?;
                     self.segments.punch(segment, from, to - from)?;
                 }
             }
             Ok(())
         })();
         if let Err(e) = result {
+            self.heads.borrow_mut().clear();
             tracing::error!("store commit failed: {e}");
             if !self.db.is_autocommit() {
                 let _ = self.db.execute_batch("ROLLBACK");
@@ -768,7 +1076,7 @@ impl Engine {
                 self.frees_pending.truncate(self.txn_frees);
             }
             self.in_txn = false;
-            self.lost = Some((matches!(e, StoreError::NoSpace { .. }), e.to_string()));
+            self.note_lost(&e);
         }
     }
 
@@ -823,10 +1131,18 @@ impl Engine {
     }
 
     fn meta(&self, key: &str) -> Result<u64, StoreError> {
-        Ok(self
-            .db
+        Self::stored_meta(&self.db, key)
+    }
+
+    fn stored_meta(db: &Connection, key: &str) -> Result<u64, StoreError> {
+        Ok(db
             .prepare_cached("SELECT value FROM meta WHERE key = ?1")?
             .query_row([key], |r| r.get::<_, i64>(0))? as u64)
+    }
+
+    fn next_version(&mut self) -> u64 {
+        self.version += 1;
+        self.version
     }
 
     fn bump_meta(&self, key: &str) -> Result<u64, StoreError> {
@@ -839,6 +1155,39 @@ impl Engine {
     }
 
     fn head(&self, object: &ObjectName) -> Result<Option<Node>, StoreError> {
+        if self.read_only.is_some() {
+            return self.stored_head(object);
+        }
+        if let Some(node) = self.heads.borrow().get(object.as_str()) {
+            return Ok(Some(*node));
+        }
+        let node = self.stored_head(object)?;
+        if let Some(node) = node {
+            self.cache_head(object, Some(node));
+        }
+        Ok(node)
+    }
+
+    /// Record an object's head as it now is in the open transaction (`None`: removed).
+    fn cache_head(&self, object: &ObjectName, node: Option<Node>) {
+        if self.read_only.is_some() {
+            return;
+        }
+        let mut heads = self.heads.borrow_mut();
+        match node {
+            Some(node) => {
+                if heads.len() >= HEAD_CACHE_SIZE && !heads.contains_key(object.as_str()) {
+                    heads.clear();
+                }
+                heads.insert(object.as_str().to_owned(), node);
+            }
+            None => {
+                heads.remove(object.as_str());
+            }
+        }
+    }
+
+    fn stored_head(&self, object: &ObjectName) -> Result<Option<Node>, StoreError> {
         Ok(self
             .db
             .prepare_cached(
@@ -912,8 +1261,8 @@ impl Engine {
     /// Copy a node's extents (sharing their data) and omap into `to`.
     fn copy_node(&self, from: i64, to: i64) -> Result<(), StoreError> {
         self.db.execute(
-            "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end)
-             SELECT ?2, lo, hi, seg, seg_off, blob, blob_end FROM extents WHERE node = ?1",
+            "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end, inline)
+             SELECT ?2, lo, hi, seg, seg_off, blob, blob_end, inline FROM extents WHERE node = ?1",
             params![from, to],
         )?;
         self.db.execute(
@@ -956,70 +1305,99 @@ impl Engine {
 
     /// Drop a node's extents in `[lo, hi)`, keeping the parts outside, and note dead data.
     fn cut_extents(&mut self, node: i64, lo: u64, hi: u64) -> Result<(), StoreError> {
+        self.cut_extents_for(node, lo, hi, false)
+    }
+
+    /// `cut_extents`; with `refilled`, the caller writes an extent at `lo` next (with
+    /// `insert_extent`, which replaces), so an extent starting at `lo` is not deleted first:
+    /// an overwrite of exactly one earlier write costs one statement less.
+    fn cut_extents_for(
+        &mut self,
+        node: i64,
+        lo: u64,
+        hi: u64,
+        refilled: bool,
+    ) -> Result<(), StoreError> {
         if lo >= hi {
             return Ok(());
         }
-        let overlapping: Vec<(u64, u64, Piece)> = {
+        let overlapping: Vec<(u64, u64, Stored)> = {
             let mut stmt = self.db.prepare_cached(
-                "SELECT lo, hi, seg, seg_off, blob, blob_end FROM extents
+                "SELECT lo, hi, seg, seg_off, blob, blob_end, inline FROM extents
                  WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
                      WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
                  AND lo < ?2 AND hi > ?3",
             )?;
             let rows = stmt.query_map(params![node, hi as i64, lo as i64], |r| {
-                Ok((
-                    r.get::<_, i64>(0)? as u64,
-                    r.get::<_, i64>(1)? as u64,
-                    Piece {
+                let stored = if r.get::<_, i64>(2)? == INLINE_SEG {
+                    Stored::Inline(r.get(6)?)
+                } else {
+                    Stored::Segment(Piece {
                         seg: r.get(2)?,
                         seg_off: r.get::<_, i64>(3)? as u64,
                         blob: r.get::<_, i64>(4)? as u64,
                         blob_end: r.get::<_, i64>(5)? as u64,
-                    },
+                    })
+                };
+                Ok((
+                    r.get::<_, i64>(0)? as u64,
+                    r.get::<_, i64>(1)? as u64,
+                    stored,
                 ))
             })?;
             rows.collect::<Result<_, _>>()?
         };
-        for (e_lo, e_hi, piece) in overlapping {
-            self.db
-                .prepare_cached("DELETE FROM extents WHERE node = ?1 AND lo = ?2")?
-                .execute(params![node, e_lo as i64])?;
+        for (e_lo, e_hi, stored) in overlapping {
+            if !(refilled && e_lo == lo) {
+                self.db
+                    .prepare_cached("DELETE FROM extents WHERE node = ?1 AND lo = ?2")?
+                    .execute(params![node, e_lo as i64])?;
+            }
             if e_lo < lo {
-                self.insert_extent(node, e_lo, lo, piece)?;
+                self.insert_extent(node, e_lo, lo, &stored.sub(0, lo - e_lo))?;
             }
             if e_hi > hi {
-                let right = Piece {
-                    seg_off: piece.seg_off + (hi - e_lo),
-                    ..piece
-                };
-                self.insert_extent(node, hi, e_hi, right)?;
+                self.insert_extent(node, hi, e_hi, &stored.sub(hi - e_lo, e_hi - hi))?;
             }
-            let dead_lo = e_lo.max(lo);
-            let dead_hi = e_hi.min(hi);
-            self.note_dead(
-                piece.seg,
-                piece.seg_off + (dead_lo - e_lo),
-                dead_hi - dead_lo,
-            )?;
+            if let Stored::Segment(piece) = stored {
+                let dead_lo = e_lo.max(lo);
+                let dead_hi = e_hi.min(hi);
+                self.note_dead(
+                    piece.seg,
+                    piece.seg_off + (dead_lo - e_lo),
+                    dead_hi - dead_lo,
+                )?;
+            }
         }
         Ok(())
     }
 
-    fn insert_extent(&self, node: i64, lo: u64, hi: u64, piece: Piece) -> Result<(), StoreError> {
-        self.db
-            .prepare_cached(
-                "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            )?
-            .execute(params![
+    fn insert_extent(
+        &self,
+        node: i64,
+        lo: u64,
+        hi: u64,
+        stored: &Stored,
+    ) -> Result<(), StoreError> {
+        let mut stmt = self.db.prepare_cached(
+            "INSERT OR REPLACE INTO extents (node, lo, hi, seg, seg_off, blob, blob_end, inline)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )?;
+        match stored {
+            Stored::Segment(piece) => stmt.execute(params![
                 node,
                 lo as i64,
                 hi as i64,
                 piece.seg,
                 piece.seg_off as i64,
                 piece.blob as i64,
-                piece.blob_end as i64
-            ])?;
+                piece.blob_end as i64,
+                None::<Vec<u8>>
+            ])?,
+            Stored::Inline(data) => stmt.execute(params![
+                node, lo as i64, hi as i64, INLINE_SEG, 0i64, 0i64, 0i64, data
+            ])?,
+        };
         Ok(())
     }
 
@@ -1040,9 +1418,31 @@ impl Engine {
         Ok(())
     }
 
-    fn write(&mut self, object: &ObjectName, op: &WriteOp) -> Result<WriteOutcome, StoreError> {
+    /// Apply `op` to the object whose head is `head`. With `appended`, the data of its
+    /// non-empty `Write`/`WriteFull` steps, in order, is already in the segments there.
+    fn write(
+        &mut self,
+        object: &ObjectName,
+        op: &WriteOp,
+        mut head: Option<Node>,
+        appended: Option<Vec<Piece>>,
+    ) -> Result<WriteOutcome, StoreError> {
         let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
-        let mut head = self.head(object)?;
+        let mut appended = appended.map(Vec::into_iter);
+        let mut append = |segments: &mut Box<dyn Segments>, data: &[u8]| {
+            if data.len() <= INLINE_MAX {
+                return Ok(Stored::Inline(data.to_vec()));
+            }
+            match appended.as_mut() {
+                Some(pieces) => pieces.next().map(Stored::Segment).ok_or_else(|| {
+                    StoreError::Database("an operation's data was not appended in advance".into())
+                }),
+                None => Ok(Stored::Segment(Piece::appended(
+                    segments.append(data)?,
+                    data.len(),
+                ))),
+            }
+        };
         let mutates = op
             .steps
             .iter()
@@ -1085,10 +1485,10 @@ impl Engine {
                     };
                     let end = offset + data.len() as u64;
                     if !data.is_empty() {
-                        let piece = Piece::appended(self.segments.append(data)?, data.len());
+                        let piece = append(&mut self.segments, data)?;
                         let node = h.id;
-                        self.cut_extents(node, *offset, end)?;
-                        self.insert_extent(node, *offset, end, piece)?;
+                        self.cut_extents_for(node, *offset, end, true)?;
+                        self.insert_extent(node, *offset, end, &piece)?;
                     }
                     h.size = h.size.max(end);
                     changed = true;
@@ -1103,11 +1503,11 @@ impl Engine {
                     let appended = if data.is_empty() {
                         None
                     } else {
-                        Some(Piece::appended(self.segments.append(data)?, data.len()))
+                        Some(append(&mut self.segments, data)?)
                     };
                     self.cut_extents(node, 0, u64::MAX >> 1)?;
                     if let Some(piece) = appended {
-                        self.insert_extent(node, 0, data.len() as u64, piece)?;
+                        self.insert_extent(node, 0, data.len() as u64, &piece)?;
                     }
                     h.size = data.len() as u64;
                     changed = true;
@@ -1197,7 +1597,7 @@ impl Engine {
         }
         let version = match (changed, head.as_mut()) {
             (true, Some(h)) => {
-                h.version = self.bump_meta("version")?;
+                h.version = self.next_version();
                 self.db
                     .prepare_cached(
                         "UPDATE nodes SET size = ?2, version = ?3, snap_seq = ?4 WHERE id = ?1",
@@ -1213,6 +1613,7 @@ impl Engine {
             (false, Some(h)) => h.version,
             (_, None) => 0,
         };
+        self.cache_head(object, head);
         Ok(WriteOutcome { version })
     }
 
@@ -1289,29 +1690,56 @@ impl Engine {
         if offset >= end {
             return Ok(Vec::new());
         }
-        let pieces: Vec<(u64, u64, u32, u64)> = self
+        // Without the `inline` column (a read-only open of a store from before inline
+        // extents) there are no inline extents.
+        let sql = match self.inline_column {
+            true => READ_EXTENTS,
+            false => READ_EXTENTS_WITHOUT_INLINE,
+        };
+        let pieces: Vec<ExtentRow> = self
             .db
-            .prepare_cached(
-                "SELECT lo, hi, seg, seg_off FROM extents
-                 WHERE node = ?1 AND lo >= (SELECT COALESCE((SELECT lo FROM extents
-                     WHERE node = ?1 AND lo <= ?3 ORDER BY lo DESC LIMIT 1), 0))
-                 AND lo < ?2 AND hi > ?3 ORDER BY lo",
-            )?
+            .prepare_cached(sql)?
             .query_map(params![node.id, end as i64, offset as i64], |r| {
                 Ok((
                     r.get::<_, i64>(0)? as u64,
                     r.get::<_, i64>(1)? as u64,
-                    r.get::<_, u32>(2)?,
+                    r.get::<_, i64>(2)?,
                     r.get::<_, i64>(3)? as u64,
+                    r.get(4)?,
                 ))
             })?
             .collect::<Result<_, _>>()?;
         let mut out: Vec<Extent> = Vec::new();
-        for (lo, hi, seg, seg_off) in pieces {
+        for (lo, hi, seg, seg_off, inline) in pieces {
             let from = lo.max(offset);
             let to = hi.min(end);
-            let mut data = vec![0u8; (to - from) as usize];
-            self.segments.read(seg, seg_off + (from - lo), &mut data)?;
+            let data = match inline {
+                Some(bytes) if seg == INLINE_SEG => {
+                    let at = (from - lo) as usize;
+                    bytes
+                        .get(at..at + (to - from) as usize)
+                        .ok_or_else(|| {
+                            StoreError::Database(format!(
+                                "an inline extent of {} bytes holds {} (damaged metadata)",
+                                hi - lo,
+                                bytes.len()
+                            ))
+                        })?
+                        .to_vec()
+                }
+                _ if seg == INLINE_SEG => {
+                    return Err(StoreError::Database(
+                        "the store gained inline extents while open read-only: open it again"
+                            .into(),
+                    ))
+                }
+                _ => {
+                    let mut data = vec![0u8; (to - from) as usize];
+                    self.segments
+                        .read(seg as u32, seg_off + (from - lo), &mut data)?;
+                    data
+                }
+            };
             match out.last_mut() {
                 Some(prev) if prev.offset + prev.data.len() as u64 == from => {
                     prev.data.extend_from_slice(&data)
@@ -1690,7 +2118,12 @@ impl crate::ObjectStore for Client {
     }
 
     async fn flush(&self) -> Result<(), StoreError> {
-        self.handle.call(|reply| Request::Flush { reply }).await
+        self.handle
+            .call(|reply| Request::Flush {
+                reply,
+                reclaim: false,
+            })
+            .await
     }
 
     fn client_id(&self) -> &str {

@@ -41,6 +41,12 @@ pub struct LocalStoreOptions {
     pub create: bool,
 }
 
+/// Start writeback of the active segment every this many appended bytes.
+const WRITEBACK_KICK: u64 = 8 << 20;
+
+/// The file system block size assumed for alignment.
+const BLOCK: usize = 4096;
+
 struct FileSegments {
     dir: PathBuf,
     /// Shared with the puncher thread.
@@ -52,6 +58,8 @@ struct FileSegments {
     active: u32,
     len: u64,
     unsynced: u64,
+    /// Writeback of the active segment was started up to here (`append`).
+    kicked: u64,
     /// Segments written since the last sync (more than one after a rotation).
     dirty: Vec<u32>,
     /// Bytes past the last committed reference, truncated at open.
@@ -127,6 +135,7 @@ impl FileSegments {
             active,
             len,
             unsynced: 0,
+            kicked: len,
             dirty: Vec::new(),
             dropped_at_open,
             reclaimed_at_open: 0,
@@ -144,7 +153,8 @@ impl FileSegments {
     fn punch_unreferenced(&mut self, db: &Connection) -> Result<u64, StoreError> {
         let mut by_segment: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
         {
-            let mut stmt = db.prepare("SELECT seg, seg_off, hi - lo FROM extents")?;
+            let mut stmt =
+                db.prepare("SELECT seg, seg_off, hi - lo FROM extents WHERE seg >= 0")?;
             let mut rows = stmt.query([])?;
             while let Some(row) = rows.next()? {
                 let start = row.get::<_, i64>(1)? as u64;
@@ -198,6 +208,7 @@ impl FileSegments {
         self.files.insert(next, Arc::new(file));
         self.active = next;
         self.len = 0;
+        self.kicked = 0;
         Ok(())
     }
 }
@@ -214,21 +225,55 @@ enum PunchJob {
 
 /// The puncher thread: a failed punch only leaks space (reclaimed by the next open after an
 /// unclean stop), so it is logged, not returned.
+///
+/// It takes every job queued so far at once and punches the ranges before each barrier
+/// merged per file: on a file system mounted with `discard` each punch waits for the
+/// device, so a backlog of thousands of small dead ranges (random overwrites) made a flush
+/// wait seconds; neighbours in a segment often die together and merge into one punch.
 fn run_puncher(jobs: mpsc::Receiver<PunchJob>) {
-    for job in jobs {
-        match job {
-            PunchJob::Punch { file, offset, len } => {
-                if let Err(e) = fallocate(
-                    &*file,
-                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                    offset,
-                    len,
-                ) {
-                    tracing::warn!(offset, len, error = %e, "could not punch dead data out of a segment; its space stays used");
+    let mut ranges: Vec<(Arc<File>, u64, u64)> = Vec::new();
+    while let Ok(first) = jobs.recv() {
+        let mut next = Some(first);
+        while let Some(job) = next.take() {
+            match job {
+                PunchJob::Punch { file, offset, len } => ranges.push((file, offset, offset + len)),
+                PunchJob::Barrier(done) => {
+                    punch_merged(&mut ranges);
+                    done();
                 }
             }
-            PunchJob::Barrier(done) => done(),
+            next = jobs.try_recv().ok();
         }
+        punch_merged(&mut ranges);
+    }
+}
+
+fn punch_merged(ranges: &mut Vec<(Arc<File>, u64, u64)>) {
+    ranges.sort_unstable_by_key(|(file, from, _)| (Arc::as_ptr(file), *from));
+    let mut pending: Option<(Arc<File>, u64, u64)> = None;
+    for (file, from, to) in ranges.drain(..) {
+        match pending.as_mut() {
+            Some((f, _, end)) if Arc::ptr_eq(f, &file) && from <= *end => *end = (*end).max(to),
+            _ => {
+                if let Some(done) = pending.replace((file, from, to)) {
+                    punch_now(&done);
+                }
+            }
+        }
+    }
+    if let Some(done) = pending {
+        punch_now(&done);
+    }
+}
+
+fn punch_now((file, from, to): &(Arc<File>, u64, u64)) {
+    if let Err(e) = fallocate(
+        &**file,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        *from,
+        to - from,
+    ) {
+        tracing::warn!(offset = from, len = to - from, error = %e, "could not punch dead data out of a segment; its space stays used");
     }
 }
 
@@ -257,6 +302,12 @@ impl Segments for FileSegments {
         if self.len >= SEGMENT_SIZE {
             self.rotate()?;
         }
+        // Appends of whole blocks start on a block boundary (the gap stays a hole), so one odd
+        // append does not leave every later one straddling blocks: a dead range of whole
+        // blocks is punched as it is, without widening queries.
+        if data.len().is_multiple_of(BLOCK) && !self.len.is_multiple_of(BLOCK as u64) {
+            self.len = self.len.next_multiple_of(BLOCK as u64);
+        }
         let at = self.len;
         self.files[&self.active]
             .write_all_at(data, at)
@@ -267,6 +318,20 @@ impl Segments for FileSegments {
         crate::fault_io::write(|| segment_path(&self.dir, self.active), at, data);
         self.len += data.len() as u64;
         self.unsynced += data.len() as u64;
+        if self.len - self.kicked.min(self.len) >= WRITEBACK_KICK {
+            // Start the disk writes of what was appended since the last kick now, without
+            // waiting for them: the commit's `fdatasync` (on the worker, every request
+            // waiting behind it) then finds little left to write. `DONTNEED` starts
+            // writeback of dirty pages and drops only pages already clean.
+            let from = self.kicked.min(self.len);
+            let _ = rustix::fs::fadvise(
+                &*self.files[&self.active],
+                from,
+                std::num::NonZeroU64::new(self.len - from),
+                rustix::fs::Advice::DontNeed,
+            );
+            self.kicked = self.len;
+        }
         if !self.dirty.contains(&self.active) {
             self.dirty.push(self.active);
         }
@@ -484,7 +549,8 @@ impl LocalStore {
             });
         }
         db.execute_batch(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;",
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;
+             PRAGMA temp_store = MEMORY; PRAGMA cache_size = -65536;",
         )?;
         Engine::init_schema(&db)?;
         drop(paused);
@@ -578,6 +644,21 @@ impl LocalStore {
             RecoveryReport::default(),
             Some(link),
         ))
+    }
+
+    /// Flush, and also wait until the space of everything dead so far (overwritten,
+    /// removed, released by a removed snapshot) is punched out of the data segments. A plain
+    /// `flush` leaves that to the background (it only waits when space ran out since the
+    /// previous flush): on a file system mounted with `discard` punching a backlog of small
+    /// ranges can take seconds.
+    pub async fn reclaim_space(&self) -> Result<(), StoreError> {
+        self.0
+            .handle
+            .call(|reply| crate::engine::Request::Flush {
+                reply,
+                reclaim: true,
+            })
+            .await
     }
 
     /// Whether this store was opened read-only.

@@ -876,10 +876,10 @@ async fn reopen_after_clean_close_keeps_everything() {
     );
 
     // Removing the snapshot frees its preserved states, also after a reopen.
-    store.flush().await.unwrap();
+    store.reclaim_space().await.unwrap();
     let before = segment_blocks(&path);
     store.snap_remove(snap).await.unwrap();
-    store.flush().await.unwrap();
+    store.reclaim_space().await.unwrap();
     let after = segment_blocks(&path);
     assert!(
         before >= after + 60_000,
