@@ -723,19 +723,14 @@ impl Image {
         uri: &ImageUri,
         mut progress: impl FnMut(u64, u64),
     ) -> Result<(), ImageError> {
-        let image = uri.to_string();
-        let store = uri.open_store(false).await?;
-        let header_object = object_name(&image, header_object_name(uri.image_name()))?;
-        let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
-        let parsed = parse_header(&image, &header)?;
         // Holding the writer lock keeps a writer from opening while its objects go.
-        let lock = WriterLock::acquire(
-            store.clone(),
-            header_object.clone(),
-            &image,
-            DEFAULT_LOCK_DURATION,
-        )
-        .await?;
+        let crate::snapshot::Locked {
+            image,
+            store,
+            header_object,
+            parsed,
+            lock,
+        } = crate::snapshot::lock_header(uri).await?;
         let snapshots = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         if !snapshots.snapshots.is_empty() {
             drop(lock.release().await);

@@ -197,19 +197,26 @@ fn now() -> u64 {
 
 /// An image's header object and parameters, with its writer lock held: what snapshot
 /// changes run under when no one has the image open.
-struct Locked {
-    image: String,
-    store: Arc<dyn ObjectStore>,
-    header_object: ObjectName,
-    parsed: Parsed,
-    lock: WriterLock,
+/// An image's store, header and writer lock, taken for a change made without opening the
+/// image (snapshot commands, delete).
+pub(crate) struct Locked {
+    pub(crate) image: String,
+    pub(crate) store: Arc<dyn ObjectStore>,
+    pub(crate) header_object: ObjectName,
+    pub(crate) parsed: Parsed,
+    pub(crate) lock: WriterLock,
 }
 
 async fn lock_image(uri: &ImageUri) -> Result<Locked, ImageError> {
-    let image = uri.to_string();
     if crate::foreign::luks_file_path(uri).is_some() {
-        return Err(no_foreign_snapshots(&image));
+        return Err(no_foreign_snapshots(&uri.to_string()));
     }
+    lock_header(uri).await
+}
+
+/// Read and parse an image's header and take its writer lock.
+pub(crate) async fn lock_header(uri: &ImageUri) -> Result<Locked, ImageError> {
+    let image = uri.to_string();
     let store = uri.open_store(false).await?;
     let header_object = object_name(&image, header_object_name(uri.image_name()))?;
     let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
