@@ -212,7 +212,12 @@ CREATE TABLE IF NOT EXISTS extents (
     inline BLOB,
     PRIMARY KEY (node, lo)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS extent_by_blob ON extents(seg, blob);
+-- Where extents are in the segments (`Engine::referenced`). Segment extents only: inline
+-- extents (seg -1) are never looked up by place, and keeping them out spares every small
+-- write's row an index entry to insert and delete.
+CREATE INDEX IF NOT EXISTS extent_by_place ON extents(seg, seg_off) WHERE seg >= 0;
+-- Its predecessor, on (seg, blob) of every extent (stores made before it).
+DROP INDEX IF EXISTS extent_by_blob;
 CREATE TABLE IF NOT EXISTS omap (
     node INTEGER NOT NULL, key BLOB NOT NULL, value BLOB NOT NULL,
     PRIMARY KEY (node, key)
@@ -543,7 +548,7 @@ impl Engine {
     /// The largest segment offset referenced in `segment` (recovery truncates the rest).
     pub(crate) fn referenced_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
         let end: Option<i64> = db.query_row(
-            "SELECT MAX(seg_off + hi - lo) FROM extents WHERE seg = ?1",
+            "SELECT MAX(seg_off + hi - lo) FROM extents WHERE seg = ?1 AND seg >= 0",
             [segment],
             |r| r.get(0),
         )?;
@@ -1082,31 +1087,15 @@ impl Engine {
 
     /// Whether any extent still references bytes of `[from, to)` in `seg`.
     ///
-    /// Every extent lies inside the blob (one append, `[blob, blob_end)`) its data was written
-    /// in, and blobs do not overlap. Walking extents by blob downwards from `to`, the first
-    /// blob that ends at or before `from` ends the search: no earlier blob reaches the range.
-    /// So the cost is the extents of the blobs the range touches, not of the segment.
+    /// Walks extents by segment offset downwards from `to`. One starting inside the range
+    /// references it. Below `from`: without snapshot clones, extents reference disjoint bytes,
+    /// so only the first one can reach into the range (a single index seek). With clones, two
+    /// nodes may share bytes, and the walk goes on through the extents of the blob (one append,
+    /// `[blob, blob_end)`) that holds `from`: every extent lies inside the blob its data was
+    /// written in, blobs do not overlap, so the first extent of a blob ending at or before
+    /// `from` ends the search.
     fn referenced(&self, seg: u32, from: u64, to: u64) -> Result<bool, StoreError> {
-        if from >= to {
-            return Ok(false);
-        }
-        let mut stmt = self.db.prepare_cached(
-            "SELECT blob_end, seg_off, hi - lo FROM extents WHERE seg = ?1 AND blob < ?2
-             ORDER BY blob DESC",
-        )?;
-        let mut rows = stmt.query(params![seg, to as i64])?;
-        while let Some(row) = rows.next()? {
-            let blob_end = row.get::<_, i64>(0)? as u64;
-            if blob_end <= from {
-                return Ok(false);
-            }
-            let start = row.get::<_, i64>(1)? as u64;
-            let len = row.get::<_, i64>(2)? as u64;
-            if start < to && start + len > from {
-                return Ok(true);
-            }
-        }
-        Ok(false)
+        Ok(from < to && !self.referenced_parts(seg, from, to, true)?.is_empty())
     }
 
     /// Appends are packed, so a dead range rarely starts or ends on a block boundary and a punch
@@ -1348,13 +1337,25 @@ impl Engine {
             rows.collect::<Result<_, _>>()?
         };
         for (e_lo, e_hi, stored) in overlapping {
-            if !(refilled && e_lo == lo) {
+            if e_lo < lo {
+                // The part before the cut keeps its row (same key, same place in the
+                // segments): only its end moves, and no index entry changes.
+                match stored.sub(0, lo - e_lo) {
+                    Stored::Segment(_) => self
+                        .db
+                        .prepare_cached("UPDATE extents SET hi = ?3 WHERE node = ?1 AND lo = ?2")?
+                        .execute(params![node, e_lo as i64, lo as i64])?,
+                    Stored::Inline(data) => self
+                        .db
+                        .prepare_cached(
+                            "UPDATE extents SET hi = ?3, inline = ?4 WHERE node = ?1 AND lo = ?2",
+                        )?
+                        .execute(params![node, e_lo as i64, lo as i64, data])?,
+                };
+            } else if !(refilled && e_lo == lo) {
                 self.db
                     .prepare_cached("DELETE FROM extents WHERE node = ?1 AND lo = ?2")?
                     .execute(params![node, e_lo as i64])?;
-            }
-            if e_lo < lo {
-                self.insert_extent(node, e_lo, lo, &stored.sub(0, lo - e_lo))?;
             }
             if e_hi > hi {
                 self.insert_extent(node, hi, e_hi, &stored.sub(hi - e_lo, e_hi - hi))?;
@@ -1401,13 +1402,59 @@ impl Engine {
         Ok(())
     }
 
-    /// A segment range lost its reference: free it unless another node (a snapshot's clone)
-    /// still shares it.
+    /// A segment range lost its reference: free what no other node (a snapshot's clone, or
+    /// the head a removed snapshot's clone shared with) still references. Only the shared
+    /// parts stay: freeing nothing when any byte was shared left, for example, a whole 4 MiB
+    /// write allocated after its snapshot went away because the head still used 32 bytes of it.
     fn note_dead(&mut self, seg: u32, offset: u64, len: u64) -> Result<(), StoreError> {
-        if !self.clones_may_exist || !self.referenced(seg, offset, offset + len)? {
+        if !self.clones_may_exist {
             self.frees_pending.push((seg, offset, len));
+            return Ok(());
+        }
+        let end = offset + len;
+        let mut live = self.referenced_parts(seg, offset, end, false)?;
+        live.sort_unstable();
+        let mut at = offset;
+        for (lo, hi) in live {
+            if lo > at {
+                self.frees_pending.push((seg, at, lo - at));
+            }
+            at = at.max(hi);
+        }
+        if at < end {
+            self.frees_pending.push((seg, at, end - at));
         }
         Ok(())
+    }
+
+    /// The parts of `[from, to)` in `seg` that extents reference (unordered, may overlap), by
+    /// the walk of [`Engine::referenced`]; with `first`, only the first part found.
+    fn referenced_parts(
+        &self,
+        seg: u32,
+        from: u64,
+        to: u64,
+        first: bool,
+    ) -> Result<Vec<(u64, u64)>, StoreError> {
+        let mut parts = Vec::new();
+        let mut stmt = self.db.prepare_cached(
+            "SELECT seg_off, hi - lo, blob_end FROM extents WHERE seg = ?1 AND seg >= 0
+             AND seg_off < ?2 ORDER BY seg_off DESC",
+        )?;
+        let mut rows = stmt.query(params![seg, to as i64])?;
+        while let Some(row) = rows.next()? {
+            let start = row.get::<_, i64>(0)? as u64;
+            let end = start + row.get::<_, i64>(1)? as u64;
+            if end > from {
+                parts.push((start.max(from), end.min(to)));
+                if first {
+                    break;
+                }
+            } else if !self.clones_may_exist || row.get::<_, i64>(2)? as u64 <= from {
+                break;
+            }
+        }
+        Ok(parts)
     }
 
     fn delete_node(&mut self, node: i64) -> Result<(), StoreError> {
