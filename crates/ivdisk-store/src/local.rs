@@ -19,6 +19,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -54,7 +55,7 @@ struct FileSegments {
     /// Punches and flush barriers, done in order off the worker thread: a hole punch can
     /// take long (ext4 mounted with `discard` issues the discard synchronously, measured at
     /// seconds under random overwrites) and the worker must keep serving meanwhile.
-    puncher: Option<(mpsc::Sender<PunchJob>, std::thread::JoinHandle<()>)>,
+    puncher: Option<Puncher>,
     active: u32,
     len: u64,
     unsynced: u64,
@@ -141,9 +142,10 @@ impl FileSegments {
             reclaimed_at_open: 0,
         };
         if reclaim {
+            // Punched in the background, as any dead data: after random overwrites the backlog
+            // takes seconds on a `discard` mount, and opening (a server's start) should not
+            // wait for it. `LocalStore::reclaim_space` does.
             segments.reclaimed_at_open = segments.punch_unreferenced(db)?;
-            // The reclaim's punches are done when the store is open (tests count on it).
-            segments.settle();
         }
         Ok(segments)
     }
@@ -230,7 +232,14 @@ enum PunchJob {
 /// merged per file: on a file system mounted with `discard` each punch waits for the
 /// device, so a backlog of thousands of small dead ranges (random overwrites) made a flush
 /// wait seconds; neighbours in a segment often die together and merge into one punch.
-fn run_puncher(jobs: mpsc::Receiver<PunchJob>) {
+///
+/// Once `abandon` is set it punches nothing more (barriers still run), and it says it is done
+/// by dropping `_finished`.
+fn run_puncher(
+    jobs: mpsc::Receiver<PunchJob>,
+    abandon: Arc<AtomicBool>,
+    _finished: mpsc::Sender<()>,
+) {
     let mut ranges: Vec<(Arc<File>, u64, u64)> = Vec::new();
     while let Ok(first) = jobs.recv() {
         let mut next = Some(first);
@@ -238,17 +247,31 @@ fn run_puncher(jobs: mpsc::Receiver<PunchJob>) {
             match job {
                 PunchJob::Punch { file, offset, len } => ranges.push((file, offset, offset + len)),
                 PunchJob::Barrier(done) => {
-                    punch_merged(&mut ranges);
+                    punch_merged(&mut ranges, &abandon);
                     done();
                 }
             }
             next = jobs.try_recv().ok();
         }
-        punch_merged(&mut ranges);
+        punch_merged(&mut ranges, &abandon);
     }
 }
 
-fn punch_merged(ranges: &mut Vec<(Arc<File>, u64, u64)>) {
+/// The puncher thread and what the segments keep of it.
+struct Puncher {
+    jobs: mpsc::Sender<PunchJob>,
+    thread: std::thread::JoinHandle<()>,
+    /// Set: punch nothing more.
+    abandon: Arc<AtomicBool>,
+    /// Disconnected once the thread is done.
+    finished: mpsc::Receiver<()>,
+}
+
+fn punch_merged(ranges: &mut Vec<(Arc<File>, u64, u64)>, abandon: &AtomicBool) {
+    if abandon.load(Ordering::Relaxed) {
+        ranges.clear();
+        return;
+    }
     ranges.sort_unstable_by_key(|(file, from, _)| (Arc::as_ptr(file), *from));
     let mut pending: Option<(Arc<File>, u64, u64)> = None;
     for (file, from, to) in ranges.drain(..) {
@@ -256,13 +279,20 @@ fn punch_merged(ranges: &mut Vec<(Arc<File>, u64, u64)>) {
             Some((f, _, end)) if Arc::ptr_eq(f, &file) && from <= *end => *end = (*end).max(to),
             _ => {
                 if let Some(done) = pending.replace((file, from, to)) {
+                    if abandon.load(Ordering::Relaxed) {
+                        pending = None;
+                        break;
+                    }
                     punch_now(&done);
                 }
             }
         }
     }
+    ranges.clear();
     if let Some(done) = pending {
-        punch_now(&done);
+        if !abandon.load(Ordering::Relaxed) {
+            punch_now(&done);
+        }
     }
 }
 
@@ -281,13 +311,23 @@ impl FileSegments {
     fn puncher(&mut self) -> Result<&mpsc::Sender<PunchJob>, StoreError> {
         if self.puncher.is_none() {
             let (jobs, queue) = mpsc::channel();
+            let abandon = Arc::new(AtomicBool::new(false));
+            let (finished_tx, finished) = mpsc::channel();
             let thread = std::thread::Builder::new()
                 .name("ivdisk-store-punch".into())
-                .spawn(move || run_puncher(queue))
+                .spawn({
+                    let abandon = abandon.clone();
+                    move || run_puncher(queue, abandon, finished_tx)
+                })
                 .map_err(StoreError::io("starting the store's punch thread"))?;
-            self.puncher = Some((jobs, thread));
+            self.puncher = Some(Puncher {
+                jobs,
+                thread,
+                abandon,
+                finished,
+            });
         }
-        Ok(&self.puncher.as_ref().expect("just set").0)
+        Ok(&self.puncher.as_ref().expect("just set").jobs)
     }
 }
 
@@ -387,15 +427,33 @@ impl Segments for FileSegments {
     }
 
     fn settle(&mut self) {
-        if let Some((jobs, thread)) = self.puncher.take() {
-            drop(jobs);
-            let _ = thread.join();
+        if let Some(puncher) = self.puncher.take() {
+            drop(puncher.jobs);
+            let _ = puncher.thread.join();
         }
+    }
+
+    fn settle_within(&mut self, budget: Duration) -> bool {
+        let Some(puncher) = self.puncher.take() else {
+            return true;
+        };
+        drop(puncher.jobs);
+        let settled = matches!(
+            puncher.finished.recv_timeout(budget),
+            Err(mpsc::RecvTimeoutError::Disconnected)
+        );
+        if !settled {
+            puncher.abandon.store(true, Ordering::Relaxed);
+        }
+        // Done at once when settled; otherwise after the punch under way.
+        let _ = puncher.thread.join();
+        settled
     }
 
     fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
         match &self.puncher {
-            Some((jobs, _)) => jobs
+            Some(puncher) => puncher
+                .jobs
                 .send(PunchJob::Barrier(done))
                 .expect("the puncher runs while its sender lives"),
             None => done(),
@@ -929,4 +987,61 @@ fn pause_readers(meta: &Path) -> PausedReaders {
         let _ = wait.recv_timeout(Duration::from_secs(30));
     }
     PausedReaders { _resume: resumes }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Segments in a fresh directory, with 1 MiB of data appended and synced; returns the
+    /// segment and offset of the data.
+    fn segments_with_data(dir: &Path) -> (FileSegments, u32, u64) {
+        let db = Connection::open_in_memory().unwrap();
+        Engine::init_schema(&db).unwrap();
+        let mut segments = FileSegments::open(dir.join("data"), &db, false).unwrap();
+        let (seg, offset) = segments.append(&[7u8; 1 << 20]).unwrap();
+        segments.sync().unwrap();
+        (segments, seg, offset)
+    }
+
+    fn allocated(dir: &Path) -> u64 {
+        std::fs::read_dir(dir.join("data"))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
+            .sum()
+    }
+
+    /// A stop waits for the punch backlog only so long: past the budget `settle_within` gives
+    /// up what is still queued and says so (the engine then leaves no `CLEAN` marker, and the
+    /// next open reclaims the space); within it, everything is punched.
+    #[test]
+    fn settle_within_gives_up_a_backlog_past_its_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut segments, seg, offset) = segments_with_data(dir.path());
+        // The puncher is held up (as by slow discards) before it reaches the punch: a first
+        // punch starts it, a barrier behind that one sleeps in it.
+        segments.punch(seg, offset, 4096).unwrap();
+        segments.after_punches(Box::new(|| std::thread::sleep(Duration::from_millis(500))));
+        segments
+            .punch(seg, offset + 4096, (1 << 20) - 4096)
+            .unwrap();
+        assert!(
+            !segments.settle_within(Duration::from_millis(50)),
+            "settle_within waited for a backlog past its budget"
+        );
+        assert!(
+            allocated(dir.path()) >= (1 << 20) - 4096,
+            "a punch given up was done anyway"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let (mut segments, seg, offset) = segments_with_data(dir.path());
+        segments.punch(seg, offset, 1 << 20).unwrap();
+        assert!(segments.settle_within(Duration::from_secs(30)));
+        assert!(
+            allocated(dir.path()) < 64 << 10,
+            "{} bytes still allocated after a settled punch",
+            allocated(dir.path())
+        );
+    }
 }
