@@ -65,7 +65,7 @@ struct FileSegments {
     dirty: Vec<u32>,
     /// Bytes past the last committed reference, truncated at open.
     dropped_at_open: u64,
-    /// Unreferenced bytes punched at open after an unclean stop.
+    /// Unreferenced bytes handed to the punch thread at open after an unclean stop.
     reclaimed_at_open: u64,
 }
 
@@ -536,7 +536,8 @@ pub struct RecoveryReport {
     /// Bytes of segment data that no committed operation referenced, dropped from the end.
     pub dropped_data_bytes: u64,
     /// Bytes of dead segment data inside the segments (their release was pending when the
-    /// process stopped) punched out at open.
+    /// process stopped) that opening punches out, in the background
+    /// ([`LocalStore::reclaim_space`] waits until it is done).
     pub reclaimed_bytes: u64,
 }
 
