@@ -195,8 +195,6 @@ fn now() -> u64 {
         .unwrap_or_default()
 }
 
-/// An image's header object and parameters, with its writer lock held: what snapshot
-/// changes run under when no one has the image open.
 /// An image's store, header and writer lock, taken for a change made without opening the
 /// image (snapshot commands, delete).
 pub(crate) struct Locked {
