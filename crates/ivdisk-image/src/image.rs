@@ -14,6 +14,7 @@ use ivdisk_store::{
 
 use crate::header_object::HeaderRegion;
 use crate::layout::{LayoutKind, ObjectGeometry, SectorLayout};
+use crate::metadata_cache::{MetadataCache, DEFAULT_METADATA_CACHE_BYTES};
 use crate::range_lock::RangeLocks;
 use crate::snapshot::{SnapshotInfo, SnapshotTable};
 use crate::writer_lock::{self, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
@@ -83,6 +84,10 @@ pub struct OpenOptions {
     /// Open this snapshot (by name) instead of the image's head: always read-only, with the
     /// size the image had when the snapshot was taken.
     pub snapshot: Option<String>,
+    /// Bytes of per-sector metadata (`object-end` images) kept in memory while the writer
+    /// lock is held, so small reads fetch the data alone and small writes on RADOS send whole
+    /// metadata blocks (see `metadata_cache.rs`). 0 turns the cache off.
+    pub metadata_cache_bytes: usize,
 }
 
 impl Default for OpenOptions {
@@ -91,6 +96,7 @@ impl Default for OpenOptions {
             read_only: false,
             lock_duration: DEFAULT_LOCK_DURATION,
             snapshot: None,
+            metadata_cache_bytes: DEFAULT_METADATA_CACHE_BYTES,
         }
     }
 }
@@ -168,6 +174,8 @@ pub(crate) struct Inner {
     pub(crate) snapshot: Option<(String, SnapId)>,
     /// The snapshot context every data write carries (`None`: the image has no snapshots).
     pub(crate) snap_context: std::sync::RwLock<Option<SnapContext>>,
+    /// The `object-end` metadata in memory (writers only; used while the lock is held).
+    pub(crate) metadata_cache: Option<MetadataCache>,
 }
 
 /// The parts of an open image (see [`Image::from_spec`]).
@@ -193,6 +201,8 @@ pub(crate) struct EngineSpec {
     pub(crate) foreign: bool,
     pub(crate) snapshot: Option<(String, SnapId)>,
     pub(crate) snap_context: Option<SnapContext>,
+    /// Bytes for the metadata cache (0: none).
+    pub(crate) metadata_cache_bytes: usize,
 }
 
 fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
@@ -523,6 +533,7 @@ impl Image {
             foreign: false,
             snap_context: table.context(),
             snapshot: snapshot.map(|s| (s.name, s.id)),
+            metadata_cache_bytes: options.metadata_cache_bytes,
         }))
     }
 
@@ -534,7 +545,17 @@ impl Image {
             metadata_len: spec.suite.metadata_len(),
             sectors_per_object: (spec.object_size / spec.sector_size as u64) as u32,
         };
+        let metadata_cache = match (spec.layout, spec.read_only || spec.snapshot.is_some()) {
+            (LayoutKind::ObjectEnd, false) => MetadataCache::new(
+                spec.object_size,
+                geometry.sectors_per_object as usize * geometry.metadata_len,
+                spec.store.write_unit() > 1,
+                spec.metadata_cache_bytes,
+            ),
+            _ => None,
+        };
         let inner = Inner {
+            metadata_cache,
             data_prefix: spec.data_prefix,
             name: spec.name,
             store: spec.store,

@@ -9,11 +9,13 @@
 
 use std::sync::atomic::Ordering;
 
-use futures_util::future::join_all;
+use futures_util::future::{join, join_all};
 use ivdisk_crypto::CryptoError;
-use ivdisk_store::{ReadOp, StoreError, WriteOp, WriteStep};
+use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteStep};
 
 use crate::image::{Image, Inner};
+use crate::layout::{extent_bytes, take_or_place_extents};
+use crate::metadata_cache::{BoxFuture, MetadataCache, ReadPlan};
 use crate::ImageError;
 
 /// Sectors encrypted per step when a write's output is built: small enough that the zeroed
@@ -134,7 +136,17 @@ impl Inner {
         }
     }
 
+    /// The metadata cache, while it may be used: this process holds the writer lock (the
+    /// cache is right only while no one else writes).
+    fn usable_cache(&self) -> Option<&MetadataCache> {
+        let cache = self.metadata_cache.as_ref()?;
+        self.check_writable().is_ok().then_some(cache)
+    }
+
     async fn read_piece(&self, piece: Piece, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
+        if let Some(cache) = self.usable_cache() {
+            return self.read_piece_cached(cache, piece, out).await;
+        }
         let object = self.data_object(piece.object);
         let mut op = ReadOp::new();
         op.snap = self.read_snap();
@@ -166,6 +178,141 @@ impl Inner {
             Some(ciphertext) => self.decrypt_written(piece.lba, Some(&ciphertext), out, &metadata),
             None => self.decrypt_written(piece.lba, None, out, &metadata),
         }
+    }
+
+    /// [`Inner::read_piece`] of an `object-end` image through its metadata cache: the data
+    /// extent alone when the metadata is in memory, else the data and the whole metadata
+    /// blocks, which then stay in memory.
+    async fn read_piece_cached(
+        &self,
+        cache: &MetadataCache,
+        piece: Piece,
+        out: &mut [u8],
+    ) -> Result<Vec<u64>, ImageError> {
+        let object = self.data_object(piece.object);
+        let (ss, ml) = (self.sector_size as u64, self.cipher.metadata_len());
+        let data_offset = piece.index as u64 * ss;
+        let wanted = piece.index as usize * ml..(piece.index + piece.count) as usize * ml;
+        let store = &self.store;
+        let (plan, result) = cache
+            .submit(piece.object, |shard| {
+                let plan = cache.plan_read(shard, piece.object, wanted.clone());
+                let mut op = ReadOp::new().step(ReadStep::Read {
+                    offset: data_offset,
+                    len: piece.count as u64 * ss,
+                });
+                if let ReadPlan::Fetch { range, .. } = &plan {
+                    op.steps.push(ReadStep::Read {
+                        offset: cache.region_offset() + range.start as u64,
+                        len: range.len() as u64,
+                    });
+                }
+                (plan, store.read_op(&object, op))
+            })
+            .await;
+        let corrupt = |reason: String| ImageError::Corrupt {
+            image: self.name.clone(),
+            reason: format!("object `{object}`: {reason}"),
+        };
+        let results = match result {
+            Ok(results) => results,
+            Err(e) => {
+                if let ReadPlan::Fetch { range, loads } = &plan {
+                    match e {
+                        // A missing object: its metadata is all zeros at this point.
+                        StoreError::NotFound { .. } => {
+                            cache.finish_loads(piece.object, loads, range, None)
+                        }
+                        _ => cache.abandon_loads(piece.object, loads),
+                    }
+                }
+                return match e {
+                    StoreError::NotFound { .. } => {
+                        out.fill(0);
+                        Ok(Vec::new())
+                    }
+                    e => Err(ImageError::store(&self.name)(e)),
+                };
+            }
+        };
+        let mut results = results.into_iter();
+        let taken = take_or_place_extents(results.next(), data_offset, out);
+        let (taken, metadata) = match plan {
+            ReadPlan::Cached(metadata) => (taken.map_err(corrupt)?, metadata),
+            ReadPlan::Fetch { range, loads } => {
+                let at = cache.region_offset() + range.start as u64;
+                match (taken, extent_bytes(results.next(), at, range.len())) {
+                    (Ok(taken), Ok(fetched)) => {
+                        cache.finish_loads(piece.object, &loads, &range, Some(&fetched));
+                        let wanted = wanted.start - range.start..wanted.end - range.start;
+                        (taken, fetched[wanted].to_vec())
+                    }
+                    (Err(reason), _) | (_, Err(reason)) => {
+                        cache.abandon_loads(piece.object, &loads);
+                        return Err(corrupt(reason));
+                    }
+                }
+            }
+        };
+        match taken {
+            Some(ciphertext) => self.decrypt_written(piece.lba, Some(&ciphertext), out, &metadata),
+            None => self.decrypt_written(piece.lba, None, out, &metadata),
+        }
+    }
+
+    /// Apply one object's write operation through the metadata cache: its metadata changes
+    /// enter the cache in submission order, whole metadata blocks go out where the store
+    /// prefers them, and the blocks it touches in part and that are not in memory are read
+    /// right after it (one read per block, once).
+    async fn write_piece_cached(
+        &self,
+        cache: &MetadataCache,
+        n: u64,
+        object: &ObjectName,
+        mut op: WriteOp,
+    ) -> Result<(), StoreError> {
+        let store = &self.store;
+        type Outputs = (
+            Result<ivdisk_store::WriteOutcome, StoreError>,
+            Option<Result<Vec<ivdisk_store::ReadResult>, StoreError>>,
+        );
+        let (load, (written, loaded)) = cache
+            .submit(n, |shard| {
+                let load = cache.prepare_write(shard, n, &mut op.steps);
+                let write = store.write_op(object, op);
+                let read = load.as_ref().map(|(range, _)| {
+                    let op = ReadOp::new().step(ReadStep::Read {
+                        offset: cache.region_offset() + range.start as u64,
+                        len: range.len() as u64,
+                    });
+                    store.read_op(object, op)
+                });
+                // Both are submitted in the first poll, the write first.
+                let both: BoxFuture<'_, Outputs> = Box::pin(join(write, async move {
+                    match read {
+                        Some(read) => Some(read.await),
+                        None => None,
+                    }
+                }));
+                (load, both)
+            })
+            .await;
+        if written.is_err() {
+            // What the object holds now is unknown.
+            cache.forget(n);
+        }
+        if let (Some((range, loads)), Some(loaded)) = (load, loaded) {
+            let at = cache.region_offset() + range.start as u64;
+            match loaded {
+                Ok(results) => match extent_bytes(results.into_iter().next(), at, range.len()) {
+                    Ok(bytes) => cache.finish_loads(n, &loads, &range, Some(&bytes)),
+                    Err(_) => cache.abandon_loads(n, &loads),
+                },
+                Err(StoreError::NotFound { .. }) => cache.finish_loads(n, &loads, &range, None),
+                Err(_) => cache.abandon_loads(n, &loads),
+            }
+        }
+        written.map(|_| ())
     }
 
     /// Decrypt the written sectors of a run into `out`: from `ciphertext` when given (and
@@ -270,8 +417,15 @@ impl Inner {
                 ops.push(async move {
                     let object = self.data_object(piece.object);
                     let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
-                    match self.store.write_op(&object, op).await {
-                        Ok(_) => Ok(()),
+                    let written = match self.usable_cache() {
+                        Some(cache) => {
+                            self.write_piece_cached(cache, piece.object, &object, op)
+                                .await
+                        }
+                        None => self.store.write_op(&object, op).await.map(|_| ()),
+                    };
+                    match written {
+                        Ok(()) => Ok(()),
                         // Discarding in an object that does not exist: nothing to do.
                         Err(StoreError::NotFound { .. }) if only_if_exists => Ok(()),
                         Err(e) => Err(ImageError::store(&self.name)(e)),

@@ -30,6 +30,7 @@ mod image;
 mod io;
 mod keyslots;
 mod layout;
+mod metadata_cache;
 mod on_store;
 mod range_lock;
 mod snapshot;
@@ -48,6 +49,7 @@ pub use image::{
     DEFAULT_OBJECT_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
 };
 pub use layout::{LayoutKind, ObjectGeometry};
+pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};

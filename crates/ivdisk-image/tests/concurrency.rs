@@ -142,9 +142,17 @@ fn round_writes(rng: &mut Rng, window: u64, ss: u64) -> Vec<W> {
     writes
 }
 
+/// Where the image of [`concurrent_writers`] lives.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    On(Backend),
+    /// The memory store behind [`common::BlockStore`]: metadata goes out in whole blocks.
+    MemoryWholeBlocks,
+}
+
 async fn concurrent_writers(
     test: &str,
-    backend: Backend,
+    target: Target,
     suite: Suite,
     layout: LayoutKind,
     sector_size: u32,
@@ -156,15 +164,24 @@ async fn concurrent_writers(
     // Two sectors per object at 4096, eight at 512: the window of four sectors straddles an
     // object boundary, so some writes are two store operations.
     let object_size = (2 * ss).max(4096);
-    let place = common::place(backend, "concurrency");
     let size = rounds * 4 * object_size + 2 * object_size;
-    let image = Image::create(
-        &place.uri,
-        &common::options(size, suite, layout, sector_size, object_size),
-        common::PASS,
-    )
-    .await
-    .unwrap();
+    let options = common::options(size, suite, layout, sector_size, object_size);
+    let (_place, image) = match target {
+        Target::On(backend) => {
+            let place = common::place(backend, "concurrency");
+            let image = Image::create(&place.uri, &options, common::PASS)
+                .await
+                .unwrap();
+            (Some(place), image)
+        }
+        Target::MemoryWholeBlocks => {
+            let store = std::sync::Arc::new(common::BlockStore::new());
+            let image = Image::create_on(store, "concurrency", &options, common::PASS)
+                .await
+                .unwrap();
+            (None, image)
+        }
+    };
     let window = WINDOW_SECTORS * ss;
     for round in 0..rounds {
         // A fresh (zero) region each round.
@@ -247,7 +264,7 @@ async fn concurrent_writers(
 async fn concurrent_overlapping_writes_serialize_memory() {
     concurrent_writers(
         "concurrent_overlapping_writes_serialize_memory",
-        Backend::Memory,
+        Target::On(Backend::Memory),
         Suite::DEFAULT,
         LayoutKind::ObjectEnd,
         4096,
@@ -260,7 +277,7 @@ async fn concurrent_overlapping_writes_serialize_memory() {
 async fn concurrent_overlapping_writes_serialize_memory_512_omap() {
     concurrent_writers(
         "concurrent_overlapping_writes_serialize_memory_512_omap",
-        Backend::Memory,
+        Target::On(Backend::Memory),
         Suite::AesGcmRandom,
         LayoutKind::Omap,
         512,
@@ -273,7 +290,7 @@ async fn concurrent_overlapping_writes_serialize_memory_512_omap() {
 async fn concurrent_overlapping_writes_serialize_local() {
     concurrent_writers(
         "concurrent_overlapping_writes_serialize_local",
-        Backend::Local,
+        Target::On(Backend::Local),
         Suite::DEFAULT,
         LayoutKind::Unaligned,
         4096,
@@ -286,11 +303,41 @@ async fn concurrent_overlapping_writes_serialize_local() {
 async fn concurrent_overlapping_writes_serialize_local_xts_none() {
     concurrent_writers(
         "concurrent_overlapping_writes_serialize_local_xts_none",
-        Backend::Local,
+        Target::On(Backend::Local),
         Suite::AesXtsPlain64,
         LayoutKind::None,
         512,
         12,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_overlapping_writes_serialize_memory_whole_metadata_blocks() {
+    concurrent_writers(
+        "concurrent_overlapping_writes_serialize_memory_whole_metadata_blocks",
+        Target::MemoryWholeBlocks,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        12,
+    )
+    .await;
+}
+
+/// On RADOS (whole metadata blocks, the writes of one object ordered by the OSD).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_overlapping_writes_serialize_rados() {
+    if common::rados_uri("probe").is_none() {
+        return;
+    }
+    concurrent_writers(
+        "concurrent_overlapping_writes_serialize_rados",
+        Target::On(Backend::Rados),
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        6,
     )
     .await;
 }

@@ -40,6 +40,16 @@ async fn model_rados() {
         64 << 10,
         OPS,
     ));
+    // Objects whose metadata spans two 4 KiB blocks: writes of part of a block, rebuilt from
+    // the writer's metadata cache.
+    cases.push(Case::new(
+        Backend::Rados,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        1 << 20,
+        OPS,
+    ));
     // Small sectors and objects too, for the default layout.
     cases.push(Case::new(
         Backend::Rados,

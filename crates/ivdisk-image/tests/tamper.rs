@@ -9,7 +9,7 @@ mod common;
 
 use common::{put_raw_object, put_raw_sector, raw_object, raw_sector, Backend, Place, Rng};
 use ivdisk_crypto::Suite;
-use ivdisk_image::{Image, ImageError, LayoutKind};
+use ivdisk_image::{Image, ImageError, LayoutKind, OpenOptions};
 
 /// Sixteen sectors per object at 4096 bytes; four objects.
 const OBJECT_SIZE: u64 = 64 << 10;
@@ -32,7 +32,11 @@ impl Case {
     }
 }
 
-/// An image whose every sector holds random plaintext (returned).
+/// An image whose every sector holds random plaintext (returned), open for writing without
+/// the metadata cache: the tampering below happens under an open writer, and a writer with the
+/// cache would not read the metadata it holds in memory (see
+/// `a_writer_does_not_read_the_metadata_it_holds`; the threat is tampering while the image is
+/// not open, which a writer opening it afterwards reads from the store).
 async fn written_image(case: &Case, seed: u64) -> (Place, Image, Vec<u8>) {
     let place = common::place(case.backend, "tamper");
     let size = OBJECTS * OBJECT_SIZE;
@@ -45,7 +49,14 @@ async fn written_image(case: &Case, seed: u64) -> (Place, Image, Vec<u8>) {
     .unwrap_or_else(|e| panic!("{case:?}: create: {e}"));
     let content = Rng::derive(seed, &format!("{case:?}")).bytes(size as usize);
     image.write(0, &content).await.unwrap();
-    image.flush().await.unwrap();
+    image.close().await.unwrap();
+    let uncached = OpenOptions {
+        metadata_cache_bytes: 0,
+        ..OpenOptions::default()
+    };
+    let image = Image::open(&place.uri, common::PASS, &uncached)
+        .await
+        .unwrap_or_else(|e| panic!("{case:?}: open: {e}"));
     (place, image, content)
 }
 
@@ -415,6 +426,66 @@ async fn without_a_mac_moved_sectors_decrypt_to_garbage() {
         "without_a_mac_moved_sectors_decrypt_to_garbage",
         all,
         no_mac_case,
+    )
+    .await;
+}
+
+/// With the metadata cache (the default for `object-end` writers), tampered ciphertext still
+/// fails exactly its sector; metadata changed under the writer is not read while the writer
+/// holds it in memory (no one else may write while the writer lock is held); opened again,
+/// the writer reads the store and the tampered sector fails.
+async fn cached_case(case: Case, seed: u64) {
+    let place = common::place(case.backend, "tamper-cached");
+    let size = OBJECTS * OBJECT_SIZE;
+    let options = common::options(size, case.suite, case.layout, case.sector_size, OBJECT_SIZE);
+    let image = Image::create(&place.uri, &options, common::PASS)
+        .await
+        .unwrap_or_else(|e| panic!("{case:?}: create: {e}"));
+    let content = Rng::derive(seed, &format!("{case:?}")).bytes(size as usize);
+    image.write(0, &content).await.unwrap();
+    let lba = case.sectors_per_object() + 5;
+    let (data, metadata) = raw_sector(&image, lba).await;
+    let mut bad = data.clone();
+    flip(&mut bad, 9);
+    put_raw_sector(&image, lba, &bad, &metadata).await;
+    expect_read(&case, &image, &content, 0, size, &[lba]).await;
+    put_raw_sector(&image, lba, &data, &metadata).await;
+    expect_read(&case, &image, &content, 0, size, &[]).await;
+    let mut bad = metadata.clone();
+    flip(&mut bad, 0);
+    put_raw_sector(&image, lba, &data, &bad).await;
+    expect_read(&case, &image, &content, 0, size, &[]).await;
+    image.close().await.unwrap();
+    let image = Image::open(&place.uri, common::PASS, &OpenOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("{case:?}: open: {e}"));
+    expect_read(&case, &image, &content, 0, size, &[lba]).await;
+    // A whole-sector write repairs it, and the neighbours' metadata (in the same block)
+    // stays intact.
+    let fresh = vec![0x5Au8; case.ss() as usize];
+    image.write(lba * case.ss(), &fresh).await.unwrap();
+    let mut content = content;
+    content[(lba * case.ss()) as usize..((lba + 1) * case.ss()) as usize].copy_from_slice(&fresh);
+    expect_read(&case, &image, &content, 0, size, &[]).await;
+    image.close().await.unwrap();
+    let image = Image::open(&place.uri, common::PASS, &OpenOptions::read_only())
+        .await
+        .unwrap_or_else(|e| panic!("{case:?}: open read-only: {e}"));
+    expect_read(&case, &image, &content, 0, size, &[]).await;
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_does_not_read_the_metadata_it_holds() {
+    run_cases(
+        "a_writer_does_not_read_the_metadata_it_holds",
+        cases(
+            &Backend::LOCAL,
+            Suite::Aegis128lRandom,
+            &[LayoutKind::ObjectEnd],
+            4096,
+        ),
+        cached_case,
     )
     .await;
 }

@@ -804,6 +804,12 @@ impl ObjectStore for RadosStore {
         &self.client
     }
 
+    fn write_unit(&self) -> u64 {
+        // BlueStore's allocation and checksum unit (`bluestore_min_alloc_size_{hdd,ssd}` since
+        // Pacific): a partial block is read, merged and written again as a deferred write.
+        4096
+    }
+
     fn distinguishes_holes(&self) -> bool {
         false
     }

@@ -99,4 +99,13 @@ pub trait ObjectStore: Send + Sync {
     fn distinguishes_holes(&self) -> bool {
         true
     }
+
+    /// The unit of the store's own block writes: a write that is not whole, aligned blocks
+    /// of this size costs the store a read-modify-write (BlueStore: 4 KiB). Callers that know
+    /// the rest of a block (the image layer's metadata cache) send whole blocks instead of a
+    /// few bytes. 1: writes of any size and place cost the same (the local backend keeps
+    /// small writes in its index).
+    fn write_unit(&self) -> u64 {
+        1
+    }
 }

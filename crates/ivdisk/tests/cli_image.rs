@@ -339,7 +339,7 @@ fn helper_writer_that_dies_holding_the_lock() {
     let options = ivdisk_image::OpenOptions {
         read_only: false,
         lock_duration: std::time::Duration::from_secs(3600),
-        snapshot: None,
+        ..ivdisk_image::OpenOptions::default()
     };
     let opened = rt
         .block_on(ivdisk_image::Image::open(

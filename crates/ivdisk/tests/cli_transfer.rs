@@ -478,7 +478,7 @@ fn helper_writer_that_dies_holding_the_lock() {
     let options = OpenOptions {
         read_only: false,
         lock_duration: std::time::Duration::from_secs(3600),
-        snapshot: None,
+        ..OpenOptions::default()
     };
     let opened = rt
         .block_on(Image::open(&uri, b"correct horse", &options))

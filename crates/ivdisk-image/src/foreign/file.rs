@@ -172,6 +172,7 @@ pub(crate) async fn open_file(
         foreign: true,
         snapshot: None,
         snap_context: None,
+        metadata_cache_bytes: 0,
     }))
 }
 

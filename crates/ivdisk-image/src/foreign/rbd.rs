@@ -568,6 +568,7 @@ pub(crate) async fn open_rbd(
         foreign: true,
         snapshot: None,
         snap_context: None,
+        metadata_cache_bytes: 0,
     }))
 }
 

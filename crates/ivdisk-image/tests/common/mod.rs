@@ -799,8 +799,70 @@ impl FailingStore {
     }
 }
 
-#[async_trait::async_trait]
-impl ivdisk_store::ObjectStore for FailingStore {
+/// The `ObjectStore` methods a test wrapper passes unchanged to its `inner` store (every one
+/// but `write_op`, `read_op` and the provided ones), so each wrapper spells out only what it
+/// changes.
+// `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
+// whole impl (the store's own methods first, then the forwarded ones) under the attribute.
+macro_rules! object_store_forwarding_to_inner {
+    ($store:ty { $($own:tt)* }) => {
+        #[async_trait::async_trait]
+        impl ivdisk_store::ObjectStore for $store {
+        $($own)*
+        async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
+            self.inner.list(prefix).await
+        }
+        async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
+            self.inner.snap_create().await
+        }
+        async fn snap_remove(
+            &self,
+            snap: ivdisk_store::SnapId,
+        ) -> Result<(), ivdisk_store::StoreError> {
+            self.inner.snap_remove(snap).await
+        }
+        async fn lock_exclusive(
+            &self,
+            object: &ObjectName,
+            request: ivdisk_store::LockRequest,
+        ) -> Result<(), ivdisk_store::StoreError> {
+            self.inner.lock_exclusive(object, request).await
+        }
+        async fn unlock(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+            cookie: &str,
+        ) -> Result<(), ivdisk_store::StoreError> {
+            self.inner.unlock(object, lock, cookie).await
+        }
+        async fn list_lockers(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+        ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
+            self.inner.list_lockers(object, lock).await
+        }
+        async fn break_lock(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+            client: &str,
+            cookie: &str,
+        ) -> Result<(), ivdisk_store::StoreError> {
+            self.inner.break_lock(object, lock, client, cookie).await
+        }
+        async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+            self.inner.flush().await
+        }
+        fn client_id(&self) -> &str {
+            self.inner.client_id()
+        }
+        }
+    };
+}
+
+object_store_forwarding_to_inner!(FailingStore {
     async fn write_op(
         &self,
         object: &ObjectName,
@@ -821,53 +883,65 @@ impl ivdisk_store::ObjectStore for FailingStore {
     ) -> Result<Vec<ReadResult>, ivdisk_store::StoreError> {
         self.inner.read_op(object, op).await
     }
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
-        self.inner.list(prefix).await
+});
+
+/// A memory store that says it writes in 4 KiB blocks, as RADOS does (`write_unit`), so the
+/// image layer's whole-block metadata writes run in process; it records the steps of every
+/// operation for tests that check what went out.
+pub struct BlockStore {
+    inner: ivdisk_store::MemoryStore,
+    /// (object, offset, len) of every write step, in submission order.
+    pub writes: std::sync::Mutex<Vec<(String, u64, usize)>>,
+    /// (object, number of read steps) of every read operation.
+    pub reads: std::sync::Mutex<Vec<(String, usize)>>,
+}
+
+impl BlockStore {
+    pub fn new() -> BlockStore {
+        BlockStore {
+            inner: ivdisk_store::MemoryStore::new().unwrap(),
+            writes: Default::default(),
+            reads: Default::default(),
+        }
     }
-    async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
-        self.inner.snap_create().await
-    }
-    async fn snap_remove(
-        &self,
-        snap: ivdisk_store::SnapId,
-    ) -> Result<(), ivdisk_store::StoreError> {
-        self.inner.snap_remove(snap).await
-    }
-    async fn lock_exclusive(
-        &self,
-        object: &ObjectName,
-        request: ivdisk_store::LockRequest,
-    ) -> Result<(), ivdisk_store::StoreError> {
-        self.inner.lock_exclusive(object, request).await
-    }
-    async fn unlock(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-        cookie: &str,
-    ) -> Result<(), ivdisk_store::StoreError> {
-        self.inner.unlock(object, lock, cookie).await
-    }
-    async fn list_lockers(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-    ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
-        self.inner.list_lockers(object, lock).await
-    }
-    async fn break_lock(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-        client: &str,
-        cookie: &str,
-    ) -> Result<(), ivdisk_store::StoreError> {
-        self.inner.break_lock(object, lock, client, cookie).await
-    }
-    async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
-        self.inner.flush().await
-    }
-    fn client_id(&self) -> &str {
-        self.inner.client_id()
+
+    /// Forget what was recorded so far.
+    pub fn clear(&self) {
+        self.writes.lock().unwrap().clear();
+        self.reads.lock().unwrap().clear();
     }
 }
+
+object_store_forwarding_to_inner!(BlockStore {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        {
+            let mut writes = self.writes.lock().unwrap();
+            for step in &op.steps {
+                if let ivdisk_store::WriteStep::Write { offset, data } = step {
+                    writes.push((object.to_string(), *offset, data.len()));
+                }
+            }
+        }
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ReadOp,
+    ) -> Result<Vec<ReadResult>, ivdisk_store::StoreError> {
+        let steps = op
+            .steps
+            .iter()
+            .filter(|s| matches!(s, ReadStep::Read { .. }))
+            .count();
+        self.reads.lock().unwrap().push((object.to_string(), steps));
+        self.inner.read_op(object, op).await
+    }
+    fn write_unit(&self) -> u64 {
+        4096
+    }
+});

@@ -1,0 +1,668 @@
+//! The metadata of an `object-end` image, held in memory while this process is the image's
+//! one writer.
+//!
+//! Why: on RADOS the metadata of a small IO is a second extent in its operation. A read pays a
+//! second extent read, and a write of 32 bytes inside a 4 KiB block costs BlueStore a
+//! read-modify-write and a second deferred write (docs/BENCHMARKS.md, "RADOS write
+//! operations": 0.51-0.62x the ops/s of the data alone at 4 KiB; whole 4 KiB blocks: 0.90x).
+//! With the metadata known, a read fetches the data extent only, and a write sends the whole
+//! 4 KiB metadata block(s) it touches, rebuilt from memory.
+//!
+//! Why it is right: the writer lock keeps every other writer out, so only our own operations
+//! change the objects, and the store applies the operations on one object in the order they
+//! were submitted (an operation counts as submitted during its future's first poll). Every
+//! operation on a cached object is therefore built and submitted under the lock of its
+//! object's shard ([`MetadataCache::submit`]): a write's changes enter the cache in exactly
+//! the order the store applies them, and a read takes metadata matching the data it will get
+//! (every write before it in the cache and in the store, none after). A block not in memory is
+//! loaded by a read of the whole block in the same order; the writes submitted while that read
+//! is in flight are kept as patches and applied to what it returns.
+//!
+//! A write that fails leaves its object's blocks forgotten (reloaded on next use). Writes to
+//! the same block submitted while it was in flight already carried its new metadata in their
+//! whole-block writes, so the failed write's sectors may then read as failing authentication
+//! until rewritten: what a failed write leaves in its range is undefined in any case.
+//!
+//! The image layer uses the cache only while the writer lock is held (not after it is lost or
+//! released) and only for the head (not for snapshots, which are read-only opens).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::task::Poll;
+
+use ivdisk_store::WriteStep;
+
+/// Bytes of an object's metadata region per cache block: BlueStore's allocation and checksum
+/// unit, the smallest write it takes without a read-modify-write.
+pub(crate) const BLOCK: usize = 4096;
+
+/// Independent locks, so operations on different objects rarely wait for each other's
+/// submission (a 4 MiB write's submission copies its data).
+const SHARDS: usize = 16;
+
+/// The default memory bound: 64 MiB of metadata, 8 GiB of image data with 4 KiB sectors and
+/// 32 bytes of metadata each.
+pub const DEFAULT_METADATA_CACHE_BYTES: usize = 64 << 20;
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+pub(crate) struct MetadataCache {
+    /// Where the metadata region starts in an object, and its length.
+    region_offset: u64,
+    region_len: usize,
+    /// Rewrite metadata writes as whole blocks (the store prefers aligned 4 KiB writes).
+    whole_blocks: bool,
+    /// Known blocks per shard before one is evicted.
+    shard_capacity: usize,
+    shards: Vec<Mutex<Shard>>,
+    next_load: AtomicU64,
+}
+
+#[derive(Default)]
+pub(crate) struct Shard {
+    blocks: HashMap<(u64, u32), Block>,
+    known: usize,
+}
+
+enum Block {
+    /// The block's bytes as the store holds them after every operation submitted so far.
+    Known(Box<[u8]>),
+    /// A read of the block is in flight (load `id`); `patches` are the changes of operations
+    /// submitted after it, in order: (offset in the block, bytes).
+    Loading {
+        id: u64,
+        patches: Vec<(usize, Vec<u8>)>,
+    },
+}
+
+/// How a read gets the metadata of its sectors.
+pub(crate) enum ReadPlan {
+    /// From memory: the read fetches the data only.
+    Cached(Vec<u8>),
+    /// From the store: the read also fetches this range of the metadata region (whole
+    /// blocks), and the blocks it loads are filled from it.
+    Fetch { range: Range<usize>, loads: Loads },
+}
+
+/// Blocks a read is loading: (block, load id).
+pub(crate) type Loads = Vec<(u32, u64)>;
+
+/// One change of a write to the metadata region: (offset in the region, new bytes).
+type Change = (usize, Vec<u8>);
+
+impl MetadataCache {
+    /// A cache for objects whose metadata region is `region_len` bytes at `region_offset`,
+    /// holding about `capacity` bytes. `None` when `capacity` is below one block per shard.
+    pub(crate) fn new(
+        region_offset: u64,
+        region_len: usize,
+        whole_blocks: bool,
+        capacity: usize,
+    ) -> Option<MetadataCache> {
+        let shard_capacity = capacity / BLOCK / SHARDS;
+        if shard_capacity == 0 || region_len == 0 {
+            return None;
+        }
+        Some(MetadataCache {
+            region_offset,
+            region_len,
+            whole_blocks,
+            shard_capacity,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            next_load: AtomicU64::new(1),
+        })
+    }
+
+    pub(crate) fn region_offset(&self) -> u64 {
+        self.region_offset
+    }
+
+    fn shard(&self, object: u64) -> MutexGuard<'_, Shard> {
+        self.shards[(object % SHARDS as u64) as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn block_range(&self, block: u32) -> Range<usize> {
+        let start = block as usize * BLOCK;
+        start..(start + BLOCK).min(self.region_len)
+    }
+
+    /// The blocks holding region bytes `range`.
+    fn blocks_of(&self, range: &Range<usize>) -> Range<u32> {
+        (range.start / BLOCK) as u32..range.end.div_ceil(BLOCK) as u32
+    }
+
+    /// Build an operation under its object's shard lock and submit it (its future's first
+    /// poll) before the lock is released, so the cache and the store see operations on one
+    /// object in the same order. Returns what `build` returned beside the future, and the
+    /// future's output.
+    pub(crate) async fn submit<'f, X, T>(
+        &self,
+        object: u64,
+        build: impl FnOnce(&mut Shard) -> (X, BoxFuture<'f, T>),
+    ) -> (X, T) {
+        let mut build = Some(build);
+        let (extra, first) = std::future::poll_fn(|cx| {
+            let mut shard = self.shard(object);
+            let build = build
+                .take()
+                .expect("poll_fn below returns Ready on its first poll");
+            let (extra, mut future) = build(&mut shard);
+            let first = match future.as_mut().poll(cx) {
+                Poll::Ready(output) => Ok(output),
+                Poll::Pending => Err(future),
+            };
+            Poll::Ready((extra, first))
+        })
+        .await;
+        let output = match first {
+            Ok(output) => output,
+            Err(future) => future.await,
+        };
+        (extra, output)
+    }
+
+    /// Plan a read of sectors whose metadata is region bytes `range`: from memory when every
+    /// block is known, else fetched with the data (blocks not yet in memory or loading start
+    /// loading).
+    pub(crate) fn plan_read(
+        &self,
+        shard: &mut Shard,
+        object: u64,
+        range: Range<usize>,
+    ) -> ReadPlan {
+        let blocks = self.blocks_of(&range);
+        let all_known = blocks
+            .clone()
+            .all(|b| matches!(shard.blocks.get(&(object, b)), Some(Block::Known(_))));
+        if all_known {
+            let mut metadata = Vec::with_capacity(range.len());
+            for b in blocks {
+                let Some(Block::Known(bytes)) = shard.blocks.get(&(object, b)) else {
+                    unreachable!("checked above")
+                };
+                let block = self.block_range(b);
+                let lo = range.start.max(block.start) - block.start;
+                let hi = range.end.min(block.end) - block.start;
+                metadata.extend_from_slice(&bytes[lo..hi]);
+            }
+            return ReadPlan::Cached(metadata);
+        }
+        let fetch =
+            blocks.start as usize * BLOCK..(blocks.end as usize * BLOCK).min(self.region_len);
+        let loads = self.start_loads(shard, object, blocks);
+        ReadPlan::Fetch {
+            range: fetch,
+            loads,
+        }
+    }
+
+    /// Mark the blocks of `blocks` that are not in memory as loading.
+    fn start_loads(&self, shard: &mut Shard, object: u64, blocks: Range<u32>) -> Loads {
+        let mut loads = Vec::new();
+        for b in blocks {
+            if let std::collections::hash_map::Entry::Vacant(entry) =
+                shard.blocks.entry((object, b))
+            {
+                let id = self.next_load.fetch_add(1, Ordering::Relaxed);
+                entry.insert(Block::Loading {
+                    id,
+                    patches: Vec::new(),
+                });
+                loads.push((b, id));
+            }
+        }
+        loads
+    }
+
+    /// A load read returned `bytes`, region bytes `range` as the store held them at its turn
+    /// (`None`: the object did not exist, all zeros). Blocks still loading with the same id
+    /// become known, with the patches of later operations applied.
+    pub(crate) fn finish_loads(
+        &self,
+        object: u64,
+        loads: &Loads,
+        range: &Range<usize>,
+        bytes: Option<&[u8]>,
+    ) {
+        if loads.is_empty() {
+            return;
+        }
+        let mut shard = self.shard(object);
+        for &(b, id) in loads {
+            let key = (object, b);
+            let patches = match shard.blocks.get_mut(&key) {
+                Some(Block::Loading {
+                    id: current,
+                    patches,
+                }) if *current == id => std::mem::take(patches),
+                _ => continue,
+            };
+            let block = self.block_range(b);
+            let mut content = vec![0u8; block.len()].into_boxed_slice();
+            if let Some(bytes) = bytes {
+                content.copy_from_slice(&bytes[block.start - range.start..block.end - range.start]);
+            }
+            for (at, patch) in patches {
+                content[at..at + patch.len()].copy_from_slice(&patch);
+            }
+            shard.blocks.remove(&key);
+            self.insert_known(&mut shard, key, content);
+        }
+    }
+
+    /// A load read failed: its blocks are no longer loading (the next use starts again).
+    pub(crate) fn abandon_loads(&self, object: u64, loads: &Loads) {
+        if loads.is_empty() {
+            return;
+        }
+        let mut shard = self.shard(object);
+        for &(b, id) in loads {
+            if matches!(shard.blocks.get(&(object, b)), Some(Block::Loading { id: current, .. }) if *current == id)
+            {
+                shard.blocks.remove(&(object, b));
+            }
+        }
+    }
+
+    /// Forget every block of `object` (a write to it failed: what it holds is unknown).
+    pub(crate) fn forget(&self, object: u64) {
+        forget_in(&mut self.shard(object), object);
+    }
+
+    fn insert_known(&self, shard: &mut Shard, key: (u64, u32), content: Box<[u8]>) {
+        if shard.known >= self.shard_capacity {
+            // Any known block will do (the map's order is arbitrary): the cache is clean, and
+            // an evicted block costs one load when it is used again.
+            let victim = shard
+                .blocks
+                .iter()
+                .find(|(k, b)| **k != key && matches!(b, Block::Known(_)))
+                .map(|(k, _)| *k);
+            if let Some(victim) = victim {
+                shard.blocks.remove(&victim);
+                shard.known -= 1;
+            }
+        }
+        if let Some(Block::Known(_)) = shard.blocks.insert(key, Block::Known(content)) {
+            return;
+        }
+        shard.known += 1;
+    }
+
+    /// Take a write operation's changes to the metadata region into the cache, in the order
+    /// of its steps, and (when the store prefers whole blocks) rewrite its metadata steps as
+    /// whole-block writes where the blocks are known. Returns the blocks to load: those the
+    /// write touches only in part and that are not in memory (the caller reads them right
+    /// after submitting the write, so later writes find them known).
+    pub(crate) fn prepare_write(
+        &self,
+        shard: &mut Shard,
+        object: u64,
+        steps: &mut Vec<WriteStep>,
+    ) -> Option<(Range<usize>, Loads)> {
+        let region_start = self.region_offset;
+        let region_end = self.region_offset + self.region_len as u64;
+        let mut changes: Vec<Change> = Vec::new();
+        let mut rewritable = true;
+        for step in steps.iter() {
+            match step {
+                WriteStep::Write { offset, data } if *offset >= region_start => {
+                    changes.push(((*offset - region_start) as usize, data.clone()))
+                }
+                WriteStep::Zero { offset, len } if *offset >= region_start => {
+                    let len = (*len).min(region_end.saturating_sub(*offset)) as usize;
+                    changes.push(((*offset - region_start) as usize, vec![0; len]))
+                }
+                WriteStep::Remove => {
+                    changes.push((0, vec![0; self.region_len]));
+                    rewritable = false;
+                }
+                WriteStep::WriteFull(_) | WriteStep::Truncate(_) | WriteStep::Rollback(_) => {
+                    // Not produced by the IO path; what the object then holds is not tracked.
+                    forget_in(shard, object);
+                    return None;
+                }
+                _ => {}
+            }
+        }
+        if changes.is_empty() {
+            return None;
+        }
+        let mut partial: Vec<u32> = Vec::new();
+        for (at, bytes) in &changes {
+            self.apply(shard, object, *at, bytes, &mut partial);
+        }
+        if self.whole_blocks && rewritable {
+            self.rewrite_whole_blocks(shard, object, steps, &changes);
+        }
+        partial.sort_unstable();
+        partial.dedup();
+        partial.retain(|&b| !shard.blocks.contains_key(&(object, b)));
+        let (first, last) = (*partial.first()?, *partial.last()?);
+        // One read covering them all (a write touches at most a few neighbouring blocks).
+        let loads = self.start_loads(shard, object, first..last + 1);
+        let range = first as usize * BLOCK..((last as usize + 1) * BLOCK).min(self.region_len);
+        Some((range, loads))
+    }
+
+    /// Apply one change to the blocks it touches; blocks not in memory and only partly
+    /// covered are added to `partial`.
+    fn apply(
+        &self,
+        shard: &mut Shard,
+        object: u64,
+        at: usize,
+        bytes: &[u8],
+        partial: &mut Vec<u32>,
+    ) {
+        let range = at..at + bytes.len();
+        for b in self.blocks_of(&range) {
+            let block = self.block_range(b);
+            let lo = range.start.max(block.start);
+            let hi = range.end.min(block.end);
+            let piece = &bytes[lo - at..hi - at];
+            match shard.blocks.get_mut(&(object, b)) {
+                Some(Block::Known(content)) => {
+                    content[lo - block.start..hi - block.start].copy_from_slice(piece)
+                }
+                Some(Block::Loading { patches, .. }) => {
+                    patches.push((lo - block.start, piece.to_vec()))
+                }
+                None if lo == block.start && hi == block.end => {
+                    self.insert_known(shard, (object, b), piece.to_vec().into_boxed_slice())
+                }
+                None => partial.push(b),
+            }
+        }
+    }
+
+    /// Replace the metadata steps by whole-block writes of the known blocks they touch, and
+    /// their exact bytes in the blocks not known.
+    fn rewrite_whole_blocks(
+        &self,
+        shard: &Shard,
+        object: u64,
+        steps: &mut Vec<WriteStep>,
+        changes: &[Change],
+    ) {
+        let region_start = self.region_offset;
+        let is_metadata = |step: &WriteStep| match step {
+            WriteStep::Write { offset, .. } | WriteStep::Zero { offset, .. } => {
+                *offset >= region_start
+            }
+            _ => false,
+        };
+        let Some(at) = steps.iter().position(is_metadata) else {
+            return;
+        };
+        let mut touched: Vec<u32> = changes
+            .iter()
+            .flat_map(|(at, bytes)| self.blocks_of(&(*at..*at + bytes.len())))
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let mut rewritten = Vec::new();
+        for b in touched {
+            let block = self.block_range(b);
+            match shard.blocks.get(&(object, b)) {
+                Some(Block::Known(content)) => rewritten.push(WriteStep::Write {
+                    offset: region_start + block.start as u64,
+                    data: content.to_vec(),
+                }),
+                _ => {
+                    // Exact bytes, in the steps' order (later changes win).
+                    for (at, bytes) in changes {
+                        let lo = (*at).max(block.start);
+                        let hi = (at + bytes.len()).min(block.end);
+                        if lo < hi {
+                            rewritten.push(WriteStep::Write {
+                                offset: region_start + lo as u64,
+                                data: bytes[lo - at..hi - at].to_vec(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        steps.retain(|s| !is_metadata(s));
+        let at = at.min(steps.len());
+        steps.splice(at..at, rewritten);
+    }
+}
+
+fn forget_in(shard: &mut Shard, object: u64) {
+    let before = shard.blocks.len();
+    let mut known_removed = 0;
+    shard.blocks.retain(|&(o, _), block| {
+        let keep = o != object;
+        if !keep && matches!(block, Block::Known(_)) {
+            known_removed += 1;
+        }
+        keep
+    });
+    shard.known -= known_removed;
+    tracing::debug!(
+        object,
+        blocks = before - shard.blocks.len(),
+        "forgot cached metadata"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REGION: u64 = 1 << 20;
+
+    fn cache(whole_blocks: bool) -> MetadataCache {
+        // Four blocks of metadata at 1 MiB, room for everything.
+        MetadataCache::new(REGION, 4 * BLOCK, whole_blocks, 1 << 20).expect("capacity")
+    }
+
+    fn meta_write(at: usize, bytes: &[u8]) -> WriteStep {
+        WriteStep::Write {
+            offset: REGION + at as u64,
+            data: bytes.to_vec(),
+        }
+    }
+
+    fn data_write() -> WriteStep {
+        WriteStep::Write {
+            offset: 0,
+            data: vec![7; 4096],
+        }
+    }
+
+    fn prepare(
+        cache: &MetadataCache,
+        object: u64,
+        steps: &mut Vec<WriteStep>,
+    ) -> Option<(Range<usize>, Loads)> {
+        cache.prepare_write(&mut cache.shard(object), object, steps)
+    }
+
+    fn plan(cache: &MetadataCache, object: u64, range: Range<usize>) -> ReadPlan {
+        cache.plan_read(&mut cache.shard(object), object, range)
+    }
+
+    /// (offset, len) of each metadata write step.
+    fn metadata_writes(steps: &[WriteStep]) -> Vec<(u64, usize)> {
+        steps
+            .iter()
+            .filter_map(|s| match s {
+                WriteStep::Write { offset, data } if *offset >= REGION => {
+                    Some((*offset - REGION, data.len()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_partial_write_to_an_unknown_block_loads_it_and_later_writes_patch_the_load() {
+        let cache = cache(true);
+        let mut first = vec![data_write(), meta_write(32, &[1; 32])];
+        let (range, loads) = prepare(&cache, 3, &mut first).expect("the block is to be loaded");
+        assert_eq!(range, 0..BLOCK);
+        assert_eq!(loads.len(), 1);
+        // Not known yet: the exact bytes go out, after the data.
+        assert_eq!(metadata_writes(&first), vec![(32, 32)]);
+        assert!(matches!(&first[0], WriteStep::Write { offset: 0, .. }));
+        // A second write while the load is in flight: a patch, exact bytes again, no load.
+        let mut second = vec![meta_write(64, &[2; 32])];
+        assert!(prepare(&cache, 3, &mut second).is_none());
+        assert_eq!(metadata_writes(&second), vec![(64, 32)]);
+        // Reads meanwhile fetch from the store and start no second load.
+        match plan(&cache, 3, 32..64) {
+            ReadPlan::Fetch { range, loads } => {
+                assert_eq!(range, 0..BLOCK);
+                assert!(loads.is_empty());
+            }
+            ReadPlan::Cached(_) => panic!("a loading block is not known"),
+        }
+        // The load saw the first write (submitted before it), not the second.
+        let mut stored = vec![0u8; BLOCK];
+        stored[32..64].fill(1);
+        stored[200] = 9;
+        cache.finish_loads(3, &loads, &range, Some(&stored));
+        match plan(&cache, 3, 0..BLOCK) {
+            ReadPlan::Cached(bytes) => {
+                let mut expected = stored.clone();
+                expected[64..96].fill(2);
+                assert_eq!(bytes, expected);
+            }
+            ReadPlan::Fetch { .. } => panic!("the block is known now"),
+        }
+        // Known: a later write sends the whole block.
+        let mut third = vec![data_write(), meta_write(96, &[3; 32])];
+        assert!(prepare(&cache, 3, &mut third).is_none());
+        assert_eq!(metadata_writes(&third), vec![(0, BLOCK)]);
+        let WriteStep::Write { data, .. } = &third[1] else {
+            panic!("metadata after the data")
+        };
+        assert_eq!(&data[32..64], &[1; 32]);
+        assert_eq!(&data[64..96], &[2; 32]);
+        assert_eq!(&data[96..128], &[3; 32]);
+        assert_eq!(data[200], 9);
+    }
+
+    #[test]
+    fn whole_blocks_written_are_known_at_once_and_other_objects_are_apart() {
+        let cache = cache(true);
+        let mut steps = vec![data_write(), meta_write(BLOCK, &[5; 2 * BLOCK])];
+        assert!(prepare(&cache, 1, &mut steps).is_none());
+        assert_eq!(
+            metadata_writes(&steps),
+            vec![(BLOCK as u64, BLOCK), (2 * BLOCK as u64, BLOCK)]
+        );
+        assert!(
+            matches!(plan(&cache, 1, BLOCK + 100..3 * BLOCK), ReadPlan::Cached(b) if b == vec![5; 2 * BLOCK - 100])
+        );
+        // The block before is not known, nor is the same block of another object.
+        assert!(matches!(plan(&cache, 1, 0..32), ReadPlan::Fetch { .. }));
+        assert!(matches!(
+            plan(&cache, 2, BLOCK..BLOCK + 32),
+            ReadPlan::Fetch { .. }
+        ));
+    }
+
+    #[test]
+    fn without_whole_blocks_the_steps_stay_as_they_are() {
+        let cache = cache(false);
+        let mut steps = vec![meta_write(0, &[4; BLOCK])];
+        assert!(prepare(&cache, 1, &mut steps).is_none());
+        let mut second = vec![data_write(), meta_write(32, &[6; 32])];
+        assert!(prepare(&cache, 1, &mut second).is_none());
+        assert_eq!(metadata_writes(&second), vec![(32, 32)]);
+        let ReadPlan::Cached(bytes) = plan(&cache, 1, 0..64) else {
+            panic!("known")
+        };
+        assert_eq!(&bytes[..32], &[4; 32]);
+        assert_eq!(&bytes[32..], &[6; 32]);
+    }
+
+    #[test]
+    fn discards_zero_the_metadata_and_removal_zeroes_every_block() {
+        let cache = cache(true);
+        let mut write = vec![meta_write(0, &[1; 4 * BLOCK])];
+        prepare(&cache, 1, &mut write);
+        let mut discard = vec![
+            WriteStep::AssertExists,
+            WriteStep::Zero {
+                offset: 0,
+                len: 8192,
+            },
+            WriteStep::Zero {
+                offset: REGION + 64,
+                len: 64,
+            },
+        ];
+        assert!(prepare(&cache, 1, &mut discard).is_none());
+        // AssertExists stays first; the metadata zeroing became a whole-block write.
+        assert!(matches!(discard[0], WriteStep::AssertExists));
+        assert_eq!(metadata_writes(&discard), vec![(0, BLOCK)]);
+        let ReadPlan::Cached(bytes) = plan(&cache, 1, 0..192) else {
+            panic!("known")
+        };
+        assert_eq!(&bytes[..64], &[1; 64]);
+        assert_eq!(&bytes[64..128], &[0; 64]);
+        assert_eq!(&bytes[128..], &[1; 64]);
+        let mut remove = vec![WriteStep::AssertExists, WriteStep::Remove];
+        assert!(prepare(&cache, 1, &mut remove).is_none());
+        assert_eq!(remove.len(), 2, "a removal is not rewritten");
+        let ReadPlan::Cached(bytes) = plan(&cache, 1, 0..4 * BLOCK) else {
+            panic!("known")
+        };
+        assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_load_that_lost_its_block_is_ignored() {
+        let cache = cache(true);
+        let ReadPlan::Fetch { range, loads } = plan(&cache, 1, 0..32) else {
+            panic!("nothing known yet")
+        };
+        // A write failed meanwhile: the object is forgotten; a new read starts a new load.
+        cache.forget(1);
+        let ReadPlan::Fetch { loads: newer, .. } = plan(&cache, 1, 0..32) else {
+            panic!("nothing known yet")
+        };
+        cache.finish_loads(1, &loads, &range, Some(&[8; BLOCK]));
+        assert!(
+            matches!(plan(&cache, 1, 0..32), ReadPlan::Fetch { .. }),
+            "the old load filled nothing"
+        );
+        cache.finish_loads(1, &newer, &range, None);
+        assert!(matches!(plan(&cache, 1, 0..32), ReadPlan::Cached(b) if b == vec![0; 32]));
+        // A failed load frees its blocks for the next one.
+        let ReadPlan::Fetch { loads, .. } = plan(&cache, 1, BLOCK..BLOCK + 1) else {
+            panic!("block 1 not known")
+        };
+        cache.abandon_loads(1, &loads);
+        let ReadPlan::Fetch { loads, .. } = plan(&cache, 1, BLOCK..BLOCK + 1) else {
+            panic!("block 1 not known")
+        };
+        assert_eq!(loads.len(), 1);
+    }
+
+    #[test]
+    fn memory_stays_bounded() {
+        // One block per shard.
+        let cache = MetadataCache::new(REGION, 4 * BLOCK, true, SHARDS * BLOCK).expect("capacity");
+        for object in 0..64u64 {
+            for b in 0..4 {
+                let mut steps = vec![meta_write(b * BLOCK, &[1; BLOCK])];
+                prepare(&cache, object * SHARDS as u64, &mut steps);
+            }
+        }
+        let shard = cache.shard(0);
+        assert_eq!(shard.known, 1);
+        assert_eq!(shard.blocks.len(), 1);
+    }
+}

@@ -1,0 +1,196 @@
+//! The writer's metadata cache of `object-end` images, seen from the store: what reads and
+//! writes send once the metadata is in memory, on a store that writes in 4 KiB blocks (as
+//! RADOS does). Correctness under concurrency is in concurrency.rs, tampering in tamper.rs,
+//! the randomized model on RADOS in rados.rs.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{BlockStore, PASS};
+use ivdisk_crypto::Suite;
+use ivdisk_image::{Image, LayoutKind, OpenOptions};
+
+/// 256 sectors of 4 KiB per object: 8 KiB of metadata at the object's end (two blocks).
+const OBJECT_SIZE: u64 = 1 << 20;
+const SS: u64 = 4096;
+
+fn writes_to(store: &BlockStore, object: &str) -> Vec<(u64, usize)> {
+    store
+        .writes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(o, _, _)| o == object)
+        .map(|&(_, offset, len)| (offset, len))
+        .collect()
+}
+
+fn read_steps(store: &BlockStore) -> Vec<usize> {
+    store
+        .reads
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|&(_, n)| n)
+        .collect()
+}
+
+fn sector(value: u8) -> Vec<u8> {
+    vec![value; SS as usize]
+}
+
+async fn read_sector(image: &Image, lba: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; SS as usize];
+    image.read(lba * SS, &mut buf).await.unwrap();
+    buf
+}
+
+#[tokio::test]
+async fn small_ios_send_whole_metadata_blocks_and_read_data_alone() {
+    let store = Arc::new(BlockStore::new());
+    let options = common::options(
+        4 * OBJECT_SIZE,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        SS as u32,
+        OBJECT_SIZE,
+    );
+    let image = Image::create_on(store.clone(), "cached", &options, PASS)
+        .await
+        .unwrap();
+    let object = image.data_object(0).to_string();
+    let region = OBJECT_SIZE;
+
+    // First small write to a block not in memory: its exact 32 bytes, then a read of the
+    // block (once).
+    store.clear();
+    image.write(3 * SS, &sector(3)).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(3 * SS, 4096), (region + 3 * 32, 32)]
+    );
+    assert_eq!(read_steps(&store), vec![1], "one read loads the block");
+
+    // Now the block is known: the next write in it sends the whole 4 KiB block, and reads of
+    // written sectors fetch the data alone.
+    store.clear();
+    image.write(5 * SS, &sector(5)).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(5 * SS, 4096), (region, 4096)]
+    );
+    assert!(read_steps(&store).is_empty());
+    assert_eq!(read_sector(&image, 3).await, sector(3));
+    assert_eq!(read_sector(&image, 5).await, sector(5));
+    assert_eq!(read_sector(&image, 4).await, sector(0));
+    assert_eq!(read_steps(&store), vec![1, 1, 1]);
+
+    // A sector in the second metadata block (sector 128 on): not in memory yet.
+    store.clear();
+    assert_eq!(read_sector(&image, 200).await, sector(0));
+    assert_eq!(read_steps(&store), vec![2], "data and the metadata block");
+    image.write(200 * SS, &sector(7)).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(200 * SS, 4096), (region + 4096, 4096)]
+    );
+
+    // A write covering whole blocks needs no load; discards keep the neighbours' metadata.
+    store.clear();
+    let big = vec![9u8; 128 * SS as usize];
+    image.write(OBJECT_SIZE, &big).await.unwrap();
+    let second = image.data_object(1).to_string();
+    assert_eq!(
+        writes_to(&store, &second),
+        vec![(0, 128 * 4096), (region, 4096)]
+    );
+    image.discard(OBJECT_SIZE + 10 * SS, SS).await.unwrap();
+    assert!(read_steps(&store).is_empty());
+    let mut back = vec![0u8; 128 * SS as usize];
+    image.read(OBJECT_SIZE, &mut back).await.unwrap();
+    let mut expected = big.clone();
+    expected[10 * SS as usize..11 * SS as usize].fill(0);
+    assert!(back == expected, "discarded sector zero, the others intact");
+    image.close().await.unwrap();
+
+    // Opened again the cache starts empty: the first read of a block fetches it, the next
+    // ones do not.
+    let image = Image::open_on(store.clone(), "cached", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    store.clear();
+    assert_eq!(read_sector(&image, 3).await, sector(3));
+    assert_eq!(read_sector(&image, 5).await, sector(5));
+    assert_eq!(read_steps(&store), vec![2, 1]);
+    image.close().await.unwrap();
+
+    // Read-only openers have no cache (another process may write); nor has a writer with
+    // the cache turned off, whose writes send the exact metadata bytes.
+    let reader = Image::open_on(store.clone(), "cached", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    store.clear();
+    assert_eq!(read_sector(&reader, 3).await, sector(3));
+    assert_eq!(read_sector(&reader, 3).await, sector(3));
+    assert_eq!(read_steps(&store), vec![2, 2]);
+    reader.close().await.unwrap();
+    let uncached = OpenOptions {
+        metadata_cache_bytes: 0,
+        ..OpenOptions::default()
+    };
+    let image = Image::open_on(store.clone(), "cached", PASS, &uncached)
+        .await
+        .unwrap();
+    store.clear();
+    image.write(6 * SS, &sector(6)).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(6 * SS, 4096), (region + 6 * 32, 32)]
+    );
+    assert_eq!(read_sector(&image, 6).await, sector(6));
+    assert_eq!(read_steps(&store), vec![2]);
+    image.close().await.unwrap();
+}
+
+/// A partial-sector write reads the old sector first (through the cache) and every sector
+/// of a block written one by one after a reopen reads back.
+#[tokio::test]
+async fn sectors_written_one_by_one_after_a_reopen_read_back() {
+    let store = Arc::new(BlockStore::new());
+    let options = common::options(
+        2 * OBJECT_SIZE,
+        Suite::AesXtsRandom,
+        LayoutKind::ObjectEnd,
+        SS as u32,
+        OBJECT_SIZE,
+    );
+    let image = Image::create_on(store.clone(), "one-by-one", &options, PASS)
+        .await
+        .unwrap();
+    let all: Vec<u8> = (0..2 * OBJECT_SIZE).map(|i| (i / SS) as u8).collect();
+    image.write(0, &all).await.unwrap();
+    image.close().await.unwrap();
+    let image = Image::open_on(store.clone(), "one-by-one", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    let mut expected = all;
+    // Interleaved across the two objects and both blocks of each, with partial sectors.
+    for i in 0..300u64 {
+        let lba = (i * 37) % (2 * OBJECT_SIZE / SS);
+        let at = lba * SS + (i % 3) * 100;
+        let len = (1000 + (i % 2) * 3096).min(2 * OBJECT_SIZE - at);
+        let data = vec![(i % 251) as u8 + 1; len as usize];
+        image.write(at, &data).await.unwrap();
+        expected[at as usize..at as usize + data.len()].copy_from_slice(&data);
+    }
+    let mut back = vec![0u8; expected.len()];
+    image.read(0, &mut back).await.unwrap();
+    assert!(back == expected, "read back through the cache");
+    image.close().await.unwrap();
+    let reader = Image::open_on(store, "one-by-one", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    reader.read(0, &mut back).await.unwrap();
+    assert!(back == expected, "read back from the store alone");
+}
