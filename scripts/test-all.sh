@@ -180,6 +180,10 @@ log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VA
 # On a CPU with VAES the suites use our VAES XTS; run the crypto tests once more on the
 # OpenSSL path that CPUs without it take.
 IVDISK_CRYPTO_NO_VAES=1 cargo test -p ivdisk-crypto --tests
+if grep -qw avx512f /proc/cpuinfo; then
+  log "cargo test ivdisk-crypto on the 256-bit VAES code (as on CPUs without AVX-512)"
+  IVDISK_CRYPTO_VAES=ymm cargo test -p ivdisk-crypto --tests
+fi
 
 log "the README's main job: scripts/quickstart.sh serving a disk to nbdinfo and qemu-img"
 scripts/smoke-quickstart

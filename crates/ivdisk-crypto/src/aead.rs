@@ -14,6 +14,8 @@ use openssl::cipher_ctx::CipherCtxRef;
 use zeroize::Zeroizing;
 
 use crate::evp::{ContextPool, Direction};
+#[cfg(target_arch = "x86_64")]
+use crate::ffi::aegis128l_one::OneMessage;
 use crate::io::Io;
 use crate::rng::NonceSource;
 use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size};
@@ -52,10 +54,12 @@ pub(crate) struct AeadSuite {
     image_id: ImageId,
     engine: Engine,
     nonces: NonceSource,
-    /// AEGIS-128L outside groups of four: our AVX-512 code where the CPU has it (checked here
-    /// once), libaegis otherwise.
+    /// AEGIS-128L outside groups of four: our one-message code where it beats libaegis on this
+    /// CPU (checked here once; encryption and decryption differ), libaegis otherwise.
     #[cfg(target_arch = "x86_64")]
-    aegis128l_one: Option<crate::ffi::aegis128l_avx512::Avx512>,
+    aegis128l_seal_one: Option<OneMessage>,
+    #[cfg(target_arch = "x86_64")]
+    aegis128l_open_one: Option<OneMessage>,
 }
 
 impl std::fmt::Debug for AeadSuite {
@@ -99,8 +103,13 @@ impl AeadSuite {
             sector_size: params.sector_size,
             image_id: params.image_id,
             #[cfg(target_arch = "x86_64")]
-            aegis128l_one: match engine {
-                Engine::Aegis128L(_) => crate::ffi::aegis128l_avx512::Avx512::new(),
+            aegis128l_seal_one: match engine {
+                Engine::Aegis128L(_) => OneMessage::for_sealing(),
+                _ => None,
+            },
+            #[cfg(target_arch = "x86_64")]
+            aegis128l_open_one: match engine {
+                Engine::Aegis128L(_) => OneMessage::for_opening(),
                 _ => None,
             },
             engine,
@@ -242,8 +251,8 @@ impl AeadSuite {
 #[cfg(target_arch = "x86_64")]
 impl AeadSuite {
     /// Seal the sectors the four-lane code left (a single-sector run, the remainder of a run)
-    /// one at a time with the AVX-512 AEGIS-128L, out of place when asked; returns how many it
-    /// did (0 where the CPU lacks the features: libaegis then does them) and the rest of the run.
+    /// one at a time with the one-message AEGIS-128L, out of place when asked; returns how many
+    /// it did (0 where that code does not seal: libaegis then does them) and the rest of the run.
     fn seal_singles<'a>(
         &self,
         key: &[u8; 16],
@@ -251,7 +260,7 @@ impl AeadSuite {
         data: Io<'a>,
         metadata: &mut [u8],
     ) -> Result<(usize, Io<'a>), CryptoError> {
-        let Some(kernel) = self.aegis128l_one else {
+        let Some(kernel) = self.aegis128l_seal_one else {
             return Ok((0, data));
         };
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
@@ -271,9 +280,9 @@ impl AeadSuite {
         Ok((done, rest))
     }
 
-    /// Open the sectors the four-lane code left one at a time with the AVX-512 AEGIS-128L,
+    /// Open the sectors the four-lane code left one at a time with the one-message AEGIS-128L,
     /// zeroing and listing in `failed` those whose tag does not verify; returns how many it did
-    /// (0 where the CPU lacks the features) and the rest of the run.
+    /// (0 where that code does not open) and the rest of the run.
     fn open_singles<'a>(
         &self,
         key: &[u8; 16],
@@ -282,7 +291,7 @@ impl AeadSuite {
         metadata: &[u8],
         failed: &mut Vec<u64>,
     ) -> (usize, Io<'a>) {
-        let Some(kernel) = self.aegis128l_one else {
+        let Some(kernel) = self.aegis128l_open_one else {
             return (0, data);
         };
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
@@ -338,7 +347,7 @@ impl AeadSuite {
         let md_len = self.suite.metadata_len();
         let nonce_len = self.nonce_len();
         // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it, the
-        // other AEGIS-128L sectors through the one-message AVX-512 code (both out of place when
+        // other AEGIS-128L sectors through the one-message code (both out of place when
         // asked); whatever is left one sector at a time, in place.
         let (done, rest) = match &self.engine {
             #[cfg(target_arch = "x86_64")]

@@ -1,9 +1,9 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
 //! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
-//! one-message AEGIS-128L with AVX-512VL in `aegis128l_avx512`: callable only once the CPU is
-//! known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says why it
-//! is sound in a `// SAFETY:` line.
+//! one-message AEGIS-128L with AES-NI and AVX or AVX-512VL in `aegis128l_one`: callable only
+//! once the CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe`
+//! block says why it is sound in a `// SAFETY:` line.
 //!
 //! Fork handler:
 //! Why: the nonce generator keeps its state in user space. After `fork()` parent and child
@@ -13,13 +13,28 @@
 //! when it changed. No syscall on the hot path.
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod aegis128l_avx512;
+pub(crate) mod aegis128l_one;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod aegis128l_vaes;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod xts_vaes;
+
+/// Reproducible pseudo-random bytes (an LCG) for the kernels' tests: `n` bytes per call.
+#[cfg(all(test, target_arch = "x86_64"))]
+fn test_bytes(mut seed: u64) -> impl FnMut(usize) -> Vec<u8> {
+    move |n| {
+        (0..n)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (seed >> 33) as u8
+            })
+            .collect()
+    }
+}
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Once;

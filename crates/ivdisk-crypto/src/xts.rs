@@ -9,8 +9,9 @@
 //! sector s' or into another image gives another tweak, so it decrypts to garbage; forging an R'
 //! that yields the same tweak at s' requires `K_t`.
 //!
-//! The rounds run in our VAES code where the CPU has VAES/AVX-512 (`ffi::xts_vaes`: the tweak is
-//! an argument, four blocks per instruction) and in OpenSSL's AES-NI XTS otherwise, with reused
+//! The rounds run in our VAES code where the CPU has VAES (`ffi::xts_vaes`: the tweak is an
+//! argument, four blocks per ZMM instruction with AVX-512, two per YMM without) and in
+//! OpenSSL's AES-NI XTS otherwise, with reused
 //! contexts where only the tweak is set per sector. Tests hold the two to the IEEE vectors and
 //! to each other.
 

@@ -20,6 +20,22 @@ pub(super) fn store128(bytes: &mut [u8], v: __m128i) {
 }
 
 #[inline]
+#[target_feature(enable = "avx")]
+pub(super) fn load256(bytes: &[u8]) -> __m256i {
+    assert!(bytes.len() >= 32);
+    // SAFETY: 32 readable bytes (asserted); unaligned load.
+    unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx")]
+pub(super) fn store256(bytes: &mut [u8], v: __m256i) {
+    assert!(bytes.len() >= 32);
+    // SAFETY: 32 writable bytes (asserted); unaligned store.
+    unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), v) }
+}
+
+#[inline]
 #[target_feature(enable = "avx512f")]
 pub(super) fn load512(bytes: &[u8]) -> __m512i {
     assert!(bytes.len() >= 64);
