@@ -19,10 +19,11 @@ use crate::io::Io;
 /// Messages per call.
 pub(crate) const LANES: usize = 4;
 
-const C0: [u8; 16] = [
+/// AEGIS-128L's constants (also used by `aegis128l_one`).
+pub(super) const C0: [u8; 16] = [
     0x00, 0x01, 0x01, 0x02, 0x03, 0x05, 0x08, 0x0d, 0x15, 0x22, 0x37, 0x59, 0x90, 0xe9, 0x79, 0x62,
 ];
-const C1: [u8; 16] = [
+pub(super) const C1: [u8; 16] = [
     0xdb, 0x3d, 0x18, 0x55, 0x6d, 0xc2, 0x2f, 0xf1, 0x20, 0x11, 0x31, 0x42, 0x73, 0xb5, 0x28, 0xdd,
 ];
 
@@ -305,24 +306,18 @@ fn crypt2_ymm(
     // What the loads and stores below rely on (`crypt4` checked it; this is a safe function).
     assert!(len.is_multiple_of(64) && data[1].len() == len);
     let [(s0, t0), (s1, t1)] = data.map(|d| d.as_ptrs());
-    // Row i: the block pair of message i at `off`; columns: the words both messages absorb
-    // together.
-    // SAFETY: both messages' input holds `len` bytes, a multiple of 64 (asserted above), and
-    // every `off` below is at most `len - 32`; unaligned loads.
-    let rows = |off: usize| unsafe {
-        (
-            _mm256_loadu_si256(s0.add(off).cast()),
-            _mm256_loadu_si256(s1.add(off).cast()),
-        )
-    };
     // 32 bytes of each message per iteration: with 64 the compiler ran out of the 16 YMM
-    // registers and spilled a state word onto the chain (`perf annotate`). The next blocks are
-    // loaded before this iteration's stores, so no load queues behind a store (no difference
-    // measured on the AMD EPYC, kept as measured).
-    let mut next = rows(0);
+    // registers and spilled a state word onto the chain (`perf annotate`).
     for off in (0..len).step_by(32) {
-        let (r0, r1) = next;
-        next = rows((off + 32).min(len - 32));
+        // Row i: the block pair of message i; columns: the words both messages absorb together.
+        // SAFETY: both messages' input holds `len` bytes, a multiple of 64 (asserted above), so
+        // `off + 32 <= len`; unaligned loads.
+        let (r0, r1) = unsafe {
+            (
+                _mm256_loadu_si256(s0.add(off).cast()),
+                _mm256_loadu_si256(s1.add(off).cast()),
+            )
+        };
         let a = _mm256_permute2x128_si256::<0x20>(r0, r1);
         let b = _mm256_permute2x128_si256::<0x31>(r0, r1);
         let (z0, z1) = st.keystream();
@@ -334,7 +329,7 @@ fn crypt2_ymm(
             st.update(o0, o1);
         }
         // SAFETY: both messages' output holds `len` bytes and `off + 32 <= len`; unaligned
-        // stores. In place, the loads of these bytes came before.
+        // stores. In place, this iteration's loads came before.
         unsafe {
             _mm256_storeu_si256(
                 t0.add(off).cast(),
