@@ -6,7 +6,9 @@
 //!   objects of one image, at random) plus one `OmapSet` of an 8-byte key to a 32-byte value;
 //!   for a fixed time after a warm-up, then `flush()`, counted in the time. `WriteStep::Write`
 //!   owns its bytes, so each operation copies its extents out of a shared buffer, on the tokio
-//!   threads (as a caller holding borrowed data would).
+//!   threads (as a caller holding borrowed data would). Every object is written in full first
+//!   (untimed, one 4 MiB `WriteFull` each, flushed), as the raw file is: so both sides measure
+//!   overwrites of data in use, which leave dead data behind (reused or punched by the store).
 //! - **raw**: the same sizes written with `pwrite` (`write_all_at`) by 32 threads at random
 //!   size-aligned offsets of one file as large as the store's objects together (1 GiB), then one
 //!   `sync_data()`, counted in the time: both sides end durable. The file is written in full
@@ -17,8 +19,8 @@
 //!   repetitions; filled in 4 MiB writes, the page cache holds large folios, and 4 KiB writes
 //!   into those cost ext4 20x (70 instead of 1700 MB/s).
 //!   Raw overwrites a 1 GiB region that stays in the page cache, so it runs at memory speed and
-//!   writes at most 1 GiB to the device at the end, whereas the store, append-only, has to
-//!   write every byte it was given.
+//!   writes at most 1 GiB to the device at the end, whereas the store, which never writes over
+//!   live data, has to write every byte it was given.
 //! - **raw O_DIRECT** (only with `IVDISK_BENCH_RAW_DIRECT=1`): the same with `O_DIRECT`, so
 //!   every byte reaches the device: what the disk takes at QD 32, the ceiling of a store that
 //!   must write all its data; two more columns give it and store/O_DIRECT.
@@ -249,6 +251,14 @@ fn measure_store(
                 .map(|i| ObjectName::new(format!("rbd_data.bench.{i:016x}")).expect("name"))
                 .collect(),
         );
+        // Every object written in full first (untimed), as the raw file is: an image in
+        // use, whose overwrites leave dead data behind for the store to reuse or punch.
+        let full = vec![0x5au8; OBJECT_SIZE as usize];
+        for name in names.iter() {
+            let op = WriteOp::new().step(WriteStep::WriteFull(full.clone()));
+            store.write_op(name, op).await.expect("filling the store");
+        }
+        store.flush().await.expect("store flush after the fill");
         let warmup = Duration::from_secs_f64(cfg.warmup);
         store_phase(&store, &names, data, size, warmup, !seed).await;
         store_phase(

@@ -1,11 +1,13 @@
-//! The engine under the local and memory backends: object data in append-only segments,
-//! everything else (object table, extent maps, omap, snapshots, locks) in SQLite.
+//! The engine under the local and memory backends: object data in segments, never written
+//! over live data, everything else (object table, extent maps, omap, snapshots, locks) in
+//! SQLite.
 //!
-//! Why this shape (docs/ARCHITECTURE.md, "Local backend"): data is never overwritten in place,
-//! so an operation becomes visible by one SQLite transaction that points at data already on
-//! disk: atomic without writing data twice, whatever the write size. Snapshots are free (a
-//! preserved state shares the segment ranges of its data). Space of dead data is returned with
-//! `fallocate(PUNCH_HOLE)` once the change that killed it is durable.
+//! Why this shape (docs/ARCHITECTURE.md, "Local backend"): live data is never overwritten in
+//! place, so an operation becomes visible by one SQLite transaction that points at data already
+//! on disk: atomic without writing data twice, whatever the write size. Snapshots are free (a
+//! preserved state shares the segment ranges of its data). Space of dead data goes back to the
+//! segments (`Segments::punch`: reused for new data, or punched out) once the change that
+//! killed it is durable.
 //!
 //! One worker thread owns the database and the segments; requests arrive on a channel and are
 //! applied in arrival order (so operations on one object apply in submission order). Each
@@ -27,14 +29,23 @@ use crate::{
     SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
 
-/// Where object data lives: append-only segments addressed by (segment, offset).
+/// Where object data lives: segments addressed by (segment, offset), written only where no
+/// committed extent points.
 pub(crate) trait Segments: Send {
     /// Append `data`; returns where it went.
     fn append(&mut self, data: &[u8]) -> Result<(u32, u64), StoreError>;
+    /// Write `data` where the segments choose: one place or several, in order, as
+    /// (segment, offset, length). Appends it by default; segments that reuse dead space put
+    /// whole blocks there.
+    fn place(&mut self, data: &[u8]) -> Result<Vec<(u32, u64, u64)>, StoreError> {
+        let (segment, offset) = self.append(data)?;
+        Ok(vec![(segment, offset, data.len() as u64)])
+    }
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
-    /// The data in this range is dead: return its space (possibly later, in the background).
+    /// The data in this range is dead, and its death durable: return its space (reused for
+    /// later writes, or punched, possibly later, in the background).
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
     /// Wait until every punch asked for so far is done.
     fn settle(&mut self) {}
@@ -49,10 +60,27 @@ pub(crate) trait Segments: Send {
         done()
     }
     /// The current append position (to undo the appends of a failed operation).
-    fn mark(&self) -> (u32, u64);
-    fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError>;
+    fn mark(&self) -> SegmentMark;
+    /// Take back every append made since `mark` (a mark of the open transaction).
+    fn rewind(&mut self, mark: SegmentMark) -> Result<(), StoreError>;
     /// Bytes appended since the last sync.
     fn unsynced(&self) -> u64;
+    /// Called by the worker at least once a second: a chance to give back space held for
+    /// reuse when writes have stopped.
+    fn tick(&mut self) {}
+    /// Whether writes are reusing dead space now (then frees are worth a durable commit).
+    fn reusing(&self) -> bool {
+        false
+    }
+}
+
+/// Where appends stood: the append position and, for segments that reuse dead space, how
+/// many reuses came before.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SegmentMark {
+    pub(crate) segment: u32,
+    pub(crate) offset: u64,
+    pub(crate) reused: usize,
 }
 
 /// How the metadata database makes commits durable.
@@ -297,13 +325,18 @@ struct Piece {
 }
 
 impl Piece {
-    fn appended((seg, seg_off): (u32, u64), len: usize) -> Self {
+    fn placed((seg, seg_off, len): (u32, u64, u64)) -> Self {
         Piece {
             seg,
             seg_off,
             blob: seg_off,
-            blob_end: seg_off + len as u64,
+            blob_end: seg_off + len,
         }
+    }
+
+    /// Bytes of a piece just placed (the whole blob).
+    fn len(&self) -> u64 {
+        self.blob_end - self.blob
     }
 }
 
@@ -324,7 +357,7 @@ pub(crate) struct Engine {
     durability: Box<dyn Durability>,
     in_txn: bool,
     /// Where the open transaction started: its first append and its first pending free.
-    txn_mark: (u32, u64),
+    txn_mark: SegmentMark,
     txn_frees: usize,
     txn_ops: usize,
     txn_started: Instant,
@@ -478,7 +511,7 @@ impl Engine {
             segments,
             durability,
             in_txn: false,
-            txn_mark: (0, 0),
+            txn_mark: SegmentMark::default(),
             txn_frees: 0,
             txn_ops: 0,
             txn_started: Instant::now(),
@@ -508,7 +541,7 @@ impl Engine {
             segments,
             durability: Box::new(NoDurability),
             in_txn: false,
-            txn_mark: (0, 0),
+            txn_mark: SegmentMark::default(),
             txn_frees: 0,
             txn_ops: 0,
             txn_started: Instant::now(),
@@ -598,13 +631,17 @@ impl Engine {
                     || self.segments.unsynced() >= COMMIT_MAX_BYTES
                     || self.txn_started.elapsed() >= COMMIT_INTERVAL)
             {
-                self.commit(false);
+                // Durable when it frees data the segments would reuse: the space comes back
+                // only once its death is durable, and under large overwrites waiting for the
+                // next durable commit made new data grow the segments meanwhile.
+                self.commit(!self.frees_pending.is_empty() && self.segments.reusing());
             }
             if self.last_durable.elapsed() >= DURABLE_INTERVAL
                 && (self.in_txn || !self.frees_pending.is_empty())
             {
                 self.commit(true);
             }
+            self.segments.tick();
         }
         self.commit(true);
         // Punches run in the background; a clean stop waits for them, for a while (an unclean
@@ -825,10 +862,11 @@ impl Engine {
     ///
     /// `query` also returns the node (id, version) whose segment data it read, if any. Segment
     /// data is not under the transaction: a writer frees the data of an overwritten range and
-    /// punches it out of its segment once that commit is durable, so a read racing with it can
-    /// find zeros. The node being unchanged in a later state proves the data read was live
-    /// throughout (a punch only follows a commit that changed or removed every node using the
-    /// range); otherwise the query runs again.
+    /// punches it out of its segment, or writes new data there, once that commit is durable,
+    /// so a read racing with it can find zeros or other data. The node being unchanged in a
+    /// later state proves the data read was live throughout (a punch or a reuse only follows a
+    /// commit that changed or removed every node using the range); otherwise the query runs
+    /// again.
     fn consistent<T>(
         &mut self,
         mut query: impl FnMut(&mut Self) -> Result<(T, Option<(i64, u64)>), StoreError>,
@@ -954,7 +992,7 @@ impl Engine {
         let head = self.head(object)?;
         check_write(object, op, head.as_ref())?;
         let mark = self.segments.mark();
-        let mut pieces = Vec::with_capacity(op.steps.len());
+        let mut pieces: Vec<Vec<Piece>> = Vec::with_capacity(op.steps.len());
         for step in &op.steps {
             let data = match step {
                 WriteStep::Write { data, .. } | WriteStep::WriteFull(data) => data,
@@ -963,8 +1001,8 @@ impl Engine {
             if data.len() <= INLINE_MAX {
                 continue;
             }
-            match self.segments.append(data) {
-                Ok(at) => pieces.push(Piece::appended(at, data.len())),
+            match self.segments.place(data) {
+                Ok(places) => pieces.push(places.into_iter().map(Piece::placed).collect()),
                 Err(e) => {
                     if let Err(rewind) = self.segments.rewind(mark) {
                         tracing::warn!("could not take back a failed operation's data: {rewind}");
@@ -1079,8 +1117,24 @@ impl Engine {
                         _ => merged.push((segment, offset, offset + len)),
                     }
                 }
+                let mut widened: Vec<(u32, u64, u64)> = Vec::with_capacity(merged.len());
                 for (segment, offset, end) in merged {
                     let (from, to) = self.widen_to_blocks(segment, offset, end)?;
+                    widened.push((segment, from, to));
+                }
+                // Two ranges can widen into the same partial block from both sides (the bytes
+                // between them died earlier): merged again, so that no block is freed twice.
+                // A block freed twice could be punched after a write reused it.
+                let mut frees: Vec<(u32, u64, u64)> = Vec::with_capacity(widened.len());
+                for (segment, from, to) in widened {
+                    match frees.last_mut() {
+                        Some((s, _, end)) if *s == segment && from <= *end => {
+                            *end = (*end).max(to);
+                        }
+                        _ => frees.push((segment, from, to)),
+                    }
+                }
+                for (segment, from, to) in frees {
                     self.segments.punch(segment, from, to - from)?;
                 }
             }
@@ -1389,6 +1443,20 @@ impl Engine {
         Ok(())
     }
 
+    /// Insert the extents of one step's data, stored in `pieces` (in order), from `lo` on.
+    fn insert_extents(&self, node: i64, lo: u64, pieces: &[Stored]) -> Result<(), StoreError> {
+        let mut at = lo;
+        for stored in pieces {
+            let len = match stored {
+                Stored::Segment(piece) => piece.len(),
+                Stored::Inline(data) => data.len() as u64,
+            };
+            self.insert_extent(node, at, at + len, stored)?;
+            at += len;
+        }
+        Ok(())
+    }
+
     fn insert_extent(
         &self,
         node: i64,
@@ -1482,29 +1550,34 @@ impl Engine {
     }
 
     /// Apply `op` to the object whose head is `head`. With `appended`, the data of its
-    /// non-empty `Write`/`WriteFull` steps, in order, is already in the segments there.
+    /// non-empty `Write`/`WriteFull` steps longer than `INLINE_MAX`, in order, is already in
+    /// the segments there (one or more pieces per step, in order).
     fn write(
         &mut self,
         object: &ObjectName,
         op: &WriteOp,
         mut head: Option<Node>,
-        appended: Option<Vec<Piece>>,
+        appended: Option<Vec<Vec<Piece>>>,
     ) -> Result<WriteOutcome, StoreError> {
         let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
         let mut appended = appended.map(Vec::into_iter);
-        let mut append = |segments: &mut Box<dyn Segments>, data: &[u8]| {
+        let mut append = |segments: &mut Box<dyn Segments>,
+                          data: &[u8]|
+         -> Result<Vec<Stored>, StoreError> {
             if data.len() <= INLINE_MAX {
-                return Ok(Stored::Inline(data.to_vec()));
+                return Ok(vec![Stored::Inline(data.to_vec())]);
             }
-            match appended.as_mut() {
-                Some(pieces) => pieces.next().map(Stored::Segment).ok_or_else(|| {
+            let pieces = match appended.as_mut() {
+                Some(pieces) => pieces.next().ok_or_else(|| {
                     StoreError::Database("an operation's data was not appended in advance".into())
-                }),
-                None => Ok(Stored::Segment(Piece::appended(
-                    segments.append(data)?,
-                    data.len(),
-                ))),
-            }
+                })?,
+                None => segments
+                    .place(data)?
+                    .into_iter()
+                    .map(Piece::placed)
+                    .collect(),
+            };
+            Ok(pieces.into_iter().map(Stored::Segment).collect())
         };
         let mutates = op
             .steps
@@ -1548,10 +1621,10 @@ impl Engine {
                     };
                     let end = offset + data.len() as u64;
                     if !data.is_empty() {
-                        let piece = append(&mut self.segments, data)?;
+                        let stored = append(&mut self.segments, data)?;
                         let node = h.id;
                         self.cut_extents_for(node, *offset, end, true)?;
-                        self.insert_extent(node, *offset, end, &piece)?;
+                        self.insert_extents(node, *offset, &stored)?;
                     }
                     h.size = h.size.max(end);
                     changed = true;
@@ -1569,8 +1642,8 @@ impl Engine {
                         Some(append(&mut self.segments, data)?)
                     };
                     self.cut_extents(node, 0, u64::MAX >> 1)?;
-                    if let Some(piece) = appended {
-                        self.insert_extent(node, 0, data.len() as u64, &piece)?;
+                    if let Some(stored) = appended {
+                        self.insert_extents(node, 0, &stored)?;
                     }
                     h.size = data.len() as u64;
                     changed = true;

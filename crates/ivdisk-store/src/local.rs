@@ -3,7 +3,8 @@
 //! ```text
 //! DIR/LOCK            flock'ed by the one process that has the store open for writing (its pid)
 //! DIR/meta.sqlite     SQLite (WAL mode): objects, extent maps, omap, snapshots, locks
-//! DIR/data/seg-N      append-only data segments, sparse: dead ranges are punched out
+//! DIR/data/seg-N      data segments, written once per allocation, sparse: dead ranges are
+//!                     reused for new whole-block writes or punched out
 //! ```
 //!
 //! See the engine module for the commit protocol and docs/ARCHITECTURE.md for why.
@@ -21,15 +22,16 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags};
 use rustix::fs::{fallocate, flock, FallocateFlags, FlockOperation};
 
 use crate::engine::{
     delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, MetaSource,
-    Request, Segments, WalFile,
+    Request, SegmentMark, Segments, WalFile,
 };
+use crate::free_space::FreeSpace;
 use crate::StoreError;
 
 /// A data segment is closed and a new one started past this size.
@@ -47,6 +49,32 @@ const WRITEBACK_KICK: u64 = 8 << 20;
 
 /// The file system block size assumed for alignment.
 const BLOCK: usize = 4096;
+
+/// Dead space held for reuse at most (past it, dead ranges are punched at once).
+const REUSE_MAX: u64 = 1 << 30;
+
+/// Dead space held for reuse is punched once no write has taken any for this long, so a
+/// store that stopped writing (or only discards) gives its dead space back to the file
+/// system soon.
+const REUSE_IDLE: Duration = Duration::from_secs(2);
+
+/// Only writes of at least this much go into dead space, and only dead ranges this long are
+/// held for it (shorter ones are punched): a file system with large page-cache folios (ext4
+/// on Linux 6.x: up to 2 MiB after large writes) dirties and writes back a whole folio for a
+/// small write into it, and 64 KiB writes into reused space ran 20-40% slower than appends
+/// (docs/BENCHMARKS.md, "dead space reused"). A write is split over several held ranges of
+/// at least this size, into at most `REUSE_PIECES_MAX` pieces (each an extent of its own),
+/// when no one range holds it all.
+///
+/// Builds with the `fault-io` feature (the store's own tests) use 16 KiB, so that the crash,
+/// power-loss and space tests, whose writes are at most 32-256 KiB, go through reuse and its
+/// splitting too.
+const REUSE_PIECE_MIN: u64 = if cfg!(feature = "fault-io") {
+    16 << 10
+} else {
+    256 << 10
+};
+const REUSE_PIECES_MAX: usize = 16;
 
 struct FileSegments {
     dir: PathBuf,
@@ -67,6 +95,31 @@ struct FileSegments {
     dropped_at_open: u64,
     /// Unreferenced bytes handed to the punch thread at open after an unclean stop.
     reclaimed_at_open: u64,
+    /// Dead whole blocks (their death durable) that appends of whole blocks write into
+    /// before they grow a segment: rewriting pages the file already has costs a third of
+    /// allocating fresh ones and punching the old (docs/BENCHMARKS.md, "dead space reused").
+    free: FreeSpace,
+    /// Ranges taken from `free` since the last sync, in order (`rewind` gives them back).
+    reused: Vec<(u32, u64, u64)>,
+    /// Reused ranges whose writeback has not been started, and their bytes.
+    unkicked: Vec<(u32, u64, u64)>,
+    unkicked_bytes: u64,
+    /// When a write last took space from `free` (or space went in while it was empty).
+    last_reuse: Instant,
+    /// When a write long enough to reuse space (`REUSE_PIECE_MIN`) last came. Dead space is
+    /// held only while such writes come: under small writes alone holding it bought nothing,
+    /// and 64 KiB writes ran slower (docs/BENCHMARKS.md, "dead space reused").
+    last_large_write: Option<Instant>,
+}
+
+/// The whole blocks inside `[offset, offset + len)`, as `[from, to)`; `None` if there are none.
+fn whole_blocks(offset: u64, len: u64) -> Option<(u64, u64)> {
+    let block = BLOCK as u64;
+    let (from, to) = (
+        offset.next_multiple_of(block),
+        (offset + len) / block * block,
+    );
+    (from < to).then_some((from, to))
 }
 
 /// Open (creating if needed, never truncating) a file the store reads and writes.
@@ -140,6 +193,12 @@ impl FileSegments {
             dirty: Vec::new(),
             dropped_at_open,
             reclaimed_at_open: 0,
+            free: FreeSpace::default(),
+            reused: Vec::new(),
+            unkicked: Vec::new(),
+            unkicked_bytes: 0,
+            last_reuse: Instant::now(),
+            last_large_write: None,
         };
         if reclaim {
             // Punched in the background, as any dead data: after random overwrites the backlog
@@ -183,7 +242,8 @@ impl FileSegments {
             let mut cursor = 0;
             for (start, stop) in live.into_iter().chain(std::iter::once((end, end))) {
                 if start > cursor {
-                    self.punch(n, cursor, start - cursor)?;
+                    // Punched, not held for reuse: the open is not a durable commit.
+                    self.punch_now_or_later(n, cursor, start - cursor)?;
                     punched += start - cursor;
                 }
                 cursor = cursor.max(stop);
@@ -337,7 +397,119 @@ impl Drop for FileSegments {
     }
 }
 
+impl FileSegments {
+    /// Write `data` at `at` of `segment`, a range just taken from the space held for reuse.
+    fn write_reused(&mut self, segment: u32, at: u64, data: &[u8]) -> Result<(), StoreError> {
+        let len = data.len() as u64;
+        self.last_reuse = Instant::now();
+        self.reused.push((segment, at, len));
+        let file = self.files[&segment].clone();
+        if let Err(e) = file.write_all_at(data, at) {
+            // Unreferenced either way: the range goes back.
+            self.reused.pop();
+            self.free.insert(segment, at, at + len);
+            return Err(StoreError::io(format!(
+                "writing {}",
+                segment_path(&self.dir, segment).display()
+            ))(e));
+        }
+        crate::fault_io::write(|| segment_path(&self.dir, segment), at, data);
+        self.unsynced += len;
+        if !self.dirty.contains(&segment) {
+            self.dirty.push(segment);
+        }
+        self.unkicked.push((segment, at, len));
+        self.unkicked_bytes += len;
+        if self.unkicked_bytes >= WRITEBACK_KICK {
+            // As for appends (see `append`): start the disk writes now so the commit's
+            // `fdatasync` finds little left. The pages were just written, so they are dirty
+            // and `DONTNEED` drops none of them.
+            for (segment, at, len) in self.unkicked.drain(..) {
+                let _ = rustix::fs::fadvise(
+                    &*self.files[&segment],
+                    at,
+                    std::num::NonZeroU64::new(len),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
+            self.unkicked_bytes = 0;
+        }
+        Ok(())
+    }
+
+    /// Hand every range held for reuse to the punch thread.
+    fn release_free_space(&mut self) {
+        for (segment, from, to) in self.free.drain() {
+            if let Err(e) = self.punch_now_or_later(segment, from, to - from) {
+                tracing::warn!(segment, offset = from, len = to - from, error = %e, "could not punch dead data out of a segment; its space stays used");
+            }
+        }
+    }
+
+    /// Queue a punch of the whole blocks of `[offset, offset + len)` of `segment` (already
+    /// clipped to what is written).
+    ///
+    /// Whole blocks only, and that keeps reuse safe: a punch runs later, so a block must never
+    /// be handed to a new write while a punch of any of its bytes is queued. Blocks punched
+    /// were wholly dead, so they never come back to `punch` (dead ranges come from bytes live
+    /// until then, widened only over the partial blocks at their ends, which held live bytes
+    /// too) and never reach the reuse pool; a partial-block punch (it frees no space anyway)
+    /// could have been widened over later and its zeros landed on reused data.
+    fn punch_now_or_later(
+        &mut self,
+        segment: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), StoreError> {
+        let Some((offset, end)) = whole_blocks(offset, len) else {
+            return Ok(());
+        };
+        let len = end - offset;
+        if let Some(file) = self.files.get(&segment) {
+            crate::fault_io::punch(|| segment_path(&self.dir, segment), offset, len);
+            let job = PunchJob::Punch {
+                file: file.clone(),
+                offset,
+                len,
+            };
+            self.puncher()?
+                .send(job)
+                .expect("the puncher runs while its sender lives");
+        }
+        Ok(())
+    }
+}
+
 impl Segments for FileSegments {
+    /// Whole blocks, at least `REUSE_PIECE_MIN` of them, go into dead space held for reuse
+    /// while it has ranges that long (the smallest range that holds them all, else the
+    /// largest ranges, at most `REUSE_PIECES_MAX` of them); the rest is appended.
+    fn place(&mut self, data: &[u8]) -> Result<Vec<(u32, u64, u64)>, StoreError> {
+        let mut places = Vec::new();
+        let mut rest = data;
+        if data.len().is_multiple_of(BLOCK) && data.len() as u64 >= REUSE_PIECE_MIN {
+            self.last_large_write = Some(Instant::now());
+            while !rest.is_empty() && places.len() < REUSE_PIECES_MAX {
+                let Some((segment, at, len)) =
+                    self.free.take_up_to(rest.len() as u64, REUSE_PIECE_MIN)
+                else {
+                    break;
+                };
+                let (now, later) = rest.split_at(len as usize);
+                // On an error the pieces written before stay in `reused`: the operation's
+                // rewind gives them back.
+                self.write_reused(segment, at, now)?;
+                places.push((segment, at, len));
+                rest = later;
+            }
+        }
+        if !rest.is_empty() {
+            let (segment, at) = self.append(rest)?;
+            places.push((segment, at, rest.len() as u64));
+        }
+        Ok(places)
+    }
+
     fn append(&mut self, data: &[u8]) -> Result<(u32, u64), StoreError> {
         if self.len >= SEGMENT_SIZE {
             self.rotate()?;
@@ -398,6 +570,9 @@ impl Segments for FileSegments {
             crate::fault_io::synced(&segment_path(&self.dir, n));
         }
         self.unsynced = 0;
+        // What was written into reused space is referenced by the commit that follows, or
+        // was given back by `rewind` before it.
+        self.reused.clear();
         Ok(())
     }
 
@@ -409,24 +584,41 @@ impl Segments for FileSegments {
             true => len.min(self.len.saturating_sub(offset)),
             false => len,
         };
-        if len == 0 {
+        if len == 0 || !self.files.contains_key(&segment) {
             return Ok(());
         }
-        if let Some(file) = self.files.get(&segment) {
-            crate::fault_io::punch(|| segment_path(&self.dir, segment), offset, len);
-            let job = PunchJob::Punch {
-                file: file.clone(),
-                offset,
-                len,
-            };
-            self.puncher()?
-                .send(job)
-                .expect("the puncher runs while its sender lives");
+        // Only whole blocks are punched or held for reuse; a partial block's other bytes are
+        // live, so punching it would free nothing (and see `punch_now_or_later`).
+        let Some((from, to)) = whole_blocks(offset, len) else {
+            return Ok(());
+        };
+        if to - from >= REUSE_PIECE_MIN
+            && self.reusing()
+            && self.free.total() + (to - from) <= REUSE_MAX
+        {
+            if self.free.is_empty() {
+                // The idle clock starts when space starts waiting for a write.
+                self.last_reuse = Instant::now();
+            }
+            self.free.insert(segment, from, to);
+            return Ok(());
         }
-        Ok(())
+        self.punch_now_or_later(segment, from, to - from)
+    }
+
+    fn reusing(&self) -> bool {
+        self.last_large_write
+            .is_some_and(|at| at.elapsed() < REUSE_IDLE)
+    }
+
+    fn tick(&mut self) {
+        if !self.free.is_empty() && self.last_reuse.elapsed() >= REUSE_IDLE {
+            self.release_free_space();
+        }
     }
 
     fn settle(&mut self) {
+        self.release_free_space();
         if let Some(puncher) = self.puncher.take() {
             drop(puncher.jobs);
             let _ = puncher.thread.join();
@@ -434,6 +626,7 @@ impl Segments for FileSegments {
     }
 
     fn settle_within(&mut self, budget: Duration) -> bool {
+        self.release_free_space();
         let Some(puncher) = self.puncher.take() else {
             return true;
         };
@@ -451,6 +644,8 @@ impl Segments for FileSegments {
     }
 
     fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
+        // Space is wanted back (it ran out, or `reclaim_space`): what is held for reuse too.
+        self.release_free_space();
         match &self.puncher {
             Some(puncher) => puncher
                 .jobs
@@ -460,12 +655,20 @@ impl Segments for FileSegments {
         }
     }
 
-    fn mark(&self) -> (u32, u64) {
-        (self.active, self.len)
+    fn mark(&self) -> SegmentMark {
+        SegmentMark {
+            segment: self.active,
+            offset: self.len,
+            reused: self.reused.len(),
+        }
     }
 
-    fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError> {
-        while self.active > mark.0 {
+    fn rewind(&mut self, mark: SegmentMark) -> Result<(), StoreError> {
+        // Reused ranges written since the mark are referenced by nothing: held again.
+        for (segment, at, len) in self.reused.drain(mark.reused.min(self.reused.len())..) {
+            self.free.insert(segment, at, at + len);
+        }
+        while self.active > mark.segment {
             let gone = self.active;
             self.files.remove(&gone);
             self.dirty.retain(|&n| n != gone);
@@ -474,13 +677,13 @@ impl Segments for FileSegments {
             self.active -= 1;
         }
         self.files[&self.active]
-            .set_len(mark.1)
+            .set_len(mark.offset)
             .map_err(StoreError::io("taking back a failed operation's data"))?;
-        crate::fault_io::set_len(|| segment_path(&self.dir, self.active), mark.1);
+        crate::fault_io::set_len(|| segment_path(&self.dir, self.active), mark.offset);
         self.unsynced = self
             .unsynced
-            .saturating_sub(self.len.saturating_sub(mark.1));
-        self.len = mark.1;
+            .saturating_sub(self.len.saturating_sub(mark.offset));
+        self.len = mark.offset;
         Ok(())
     }
 
@@ -910,11 +1113,11 @@ impl Segments for ReadOnlySegments {
         })
     }
 
-    fn mark(&self) -> (u32, u64) {
-        (0, 0)
+    fn mark(&self) -> SegmentMark {
+        SegmentMark::default()
     }
 
-    fn rewind(&mut self, _mark: (u32, u64)) -> Result<(), StoreError> {
+    fn rewind(&mut self, _mark: SegmentMark) -> Result<(), StoreError> {
         Ok(())
     }
 

@@ -5,7 +5,7 @@ use rusqlite::Connection;
 
 use crate::engine::{
     delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, NoDurability,
-    Segments,
+    SegmentMark, Segments,
 };
 use crate::StoreError;
 
@@ -39,11 +39,15 @@ impl Segments for MemorySegments {
         self.data[start..end].fill(0);
         Ok(())
     }
-    fn mark(&self) -> (u32, u64) {
-        (0, self.data.len() as u64)
+    fn mark(&self) -> SegmentMark {
+        SegmentMark {
+            segment: 0,
+            offset: self.data.len() as u64,
+            reused: 0,
+        }
     }
-    fn rewind(&mut self, mark: (u32, u64)) -> Result<(), StoreError> {
-        self.data.truncate(mark.1 as usize);
+    fn rewind(&mut self, mark: SegmentMark) -> Result<(), StoreError> {
+        self.data.truncate(mark.offset as usize);
         self.synced = self.synced.min(self.data.len());
         Ok(())
     }

@@ -1,5 +1,7 @@
 //! Dead data gives its space back: overwritten, removed and snapshot-freed extents are punched
-//! out of the local store's segments, even when appends do not start on block boundaries.
+//! out of the local store's segments, even when appends do not start on block boundaries; dead
+//! whole blocks are first written again by new whole-block writes, and what is left is punched
+//! once writes stop.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -71,6 +73,72 @@ async fn overwrites_and_removals_free_space_with_misaligned_appends() {
         b"x",
         "a live neighbour of punched blocks was damaged"
     );
+}
+
+/// The bytes the data segments span (holes included): what appends have grown them to.
+fn segment_length(store_dir: &Path) -> u64 {
+    std::fs::read_dir(store_dir.join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// Overwrites of whole blocks go into the space earlier overwrites freed, so the segments stop
+/// growing; every object reads back its last write; once writes stop, the dead space still
+/// held is punched without a flush or a reclaim asking for it.
+#[tokio::test]
+async fn whole_block_overwrites_reuse_dead_space() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+    const OBJECTS: usize = 32;
+    const LEN: usize = 256 << 10;
+    let objects: Vec<ObjectName> = (0..OBJECTS)
+        .map(|i| ObjectName::new(format!("o{i}")).unwrap())
+        .collect();
+    let data = |pass: u8, i: usize| -> Vec<u8> {
+        (0..LEN)
+            .map(|b| pass ^ (i as u8) ^ (b / 4096) as u8)
+            .collect()
+    };
+    let live = (OBJECTS * LEN) as u64;
+    let mut grown_after_two = 0;
+    for pass in 0..30u8 {
+        for (i, o) in objects.iter().enumerate() {
+            store.write(o, 0, &data(pass, i)).await.unwrap();
+        }
+        // A flush makes the frees durable: their blocks are reusable from here on.
+        store.flush().await.unwrap();
+        if pass == 1 {
+            grown_after_two = segment_length(&path);
+        }
+    }
+    let grown = segment_length(&path);
+    // Without reuse the segments would span 30 x 8 MiB; with it they stay near two passes.
+    assert!(
+        grown <= grown_after_two + live,
+        "the segments grew from {grown_after_two} to {grown} bytes under overwrites of {live} \
+         live bytes: dead space was not reused"
+    );
+    for (i, o) in objects.iter().enumerate() {
+        let read = store.read(o, 0, LEN as u64).await.unwrap();
+        assert!(
+            read == data(29, i),
+            "object {i} does not read back its last write"
+        );
+    }
+    // No flush, no reclaim: the held space goes back once writes stopped for a while.
+    let used = allocated_once_punched(&path, live + (64 << 10)).await;
+    assert!(
+        used <= live + (64 << 10),
+        "{used} bytes still allocated for {live} live bytes after writes stopped"
+    );
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    for (i, o) in objects.iter().enumerate() {
+        let read = store.read(o, 0, LEN as u64).await.unwrap();
+        assert!(read == data(29, i), "object {i} changed across a reopen");
+    }
 }
 
 /// The child side of `a_crash_leaves_no_dead_data_behind`: overwrite everything once after the

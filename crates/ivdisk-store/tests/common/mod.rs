@@ -88,11 +88,20 @@ pub fn object_op(k: usize, g: u64) -> WriteOp {
     let mut steps = Vec::new();
     let writes = rng.between(2, 3) as usize;
     for i in 0..writes {
-        let len = if rng.below(2) == 0 {
+        let mut len = if rng.below(2) == 0 {
             rng.between(1, SMALL_WRITE)
         } else {
             rng.between(SMALL_WRITE + 1, MAX_WRITE)
         };
+        // A third in whole blocks, half of those as long as can be: the writes the local
+        // store puts into reused dead space (and their deaths, dead ranges long enough to be
+        // held for reuse).
+        if rng.below(3) == 0 {
+            len = match rng.below(2) {
+                0 => MAX_WRITE,
+                _ => len.next_multiple_of(4096).min(MAX_WRITE),
+            };
+        }
         let mut offset = rng.below(SPAN - len + 1);
         if rng.below(4) == 0 {
             offset &= !4095;
