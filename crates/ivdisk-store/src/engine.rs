@@ -36,7 +36,7 @@ pub(crate) trait Segments: Send {
     fn append(&mut self, data: &[u8]) -> Result<(u32, u64), StoreError>;
     /// Write `data` where the segments choose: one place or several, in order, as
     /// (segment, offset, length). Appends it by default; segments that reuse dead space put
-    /// whole blocks there.
+    /// large writes of whole blocks there.
     fn place(&mut self, data: &[u8]) -> Result<Vec<(u32, u64, u64)>, StoreError> {
         let (segment, offset) = self.append(data)?;
         Ok(vec![(segment, offset, data.len() as u64)])

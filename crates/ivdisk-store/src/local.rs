@@ -4,7 +4,7 @@
 //! DIR/LOCK            flock'ed by the one process that has the store open for writing (its pid)
 //! DIR/meta.sqlite     SQLite (WAL mode): objects, extent maps, omap, snapshots, locks
 //! DIR/data/seg-N      data segments, written once per allocation, sparse: dead ranges are
-//!                     reused for new whole-block writes or punched out
+//!                     reused for large writes or punched out
 //! ```
 //!
 //! See the engine module for the commit protocol and docs/ARCHITECTURE.md for why.
@@ -95,9 +95,9 @@ struct FileSegments {
     dropped_at_open: u64,
     /// Unreferenced bytes handed to the punch thread at open after an unclean stop.
     reclaimed_at_open: u64,
-    /// Dead whole blocks (their death durable) that appends of whole blocks write into
-    /// before they grow a segment: rewriting pages the file already has costs a third of
-    /// allocating fresh ones and punching the old (docs/BENCHMARKS.md, "dead space reused").
+    /// Dead whole blocks (their death durable) that writes of at least `REUSE_PIECE_MIN`
+    /// go into before they grow a segment: rewriting pages the file already has costs a third
+    /// of allocating fresh ones and punching the old (docs/BENCHMARKS.md, "dead space reused").
     free: FreeSpace,
     /// Ranges taken from `free` since the last sync, in order (`rewind` gives them back).
     reused: Vec<(u32, u64, u64)>,
@@ -110,6 +110,17 @@ struct FileSegments {
     /// held only while such writes come: under small writes alone holding it bought nothing,
     /// and 64 KiB writes ran slower (docs/BENCHMARKS.md, "dead space reused").
     last_large_write: Option<Instant>,
+}
+
+/// Start writeback of `[offset, offset + len)` of `file` without waiting for it
+/// (`posix_fadvise(DONTNEED)` writes dirty pages back and drops only pages already clean).
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    let _ = rustix::fs::fadvise(
+        file,
+        offset,
+        std::num::NonZeroU64::new(len),
+        rustix::fs::Advice::DontNeed,
+    );
 }
 
 /// The whole blocks inside `[offset, offset + len)`, as `[from, to)`; `None` if there are none.
@@ -425,12 +436,7 @@ impl FileSegments {
             // `fdatasync` finds little left. The pages were just written, so they are dirty
             // and `DONTNEED` drops none of them.
             for (segment, at, len) in self.unkicked.drain(..) {
-                let _ = rustix::fs::fadvise(
-                    &*self.files[&segment],
-                    at,
-                    std::num::NonZeroU64::new(len),
-                    rustix::fs::Advice::DontNeed,
-                );
+                start_writeback(&self.files[&segment], at, len);
             }
             self.unkicked_bytes = 0;
         }
@@ -536,12 +542,7 @@ impl Segments for FileSegments {
             // waiting behind it) then finds little left to write. `DONTNEED` starts
             // writeback of dirty pages and drops only pages already clean.
             let from = self.kicked.min(self.len);
-            let _ = rustix::fs::fadvise(
-                &*self.files[&self.active],
-                from,
-                std::num::NonZeroU64::new(self.len - from),
-                rustix::fs::Advice::DontNeed,
-            );
+            start_writeback(&self.files[&self.active], from, self.len - from);
             self.kicked = self.len;
         }
         if !self.dirty.contains(&self.active) {
