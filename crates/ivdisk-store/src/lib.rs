@@ -19,6 +19,7 @@ pub mod fault_io;
 mod fault_io;
 #[cfg(feature = "fault-io")]
 pub mod ffi_vfs;
+mod ffi_writeback;
 mod free_space;
 mod local;
 mod memory;

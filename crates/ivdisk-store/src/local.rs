@@ -58,18 +58,16 @@ const REUSE_MAX: u64 = 1 << 30;
 /// system soon.
 const REUSE_IDLE: Duration = Duration::from_secs(2);
 
-/// Only writes of at least this much go into dead space, and only dead ranges this long are
-/// held for it (shorter ones are punched): a file system with large page-cache folios (ext4
-/// on Linux 6.x: up to 2 MiB after large writes) dirties and writes back a whole folio for a
-/// small write into it, and 64 KiB writes into reused space ran 20-40% slower than appends
-/// (docs/BENCHMARKS.md, "dead space reused"). A write is split over several held ranges of
-/// at least this size, into at most `REUSE_PIECES_MAX` pieces (each an extent of its own),
-/// when no one range holds it all.
+/// A write of whole blocks goes into one held range that holds it all (best fit) when there
+/// is one; otherwise it is split over held ranges of at least `min(its length, this)`, into
+/// at most `REUSE_PIECES_MAX` pieces (each an extent of its own), and the rest is appended.
+/// So a small write reuses a small dead range (a 4 KiB write the block an earlier 4 KiB
+/// write left dead), while a large one is never cut into many small extents.
 ///
 /// Builds with the `fault-io` feature (the store's own tests) use 16 KiB, so that the crash,
-/// power-loss and space tests, whose writes are at most 32-256 KiB, go through reuse and its
-/// splitting too.
-const REUSE_PIECE_MIN: u64 = if cfg!(feature = "fault-io") {
+/// power-loss and space tests, whose writes are at most 32-256 KiB, go through the splitting
+/// too.
+const REUSE_SPLIT_MIN: u64 = if cfg!(feature = "fault-io") {
     16 << 10
 } else {
     256 << 10
@@ -95,9 +93,11 @@ struct FileSegments {
     dropped_at_open: u64,
     /// Unreferenced bytes handed to the punch thread at open after an unclean stop.
     reclaimed_at_open: u64,
-    /// Dead whole blocks (their death durable) that writes of at least `REUSE_PIECE_MIN`
-    /// go into before they grow a segment: rewriting pages the file already has costs a third
-    /// of allocating fresh ones and punching the old (docs/BENCHMARKS.md, "dead space reused").
+    /// Dead whole blocks (their death durable) that writes of whole blocks go into before
+    /// they grow a segment: rewriting pages the file already has costs a third of allocating
+    /// fresh ones, and punching the old ones costs a discard each on a `discard` mount, which
+    /// under random 4 KiB overwrites halved the writes a busy machine served
+    /// (docs/BENCHMARKS.md, "dead space reused" and "small writes reuse dead space too").
     free: FreeSpace,
     /// Ranges taken from `free` since the last sync, in order (`rewind` gives them back).
     reused: Vec<(u32, u64, u64)>,
@@ -106,10 +106,9 @@ struct FileSegments {
     unkicked_bytes: u64,
     /// When a write last took space from `free` (or space went in while it was empty).
     last_reuse: Instant,
-    /// When a write long enough to reuse space (`REUSE_PIECE_MIN`) last came. Dead space is
-    /// held only while such writes come: under small writes alone holding it bought nothing,
-    /// and 64 KiB writes ran slower (docs/BENCHMARKS.md, "dead space reused").
-    last_large_write: Option<Instant>,
+    /// When a write of whole blocks (one that can reuse space) last came. Dead space is held
+    /// only while such writes come; under other writes alone it would wait for nothing.
+    last_block_write: Option<Instant>,
 }
 
 /// Start writeback of `[offset, offset + len)` of `file` without waiting for it
@@ -209,7 +208,7 @@ impl FileSegments {
             unkicked: Vec::new(),
             unkicked_bytes: 0,
             last_reuse: Instant::now(),
-            last_large_write: None,
+            last_block_write: None,
         };
         if reclaim {
             // Punched in the background, as any dead data: after random overwrites the backlog
@@ -433,10 +432,19 @@ impl FileSegments {
         self.unkicked_bytes += len;
         if self.unkicked_bytes >= WRITEBACK_KICK {
             // As for appends (see `append`): start the disk writes now so the commit's
-            // `fdatasync` finds little left. The pages were just written, so they are dirty
-            // and `DONTNEED` drops none of them.
+            // `fdatasync` finds little left. Reused ranges are scattered, so one call per
+            // segment over the span that holds them, which walks only the dirty pages.
+            self.unkicked.sort_unstable();
+            let mut spans: Vec<(u32, u64, u64)> = Vec::new();
             for (segment, at, len) in self.unkicked.drain(..) {
-                start_writeback(&self.files[&segment], at, len);
+                match spans.last_mut() {
+                    Some((s, _, end)) if *s == segment => *end = (*end).max(at + len),
+                    _ => spans.push((segment, at, at + len)),
+                }
+            }
+            for (segment, from, to) in spans {
+                let file = &self.files[&segment];
+                crate::ffi_writeback::start_writeback_of_dirty(file, from, to - from);
             }
             self.unkicked_bytes = 0;
         }
@@ -487,17 +495,17 @@ impl FileSegments {
 }
 
 impl Segments for FileSegments {
-    /// Whole blocks, at least `REUSE_PIECE_MIN` of them, go into dead space held for reuse
-    /// while it has ranges that long (the smallest range that holds them all, else the
-    /// largest ranges, at most `REUSE_PIECES_MAX` of them); the rest is appended.
+    /// Whole blocks go into dead space held for reuse: the smallest range that holds them
+    /// all, else ranges of at least `min(len, REUSE_SPLIT_MIN)`, largest first, at most
+    /// `REUSE_PIECES_MAX` of them; the rest is appended.
     fn place(&mut self, data: &[u8]) -> Result<Vec<(u32, u64, u64)>, StoreError> {
         let mut places = Vec::new();
         let mut rest = data;
-        if data.len().is_multiple_of(BLOCK) && data.len() as u64 >= REUSE_PIECE_MIN {
-            self.last_large_write = Some(Instant::now());
+        if data.len().is_multiple_of(BLOCK) && !data.is_empty() {
+            self.last_block_write = Some(Instant::now());
+            let piece_min = (data.len() as u64).min(REUSE_SPLIT_MIN);
             while !rest.is_empty() && places.len() < REUSE_PIECES_MAX {
-                let Some((segment, at, len)) =
-                    self.free.take_up_to(rest.len() as u64, REUSE_PIECE_MIN)
+                let Some((segment, at, len)) = self.free.take_up_to(rest.len() as u64, piece_min)
                 else {
                     break;
                 };
@@ -593,10 +601,7 @@ impl Segments for FileSegments {
         let Some((from, to)) = whole_blocks(offset, len) else {
             return Ok(());
         };
-        if to - from >= REUSE_PIECE_MIN
-            && self.reusing()
-            && self.free.total() + (to - from) <= REUSE_MAX
-        {
+        if self.reusing() && self.free.total() + (to - from) <= REUSE_MAX {
             if self.free.is_empty() {
                 // The idle clock starts when space starts waiting for a write.
                 self.last_reuse = Instant::now();
@@ -608,7 +613,7 @@ impl Segments for FileSegments {
     }
 
     fn reusing(&self) -> bool {
-        self.last_large_write
+        self.last_block_write
             .is_some_and(|at| at.elapsed() < REUSE_IDLE)
     }
 
