@@ -870,7 +870,7 @@ impl LocalStore {
     /// state is read as it is), SQLite opened read-only. So it works on a read-only mount and
     /// on files this process may not write.
     ///
-    /// Reads see committed states only (a writer commits every 500 ms and on flush), each read
+    /// Reads see committed states only (a writer commits every 2 s and on flush), each read
     /// operation one state: a read racing with a writer's commits may see the state before
     /// or after them, never a mix of two. Changes (writes, snapshots, locks) fail
     /// [`StoreError::ReadOnly`]; `list_lockers` works; `flush` does nothing. The recovery
