@@ -18,9 +18,9 @@
 //! disks persist some unsynced writes, in any order, torn at sector boundaries). The image
 //! becomes the next round's `live`. One cut in eight lands while the store opens and recovers;
 //! one round in ten runs 0.55..0.95 s flushing rarely, so that the store's own group commits
-//! (in test builds every 500 ms, the log synced every second) leave unsynced commits in SQLite's log; SQLite
-//! checkpoints its log every few rounds (the log grows from round to round). After each cut
-//! the reopened store must:
+//! (in test builds every 500 ms, the log synced every second) leave unsynced commits in
+//! SQLite's log; SQLite checkpoints its log every few rounds (the log grows from round to
+//! round). After each cut the reopened store must:
 //!
 //! - open, and say what it dropped: a power cut is the normal case recovery exists for, not
 //!   bad input. A torn or half-persisted log tail is exactly what `tests/recovery.rs`'s rule
@@ -440,8 +440,8 @@ fn power_loss_consistency() {
         let (ready_tx, ready_rx) = mpsc::channel();
         // One cut in eight lands early, while the store opens and recovers. One round in ten
         // runs long and flushes rarely, so that the store's own group commits (in test builds
-        // every 500 ms, the log synced every second) leave unsynced commits in the log at the cut. (SQLite
-        // checkpoints its log in any round: the log grows from round to round.)
+        // every 500 ms, the log synced every second) leave unsynced commits in the log at the
+        // cut. (SQLite checkpoints its log in any round: the log grows from round to round.)
         let long = !last && round % 10 == 9;
         let rare_flushes = long;
         let early = !last && !long && rng.below(8) == 0;
