@@ -82,6 +82,10 @@ struct FileSegments {
     /// take long (ext4 mounted with `discard` issues the discard synchronously, measured at
     /// seconds under random overwrites) and the worker must keep serving meanwhile.
     puncher: Option<Puncher>,
+    /// Writeback starts (`kick_writeback`), done off the worker thread: submitting the
+    /// writes can block in the block layer's writeback throttling (`rq_qos_wait`), and the
+    /// worker, with every request behind it, would wait there.
+    writeback: Option<Writeback>,
     active: u32,
     len: u64,
     unsynced: u64,
@@ -120,6 +124,15 @@ fn start_writeback(file: &File, offset: u64, len: u64) {
         std::num::NonZeroU64::new(len),
         rustix::fs::Advice::DontNeed,
     );
+}
+
+fn start_writeback_now(job: &WritebackJob) {
+    match job {
+        WritebackJob::Appended(file, offset, len) => start_writeback(file, *offset, *len),
+        WritebackJob::Scattered(file, offset, len) => {
+            crate::ffi_writeback::start_writeback_of_dirty(file, *offset, *len)
+        }
+    }
 }
 
 /// The whole blocks inside `[offset, offset + len)`, as `[from, to)`; `None` if there are none.
@@ -196,6 +209,7 @@ impl FileSegments {
             dir,
             files,
             puncher: None,
+            writeback: None,
             active,
             len,
             unsynced: 0,
@@ -327,6 +341,21 @@ fn run_puncher(
     }
 }
 
+/// A range of a segment whose writeback is to start.
+enum WritebackJob {
+    /// Appended: `posix_fadvise(DONTNEED)` (see `start_writeback`).
+    Appended(Arc<File>, u64, u64),
+    /// Written into reused space, scattered over the range: `sync_file_range(WRITE)`, which
+    /// walks only the dirty pages and drops no cached ones.
+    Scattered(Arc<File>, u64, u64),
+}
+
+/// The writeback thread and what the segments keep of it.
+struct Writeback {
+    jobs: mpsc::Sender<WritebackJob>,
+    thread: std::thread::JoinHandle<()>,
+}
+
 /// The puncher thread and what the segments keep of it.
 struct Puncher {
     jobs: mpsc::Sender<PunchJob>,
@@ -378,6 +407,33 @@ fn punch_now((file, from, to): &(Arc<File>, u64, u64)) {
 }
 
 impl FileSegments {
+    /// Start writeback of a range, on the writeback thread (best effort: the commit's
+    /// `fdatasync` writes whatever this did not, so without the thread it is done here).
+    fn kick_writeback(&mut self, job: WritebackJob) {
+        if self.writeback.is_none() {
+            let (jobs, queue) = mpsc::channel::<WritebackJob>();
+            let started = std::thread::Builder::new()
+                .name("ivdisk-store-wb".into())
+                .spawn(move || {
+                    while let Ok(job) = queue.recv() {
+                        start_writeback_now(&job);
+                    }
+                });
+            match started {
+                Ok(thread) => self.writeback = Some(Writeback { jobs, thread }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not start the store's writeback thread; starting writeback on the worker");
+                    start_writeback_now(&job);
+                    return;
+                }
+            }
+        }
+        let writeback = self.writeback.as_ref().expect("just set");
+        if let Err(mpsc::SendError(job)) = writeback.jobs.send(job) {
+            start_writeback_now(&job);
+        }
+    }
+
     fn puncher(&mut self) -> Result<&mpsc::Sender<PunchJob>, StoreError> {
         if self.puncher.is_none() {
             let (jobs, queue) = mpsc::channel();
@@ -443,8 +499,8 @@ impl FileSegments {
                 }
             }
             for (segment, from, to) in spans {
-                let file = &self.files[&segment];
-                crate::ffi_writeback::start_writeback_of_dirty(file, from, to - from);
+                let file = self.files[&segment].clone();
+                self.kick_writeback(WritebackJob::Scattered(file, from, to - from));
             }
             self.unkicked_bytes = 0;
         }
@@ -550,7 +606,8 @@ impl Segments for FileSegments {
             // waiting behind it) then finds little left to write. `DONTNEED` starts
             // writeback of dirty pages and drops only pages already clean.
             let from = self.kicked.min(self.len);
-            start_writeback(&self.files[&self.active], from, self.len - from);
+            let file = self.files[&self.active].clone();
+            self.kick_writeback(WritebackJob::Appended(file, from, self.len - from));
             self.kicked = self.len;
         }
         if !self.dirty.contains(&self.active) {
@@ -625,6 +682,10 @@ impl Segments for FileSegments {
 
     fn settle(&mut self) {
         self.release_free_space();
+        if let Some(writeback) = self.writeback.take() {
+            drop(writeback.jobs);
+            let _ = writeback.thread.join();
+        }
         if let Some(puncher) = self.puncher.take() {
             drop(puncher.jobs);
             let _ = puncher.thread.join();
