@@ -54,12 +54,10 @@ pub(crate) struct AeadSuite {
     image_id: ImageId,
     engine: Engine,
     nonces: NonceSource,
-    /// AEGIS-128L outside groups of four: our one-message code where it beats libaegis on this
-    /// CPU (checked here once; encryption and decryption differ), libaegis otherwise.
+    /// AEGIS-128L outside groups of four: our one-message code where the CPU runs it (checked
+    /// here once), libaegis otherwise.
     #[cfg(target_arch = "x86_64")]
-    aegis128l_seal_one: Option<OneMessage>,
-    #[cfg(target_arch = "x86_64")]
-    aegis128l_open_one: Option<OneMessage>,
+    aegis128l_one: Option<OneMessage>,
 }
 
 impl std::fmt::Debug for AeadSuite {
@@ -103,13 +101,8 @@ impl AeadSuite {
             sector_size: params.sector_size,
             image_id: params.image_id,
             #[cfg(target_arch = "x86_64")]
-            aegis128l_seal_one: match engine {
-                Engine::Aegis128L(_) => OneMessage::for_sealing(),
-                _ => None,
-            },
-            #[cfg(target_arch = "x86_64")]
-            aegis128l_open_one: match engine {
-                Engine::Aegis128L(_) => OneMessage::for_opening(),
+            aegis128l_one: match engine {
+                Engine::Aegis128L(_) => OneMessage::here(),
                 _ => None,
             },
             engine,
@@ -157,7 +150,8 @@ impl AeadSuite {
     ) -> Result<(usize, Io<'a>), CryptoError> {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-        let grouped = data.len() / (LANES * ss) * LANES;
+        // A shift: sector sizes are powers of two (`check_run`).
+        let grouped = (data.len() >> ss.trailing_zeros()) / LANES * LANES;
         if grouped == 0 || !available() {
             return Ok((0, data));
         }
@@ -206,7 +200,8 @@ impl AeadSuite {
     ) -> (usize, Io<'a>) {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-        let grouped = data.len() / (LANES * ss) * LANES;
+        // A shift: sector sizes are powers of two (`check_run`).
+        let grouped = (data.len() >> ss.trailing_zeros()) / LANES * LANES;
         if grouped == 0 || !available() {
             return (0, data);
         }
@@ -260,7 +255,7 @@ impl AeadSuite {
         data: Io<'a>,
         metadata: &mut [u8],
     ) -> Result<(usize, Io<'a>), CryptoError> {
-        let Some(kernel) = self.aegis128l_seal_one else {
+        let Some(kernel) = self.aegis128l_one else {
             return Ok((0, data));
         };
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
@@ -291,7 +286,7 @@ impl AeadSuite {
         metadata: &[u8],
         failed: &mut Vec<u64>,
     ) -> (usize, Io<'a>) {
-        let Some(kernel) = self.aegis128l_open_one else {
+        let Some(kernel) = self.aegis128l_one else {
             return (0, data);
         };
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());

@@ -1,9 +1,10 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
 //! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
-//! one-message AEGIS-128L with AES-NI and AVX or AVX-512VL in `aegis128l_one`: callable only
-//! once the CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe`
-//! block says why it is sound in a `// SAFETY:` line.
+//! one-message AEGIS-128L with AVX-512VL or 256-bit VAES in `aegis128l_one`, where one
+//! instruction is written out in `asm!` so that the compiler keeps it: callable only once the
+//! CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says
+//! why it is sound in a `// SAFETY:` line.
 //!
 //! Fork handler:
 //! Why: the nonce generator keeps its state in user space. After `fork()` parent and child

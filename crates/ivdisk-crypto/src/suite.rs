@@ -251,13 +251,17 @@ pub(crate) fn check_run(
     data_len: usize,
     metadata_len: usize,
 ) -> Result<usize, CryptoError> {
-    if data_len == 0 || !data_len.is_multiple_of(sector_size) {
+    // Sector sizes are powers of two from 512 (`check_sector_size`): shifts, not divisions,
+    // which showed in single-sector runs (a 64-bit division takes up to ~20 cycles).
+    debug_assert!(sector_size.is_power_of_two() && sector_size >= 512);
+    let shift = sector_size.trailing_zeros();
+    let sectors = data_len >> shift;
+    if data_len == 0 || sectors << shift != data_len {
         return Err(CryptoError::BufferLength {
             len: data_len,
             sector_size,
         });
     }
-    let sectors = data_len / sector_size;
     let expected = sectors * suite.metadata_len();
     if metadata_len != expected {
         return Err(CryptoError::MetadataLength {
@@ -269,7 +273,7 @@ pub(crate) fn check_run(
     }
     // The last sector's byte offset / 512 must fit 64 bits: that is the plain64 tweak, and past
     // it two sector numbers would share one (no disk is that large: 2^73 bytes).
-    let last_allowed = u64::MAX / (sector_size / 512) as u64;
+    let last_allowed = u64::MAX >> (shift - 9);
     match first_sector.checked_add(sectors as u64 - 1) {
         Some(last) if last <= last_allowed => {}
         _ => {
