@@ -438,8 +438,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(12))]
 
     /// A run is its sectors: runs longer than the four-sector groups of the four-lane AEGIS-128L
-    /// engine (with a remainder) decrypt sector by sector, single-sector writes decrypt as one
-    /// run, and the deterministic suites give the same ciphertext either way.
+    /// engine and the eight-sector tweak batches of aes-xts-random (with remainders) decrypt
+    /// sector by sector, single-sector writes decrypt as one run, and the deterministic suites
+    /// give the same ciphertext either way.
     #[test]
     fn runs_are_their_sectors((place, count, seed) in run(40)) {
         for config in configs() {

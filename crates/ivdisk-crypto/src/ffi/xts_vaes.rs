@@ -157,10 +157,12 @@ impl AesBlockCipher {
         Some(AesBlockCipher(unsafe { expand(key) }))
     }
 
-    /// Encrypt one 16-byte block in place.
-    pub(crate) fn encrypt_block(&self, block: &mut [u8; 16]) {
+    /// Encrypt up to eight 16-byte blocks in place, their rounds interleaved: one block is a
+    /// chain of 14 dependent AESENC (AES-256), eight fill the AES units.
+    pub(crate) fn encrypt_blocks(&self, blocks: &mut [[u8; 16]]) {
+        assert!(blocks.len() <= 8, "at most eight blocks per call");
         // SAFETY: an `AesBlockCipher` exists only on a CPU with AES-NI (checked in `new`).
-        unsafe { encrypt_block(&self.0, block) }
+        unsafe { encrypt_blocks(&self.0, blocks) }
     }
 }
 
@@ -172,6 +174,26 @@ fn encrypt_block(keys: &RoundKeys, block: &mut [u8; 16]) {
     }
     b = _mm_aesenclast_si128(b, load128(&keys.keys[keys.rounds]));
     store128(block, b);
+}
+
+#[target_feature(enable = "aes")]
+fn encrypt_blocks(keys: &RoundKeys, blocks: &mut [[u8; 16]]) {
+    let n = blocks.len();
+    let mut b = [_mm_setzero_si128(); 8];
+    let k0 = load128(&keys.keys[0]);
+    for (reg, block) in b.iter_mut().zip(blocks.iter()) {
+        *reg = _mm_xor_si128(load128(block), k0);
+    }
+    for k in &keys.keys[1..keys.rounds] {
+        let k = load128(k);
+        for reg in &mut b[..n] {
+            *reg = _mm_aesenc_si128(*reg, k);
+        }
+    }
+    let last = load128(&keys.keys[keys.rounds]);
+    for (reg, block) in b.iter().zip(blocks.iter_mut()) {
+        store128(block, _mm_aesenclast_si128(*reg, last));
+    }
 }
 
 /// One step of the AES key schedule (FIPS 197 5.2) on four words at once: `prev` xor its
