@@ -549,7 +549,7 @@ impl Image {
             (LayoutKind::ObjectEnd, false) => MetadataCache::new(
                 spec.object_size,
                 geometry.sectors_per_object as usize * geometry.metadata_len,
-                spec.store.write_unit() > 1,
+                spec.store.write_unit(),
                 spec.metadata_cache_bytes,
             ),
             _ => None,

@@ -36,8 +36,9 @@ use std::task::Poll;
 
 use ivdisk_store::WriteStep;
 
-/// Bytes of an object's metadata region per cache block: BlueStore's allocation and checksum
-/// unit, the smallest write it takes without a read-modify-write.
+/// Bytes of an object's metadata region per cache block, for stores that state no write
+/// unit; the others' blocks are their unit (`ObjectStore::write_unit`: BlueStore's allocation
+/// and checksum unit, 4 KiB; the local backend's inline pieces, 512 bytes).
 pub(crate) const BLOCK: usize = 4096;
 
 /// Independent locks, so operations on different objects rarely wait for each other's
@@ -54,7 +55,10 @@ pub(crate) struct MetadataCache {
     /// Where the metadata region starts in an object, and its length.
     region_offset: u64,
     region_len: usize,
-    /// Rewrite metadata writes as whole blocks (the store prefers aligned 4 KiB writes).
+    /// Bytes per block.
+    block: usize,
+    /// Rewrite metadata writes as whole blocks, one step each (the store prefers whole,
+    /// aligned blocks of `block` bytes).
     whole_blocks: bool,
     /// Known blocks per shard before one is evicted.
     shard_capacity: usize,
@@ -96,20 +100,29 @@ type Change = (usize, Vec<u8>);
 
 impl MetadataCache {
     /// A cache for objects whose metadata region is `region_len` bytes at `region_offset`,
-    /// holding about `capacity` bytes. `None` when `capacity` is below one block per shard.
+    /// holding about `capacity` bytes, for a store whose write unit is `write_unit` (1: none;
+    /// then metadata writes go out as they are). `None` when `capacity` is below one block per
+    /// shard.
     pub(crate) fn new(
         region_offset: u64,
         region_len: usize,
-        whole_blocks: bool,
+        write_unit: u64,
         capacity: usize,
     ) -> Option<MetadataCache> {
-        let shard_capacity = capacity / BLOCK / SHARDS;
+        let whole_blocks = write_unit > 1;
+        let block = if whole_blocks {
+            usize::try_from(write_unit).ok()?
+        } else {
+            BLOCK
+        };
+        let shard_capacity = capacity / block / SHARDS;
         if shard_capacity == 0 || region_len == 0 {
             return None;
         }
         Some(MetadataCache {
             region_offset,
             region_len,
+            block,
             whole_blocks,
             shard_capacity,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
@@ -128,13 +141,13 @@ impl MetadataCache {
     }
 
     fn block_range(&self, block: u32) -> Range<usize> {
-        let start = block as usize * BLOCK;
-        start..(start + BLOCK).min(self.region_len)
+        let start = block as usize * self.block;
+        start..(start + self.block).min(self.region_len)
     }
 
     /// The blocks holding region bytes `range`.
     fn blocks_of(&self, range: &Range<usize>) -> Range<u32> {
-        (range.start / BLOCK) as u32..range.end.div_ceil(BLOCK) as u32
+        (range.start / self.block) as u32..range.end.div_ceil(self.block) as u32
     }
 
     /// Build an operation under its object's shard lock and submit it (its future's first
@@ -193,8 +206,8 @@ impl MetadataCache {
             }
             return ReadPlan::Cached(metadata);
         }
-        let fetch =
-            blocks.start as usize * BLOCK..(blocks.end as usize * BLOCK).min(self.region_len);
+        let fetch = blocks.start as usize * self.block
+            ..(blocks.end as usize * self.block).min(self.region_len);
         let loads = self.start_loads(shard, object, blocks);
         ReadPlan::Fetch {
             range: fetch,
@@ -347,7 +360,8 @@ impl MetadataCache {
         let (first, last) = (*partial.first()?, *partial.last()?);
         // One read covering them all (a write touches at most a few neighbouring blocks).
         let loads = self.start_loads(shard, object, first..last + 1);
-        let range = first as usize * BLOCK..((last as usize + 1) * BLOCK).min(self.region_len);
+        let range =
+            first as usize * self.block..((last as usize + 1) * self.block).min(self.region_len);
         Some((range, loads))
     }
 
@@ -462,7 +476,8 @@ mod tests {
 
     fn cache(whole_blocks: bool) -> MetadataCache {
         // Four blocks of metadata at 1 MiB, room for everything.
-        MetadataCache::new(REGION, 4 * BLOCK, whole_blocks, 1 << 20).expect("capacity")
+        let unit = if whole_blocks { BLOCK as u64 } else { 1 };
+        MetadataCache::new(REGION, 4 * BLOCK, unit, 1 << 20).expect("capacity")
     }
 
     fn meta_write(at: usize, bytes: &[u8]) -> WriteStep {
@@ -573,6 +588,33 @@ mod tests {
     }
 
     #[test]
+    fn blocks_are_the_stores_unit() {
+        // The local backend's unit: 512-byte pieces, each its own step.
+        let unit = 512;
+        let cache = MetadataCache::new(REGION, 4 * BLOCK, unit as u64, 1 << 20).expect("capacity");
+        let mut fill = vec![data_write(), meta_write(0, &[1; 4 * 512])];
+        assert!(prepare(&cache, 1, &mut fill).is_none());
+        assert_eq!(
+            metadata_writes(&fill),
+            vec![(0, unit), (512, unit), (1024, unit), (1536, unit)]
+        );
+        // A sector's 32 bytes go out as the whole piece around them, rebuilt from memory.
+        let mut one = vec![data_write(), meta_write(600, &[2; 32])];
+        assert!(prepare(&cache, 1, &mut one).is_none());
+        assert_eq!(metadata_writes(&one), vec![(512, unit)]);
+        let WriteStep::Write { data, .. } = &one[1] else {
+            panic!("a write")
+        };
+        assert_eq!(&data[..88], &[1; 88]);
+        assert_eq!(&data[88..120], &[2; 32]);
+        assert_eq!(&data[120..], &[1; 392]);
+        // A piece never written is loaded alone, not the 4 KiB around it.
+        let (range, _) =
+            prepare(&cache, 1, &mut vec![meta_write(2048 + 32, &[3; 32])]).expect("to be loaded");
+        assert_eq!(range, 2048..2048 + unit);
+    }
+
+    #[test]
     fn without_whole_blocks_the_steps_stay_as_they_are() {
         let cache = cache(false);
         let mut steps = vec![meta_write(0, &[4; BLOCK])];
@@ -654,7 +696,8 @@ mod tests {
     #[test]
     fn memory_stays_bounded() {
         // One block per shard.
-        let cache = MetadataCache::new(REGION, 4 * BLOCK, true, SHARDS * BLOCK).expect("capacity");
+        let cache =
+            MetadataCache::new(REGION, 4 * BLOCK, BLOCK as u64, SHARDS * BLOCK).expect("capacity");
         for object in 0..64u64 {
             for b in 0..4 {
                 let mut steps = vec![meta_write(b * BLOCK, &[1; BLOCK])];

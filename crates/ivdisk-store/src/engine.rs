@@ -294,6 +294,18 @@ CREATE TABLE IF NOT EXISTS locks (
 /// quarter of the worker's time that way).
 const INLINE_MAX: usize = 1024;
 
+/// What the engine reports as its write unit ([`crate::ObjectStore::write_unit`]): writes of
+/// whole, aligned pieces this size stay in their own rows (at most `INLINE_MAX`), and
+/// rewriting such a piece whole, or a few bytes of it, is one `UPDATE` of its row
+/// (`replace_inline`, `patch_inline`). A few bytes inside data kept in a segment split its
+/// extent instead: after a sequential fill (1 MiB writes,
+/// 8 KiB of packed metadata each, kept in the segments), every random 4 KiB write cut that
+/// 8 KiB extent in three rows and left 32 dead bytes to widen at the commit: a fifth more of
+/// the worker's CPU per write than one `UPDATE` (docs/BENCHMARKS.md, "`object-end` metadata
+/// in 512-byte pieces"). 512 and not `INLINE_MAX`: a row with a 1 KiB value no longer fits in
+/// a B-tree page and spills into an overflow page.
+pub(crate) const SMALL_WRITE_UNIT: u64 = 512;
+
 /// Where an extent's bytes are.
 #[derive(Debug, Clone)]
 enum Stored {
@@ -1454,6 +1466,18 @@ impl Engine {
             return Ok(());
         }
         let overlapping = self.lookup_extents(node, lo, hi)?;
+        self.cut_found(node, lo, hi, refilled, overlapping)
+    }
+
+    /// `cut_extents_for` with the extents overlapping `[lo, hi)` already looked up.
+    fn cut_found(
+        &mut self,
+        node: i64,
+        lo: u64,
+        hi: u64,
+        refilled: bool,
+        overlapping: Vec<(u64, u64, Stored)>,
+    ) -> Result<(), StoreError> {
         for (e_lo, e_hi, stored) in overlapping {
             if e_lo < lo {
                 // The part before the cut keeps its row (same key, same place in the
@@ -1541,6 +1565,26 @@ impl Engine {
             )?
             .execute(params![node, lo as i64, hi as i64, data, INLINE_SEG])?;
         Ok(changed == 1)
+    }
+
+    /// Write `data` at `skip` inside the inline extent at `lo` that holds `old` and covers it
+    /// whole: one statement where a cut would update, insert and insert again, and the piece
+    /// stays one row (a write of a few bytes of metadata into a piece the image layer wrote
+    /// whole, `SMALL_WRITE_UNIT`).
+    fn patch_inline(
+        &self,
+        node: i64,
+        lo: u64,
+        old: &[u8],
+        skip: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        let mut patched = old.to_vec();
+        patched[skip as usize..skip as usize + data.len()].copy_from_slice(data);
+        self.db
+            .prepare_cached("UPDATE extents SET inline = ?3 WHERE node = ?1 AND lo = ?2")?
+            .execute(params![node, lo as i64, patched])?;
+        Ok(())
     }
 
     /// Insert the extents of one step's data, stored in `pieces` (in order), from `lo` on.
@@ -1731,8 +1775,20 @@ impl Engine {
                             _ => false,
                         };
                         if !replaced {
-                            self.cut_extents_for(node, *offset, end, true)?;
-                            self.insert_extents(node, *offset, &stored)?;
+                            let overlapping = self.lookup_extents(node, *offset, end)?;
+                            let patched = match (stored.as_slice(), overlapping.as_slice()) {
+                                ([Stored::Inline(bytes)], [(e_lo, e_hi, Stored::Inline(old))])
+                                    if *e_lo <= *offset && end <= *e_hi =>
+                                {
+                                    self.patch_inline(node, *e_lo, old, *offset - e_lo, bytes)?;
+                                    true
+                                }
+                                _ => false,
+                            };
+                            if !patched {
+                                self.cut_found(node, *offset, end, true, overlapping)?;
+                                self.insert_extents(node, *offset, &stored)?;
+                            }
                         }
                     }
                     h.size = h.size.max(end);
@@ -2370,6 +2426,10 @@ impl crate::ObjectStore for Client {
     fn client_id(&self) -> &str {
         &self.id
     }
+
+    fn write_unit(&self) -> u64 {
+        SMALL_WRITE_UNIT
+    }
 }
 
 /// Implement [`crate::ObjectStore`] for a backend newtype over [`Client`].
@@ -2440,6 +2500,9 @@ macro_rules! delegate_object_store {
             }
             fn client_id(&self) -> &str {
                 self.0.client_id()
+            }
+            fn write_unit(&self) -> u64 {
+                self.0.write_unit()
             }
         }
     };

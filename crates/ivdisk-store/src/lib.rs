@@ -103,10 +103,12 @@ pub trait ObjectStore: Send + Sync {
     }
 
     /// The unit of the store's own block writes: a write that is not whole, aligned blocks
-    /// of this size costs the store a read-modify-write (BlueStore: 4 KiB). Callers that know
-    /// the rest of a block (the image layer's metadata cache) send whole blocks instead of a
-    /// few bytes. 1: writes of any size and place cost the same (the local backend keeps
-    /// small writes in its index).
+    /// of this size costs the store more than one that is (BlueStore, 4 KiB: a
+    /// read-modify-write; the local and memory backends, 512 bytes: a split of the piece it
+    /// lands in, which they keep in their index, where a whole piece is rewritten in place).
+    /// Callers that know the rest of a block (the image layer's metadata cache) send whole
+    /// blocks, one write step each, instead of a few bytes. 1: writes of any size and place
+    /// cost the same.
     fn write_unit(&self) -> u64 {
         1
     }

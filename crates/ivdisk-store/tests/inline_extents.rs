@@ -90,3 +90,62 @@ async fn a_store_from_before_inline_extents_reads_and_upgrades() {
     assert_eq!(store.read(&name("old"), 0, 8192).await.unwrap(), big);
     assert_eq!(store.read(&name("new"), 0, 5).await.unwrap(), b"small");
 }
+
+/// The extent rows of the store at `path` (closed), as (lo, hi, inline length or -1).
+fn extent_rows(path: &std::path::Path) -> Vec<(i64, i64, i64)> {
+    let db = rusqlite::Connection::open(path.join("meta.sqlite")).unwrap();
+    let mut stmt = db
+        .prepare("SELECT lo, hi, COALESCE(length(inline), -1) FROM extents ORDER BY lo")
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap();
+    rows.map(Result::unwrap).collect()
+}
+
+#[tokio::test]
+async fn small_writes_inside_a_whole_piece_patch_it_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+    let unit = store.write_unit() as usize;
+    assert_eq!(unit, 512, "the local backend's pieces");
+    let o = name("o");
+    // Two whole pieces, then a few bytes inside each, at the start, the middle and the end,
+    // and one write across both (that one splits them, as any overlap does).
+    let mut model = pattern(1, 2 * unit);
+    store.write(&o, 0, &model[..unit]).await.unwrap();
+    store.write(&o, unit as u64, &model[unit..]).await.unwrap();
+    for (at, len, seed) in [(0, 32, 2), (200, 32, 3), (unit - 32, 32, 4), (unit, 1, 5)] {
+        let bytes = pattern(seed, len);
+        store.write(&o, at as u64, &bytes).await.unwrap();
+        model[at..at + len].copy_from_slice(&bytes);
+        assert_eq!(store.read(&o, 0, 2 * unit as u64).await.unwrap(), model);
+    }
+    store.flush().await.unwrap();
+    drop(store);
+    let (u, two) = (unit as i64, 2 * unit as i64);
+    assert_eq!(
+        extent_rows(&path),
+        vec![(0, u, u), (u, two, u)],
+        "a write inside a piece split it"
+    );
+
+    let store = LocalStore::open(&path).unwrap();
+    let across = pattern(6, 64);
+    store.write(&o, unit as u64 - 32, &across).await.unwrap();
+    model[unit - 32..unit + 32].copy_from_slice(&across);
+    // Rewriting a piece whole after it was split makes it one row again.
+    let whole = pattern(7, unit);
+    store.write(&o, 0, &whole).await.unwrap();
+    model[..unit].copy_from_slice(&whole);
+    assert_eq!(store.read(&o, 0, 2 * unit as u64).await.unwrap(), model);
+    store.flush().await.unwrap();
+    drop(store);
+    assert_eq!(
+        extent_rows(&path),
+        vec![(0, u, u), (u, u + 32, 32), (u + 32, two, u - 32)]
+    );
+    let store = LocalStore::open_read_only(&path).unwrap();
+    assert_eq!(store.read(&o, 0, 2 * unit as u64).await.unwrap(), model);
+}
