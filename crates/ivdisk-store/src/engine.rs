@@ -65,9 +65,12 @@ pub(crate) trait Segments: Send {
     fn rewind(&mut self, mark: SegmentMark) -> Result<(), StoreError>;
     /// Bytes appended since the last sync.
     fn unsynced(&self) -> u64;
-    /// Called by the worker at least once a second: a chance to give back space held for
-    /// reuse when writes have stopped.
-    fn tick(&mut self) {}
+    /// Called by the worker after each burst of requests and at least every
+    /// `DURABLE_INTERVAL`: a chance to give back space held for reuse when writes have
+    /// stopped. Returns how soon it wants to be called again, if sooner.
+    fn tick(&mut self) -> Option<Duration> {
+        None
+    }
     /// Whether writes are reusing dead space now (then frees are worth a durable commit).
     fn reusing(&self) -> bool {
         false
@@ -639,20 +642,19 @@ impl Engine {
 
     /// Run the worker loop until every sender is gone, then commit durably.
     pub(crate) fn run(mut self, requests: mpsc::Receiver<Request>) {
+        let mut tick_due: Option<Instant> = None;
         loop {
-            let request = if self.in_txn {
-                let wait = COMMIT_INTERVAL.saturating_sub(self.txn_started.elapsed());
-                match requests.recv_timeout(wait) {
-                    Ok(r) => Some(r),
-                    Err(mpsc::RecvTimeoutError::Timeout) => None,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                }
-            } else {
-                match requests.recv_timeout(DURABLE_INTERVAL) {
-                    Ok(r) => Some(r),
-                    Err(mpsc::RecvTimeoutError::Timeout) => None,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                }
+            let mut wait = match self.in_txn {
+                true => COMMIT_INTERVAL.saturating_sub(self.txn_started.elapsed()),
+                false => DURABLE_INTERVAL,
+            };
+            if let Some(due) = tick_due {
+                wait = wait.min(due.saturating_duration_since(Instant::now()));
+            }
+            let request = match requests.recv_timeout(wait) {
+                Ok(r) => Some(r),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
             };
             if let Some(request) = request {
                 self.handle(request);
@@ -681,7 +683,7 @@ impl Engine {
             {
                 self.commit(true);
             }
-            self.segments.tick();
+            tick_due = self.segments.tick().map(|after| Instant::now() + after);
         }
         self.commit(true);
         // Punches run in the background; a clean stop waits for them, for a while (an unclean

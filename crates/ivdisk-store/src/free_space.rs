@@ -91,14 +91,26 @@ impl FreeSpace {
         Some((segment, start, size))
     }
 
-    /// Everything held, by place; the set is empty afterwards.
-    pub(crate) fn drain(&mut self) -> Vec<(u32, u64, u64)> {
-        self.by_size.clear();
-        self.total = 0;
-        std::mem::take(&mut self.by_place)
-            .into_iter()
-            .map(|((segment, start), end)| (segment, start, end))
-            .collect()
+    /// The first `max` ranges held, by place, no longer held.
+    pub(crate) fn drain_first(&mut self, max: usize) -> Vec<(u32, u64, u64)> {
+        if max >= self.by_place.len() {
+            self.by_size.clear();
+            self.total = 0;
+            return std::mem::take(&mut self.by_place)
+                .into_iter()
+                .map(|((segment, start), end)| (segment, start, end))
+                .collect();
+        }
+        let first: Vec<(u32, u64, u64)> = self
+            .by_place
+            .iter()
+            .take(max)
+            .map(|(&(segment, start), &end)| (segment, start, end))
+            .collect();
+        for &(segment, start, end) in &first {
+            self.remove(segment, start, end);
+        }
+        first
     }
 
     /// Remove the held range `[start, end)`; false if it is not held (already merged).
@@ -185,9 +197,15 @@ mod tests {
         );
         free.insert(1, 0, 8192);
         free.insert(1, 16384, 20480);
-        let rest = free.drain();
-        assert_eq!(rest.len(), 2);
+        free.insert(2, 0, 4096);
+        // By place, a part at a time; what is left stays held and can be taken.
+        assert_eq!(free.drain_first(1), [(1, 0, 8192)]);
+        assert_eq!(free.total(), 8192);
+        assert_eq!(ranges(&free), [(1, 16384, 20480), (2, 0, 4096)]);
+        let rest = free.drain_first(usize::MAX);
+        assert_eq!(rest, [(1, 16384, 20480), (2, 0, 4096)]);
         assert!(free.is_empty() && free.by_size.is_empty());
+        assert_eq!(free.drain_first(8), []);
     }
 
     /// Random inserts of disjoint dead ranges and takes: no block is ever handed out twice or
