@@ -63,8 +63,8 @@ const REUSE_IDLE: Duration = Duration::from_secs(2);
 /// reusable until then. Handed over at once, the tens of thousands of 4 KiB ranges random
 /// overwrites leave took the punch thread 5-10 s on a `discard` mount, and writes that came
 /// back meanwhile found nothing to reuse and their file contended with the punches (random
-/// 4 KiB writes through `ivdisk serve` 3-5 s after earlier ones: 10.5-12.9k IOPS against
-/// 15.0-17.3k after 20 s; docs/BENCHMARKS.md, "held space released in batches").
+/// 4 KiB writes through `ivdisk serve` 3 s after earlier ones: 10.5-12.9k IOPS against
+/// 15.5-17.3k 20 s after; docs/BENCHMARKS.md, "held space released in batches").
 const RELEASE_BATCH: usize = 256;
 const RELEASE_STEP: Duration = Duration::from_millis(10);
 
