@@ -162,7 +162,6 @@ impl AeadSuite {
         self.nonces.fill_each(first_sector, &mut drawn, 16)?;
         let groups = head
             .chunks(LANES * ss)
-            .into_iter()
             .zip(metadata.chunks_exact_mut(LANES * md_len))
             .zip(drawn.chunks_exact(16 * LANES));
         for (g, ((group, metas), drawn)) in groups.enumerate() {
@@ -208,7 +207,6 @@ impl AeadSuite {
         let (head, rest) = data.split_at(grouped * ss);
         let groups = head
             .chunks(LANES * ss)
-            .into_iter()
             .zip(metadata.chunks_exact(LANES * md_len));
         for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;

@@ -87,18 +87,37 @@ impl<'a> Io<'a> {
     }
 
     /// Consecutive pieces of `len` bytes (the last one shorter if `len` does not divide).
-    pub(crate) fn chunks(self, len: usize) -> Vec<Io<'a>> {
-        let mut out = Vec::with_capacity(self.len().div_ceil(len));
-        let mut rest = self;
-        while rest.len() > len {
-            let (head, tail) = rest.split_at(len);
-            out.push(head);
-            rest = tail;
+    /// An iterator, not a `Vec`: the allocation and free were 2-4% of a single-sector XTS run
+    /// (`perf`).
+    pub(crate) fn chunks(self, len: usize) -> Chunks<'a> {
+        assert!(len > 0, "chunks of zero bytes");
+        Chunks {
+            rest: Some(self),
+            len,
         }
-        if rest.len() > 0 {
-            out.push(rest);
+    }
+}
+
+/// The pieces of [`Io::chunks`].
+pub(crate) struct Chunks<'a> {
+    rest: Option<Io<'a>>,
+    len: usize,
+}
+
+impl<'a> Iterator for Chunks<'a> {
+    type Item = Io<'a>;
+
+    fn next(&mut self) -> Option<Io<'a>> {
+        let rest = self.rest.take()?;
+        if rest.len() > self.len {
+            let (head, tail) = rest.split_at(self.len);
+            self.rest = Some(tail);
+            Some(head)
+        } else if rest.len() > 0 {
+            Some(rest)
+        } else {
+            None
         }
-        out
     }
 }
 
@@ -131,7 +150,7 @@ mod tests {
     fn chunks_cover_both_buffers_in_order() {
         let src: Vec<u8> = (0..10).collect();
         let mut dst = vec![0u8; 10];
-        let pieces = Io::copy(&src, &mut dst).chunks(4);
+        let pieces: Vec<_> = Io::copy(&src, &mut dst).chunks(4).collect();
         assert_eq!(pieces.iter().map(Io::len).collect::<Vec<_>>(), [4, 4, 2]);
         for mut p in pieces {
             let s = p.src().to_vec();

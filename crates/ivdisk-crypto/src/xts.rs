@@ -9,6 +9,12 @@
 //! sector s' or into another image gives another tweak, so it decrypts to garbage; forging an R'
 //! that yields the same tweak at s' requires `K_t`.
 //!
+//! Encryption draws `U = AES-256(K_t, R)` instead of R: U is as uniform as R, the tweak
+//! `U xor LE128(sector)` is ready at once, and the stored `R = AES-256^-1(K_t, U)` is computed
+//! beside the XTS rounds instead of in front of them (a chain of 14 dependent AES rounds that
+//! made a single-sector encryption about 5% slower than `aes-xts-plain64`). The format is the
+//! same; decryption still computes the tweak from R.
+//!
 //! The rounds run in our VAES code where the CPU has VAES (`ffi::xts_vaes`: the tweak is an
 //! argument, four blocks per ZMM instruction with AVX-512, two per YMM without) and in
 //! OpenSSL's AES-NI XTS otherwise, with reused
@@ -16,7 +22,7 @@
 //! to each other.
 
 use aes::cipher::generic_array::GenericArray;
-use aes::cipher::{BlockEncrypt, KeyInit};
+use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
 use aes::Aes256;
 use openssl::cipher::{Cipher, CipherRef};
 
@@ -58,6 +64,8 @@ impl TweakKey {
         }
         match self {
             #[cfg(target_arch = "x86_64")]
+            TweakKey::Vaes(aes) if tweaks.len() == 1 => aes.encrypt_one(&mut tweaks[0]),
+            #[cfg(target_arch = "x86_64")]
             TweakKey::Vaes(aes) => aes.encrypt_blocks(tweaks),
             TweakKey::Soft(aes) => {
                 for t in tweaks.iter_mut() {
@@ -66,10 +74,54 @@ impl TweakKey {
             }
         }
         for (i, t) in tweaks.iter_mut().enumerate() {
-            let sector = first_sector + i as u64;
-            *t = (u128::from_le_bytes(*t) ^ u128::from(sector)).to_le_bytes();
+            *t = tweak_of(t, first_sector + i as u64);
         }
     }
+
+    /// Turn drawn values U (16 bytes each, in place) into the values R stored for them:
+    /// `R = AES-256^-1(K_t, U)`, so that `AES-256(K_t, R) = U`.
+    fn stored_values(&self, us: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let (TweakKey::Vaes(aes), Ok(one)) = (self, <&mut [u8; 16]>::try_from(&mut *us)) {
+            aes.decrypt_one(one);
+            return;
+        }
+        for batch in us.chunks_mut(16 * TWEAK_BATCH) {
+            let mut blocks = [[0u8; 16]; TWEAK_BATCH];
+            let n = batch.len() / 16;
+            for (b, u) in blocks.iter_mut().zip(batch.chunks_exact(16)) {
+                b.copy_from_slice(u);
+            }
+            match self {
+                #[cfg(target_arch = "x86_64")]
+                TweakKey::Vaes(aes) => aes.decrypt_blocks(&mut blocks[..n]),
+                TweakKey::Soft(aes) => {
+                    for b in blocks[..n].iter_mut() {
+                        aes.decrypt_block(GenericArray::from_mut_slice(b));
+                    }
+                }
+            }
+            for (u, b) in batch.chunks_exact_mut(16).zip(blocks.iter()) {
+                u.copy_from_slice(b);
+            }
+        }
+    }
+}
+
+/// `value xor LE128(sector)`: the XTS tweak of `aes-xts-random` from `AES-256(K_t, R)`.
+fn tweak_of(value: &[u8; 16], sector: u64) -> [u8; 16] {
+    (u128::from_le_bytes(*value) ^ u128::from(sector)).to_le_bytes()
+}
+
+/// Where `AesXts::crypt` takes each sector's tweak from.
+enum Tweaks<'m> {
+    /// `aes-xts-plain64`: the sector's byte offset / 512.
+    Plain64,
+    /// `aes-xts-random`, decrypting: from the stored values R, 16 bytes per sector.
+    Stored(&'m [u8]),
+    /// `aes-xts-random`, encrypting: from freshly drawn values U = AES-256(K_t, R), 16 bytes
+    /// per sector, which `crypt` turns into the R to store (`TweakKey::stored_values`).
+    Drawn(&'m mut [u8]),
 }
 
 /// Tweaks of `aes-xts-random` computed per batch (`TweakKey::tweaks`).
@@ -186,29 +238,64 @@ impl AesXts {
         })
     }
 
+    /// Where decryption takes its tweaks from.
+    fn stored_tweaks<'m>(&self, metadata: &'m [u8]) -> Tweaks<'m> {
+        match self.tweak_key {
+            Some(_) => Tweaks::Stored(metadata),
+            None => Tweaks::Plain64,
+        }
+    }
+
+    /// Encrypt a checked run; for `aes-xts-random` draw U per sector (one draw for the run)
+    /// and let `crypt` encrypt under `U xor sector` and store R for each U.
+    fn encrypt_run(
+        &self,
+        first_sector: u64,
+        data: Io<'_>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        if self.tweak_key.is_none() {
+            return self.crypt(first_sector, data, Tweaks::Plain64, true);
+        }
+        self.nonces.fill_each(first_sector, metadata, 16)?;
+        self.crypt(first_sector, data, Tweaks::Drawn(metadata), true)
+    }
+
     fn crypt(
         &self,
         first_sector: u64,
         data: Io<'_>,
-        metadata: &[u8],
+        mut tweaks: Tweaks<'_>,
         encrypt: bool,
     ) -> Result<(), CryptoError> {
-        let md_len = self.suite.metadata_len();
-        let sectors = metadata.len() / md_len.max(1);
         let mut batch = [[0u8; 16]; TWEAK_BATCH];
+        let sectors = data.len() / self.sector_size;
         self.engine.run(encrypt, |unit| {
-            for (i, sector) in data.chunks(self.sector_size).into_iter().enumerate() {
+            for (i, sector) in data.chunks(self.sector_size).enumerate() {
                 let number = first_sector + i as u64;
-                let tweak = match &self.tweak_key {
-                    None => plain64_iv(number, self.sector_size),
-                    Some(k) => {
-                        let j = i % TWEAK_BATCH;
+                let j = i % TWEAK_BATCH;
+                let n = (sectors - i).min(TWEAK_BATCH);
+                let tweak = match (&self.tweak_key, &mut tweaks) {
+                    (Some(k), Tweaks::Stored(rs)) => {
                         if j == 0 {
-                            let n = (sectors - i).min(TWEAK_BATCH);
-                            k.tweaks(&metadata[i * md_len..], number, &mut batch[..n]);
+                            k.tweaks(&rs[i * 16..], number, &mut batch[..n]);
                         }
                         batch[j]
                     }
+                    (Some(k), Tweaks::Drawn(values)) => {
+                        if j == 0 {
+                            // The batch's tweaks first, then R for each U: the R's rounds run
+                            // beside the XTS rounds that follow, which do not wait for them.
+                            let us = &mut values[i * 16..][..n * 16];
+                            let pairs = batch[..n].iter_mut().zip(us.chunks_exact(16));
+                            for (m, (b, u)) in pairs.enumerate() {
+                                *b = tweak_of(u.try_into().expect("16 bytes"), number + m as u64);
+                            }
+                            k.stored_values(us);
+                        }
+                        batch[j]
+                    }
+                    _ => plain64_iv(number, self.sector_size),
                 };
                 unit(&tweak, sector)?;
             }
@@ -247,11 +334,7 @@ impl crate::SectorCipher for AesXts {
             data.len(),
             metadata.len(),
         )?;
-        if self.tweak_key.is_some() {
-            // One draw for the whole run.
-            self.nonces.fill_each(first_sector, metadata, 16)?;
-        }
-        self.crypt(first_sector, Io::InPlace(data), metadata, true)
+        self.encrypt_run(first_sector, Io::InPlace(data), metadata)
     }
 
     fn encrypt_sectors_to(
@@ -269,15 +352,7 @@ impl crate::SectorCipher for AesXts {
             plaintext.len(),
             metadata.len(),
         )?;
-        if self.tweak_key.is_some() {
-            self.nonces.fill_each(first_sector, metadata, 16)?;
-        }
-        self.crypt(
-            first_sector,
-            Io::copy(plaintext, ciphertext),
-            metadata,
-            true,
-        )
+        self.encrypt_run(first_sector, Io::copy(plaintext, ciphertext), metadata)
     }
 
     fn decrypt_sectors_to(
@@ -298,7 +373,7 @@ impl crate::SectorCipher for AesXts {
         self.crypt(
             first_sector,
             Io::copy(ciphertext, plaintext),
-            metadata,
+            self.stored_tweaks(metadata),
             false,
         )
     }
@@ -316,7 +391,12 @@ impl crate::SectorCipher for AesXts {
             data.len(),
             metadata.len(),
         )?;
-        self.crypt(first_sector, Io::InPlace(data), metadata, false)
+        self.crypt(
+            first_sector,
+            Io::InPlace(data),
+            self.stored_tweaks(metadata),
+            false,
+        )
     }
 }
 
@@ -356,6 +436,18 @@ fn check_unit(data: &[u8]) -> Result<(), CryptoError> {
 mod tests {
     use super::*;
 
+    /// The tweak key on every engine this CPU has: the `aes` crate, and AES-NI where present.
+    fn tweak_key_engines(key: &[u8; 32]) -> Vec<TweakKey> {
+        let mut engines = vec![TweakKey::Soft(Box::new(Aes256::new(
+            GenericArray::from_slice(key),
+        )))];
+        #[cfg(target_arch = "x86_64")]
+        if let Some(aes) = AesBlockCipher::new(key) {
+            engines.push(TweakKey::Vaes(Box::new(aes)));
+        }
+        engines
+    }
+
     /// The batched tweaks equal `AES-256(K_t, r) xor LE128(sector)` computed block by block with
     /// the `aes` crate, for every batch length, on both engines of the tweak key.
     #[test]
@@ -363,13 +455,7 @@ mod tests {
         let mut key = [0u8; 32];
         crate::fill_random(&mut key).unwrap();
         let reference = Aes256::new(GenericArray::from_slice(&key));
-        let mut engines = vec![TweakKey::Soft(Box::new(Aes256::new(
-            GenericArray::from_slice(&key),
-        )))];
-        #[cfg(target_arch = "x86_64")]
-        if let Some(aes) = AesBlockCipher::new(&key) {
-            engines.push(TweakKey::Vaes(Box::new(aes)));
-        }
+        let engines = tweak_key_engines(&key);
         for engine in &engines {
             for n in 1..=TWEAK_BATCH {
                 let mut rs = vec![0u8; n * 16];
@@ -389,6 +475,71 @@ mod tests {
                     tweaks[n..].iter().all(|t| t == &[0u8; 16]),
                     "past the batch"
                 );
+            }
+        }
+    }
+
+    /// Stored values R come back from the drawn U on both engines of the tweak key:
+    /// `AES-256(K_t, R) = U`, for runs shorter and longer than a batch.
+    #[test]
+    fn stored_values_encrypt_back_to_the_drawn_ones() {
+        let mut key = [0u8; 32];
+        crate::fill_random(&mut key).unwrap();
+        let reference = Aes256::new(GenericArray::from_slice(&key));
+        let engines = tweak_key_engines(&key);
+        for engine in &engines {
+            for n in [1, 7, 8, 9, 17] {
+                let mut us = vec![0u8; n * 16];
+                crate::fill_random(&mut us).unwrap();
+                let mut stored = us.clone();
+                engine.stored_values(&mut stored);
+                for (r, u) in stored.chunks_exact(16).zip(us.chunks_exact(16)) {
+                    assert_ne!(r, u);
+                    let mut t = GenericArray::clone_from_slice(r);
+                    reference.encrypt_block(&mut t);
+                    assert_eq!(t.as_slice(), u, "run of {n}");
+                }
+            }
+        }
+    }
+
+    /// The format, from outside the code that writes it: a sector of `aes-xts-random` is XTS
+    /// under the tweak `AES-256(K_t, R) xor LE128(sector)`, R being its metadata and K_t the
+    /// HKDF subkey, on every engine and for runs of 1 and 11 sectors (encryption draws U and
+    /// stores R; this holds the two together).
+    #[test]
+    fn random_sectors_are_xts_under_aes_of_the_stored_value() {
+        let mut key = [0u8; 64];
+        crate::fill_random(&mut key).unwrap();
+        let params = CipherParams::new(4096, crate::ImageId([3; 16]));
+        let k_t = derive_subkey::<32>(&key, &[b"aes-xts-random/tweak-key/", &params.image_id.0]);
+        let reference = Aes256::new(GenericArray::from_slice(k_t.as_ref()));
+        let mut engines =
+            vec![AesXts::new(Suite::AesXtsRandom, &key, &params, NonceSource::Random).unwrap()];
+        let mut openssl =
+            AesXts::new(Suite::AesXtsRandom, &key, &params, NonceSource::Random).unwrap();
+        openssl.engine = Engine::openssl(&key);
+        engines.push(openssl);
+        for cipher in &engines {
+            for run in [1usize, 11] {
+                let first = 77u64;
+                let plaintext: Vec<u8> = (0..run * 4096).map(|i| (i * 31 % 251) as u8).collect();
+                let mut data = plaintext.clone();
+                let mut metadata = vec![0u8; run * 16];
+                crate::SectorCipher::encrypt_sectors(cipher, first, &mut data, &mut metadata)
+                    .unwrap();
+                for i in 0..run {
+                    let mut t = GenericArray::clone_from_slice(&metadata[i * 16..][..16]);
+                    reference.encrypt_block(&mut t);
+                    let tweak = tweak_of(&t.into(), first + i as u64);
+                    let mut expected = plaintext[i * 4096..][..4096].to_vec();
+                    xts_crypt_unit(&key, &tweak, &mut expected, true, true).unwrap();
+                    assert_eq!(
+                        &data[i * 4096..][..4096],
+                        &expected[..],
+                        "run {run}, sector {i}"
+                    );
+                }
             }
         }
     }

@@ -143,9 +143,13 @@ impl XtsVaes {
     }
 }
 
-/// One AES key expanded for AES-NI, encrypting single blocks: the map from `aes-xts-random`'s
-/// stored value R to its tweak, kept here so that R -> tweak -> XTS stays in one piece of code.
-pub(crate) struct AesBlockCipher(RoundKeys);
+/// One AES key expanded for AES-NI, for single blocks both ways: the map between
+/// `aes-xts-random`'s stored value R and its tweak, kept here so that R -> tweak -> XTS stays
+/// in one piece of code.
+pub(crate) struct AesBlockCipher {
+    encrypt: RoundKeys,
+    decrypt: RoundKeys,
+}
 
 impl AesBlockCipher {
     /// Expand a 16- or 32-byte AES key. `None` if the CPU lacks the features of this module.
@@ -154,7 +158,14 @@ impl AesBlockCipher {
             return None;
         }
         // SAFETY: the CPU has AES-NI (`available` above checks it at either width).
-        Some(AesBlockCipher(unsafe { expand(key) }))
+        let (encrypt, decrypt) = unsafe { (expand(key), expand_decrypt(key)) };
+        Some(AesBlockCipher { encrypt, decrypt })
+    }
+
+    /// Encrypt one block in place: one chain of rounds, no batch set-up.
+    pub(crate) fn encrypt_one(&self, block: &mut [u8; 16]) {
+        // SAFETY: an `AesBlockCipher` exists only on a CPU with AES-NI (checked in `new`).
+        unsafe { encrypt_block(&self.encrypt, block) }
     }
 
     /// Encrypt up to eight 16-byte blocks in place, their rounds interleaved: one block is a
@@ -162,39 +173,72 @@ impl AesBlockCipher {
     pub(crate) fn encrypt_blocks(&self, blocks: &mut [[u8; 16]]) {
         assert!(blocks.len() <= 8, "at most eight blocks per call");
         // SAFETY: an `AesBlockCipher` exists only on a CPU with AES-NI (checked in `new`).
-        unsafe { encrypt_blocks(&self.0, blocks) }
+        unsafe { encrypt_blocks(&self.encrypt, blocks) }
+    }
+
+    /// Decrypt one block in place.
+    pub(crate) fn decrypt_one(&self, block: &mut [u8; 16]) {
+        // SAFETY: as in `encrypt_one`.
+        unsafe { decrypt_block(&self.decrypt, block) }
+    }
+
+    /// Decrypt up to eight 16-byte blocks in place, their rounds interleaved.
+    pub(crate) fn decrypt_blocks(&self, blocks: &mut [[u8; 16]]) {
+        assert!(blocks.len() <= 8, "at most eight blocks per call");
+        // SAFETY: as in `encrypt_blocks`.
+        unsafe { decrypt_blocks(&self.decrypt, blocks) }
     }
 }
 
-#[target_feature(enable = "aes")]
-fn encrypt_block(keys: &RoundKeys, block: &mut [u8; 16]) {
-    let mut b = _mm_xor_si128(load128(block), load128(&keys.keys[0]));
-    for k in &keys.keys[1..keys.rounds] {
-        b = _mm_aesenc_si128(b, load128(k));
-    }
-    b = _mm_aesenclast_si128(b, load128(&keys.keys[keys.rounds]));
-    store128(block, b);
-}
-
-#[target_feature(enable = "aes")]
-fn encrypt_blocks(keys: &RoundKeys, blocks: &mut [[u8; 16]]) {
-    let n = blocks.len();
-    let mut b = [_mm_setzero_si128(); 8];
-    let k0 = load128(&keys.keys[0]);
-    for (reg, block) in b.iter_mut().zip(blocks.iter()) {
-        *reg = _mm_xor_si128(load128(block), k0);
-    }
-    for k in &keys.keys[1..keys.rounds] {
-        let k = load128(k);
-        for reg in &mut b[..n] {
-            *reg = _mm_aesenc_si128(*reg, k);
+/// One block, and up to eight with their rounds interleaved, through AES rounds `round` and
+/// `last` (AESENC/AESENCLAST with encryption keys, AESDEC/AESDECLAST with the equivalent
+/// inverse cipher's keys).
+macro_rules! block_functions {
+    ($one:ident, $many:ident, $round:ident, $last:ident) => {
+        #[target_feature(enable = "aes")]
+        fn $one(keys: &RoundKeys, block: &mut [u8; 16]) {
+            let mut b = _mm_xor_si128(load128(block), load128(&keys.keys[0]));
+            for k in &keys.keys[1..keys.rounds] {
+                b = $round(b, load128(k));
+            }
+            b = $last(b, load128(&keys.keys[keys.rounds]));
+            store128(block, b);
         }
-    }
-    let last = load128(&keys.keys[keys.rounds]);
-    for (reg, block) in b.iter().zip(blocks.iter_mut()) {
-        store128(block, _mm_aesenclast_si128(*reg, last));
-    }
+
+        #[target_feature(enable = "aes")]
+        fn $many(keys: &RoundKeys, blocks: &mut [[u8; 16]]) {
+            let n = blocks.len();
+            let mut b = [_mm_setzero_si128(); 8];
+            let k0 = load128(&keys.keys[0]);
+            for (reg, block) in b.iter_mut().zip(blocks.iter()) {
+                *reg = _mm_xor_si128(load128(block), k0);
+            }
+            for k in &keys.keys[1..keys.rounds] {
+                let k = load128(k);
+                for reg in &mut b[..n] {
+                    *reg = $round(*reg, k);
+                }
+            }
+            let last = load128(&keys.keys[keys.rounds]);
+            for (reg, block) in b.iter().zip(blocks.iter_mut()) {
+                store128(block, $last(*reg, last));
+            }
+        }
+    };
 }
+
+block_functions!(
+    encrypt_block,
+    encrypt_blocks,
+    _mm_aesenc_si128,
+    _mm_aesenclast_si128
+);
+block_functions!(
+    decrypt_block,
+    decrypt_blocks,
+    _mm_aesdec_si128,
+    _mm_aesdeclast_si128
+);
 
 /// One step of the AES key schedule (FIPS 197 5.2) on four words at once: `prev` xor its
 /// shifted copies, xor the broadcast word of `assist`.
