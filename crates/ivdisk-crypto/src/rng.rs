@@ -93,9 +93,10 @@ impl NonceRng {
             self.reseed()?;
         }
         self.bytes_since_seed += out.len() as u64;
-        // Whole blocks while `used` is on a block boundary (16- and 32-byte nonces always are):
-        // fixed-size copies and wipes, where the general loop below calls `memmove` and
-        // `memset` for every piece (a third of a 16-byte draw's time, `perf`).
+        // Whole blocks while `used` is on a block boundary (16- and 32-byte nonces keep it
+        // there; a 12-byte GCM nonce moves it off until the next refill): fixed-size copies and
+        // wipes, where the general loop below calls `memmove` and `memset` for every piece (a
+        // third of a 16-byte draw's time, `perf`).
         while self.used.is_multiple_of(16) && out.len() >= 16 {
             if self.used == BUFFER_BYTES {
                 self.refill();
