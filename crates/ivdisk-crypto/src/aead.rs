@@ -18,7 +18,9 @@ use crate::evp::{ContextPool, Direction};
 use crate::ffi::aegis128l_one::OneMessage;
 use crate::io::Io;
 use crate::rng::NonceSource;
-use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size};
+use crate::suite::{
+    append_by_zeroing, check_key_len, check_out_of_place, check_run, check_sector_size,
+};
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
 /// Random 96-bit nonces: NIST SP 800-38D section 8.3 caps invocations under one key at 2^32 so
@@ -232,7 +234,7 @@ impl AeadSuite {
                     .zip(tag)
                     .fold(0u8, |acc, (a, b)| acc | (a ^ b));
                 if diff != 0 {
-                    sector.dst().fill(0);
+                    sector.clear_output();
                     failed.push(base + i as u64);
                 }
             }
@@ -301,7 +303,7 @@ impl AeadSuite {
                 kernel.open(key, nonce, &aad(&self.image_id, number), sector, tag)
             } else {
                 let mut sector = sector;
-                sector.dst().fill(0);
+                sector.clear_output();
                 false
             };
             if !ok {
@@ -497,7 +499,7 @@ impl crate::SectorCipher for AeadSuite {
         data: &mut [u8],
         metadata: &mut [u8],
     ) -> Result<(), CryptoError> {
-        self.seal_run(first_sector, Io::InPlace(data), metadata)
+        self.seal_run(first_sector, Io::in_place(data), metadata)
     }
 
     fn decrypt_sectors(
@@ -506,7 +508,7 @@ impl crate::SectorCipher for AeadSuite {
         data: &mut [u8],
         metadata: &[u8],
     ) -> Result<(), CryptoError> {
-        self.open_run(first_sector, Io::InPlace(data), metadata)
+        self.open_run(first_sector, Io::in_place(data), metadata)
     }
 
     fn encrypt_sectors_to(
@@ -529,6 +531,24 @@ impl crate::SectorCipher for AeadSuite {
     ) -> Result<(), CryptoError> {
         check_out_of_place(ciphertext, plaintext)?;
         self.open_run(first_sector, Io::copy(ciphertext, plaintext), metadata)
+    }
+
+    fn encrypt_sectors_append(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut Vec<u8>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        // AEGIS-128L's kernels store through pointers: straight into the spare capacity.
+        #[cfg(target_arch = "x86_64")]
+        if let Engine::Aegis128L(_) = self.engine {
+            return crate::ffi::spare::append_written(ciphertext, plaintext.len(), |spare| {
+                let run = Io::fresh(plaintext, spare);
+                self.seal_run(first_sector, run, metadata)
+            });
+        }
+        append_by_zeroing(self, first_sector, plaintext, ciphertext, metadata)
     }
 
     fn writes_used(&self) -> Option<u64> {

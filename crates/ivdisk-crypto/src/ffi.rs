@@ -3,7 +3,9 @@
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
 //! one-message AEGIS-128L with AVX-512VL or 256-bit VAES in `aegis128l_one`, where one
 //! instruction is written out in `asm!` so that the compiler keeps it: callable only once the
-//! CPU is known to have them, with unaligned SIMD loads and stores). Every `unsafe` block says
+//! CPU is known to have them, with unaligned SIMD loads and stores), the runs the kernels read
+//! and write (`io`: raw pointers, so that an output may be memory that holds nothing yet), and
+//! output buffers the kernels fill before anything reads them (`spare`). Every `unsafe` block says
 //! why it is sound in a `// SAFETY:` line.
 //!
 //! Fork handler:
@@ -17,8 +19,10 @@
 pub(crate) mod aegis128l_one;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod aegis128l_vaes;
+pub(crate) mod io;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+pub(crate) mod spare;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod xts_vaes;
 

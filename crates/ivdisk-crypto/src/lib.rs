@@ -24,7 +24,7 @@ mod evp;
 #[allow(unsafe_code)]
 mod ffi;
 mod hctr2;
-mod io;
+use ffi::io;
 mod key;
 mod rng;
 mod suite;

@@ -221,6 +221,25 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         self.decrypt_sectors(first_sector, plaintext, metadata)
     }
 
+    /// Encrypt `plaintext` onto the end of `ciphertext` and write each sector's metadata:
+    /// [`SectorCipher::encrypt_sectors_to`] into a buffer that grows by `plaintext.len()`. On
+    /// an error `ciphertext` keeps its length.
+    ///
+    /// Why: the image layer builds a fresh buffer per write for the store. Out of place into
+    /// `&mut [u8]` means zeroing that buffer first, a pass of its own; suites whose kernels
+    /// store through pointers (AEGIS-128L) write the spare capacity directly. The default
+    /// zeroes and encrypts 64 KiB at a time, so what was zeroed is still in the cache when the
+    /// cipher overwrites it.
+    fn encrypt_sectors_append(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut Vec<u8>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        append_by_zeroing(self, first_sector, plaintext, ciphertext, metadata)
+    }
+
     /// Bytes of metadata per sector.
     fn metadata_len(&self) -> usize {
         self.suite().metadata_len()
@@ -230,6 +249,46 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     fn writes_used(&self) -> Option<u64> {
         None
     }
+}
+
+/// [`SectorCipher::encrypt_sectors_append`] for suites that write only initialised output.
+pub(crate) fn append_by_zeroing<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    plaintext: &[u8],
+    ciphertext: &mut Vec<u8>,
+    metadata: &mut [u8],
+) -> Result<(), CryptoError> {
+    /// Bytes zeroed and encrypted per step: well inside the L2 cache.
+    const STEP: usize = 64 << 10;
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    check_run(
+        cipher.suite(),
+        ss,
+        first_sector,
+        plaintext.len(),
+        metadata.len(),
+    )?;
+    let at = ciphertext.len();
+    ciphertext.reserve(plaintext.len());
+    let step = (STEP / ss).max(1) * ss;
+    for (i, plain) in plaintext.chunks(step).enumerate() {
+        let start = ciphertext.len();
+        ciphertext.resize(start + plain.len(), 0);
+        let sectors = i * step / ss;
+        let metas = &mut metadata[sectors * ml..(sectors + plain.len() / ss) * ml];
+        let done = cipher.encrypt_sectors_to(
+            first_sector + sectors as u64,
+            plain,
+            &mut ciphertext[start..],
+            metas,
+        );
+        if let Err(e) = done {
+            ciphertext.truncate(at);
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// An out-of-place run's output must be exactly as long as its input.

@@ -29,7 +29,7 @@ use openssl::cipher::{Cipher, CipherRef};
 use crate::evp::{ContextPool, Direction};
 #[cfg(target_arch = "x86_64")]
 use crate::ffi::xts_vaes::{AesBlockCipher, XtsVaes};
-use crate::io::Io;
+use crate::io::{Io, Settled};
 use crate::key::derive_subkey;
 use crate::rng::NonceSource;
 use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size, plain64_iv};
@@ -175,13 +175,14 @@ impl Engine {
             } => {
                 let pool = if encrypt { enc } else { dec };
                 pool.with(|ctx| {
-                    for_each(&mut |tweak, unit| {
+                    for_each(&mut |tweak, mut unit| {
                         pool.set_iv(ctx, tweak)?;
-                        match unit {
-                            Io::InPlace(data) => {
+                        // OpenSSL takes slices (an output that holds nothing yet is zeroed).
+                        match unit.settled() {
+                            Settled::InPlace(data) => {
                                 ctx.cipher_update_inplace(data, data.len())?;
                             }
-                            Io::Copy { src, dst } => {
+                            Settled::Copy { src, dst } => {
                                 ctx.cipher_update(src, Some(dst))?;
                             }
                         }
@@ -236,6 +237,18 @@ impl AesXts {
             tweak_key,
             nonces,
         })
+    }
+
+    /// A run's buffers against this cipher's geometry.
+    fn check(&self, first_sector: u64, data: &[u8], metadata: &[u8]) -> Result<(), CryptoError> {
+        check_run(
+            self.suite,
+            self.sector_size,
+            first_sector,
+            data.len(),
+            metadata.len(),
+        )
+        .map(|_| ())
     }
 
     /// Where decryption takes its tweaks from.
@@ -327,14 +340,8 @@ impl crate::SectorCipher for AesXts {
         data: &mut [u8],
         metadata: &mut [u8],
     ) -> Result<(), CryptoError> {
-        check_run(
-            self.suite,
-            self.sector_size,
-            first_sector,
-            data.len(),
-            metadata.len(),
-        )?;
-        self.encrypt_run(first_sector, Io::InPlace(data), metadata)
+        self.check(first_sector, data, metadata)?;
+        self.encrypt_run(first_sector, Io::in_place(data), metadata)
     }
 
     fn encrypt_sectors_to(
@@ -345,14 +352,24 @@ impl crate::SectorCipher for AesXts {
         metadata: &mut [u8],
     ) -> Result<(), CryptoError> {
         check_out_of_place(plaintext, ciphertext)?;
-        check_run(
-            self.suite,
-            self.sector_size,
-            first_sector,
-            plaintext.len(),
-            metadata.len(),
-        )?;
+        self.check(first_sector, plaintext, metadata)?;
         self.encrypt_run(first_sector, Io::copy(plaintext, ciphertext), metadata)
+    }
+
+    fn encrypt_sectors_append(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        ciphertext: &mut Vec<u8>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        self.check(first_sector, plaintext, metadata)?;
+        // The VAES kernels store through pointers: straight into the spare capacity (the
+        // OpenSSL engine zeroes each sector first).
+        crate::ffi::spare::append_written(ciphertext, plaintext.len(), |spare| {
+            let run = Io::fresh(plaintext, spare);
+            self.encrypt_run(first_sector, run, metadata)
+        })
     }
 
     fn decrypt_sectors_to(
@@ -363,13 +380,7 @@ impl crate::SectorCipher for AesXts {
         metadata: &[u8],
     ) -> Result<(), CryptoError> {
         check_out_of_place(ciphertext, plaintext)?;
-        check_run(
-            self.suite,
-            self.sector_size,
-            first_sector,
-            ciphertext.len(),
-            metadata.len(),
-        )?;
+        self.check(first_sector, ciphertext, metadata)?;
         self.crypt(
             first_sector,
             Io::copy(ciphertext, plaintext),
@@ -384,16 +395,10 @@ impl crate::SectorCipher for AesXts {
         data: &mut [u8],
         metadata: &[u8],
     ) -> Result<(), CryptoError> {
-        check_run(
-            self.suite,
-            self.sector_size,
-            first_sector,
-            data.len(),
-            metadata.len(),
-        )?;
+        self.check(first_sector, data, metadata)?;
         self.crypt(
             first_sector,
-            Io::InPlace(data),
+            Io::in_place(data),
             self.stored_tweaks(metadata),
             false,
         )
@@ -419,7 +424,7 @@ pub fn xts_crypt_unit(
     } else {
         Engine::new(key)
     };
-    engine.run(encrypt, |unit| unit(tweak, Io::InPlace(data)))
+    engine.run(encrypt, |unit| unit(tweak, Io::in_place(data)))
 }
 
 fn check_unit(data: &[u8]) -> Result<(), CryptoError> {

@@ -493,6 +493,18 @@ proptest! {
             c.encrypt_sectors_to(first, &plain, &mut ct2, &mut md2).unwrap();
             prop_assert!(ct2 == ct && md2 == md, "{:?}: out-of-place encryption of {} sectors differs", config, count);
 
+            // Appended to a buffer that already holds bytes, with spare capacity (what the
+            // image layer hands over): the same ciphertext after the old bytes.
+            let mut appended = Vec::with_capacity(3 + plain.len() + 100);
+            appended.extend_from_slice(b"old");
+            let mut md3 = vec![0u8; md.len()];
+            c.encrypt_sectors_append(first, &plain, &mut appended, &mut md3).unwrap();
+            prop_assert!(&appended[..3] == b"old" && appended[3..] == ct[..] && md3 == md, "{:?}: appended encryption of {} sectors differs", config, count);
+            let mut one_too_many = vec![0u8; md.len() + 1];
+            let refused = c.encrypt_sectors_append(first, &plain, &mut appended, &mut one_too_many);
+            prop_assert!(matches!(refused, Err(CryptoError::MetadataLength { .. })), "{:?}: {:?}", config, refused);
+            prop_assert_eq!(appended.len(), 3 + plain.len(), "{:?}: a refused append changed the buffer", config);
+
             let mut back = vec![0x11u8; plain.len()];
             c.decrypt_sectors_to(first, &ct, &mut back, &md).unwrap();
             prop_assert!(back == plain, "{:?}: out-of-place decryption of {} sectors", config, count);
@@ -530,6 +542,42 @@ proptest! {
             c.encrypt_sectors_to(first, &plain, &mut ct, &mut md).unwrap();
             let (back, result) = decrypt(&*c, first, &ct, &md);
             prop_assert!(result.is_ok() && back == plain, "{:?}: {:?}", config, result);
+        }
+    }
+}
+
+/// Appending runs longer than one step of the zeroing fallback (64 KiB) and than the
+/// four-lane groups, at both ends of the sector sizes: byte for byte what `encrypt_sectors`
+/// gives, for every suite, onto an empty buffer and onto one that must grow.
+#[test]
+fn long_appended_runs_equal_in_place() {
+    for config in configs().filter(|c| c.sector_size == 512 || c.sector_size == 4096) {
+        let ss = config.sector_size;
+        for count in [1, 3, 4, 17, 131, 303]
+            .into_iter()
+            .filter(|n| n * ss <= 600 << 10)
+        {
+            let seed = (count * ss) as u64;
+            let params = CipherParams::new(ss, image_id(seed));
+            let c = insecure_cipher_with_sector_number_nonces(
+                config.suite,
+                &key(config, seed),
+                &params,
+            )
+            .unwrap();
+            let plain = bytes(seed, count * ss);
+            let (ct, md) = encrypt(&*c, 77, &plain);
+            for mut out in [Vec::new(), vec![9u8; 5]] {
+                let before = out.clone();
+                let mut md2 = vec![0u8; md.len()];
+                c.encrypt_sectors_append(77, &plain, &mut out, &mut md2)
+                    .unwrap();
+                assert!(
+                    out[..before.len()] == before[..] && out[before.len()..] == ct[..] && md2 == md,
+                    "{config:?}: {count} sectors appended after {} bytes differ",
+                    before.len()
+                );
+            }
         }
     }
 }

@@ -18,11 +18,6 @@ use crate::layout::{extent_bytes, take_or_place_extents};
 use crate::metadata_cache::{BoxFuture, MetadataCache, ReadPlan};
 use crate::ImageError;
 
-/// Sectors encrypted per step when a write's output is built: small enough that the zeroed
-/// output is still in the cache when the cipher writes it (64 KiB of 4 KiB sectors), a
-/// multiple of the four-sector groups of the four-lane AEGIS-128L.
-const ENCRYPT_CHUNK_SECTORS: usize = 16;
-
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
 /// discard and resize can span thousands of objects).
 const OBJECTS_IN_FLIGHT: usize = 16;
@@ -506,25 +501,13 @@ impl Inner {
                 // the store gets, one pass (copying first was a full extra pass, as costly as
                 // AEGIS-128L itself).
                 Fill::Data(data) if lo == start * ss && hi == stop * ss => {
-                    // The output is zeroed (no uninitialised memory without `unsafe`) a chunk
-                    // at a time, right before the cipher overwrites it: zeroing it all first
-                    // was a pass over cold memory, as costly as the copy it replaced at 4 MiB.
+                    // Appended into a fresh buffer: AEGIS-128L writes it directly, the other
+                    // suites zero it 64 KiB at a time just before the cipher overwrites it.
                     let plaintext = &data[(lo - offset) as usize..(hi - offset) as usize];
-                    let (ss, ml) = (ss as usize, self.cipher.metadata_len());
                     let mut ciphertext = Vec::with_capacity(plaintext.len());
-                    for at in (0..n).step_by(ENCRYPT_CHUNK_SECTORS) {
-                        let sectors = at..n.min(at + ENCRYPT_CHUNK_SECTORS);
-                        let plain = &plaintext[sectors.start * ss..sectors.end * ss];
-                        ciphertext.resize(sectors.end * ss, 0);
-                        self.cipher
-                            .encrypt_sectors_to(
-                                first + at as u64,
-                                plain,
-                                &mut ciphertext[sectors.start * ss..],
-                                &mut metadata[sectors.start * ml..sectors.end * ml],
-                            )
-                            .map_err(ImageError::crypto(&self.name))?;
-                    }
+                    self.cipher
+                        .encrypt_sectors_append(first, plaintext, &mut ciphertext, &mut metadata)
+                        .map_err(ImageError::crypto(&self.name))?;
                     ciphertext
                 }
                 _ => {

@@ -31,7 +31,7 @@ use core::arch::x86_64::*;
 use super::aegis128l_vaes::{C0, C1};
 use super::simd::{load128, store128};
 use super::xts_vaes::{width, Width};
-use crate::io::Io;
+use crate::io::{Io, Settled};
 
 /// 32-byte blocks per iteration of the main loop.
 const UNROLL: usize = 4;
@@ -134,7 +134,7 @@ impl OneMessage {
             .zip(tag)
             .fold(0u8, |acc, (a, b)| acc | (a ^ b));
         if diff != 0 {
-            data.dst().fill(0);
+            data.clear_output();
         }
         diff == 0
     }
@@ -326,8 +326,9 @@ mod avx512 {
 
         let len = data.len();
         let full = len / 32 * 32;
-        match data {
-            Io::InPlace(buf) => {
+        // This code works on slices (an output that holds nothing yet is zeroed first).
+        match data.settled() {
+            Settled::InPlace(buf) => {
                 let (body, tail) = buf.split_at_mut(full);
                 let mut groups = body.chunks_exact_mut(32 * UNROLL);
                 for g in &mut groups {
@@ -344,7 +345,7 @@ mod avx512 {
                     st.crypt_partial::<ENCRYPT>(&input[..tail.len()], tail);
                 }
             }
-            Io::Copy { src, dst } => {
+            Settled::Copy { src, dst } => {
                 let (src_body, src_tail) = src.split_at(full);
                 let (dst_body, dst_tail) = dst.split_at_mut(full);
                 let mut groups = src_body
@@ -595,7 +596,7 @@ mod tests {
             .cpu_has_features()
             .then(|| unsafe { build.crypt::<false>(key, nonce, aad, &mut data) })?;
         if &computed != tag {
-            data.dst().fill(0);
+            data.clear_output();
         }
         Some(&computed == tag)
     }
@@ -662,7 +663,7 @@ mod tests {
 
                 let mut buf = ct.clone();
                 let opened =
-                    direct_open(build, &key, &nonce, &ad, Io::InPlace(&mut buf), &tag).unwrap();
+                    direct_open(build, &key, &nonce, &ad, Io::in_place(&mut buf), &tag).unwrap();
                 assert_eq!(opened, valid, "{build:?} {label}: open in place");
                 let mut out = vec![0x55u8; ct.len()];
                 let opened_to =
@@ -681,7 +682,7 @@ mod tests {
                 assert_eq!(out, msg, "{build:?} {label}: plaintext out of place");
 
                 let mut buf = msg.clone();
-                let got = direct_seal(build, &key, &nonce, &ad, Io::InPlace(&mut buf)).unwrap();
+                let got = direct_seal(build, &key, &nonce, &ad, Io::in_place(&mut buf)).unwrap();
                 assert_eq!(
                     hex::encode(&buf),
                     hex::encode(&ct),
@@ -724,7 +725,7 @@ mod tests {
 
                 let mut in_place = plain.clone();
                 let tag =
-                    direct_seal(build, &key, &nonce, &aad, Io::InPlace(&mut in_place)).unwrap();
+                    direct_seal(build, &key, &nonce, &aad, Io::in_place(&mut in_place)).unwrap();
                 assert!(
                     in_place == reference && tag == ref_tag,
                     "{build:?} len {len}: seal in place"
@@ -739,7 +740,7 @@ mod tests {
 
                 let mut back = reference.clone();
                 assert!(
-                    direct_open(build, &key, &nonce, &aad, Io::InPlace(&mut back), &ref_tag)
+                    direct_open(build, &key, &nonce, &aad, Io::in_place(&mut back), &ref_tag)
                         .unwrap()
                 );
                 assert!(back == plain, "{build:?} len {len}: open in place");
@@ -771,7 +772,7 @@ mod tests {
                 let aad = rng.vec(24);
                 let plain = rng.vec(len);
                 let mut ct = plain.clone();
-                let tag = direct_seal(build, &key, &nonce, &aad, Io::InPlace(&mut ct)).unwrap();
+                let tag = direct_seal(build, &key, &nonce, &aad, Io::in_place(&mut ct)).unwrap();
                 let bit = rng.below(len * 8);
                 for what in ["ciphertext", "tag", "aad"] {
                     let (mut c, mut t, mut a) = (ct.clone(), tag, aad.clone());
@@ -782,7 +783,7 @@ mod tests {
                     }
                     let mut buf = c.clone();
                     assert!(
-                        !direct_open(build, &key, &nonce, &a, Io::InPlace(&mut buf), &t).unwrap()
+                        !direct_open(build, &key, &nonce, &a, Io::in_place(&mut buf), &t).unwrap()
                     );
                     assert!(
                         buf.iter().all(|&b| b == 0),
@@ -819,11 +820,11 @@ mod tests {
         if let Some(kernel) = kernel {
             let (key, nonce) = ([1u8; 16], [2u8; 16]);
             let mut data = [3u8; 64];
-            let tag = kernel.seal(&key, &nonce, b"ad", Io::InPlace(&mut data));
+            let tag = kernel.seal(&key, &nonce, b"ad", Io::in_place(&mut data));
             let reference =
                 Aegis128L::<16>::new(&key, &nonce).encrypt_in_place(&mut [3u8; 64], b"ad");
             assert_eq!(tag, reference);
-            assert!(kernel.open(&key, &nonce, b"ad", Io::InPlace(&mut data), &tag));
+            assert!(kernel.open(&key, &nonce, b"ad", Io::in_place(&mut data), &tag));
             assert_eq!(data, [3u8; 64]);
         }
     }

@@ -425,9 +425,15 @@ fn first_mask(tweak_keys: &RoundKeys, tweak: &[u8; 16]) -> u128 {
 /// sectors), one at a time with 128-bit AES-NI; `m` is the mask of the first of them.
 #[target_feature(enable = "aes")]
 fn crypt_rest(keys: &RoundKeys, mut m: u128, data: &mut Io<'_>, from: usize, encrypt: bool) {
-    for at in (from..data.len()).step_by(16) {
+    let len = data.len();
+    // What the loads and stores below rely on (`crypt` asserted it; this is a safe function).
+    assert!(len.is_multiple_of(16));
+    let (src, dst) = data.as_ptrs();
+    for at in (from..len).step_by(16) {
         let mask = load128(&m.to_le_bytes());
-        let mut b = _mm_xor_si128(load128(&data.src()[at..]), mask);
+        // SAFETY: `at + 16 <= len` (whole blocks, asserted); unaligned load.
+        let x = unsafe { _mm_loadu_si128(src.add(at).cast()) };
+        let mut b = _mm_xor_si128(x, mask);
         b = _mm_xor_si128(b, load128(&keys.keys[0]));
         for k in &keys.keys[1..keys.rounds] {
             b = if encrypt {
@@ -442,7 +448,8 @@ fn crypt_rest(keys: &RoundKeys, mut m: u128, data: &mut Io<'_>, from: usize, enc
         } else {
             _mm_aesdeclast_si128(b, last)
         };
-        store128(&mut data.dst()[at..], _mm_xor_si128(b, mask));
+        // SAFETY: as for the load; the output spans `len` bytes too (`as_ptrs`).
+        unsafe { _mm_storeu_si128(dst.add(at).cast(), _mm_xor_si128(b, mask)) };
         m = mul_x(m);
     }
     m.zeroize();
@@ -471,6 +478,9 @@ fn crypt_unit_ymm(
 
     let len = data.len();
     let whole = len - len % 256;
+    // Raw pointers, not slices: a fresh output (`Io::fresh`) is written, never read, and the
+    // loop has no bounds check per block.
+    let (src, dst) = data.as_ptrs();
     for at in (0..whole).step_by(256) {
         let mut masks = [tw; 8];
         for i in 1..8 {
@@ -478,14 +488,19 @@ fn crypt_unit_ymm(
         }
         let mut x = [_mm256_setzero_si256(); 8];
         for i in 0..8 {
-            x[i] = _mm256_xor_si256(load256(&data.src()[at + i * 32..]), masks[i]);
+            // SAFETY: `at + 256 <= whole <= len`, the length of input and output; unaligned.
+            let block = unsafe { _mm256_loadu_si256(src.add(at + i * 32).cast()) };
+            x[i] = _mm256_xor_si256(block, masks[i]);
         }
         aes8(&mut x, &rk, keys.rounds, encrypt);
         for i in 0..8 {
-            store256(
-                &mut data.dst()[at + i * 32..],
-                _mm256_xor_si256(x[i], masks[i]),
-            );
+            // SAFETY: as for the loads; in place, they came before.
+            unsafe {
+                _mm256_storeu_si256(
+                    dst.add(at + i * 32).cast(),
+                    _mm256_xor_si256(x[i], masks[i]),
+                )
+            };
         }
         tw = mul_x2(masks[7], poly);
     }
@@ -526,20 +541,27 @@ fn crypt_unit_zmm(
 
     let len = data.len();
     let whole = len - len % 256;
+    // Raw pointers, as in `crypt_unit_ymm`.
+    let (src, dst) = data.as_ptrs();
     for at in (0..whole).step_by(256) {
         let m1 = mul_x4(tw, poly);
         let m2 = mul_x4(m1, poly);
         let masks = [tw, m1, m2, mul_x4(m2, poly)];
         let mut x = [_mm512_setzero_si512(); 4];
         for i in 0..4 {
-            x[i] = _mm512_xor_si512(load512(&data.src()[at + i * 64..]), masks[i]);
+            // SAFETY: `at + 256 <= whole <= len`, the length of input and output; unaligned.
+            let block = unsafe { _mm512_loadu_si512(src.add(at + i * 64).cast()) };
+            x[i] = _mm512_xor_si512(block, masks[i]);
         }
         aes4(&mut x, &rk, keys.rounds, encrypt);
         for i in 0..4 {
-            store512(
-                &mut data.dst()[at + i * 64..],
-                _mm512_xor_si512(x[i], masks[i]),
-            );
+            // SAFETY: as for the loads; in place, they came before.
+            unsafe {
+                _mm512_storeu_si512(
+                    dst.add(at + i * 64).cast(),
+                    _mm512_xor_si512(x[i], masks[i]),
+                )
+            };
         }
         tw = mul_x4(masks[3], poly);
     }
@@ -602,7 +624,7 @@ mod tests {
                     xts.crypt(&tweak, Io::copy(&plain, &mut out), true);
                     assert_eq!(out, expected, "{width:?} key {key_len} len {len}: encrypt");
                     let mut buf = expected.clone();
-                    xts.crypt(&tweak, Io::InPlace(&mut buf), false);
+                    xts.crypt(&tweak, Io::in_place(&mut buf), false);
                     assert_eq!(buf, plain, "{width:?} key {key_len} len {len}: decrypt");
                     assert_eq!(openssl_xts(&key, &tweak, &expected, false), plain);
                     ran += 1;
