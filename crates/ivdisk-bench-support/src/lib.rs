@@ -105,9 +105,19 @@ pub fn size_label(size: usize) -> String {
     }
 }
 
-/// A JSON array of numbers with `decimals` digits after the point.
+/// A JSON number with `decimals` digits after the point, or `null` for what JSON cannot hold
+/// (a window in which no IO completed gives an infinite time per IO).
+pub fn json_num(value: f64, decimals: usize) -> String {
+    if value.is_finite() {
+        format!("{value:.decimals$}")
+    } else {
+        "null".into()
+    }
+}
+
+/// A JSON array of numbers with `decimals` digits after the point (`null` where not finite).
 pub fn json_list(values: &[f64], decimals: usize) -> String {
-    let items: Vec<String> = values.iter().map(|v| format!("{v:.decimals$}")).collect();
+    let items: Vec<String> = values.iter().map(|&v| json_num(v, decimals)).collect();
     format!("[{}]", items.join(", "))
 }
 
@@ -208,5 +218,20 @@ impl Run {
     /// Data throughput for operations of `size` bytes, in MB/s (10^6 bytes).
     pub fn mb_per_s(&self, size: usize) -> f64 {
         self.ops as f64 * size as f64 / self.elapsed.as_secs_f64() / 1e6
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_json_cannot_hold_become_null() {
+        assert_eq!(
+            json_list(&[1.25, f64::INFINITY, f64::NAN, -0.5], 1),
+            "[1.2, null, null, -0.5]"
+        );
+        assert_eq!(json_num(f64::NEG_INFINITY, 3), "null");
+        assert_eq!(json_num(2.0, 0), "2");
     }
 }

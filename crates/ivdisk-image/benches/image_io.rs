@@ -66,7 +66,8 @@ use std::time::{Duration, Instant};
 
 use cpu_time::{ProcessTime, ThreadTime};
 use ivdisk_bench_support::{
-    env_or, json_list, json_str, machine, median, size_label, sizes_from_env, target_dir, Rng,
+    env_or, json_list, json_num, json_str, machine, median, size_label, sizes_from_env, target_dir,
+    Rng,
 };
 use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
@@ -982,9 +983,9 @@ fn json_engine(e: &EngineResult) -> String {
     let w = &e.windows;
     format!(
         "{{\"suite\": {}, \"layout\": {}, \"store\": {}, \"size\": {}, \"op\": \"{}\", \
-         \"cpu_us_per_io\": {:.3}, \"store_us_per_io\": {:.3}, \"engine_us_per_io\": {:.3}, \
-         \"crypto_us_per_io\": {:.4}, \"engine_overhead\": {:.4}, \"all_over_crypto\": {:.4}, \
-         \"gb_per_s\": {:.4}, \"cores\": {:.3}, \"fill_gb_per_s\": {:.3}, \"windows\": {{\
+         \"cpu_us_per_io\": {}, \"store_us_per_io\": {}, \"engine_us_per_io\": {}, \
+         \"crypto_us_per_io\": {}, \"engine_overhead\": {}, \"all_over_crypto\": {}, \
+         \"gb_per_s\": {}, \"cores\": {}, \"fill_gb_per_s\": {}, \"windows\": {{\
          \"ops\": {}, \"wall_s\": {}, \"cpu_s\": {}, \"io_threads_cpu_s\": {}, \
          \"store_cpu_s\": {}, \"other_threads_cpu_s\": {}, \"cpu_us_per_io\": {}, \
          \"store_us_per_io\": {}, \"crypto_us_per_io_around\": {}, \"engine_overhead\": {}}}}}",
@@ -993,15 +994,15 @@ fn json_engine(e: &EngineResult) -> String {
         json_str(e.store.name()),
         e.size,
         e.rw.name(),
-        e.median(|f| f.all),
-        e.median(|f| f.store),
-        e.median(|f| f.engine),
-        e.median(|f| f.crypto),
-        e.median(Figures::overhead),
-        e.median(Figures::all_over_crypto),
-        e.median(|f| f.gb_per_s),
-        e.median(|f| f.cores),
-        e.fill_gb_per_s,
+        json_num(e.median(|f| f.all), 3),
+        json_num(e.median(|f| f.store), 3),
+        json_num(e.median(|f| f.engine), 3),
+        json_num(e.median(|f| f.crypto), 4),
+        json_num(e.median(Figures::overhead), 4),
+        json_num(e.median(Figures::all_over_crypto), 4),
+        json_num(e.median(|f| f.gb_per_s), 4),
+        json_num(e.median(|f| f.cores), 3),
+        json_num(e.fill_gb_per_s, 3),
         json_list(&w.iter().map(|w| w.ops as f64).collect::<Vec<_>>(), 0),
         json_list(&w.iter().map(|w| w.wall).collect::<Vec<_>>(), 4),
         json_list(&w.iter().map(|w| w.cpu).collect::<Vec<_>>(), 4),
