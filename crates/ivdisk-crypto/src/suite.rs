@@ -227,7 +227,7 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     ///
     /// Why: the image layer builds a fresh buffer per write for the store. Out of place into
     /// `&mut [u8]` means zeroing that buffer first, a pass of its own; suites whose kernels
-    /// store through pointers (AEGIS-128L) write the spare capacity directly. The default
+    /// store through pointers (AES-XTS, AEGIS-128L) write the spare capacity directly. The default
     /// zeroes and encrypts 64 KiB at a time, so what was zeroed is still in the cache when the
     /// cipher overwrites it.
     fn encrypt_sectors_append(
