@@ -341,10 +341,12 @@ impl AeadSuite {
         self.reserve_writes(n as u64)?;
         let md_len = self.suite.metadata_len();
         let nonce_len = self.nonce_len();
-        // Groups of four sectors go through the four-lane AEGIS-128L where the CPU has it, the
-        // other AEGIS-128L sectors through the one-message code (both out of place when
-        // asked); whatever is left one sector at a time, in place.
+        // GCM goes through OpenSSL out of place. Groups of four sectors go through the four-lane
+        // AEGIS-128L where the CPU has it, the other AEGIS-128L sectors through the
+        // one-message code (both out of place when asked); whatever is left one sector at a
+        // time, in place.
         let (done, rest) = match &self.engine {
+            Engine::Gcm(gcm) => return self.seal_gcm(gcm, first_sector, data, metadata),
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => {
                 let (lanes, rest) = self.seal_lanes(key, first_sector, data, metadata)?;
@@ -365,38 +367,75 @@ impl AeadSuite {
         let rest = rest.into_in_place();
         let sectors = rest.chunks_exact_mut(self.sector_size);
         let metas = metadata[done * md_len..].chunks_exact_mut(md_len);
-        let seal = |i: usize,
-                    sector: &mut [u8],
-                    md: &mut [u8],
-                    gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
+        for (i, (sector, md)) in sectors.zip(metas).enumerate() {
             let number = first_sector + (done + i) as u64;
             let aad = aad(&self.image_id, number);
             let (nonce, rest) = md.split_at_mut(nonce_len);
             self.nonces.fill(number, nonce)?;
-            let tag = match (&self.engine, gcm) {
-                (Engine::Aegis128L(key), _) => aegis128l_seal(key, nonce, &aad, sector),
-                (Engine::Aegis256(key), _) => aegis256_seal(key, nonce, &aad, sector),
-                (Engine::Gcm(_), Some((pool, ctx))) => gcm_seal(pool, ctx, nonce, &aad, sector)?,
-                (Engine::Gcm(_), None) => unreachable!("GCM runs with a context"),
+            let tag = match &self.engine {
+                Engine::Aegis128L(key) => aegis128l_seal(key, nonce, &aad, sector),
+                Engine::Aegis256(key) => aegis256_seal(key, nonce, &aad, sector),
+                Engine::Gcm(_) => unreachable!("GCM runs apart, in seal_gcm"),
             };
             rest[..TAG_LEN].copy_from_slice(&tag);
             rest[TAG_LEN..].fill(0);
-            Ok::<(), CryptoError>(())
-        };
-        match &self.engine {
-            Engine::Gcm(gcm) => gcm.encrypt.with(|ctx| {
-                for (i, (sector, md)) in sectors.zip(metas).enumerate() {
-                    seal(i, sector, md, Some((&gcm.encrypt, &mut *ctx)))?;
-                }
-                Ok(())
-            }),
-            _ => {
-                for (i, (sector, md)) in sectors.zip(metas).enumerate() {
-                    seal(i, sector, md, None)?;
-                }
-                Ok(())
-            }
         }
+        Ok(())
+    }
+
+    /// Seal a whole run with AES-GCM, sector by sector, from the run's input into its output.
+    fn seal_gcm(
+        &self,
+        gcm: &GcmEngine,
+        first_sector: u64,
+        data: Io<'_>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let md_len = self.suite.metadata_len();
+        gcm.encrypt.with(|ctx| {
+            let sectors = data.chunks(self.sector_size);
+            for (i, (mut sector, md)) in sectors.zip(metadata.chunks_exact_mut(md_len)).enumerate()
+            {
+                let number = first_sector + i as u64;
+                let (nonce, rest) = md.split_at_mut(GCM_NONCE_LEN);
+                self.nonces.fill(number, nonce)?;
+                let aad = aad(&self.image_id, number);
+                let tag = gcm_seal(&gcm.encrypt, ctx, nonce, &aad, &mut sector)?;
+                rest[..TAG_LEN].copy_from_slice(&tag);
+                rest[TAG_LEN..].fill(0);
+            }
+            Ok(())
+        })
+    }
+
+    /// Open a whole run with AES-GCM, sector by sector, zeroing and listing in `failed` the
+    /// sectors whose tag (or zero padding) does not verify.
+    fn open_gcm(
+        &self,
+        gcm: &GcmEngine,
+        first_sector: u64,
+        data: Io<'_>,
+        metadata: &[u8],
+        failed: &mut Vec<u64>,
+    ) -> Result<(), CryptoError> {
+        let md_len = self.suite.metadata_len();
+        gcm.decrypt.with(|ctx| {
+            let sectors = data.chunks(self.sector_size);
+            for (i, (mut sector, md)) in sectors.zip(metadata.chunks_exact(md_len)).enumerate() {
+                let number = first_sector + i as u64;
+                let (nonce, rest) = md.split_at(GCM_NONCE_LEN);
+                let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
+                let aad = aad(&self.image_id, number);
+                let ok = rest[TAG_LEN..].iter().all(|&b| b == 0)
+                    && gcm_open(&gcm.decrypt, ctx, nonce, &aad, &mut sector, tag)?;
+                if !ok {
+                    // Never hand out unauthenticated plaintext.
+                    sector.clear_output();
+                    failed.push(number);
+                }
+            }
+            Ok(())
+        })
     }
 
     fn open_run(
@@ -416,6 +455,10 @@ impl AeadSuite {
         let nonce_len = self.nonce_len();
         let mut failed = Vec::new();
         let (done, rest) = match &self.engine {
+            Engine::Gcm(gcm) => {
+                self.open_gcm(gcm, first_sector, data, metadata, &mut failed)?;
+                return authenticated(failed);
+            }
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => {
                 let (lanes, rest) = self.open_lanes(key, first_sector, data, metadata, &mut failed);
@@ -435,41 +478,27 @@ impl AeadSuite {
             return authenticated(failed);
         }
         let rest = rest.into_in_place();
-        let mut open_all = |mut gcm: Option<(&ContextPool, &mut CipherCtxRef)>| {
-            for (i, (sector, md)) in rest
-                .chunks_exact_mut(self.sector_size)
-                .zip(metadata[done * md_len..].chunks_exact(md_len))
-                .enumerate()
-            {
-                let number = first_sector + (done + i) as u64;
-                let aad = aad(&self.image_id, number);
-                let (nonce, rest) = md.split_at(nonce_len);
-                let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
-                let padding_clean = rest[TAG_LEN..].iter().all(|&b| b == 0);
-                let ok = padding_clean
-                    && match (&self.engine, gcm.as_mut()) {
-                        (Engine::Aegis128L(key), _) => {
-                            aegis128l_open(key, nonce, &aad, sector, tag)
-                        }
-                        (Engine::Aegis256(key), _) => aegis256_open(key, nonce, &aad, sector, tag),
-                        (Engine::Gcm(_), Some((pool, ctx))) => {
-                            gcm_open(pool, ctx, nonce, &aad, sector, tag)?
-                        }
-                        (Engine::Gcm(_), None) => unreachable!("GCM runs with a context"),
-                    };
-                if !ok {
-                    // Never hand out unauthenticated plaintext.
-                    sector.fill(0);
-                    failed.push(number);
-                }
+        for (i, (sector, md)) in rest
+            .chunks_exact_mut(self.sector_size)
+            .zip(metadata[done * md_len..].chunks_exact(md_len))
+            .enumerate()
+        {
+            let number = first_sector + (done + i) as u64;
+            let aad = aad(&self.image_id, number);
+            let (nonce, rest) = md.split_at(nonce_len);
+            let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
+            let padding_clean = rest[TAG_LEN..].iter().all(|&b| b == 0);
+            let ok = padding_clean
+                && match &self.engine {
+                    Engine::Aegis128L(key) => aegis128l_open(key, nonce, &aad, sector, tag),
+                    Engine::Aegis256(key) => aegis256_open(key, nonce, &aad, sector, tag),
+                    Engine::Gcm(_) => unreachable!("GCM runs apart, in open_gcm"),
+                };
+            if !ok {
+                // Never hand out unauthenticated plaintext.
+                sector.fill(0);
+                failed.push(number);
             }
-            Ok::<(), CryptoError>(())
-        };
-        match &self.engine {
-            Engine::Gcm(gcm) => gcm
-                .decrypt
-                .with(|ctx| open_all(Some((&gcm.decrypt, ctx))))?,
-            _ => open_all(None)?,
         }
         authenticated(failed)
     }
@@ -540,9 +569,13 @@ impl crate::SectorCipher for AeadSuite {
         ciphertext: &mut Vec<u8>,
         metadata: &mut [u8],
     ) -> Result<(), CryptoError> {
-        // AEGIS-128L's kernels store through pointers: straight into the spare capacity.
+        // AEGIS-128L's kernels store through pointers, and OpenSSL's GCM is handed them
+        // (`ffi::stream_update`): straight into the spare capacity.
         #[cfg(target_arch = "x86_64")]
-        if let Engine::Aegis128L(_) = self.engine {
+        let direct = matches!(self.engine, Engine::Aegis128L(_) | Engine::Gcm(_));
+        #[cfg(not(target_arch = "x86_64"))]
+        let direct = matches!(self.engine, Engine::Gcm(_));
+        if direct {
             return crate::ffi::spare::append_written(ciphertext, plaintext.len(), |spare| {
                 let run = Io::fresh(plaintext, spare);
                 self.seal_run(first_sector, run, metadata)
@@ -613,12 +646,11 @@ fn gcm_seal(
     ctx: &mut CipherCtxRef,
     nonce: &[u8],
     aad: &[u8],
-    data: &mut [u8],
+    data: &mut Io<'_>,
 ) -> Result<[u8; TAG_LEN], CryptoError> {
     pool.set_iv(ctx, nonce)?;
     ctx.cipher_update(aad, None)?;
-    let len = data.len();
-    ctx.cipher_update_inplace(data, len)?;
+    crate::ffi::stream_update(ctx, data)?;
     ctx.cipher_final(&mut [0u8; 16])?;
     let mut tag = [0u8; TAG_LEN];
     ctx.tag(&mut tag)?;
@@ -631,13 +663,12 @@ fn gcm_open(
     ctx: &mut CipherCtxRef,
     nonce: &[u8],
     aad: &[u8],
-    data: &mut [u8],
+    data: &mut Io<'_>,
     tag: &[u8; TAG_LEN],
 ) -> Result<bool, CryptoError> {
     pool.set_iv(ctx, nonce)?;
     ctx.cipher_update(aad, None)?;
-    let len = data.len();
-    ctx.cipher_update_inplace(data, len)?;
+    crate::ffi::stream_update(ctx, data)?;
     ctx.set_tag(tag)?;
     // EVP_DecryptFinal fails exactly when the tag does not match.
     Ok(ctx.cipher_final(&mut [0u8; 16]).is_ok())
@@ -653,7 +684,7 @@ pub fn gcm_seal_once(
     data: &mut [u8],
 ) -> Result<[u8; TAG_LEN], CryptoError> {
     let pool = ContextPool::new(gcm_cipher(key), key, Direction::Encrypt);
-    pool.with(|ctx| gcm_seal(&pool, ctx, nonce, aad, data))
+    pool.with(|ctx| gcm_seal(&pool, ctx, nonce, aad, &mut Io::in_place(data)))
 }
 
 /// Inverse of [`gcm_seal_once`]; false when the tag does not verify.
@@ -666,5 +697,5 @@ pub fn gcm_open_once(
     tag: &[u8; TAG_LEN],
 ) -> Result<bool, CryptoError> {
     let pool = ContextPool::new(gcm_cipher(key), key, Direction::Decrypt);
-    pool.with(|ctx| gcm_open(&pool, ctx, nonce, aad, data, tag))
+    pool.with(|ctx| gcm_open(&pool, ctx, nonce, aad, &mut Io::in_place(data), tag))
 }

@@ -1,5 +1,5 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
-//! fork handler registered with libc, one OpenSSL call) and CPU instructions used through
+//! fork handler registered with libc, two OpenSSL calls) and CPU instructions used through
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
 //! one-message AEGIS-128L with AVX-512VL or 256-bit VAES in `aegis128l_one`, where one
 //! instruction is written out in `asm!` so that the compiler keeps it: callable only once the
@@ -105,6 +105,40 @@ pub(crate) fn reset_iv(
     } else {
         Err(openssl::error::ErrorStack::get())
     }
+}
+
+/// Run an initialised context's cipher over a run: its input into its output, which may be
+/// the same bytes, another buffer, or memory that holds nothing yet (`Io::fresh`). For stream
+/// modes (GCM), whose update writes exactly as many bytes as it reads.
+///
+/// Why not `CipherCtxRef::cipher_update`: it takes the output as `&mut [u8]`, which a fresh
+/// buffer cannot be, so GCM's writes zeroed their output and copied the plaintext into it
+/// before encrypting in place: two passes over the data besides the cipher's.
+pub(crate) fn stream_update(
+    ctx: &mut openssl::cipher_ctx::CipherCtxRef,
+    run: &mut io::Io<'_>,
+) -> Result<(), openssl::error::ErrorStack> {
+    use foreign_types::ForeignTypeRef;
+    assert_eq!(
+        ctx.block_size(),
+        1,
+        "a stream mode writes as many bytes as it reads"
+    );
+    let len = libc::c_int::try_from(run.len()).expect("a run shorter than 2 GiB");
+    let (src, dst) = run.as_ptrs();
+    let mut written: libc::c_int = 0;
+    // SAFETY: `ctx` is a valid, initialised EVP_CIPHER_CTX, borrowed mutably so no one else
+    // uses it. `src` is readable and `dst` writable for `len` bytes (the run's borrows, held by
+    // `run`, which is borrowed mutably), and they are the same address or do not overlap,
+    // the two cases EVP_CipherUpdate allows. A stream mode (block size 1, asserted above)
+    // buffers nothing and writes `len` bytes to `dst`, checked below; it reads `dst` only
+    // where it wrote it (GHASH over the ciphertext it produced).
+    let rc = unsafe { openssl_sys::EVP_CipherUpdate(ctx.as_ptr(), dst, &mut written, src, len) };
+    if rc != 1 {
+        return Err(openssl::error::ErrorStack::get());
+    }
+    assert_eq!(written, len, "a stream mode writes every byte it reads");
+    Ok(())
 }
 
 #[cfg(test)]

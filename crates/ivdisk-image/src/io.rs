@@ -501,8 +501,9 @@ impl Inner {
                 // the store gets, one pass (copying first was a full extra pass, as costly as
                 // AEGIS-128L itself).
                 Fill::Data(data) if lo == start * ss && hi == stop * ss => {
-                    // Appended into a fresh buffer: AEGIS-128L writes it directly, the other
-                    // suites zero it 64 KiB at a time just before the cipher overwrites it.
+                    // Appended into a fresh buffer: AEGIS-128L, AES-XTS and AES-GCM write it
+                    // directly, the other suites zero it 64 KiB at a time just before the
+                    // cipher overwrites it.
                     let plaintext = &data[(lo - offset) as usize..(hi - offset) as usize];
                     let mut ciphertext = Vec::with_capacity(plaintext.len());
                     self.cipher

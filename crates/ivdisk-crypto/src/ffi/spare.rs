@@ -12,12 +12,14 @@ use std::mem::MaybeUninit;
 /// Append `len` bytes to `out`, written by `write` into `out`'s spare capacity. The bytes
 /// become part of `out` only when `write` returns `Ok`; on `Err` `out` keeps its length.
 ///
-/// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The two
-/// callers (`encrypt_sectors_append` of AEGIS-128L in `aead.rs` and of AES-XTS in `xts.rs`)
-/// pass the region to their encryption path as `Io::fresh`, whose every branch writes the
-/// whole output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit one-message
-/// AEGIS-128L code and the XTS kernels store every block of each sector through
-/// `Io::as_ptrs`; the other code (the AVX-512 one-message code, OpenSSL) works on the region
+/// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The
+/// callers (`encrypt_sectors_append` of AEGIS-128L and AES-GCM in `aead.rs` and of AES-XTS in
+/// `xts.rs`) pass the region to their encryption path as `Io::fresh`, whose every branch
+/// writes the whole output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit
+/// one-message AEGIS-128L code and the XTS kernels store every block of each sector through
+/// `Io::as_ptrs`, GCM's `ffi::stream_update` hands those pointers to OpenSSL and checks that
+/// it wrote every byte; the other code (the AVX-512 one-message code, OpenSSL's XTS) works on
+/// the region
 /// after `Io::settled` zeroed it, and the in-place fallback after `Io::into_in_place` copied
 /// the input into it. `tests/properties.rs` holds the appended
 /// bytes to `encrypt_sectors` byte for byte for every suite and shape of run, and CI runs it
