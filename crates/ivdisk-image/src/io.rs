@@ -428,9 +428,13 @@ impl Inner {
                 });
             }
             // Wait for every operation of the batch even if one fails, so no operation is
-            // still in flight when the error is returned (each object is old or new).
-            let results = join_all(ops).await;
-            if let Some(e) = results.into_iter().find_map(Result::err) {
+            // still in flight when the error is returned (each object is old or new). One
+            // operation (an IO inside one object, the usual case) is awaited as it is.
+            let failed = match ops.len() {
+                1 => ops.pop().expect("one operation").await.err(),
+                _ => join_all(ops).await.into_iter().find_map(Result::err),
+            };
+            if let Some(e) = failed {
                 return Err(e);
             }
         }
@@ -542,7 +546,7 @@ impl Inner {
             };
             let index = piece.index + (start - piece.lba) as u32;
             self.layout
-                .write(&mut op.steps, index, ciphertext, &metadata);
+                .write(&mut op.steps, index, ciphertext, metadata);
         }
         op.steps.extend(discard);
         Ok(op)

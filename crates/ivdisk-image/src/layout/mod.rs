@@ -126,9 +126,9 @@ pub struct ObjectGeometry {
 /// indexes are within the object. Implementations add steps to the caller's lists so that one
 /// IO's data and metadata for an object go out in one atomic operation.
 pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
-    /// Steps storing the ciphertext (`count * sector_size` bytes, taken by value so it can
-    /// become the write step without a copy) and packed metadata of `count` sectors.
-    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: &[u8]);
+    /// Steps storing the ciphertext (`count * sector_size` bytes) and packed metadata of
+    /// `count` sectors, both taken by value so they can become write steps without a copy.
+    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: Vec<u8>);
 
     /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no
     /// metadata key), freeing space where the store can.

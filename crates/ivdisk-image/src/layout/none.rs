@@ -9,7 +9,7 @@ use super::{take_or_place_extents, ObjectGeometry, SectorLayout};
 pub(crate) struct NoMetadata(pub ObjectGeometry);
 
 impl SectorLayout for NoMetadata {
-    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, _: &[u8]) {
+    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, _: Vec<u8>) {
         let offset = first as u64 * self.0.sector_size as u64;
         steps.push(WriteStep::Write {
             offset,

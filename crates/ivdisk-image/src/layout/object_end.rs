@@ -21,14 +21,20 @@ impl ObjectEnd {
 }
 
 impl SectorLayout for ObjectEnd {
-    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: &[u8]) {
+    fn write(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        ciphertext: Vec<u8>,
+        metadata: Vec<u8>,
+    ) {
         steps.push(WriteStep::Write {
             offset: self.data_offset(first),
             data: ciphertext,
         });
         steps.push(WriteStep::Write {
             offset: self.metadata_offset(first),
-            data: metadata.to_vec(),
+            data: metadata,
         });
     }
 

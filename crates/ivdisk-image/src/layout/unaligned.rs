@@ -16,7 +16,13 @@ impl Unaligned {
 }
 
 impl SectorLayout for Unaligned {
-    fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: &[u8]) {
+    fn write(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        ciphertext: Vec<u8>,
+        metadata: Vec<u8>,
+    ) {
         let (ss, ml) = (self.0.sector_size, self.0.metadata_len);
         let mut slots = Vec::with_capacity(ciphertext.len() + metadata.len());
         for (sector, meta) in ciphertext.chunks_exact(ss).zip(metadata.chunks_exact(ml)) {
