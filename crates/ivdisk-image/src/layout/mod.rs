@@ -2,7 +2,10 @@
 //! (`object-end`, `unaligned`, `omap`) and `none` for suites without metadata.
 //!
 //! A layout only turns "these sectors of this object" into store steps and back; the image
-//! layer (`crate::io`) owns splitting IO, encryption and deciding what is unwritten. Adding a
+//! layer (`crate::io`) owns splitting IO, what gets encrypted and deciding what is unwritten.
+//! A layout whose stored form rearranges the ciphertext (`unaligned`) may call the cipher
+//! itself, piece by piece, to write straight into that form
+//! ([`SectorLayout::write_encrypted`]). Adding a
 //! layout: a module here implementing [`SectorLayout`], a [`LayoutKind`] variant, and a line in
 //! [`LayoutKind::build`]; the matrix tests iterate [`LayoutKind::ALL`].
 
@@ -14,6 +17,7 @@ mod unaligned;
 use std::fmt;
 use std::str::FromStr;
 
+use ivdisk_crypto::{CryptoError, SectorCipher};
 use ivdisk_store::{Extent, ReadResult, ReadStep, WriteStep};
 
 /// The layout of an image, chosen at create time and recorded in its header.
@@ -129,6 +133,25 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     /// Steps storing the ciphertext (`count * sector_size` bytes) and packed metadata of
     /// `count` sectors, both taken by value so they can become write steps without a copy.
     fn write(&self, steps: &mut Vec<WriteStep>, first: u32, ciphertext: Vec<u8>, metadata: Vec<u8>);
+
+    /// Encrypt the whole sectors of `plaintext` (`first_sector` is the first one's number for
+    /// the cipher) and add the steps storing them at sector index `first`. By default one
+    /// call encrypts the run into a fresh buffer that [`SectorLayout::write`] stores.
+    fn write_encrypted(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        cipher: &dyn SectorCipher,
+        first_sector: u64,
+        plaintext: &[u8],
+    ) -> Result<(), CryptoError> {
+        let sectors = plaintext.len() / cipher.sector_size();
+        let mut ciphertext = Vec::with_capacity(plaintext.len());
+        let mut metadata = vec![0u8; sectors * cipher.metadata_len()];
+        cipher.encrypt_sectors_append(first_sector, plaintext, &mut ciphertext, &mut metadata)?;
+        self.write(steps, first, ciphertext, metadata);
+        Ok(())
+    }
 
     /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no
     /// metadata key), freeing space where the store can.
