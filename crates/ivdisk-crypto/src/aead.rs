@@ -19,7 +19,8 @@ use crate::ffi::aegis128l_one::OneMessage;
 use crate::io::Io;
 use crate::rng::NonceSource;
 use crate::suite::{
-    append_by_zeroing, check_key_len, check_out_of_place, check_run, check_sector_size,
+    append_by_zeroing, append_slots_piecewise, check_key_len, check_out_of_place, check_run,
+    check_sector_size,
 };
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
@@ -315,6 +316,67 @@ impl AeadSuite {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// AEGIS-128L straight into slots (`encrypt_sectors_append_slots`): groups of four
+    /// sectors through the four-lane kernel with each lane's output at its slot, the rest one
+    /// sector at a time through `seal_run`; each slot's metadata after its ciphertext. The
+    /// caller checked the run and that the four-lane kernel runs here.
+    fn seal_slots(
+        &self,
+        key: &[u8; 16],
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), CryptoError> {
+        use crate::ffi::aegis128l_vaes::{crypt4, LANES};
+        use crate::ffi::spare::write_copy;
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let sectors = plaintext.len() / ss;
+        let grouped = sectors / LANES * LANES;
+        let mut drawn = vec![0u8; grouped * 16];
+        self.nonces.fill_each(first_sector, &mut drawn, 16)?;
+        let mut inputs = plaintext.chunks_exact(ss);
+        let mut outputs = slots.chunks_exact_mut(ss + md_len);
+        for (g, drawn) in drawn.chunks_exact(16 * LANES).enumerate() {
+            let base = first_sector + (g * LANES) as u64;
+            let aads: [[u8; AAD_LEN]; LANES] =
+                std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
+            let nonces: [[u8; 16]; LANES] =
+                std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
+            let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
+                let input = inputs.next().expect("a whole group of sectors");
+                let (data, meta) = outputs.next().expect("a slot per sector").split_at_mut(ss);
+                (Io::fresh(input, data), meta)
+            });
+            let tags = crypt4(
+                key,
+                nonces.each_ref(),
+                aads.each_ref().map(|a| &a[..]),
+                &mut [l0, l1, l2, l3],
+                true,
+            )
+            .expect("VAES is available and sectors are multiples of 64 bytes");
+            for ((meta, nonce), tag) in [m0, m1, m2, m3].into_iter().zip(&nonces).zip(&tags) {
+                write_copy(&mut meta[..16], nonce);
+                write_copy(&mut meta[16..16 + TAG_LEN], tag);
+                for padding in &mut meta[16 + TAG_LEN..] {
+                    padding.write(0);
+                }
+            }
+        }
+        for (i, (input, output)) in inputs.zip(outputs).enumerate() {
+            let (data, meta) = output.split_at_mut(ss);
+            let mut md = [0u8; 64];
+            let md = &mut md[..md_len];
+            let number = first_sector + (grouped + i) as u64;
+            self.seal_run(number, Io::fresh(input, data), md)?;
+            write_copy(meta, md);
+        }
+        Ok(())
+    }
+}
+
 /// Four consecutive sectors of a group as four runs.
 #[cfg(target_arch = "x86_64")]
 fn split_lanes(group: Io<'_>, sector_size: usize) -> [Io<'_>; 4] {
@@ -582,6 +644,33 @@ impl crate::SectorCipher for AeadSuite {
             });
         }
         append_by_zeroing(self, first_sector, plaintext, ciphertext, metadata)
+    }
+
+    fn encrypt_sectors_append_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        #[cfg(target_arch = "x86_64")]
+        if let Engine::Aegis128L(key) = &self.engine {
+            if crate::ffi::aegis128l_vaes::available() {
+                let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+                let sectors = plaintext.len() / ss;
+                check_run(
+                    self.suite,
+                    ss,
+                    first_sector,
+                    plaintext.len(),
+                    sectors * md_len,
+                )?;
+                let len = sectors * (ss + md_len);
+                return crate::ffi::spare::append_written(slots, len, |spare| {
+                    self.seal_slots(key, first_sector, plaintext, spare)
+                });
+            }
+        }
+        append_slots_piecewise(self, first_sector, plaintext, slots)
     }
 
     fn writes_used(&self) -> Option<u64> {

@@ -578,6 +578,34 @@ fn long_appended_runs_equal_in_place() {
                     before.len()
                 );
             }
+            // As slots (each sector's ciphertext, then its metadata): the same bytes
+            // interleaved, after what the buffer held; a refused run leaves it alone.
+            let ml = c.metadata_len();
+            let slots: Vec<u8> = (0..count)
+                .flat_map(|i| ct[i * ss..][..ss].iter().chain(&md[i * ml..][..ml]))
+                .copied()
+                .collect();
+            for mut out in [Vec::new(), vec![9u8; 5]] {
+                let before = out.clone();
+                c.encrypt_sectors_append_slots(77, &plain, &mut out)
+                    .unwrap();
+                assert!(
+                    out[..before.len()] == before[..] && out[before.len()..] == slots[..],
+                    "{config:?}: {count} sectors appended as slots after {} bytes differ",
+                    before.len()
+                );
+                let len = out.len();
+                let refused = c.encrypt_sectors_append_slots(77, &plain[1..], &mut out);
+                assert!(
+                    matches!(refused, Err(CryptoError::BufferLength { .. })),
+                    "{config:?}: {refused:?}"
+                );
+                assert_eq!(
+                    out.len(),
+                    len,
+                    "{config:?}: a refused run changed the buffer"
+                );
+            }
         }
     }
 }

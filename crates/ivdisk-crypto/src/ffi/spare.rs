@@ -14,8 +14,10 @@ use std::mem::MaybeUninit;
 ///
 /// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The
 /// callers (`encrypt_sectors_append` of AEGIS-128L and AES-GCM in `aead.rs` and of AES-XTS in
-/// `xts.rs`) pass the region to their encryption path as `Io::fresh`, whose every branch
-/// writes the whole output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit
+/// `xts.rs`; AEGIS-128L's `encrypt_sectors_append_slots`, whose `seal_slots` passes each
+/// slot's sector part as an `Io::fresh` run and writes every byte of its metadata part) pass
+/// the region to their encryption path as `Io::fresh`, whose every branch writes the whole
+/// output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit
 /// one-message AEGIS-128L code and the XTS kernels store every block of each sector through
 /// `Io::as_ptrs`, GCM's `ffi::stream_update` hands those pointers to OpenSSL and checks that
 /// it wrote every byte; the other code (the AVX-512 one-message code, OpenSSL's XTS) works on
@@ -38,6 +40,15 @@ pub(crate) fn append_written<E>(
     Ok(())
 }
 
+/// Write `src` into `dst` (same length): `<[MaybeUninit<u8>]>::write_copy_of_slice`, which
+/// is newer than this workspace's minimum Rust.
+pub(crate) fn write_copy(dst: &mut [MaybeUninit<u8>], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "a copy of one length");
+    for (d, s) in dst.iter_mut().zip(src) {
+        d.write(*s);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -46,7 +57,7 @@ mod tests {
     fn appends_only_on_success() {
         let mut out = vec![1u8, 2];
         append_written(&mut out, 3, |spare| {
-            spare.write_copy_of_slice(&[3, 4, 5]);
+            write_copy(spare, &[3, 4, 5]);
             Ok::<(), ()>(())
         })
         .unwrap();

@@ -7,12 +7,6 @@ use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
 use super::{extent_bytes, ObjectGeometry, SectorLayout};
 
-/// Plaintext bytes encrypted per cipher call in [`Unaligned::write_encrypted`]: small enough
-/// that the ciphertext is still in the core's cache when it is copied into the slots (32 KiB,
-/// the L1 data cache of current x86 cores), large enough for the multi-sector kernels (eight
-/// 4 KiB sectors: two groups of the four-lane AEGIS-128L, a batch of XTS tweaks).
-const SLOT_PIECE_BYTES: usize = 32 << 10;
-
 #[derive(Debug)]
 pub(crate) struct Unaligned(pub ObjectGeometry);
 
@@ -51,9 +45,10 @@ impl SectorLayout for Unaligned {
         self.store_slots(steps, first, slots);
     }
 
-    /// Piece by piece into the slots. Why: encrypting the whole run first and then copying it
-    /// into the slots wrote and read back the run's size in memory once more (for 1 MiB, more
-    /// than the core's cache); a piece's ciphertext is copied while it is still in the cache.
+    /// Straight into the slots (`encrypt_sectors_append_slots`: AEGIS-128L writes each
+    /// sector's ciphertext and metadata at its slot; the other suites encrypt 32 KiB pieces
+    /// and copy each into its slots while it is in the cache). Encrypting the whole run and
+    /// then interleaving it was a copy of the run on top of the cipher's pass.
     fn write_encrypted(
         &self,
         steps: &mut Vec<WriteStep>,
@@ -62,20 +57,9 @@ impl SectorLayout for Unaligned {
         first_sector: u64,
         plaintext: &[u8],
     ) -> Result<(), CryptoError> {
-        let (ss, ml) = (self.0.sector_size, self.0.metadata_len);
-        let sectors = plaintext.len() / ss;
-        let per_piece = (SLOT_PIECE_BYTES / ss).clamp(1, sectors.max(1));
+        let sectors = plaintext.len() / self.0.sector_size;
         let mut slots = Vec::with_capacity(sectors * self.slot());
-        // Reused for every piece; appended into, so never zeroed (`encrypt_sectors_append`).
-        let mut ciphertext = Vec::with_capacity(per_piece * ss);
-        let mut metadata = vec![0u8; per_piece * ml];
-        for (k, piece) in plaintext.chunks(per_piece * ss).enumerate() {
-            let metadata = &mut metadata[..piece.len() / ss * ml];
-            ciphertext.clear();
-            let number = first_sector + (k * per_piece) as u64;
-            cipher.encrypt_sectors_append(number, piece, &mut ciphertext, metadata)?;
-            self.interleave(&mut slots, &ciphertext, metadata);
-        }
+        cipher.encrypt_sectors_append_slots(first_sector, plaintext, &mut slots)?;
         self.store_slots(steps, first, slots);
         Ok(())
     }
