@@ -20,7 +20,7 @@ use crate::io::Io;
 use crate::rng::NonceSource;
 use crate::suite::{
     append_by_zeroing, append_slots_piecewise, check_key_len, check_out_of_place, check_run,
-    check_sector_size,
+    check_sector_size, check_slots, check_whole_sectors, decrypt_slots_apart,
 };
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
@@ -169,8 +169,7 @@ impl AeadSuite {
             .zip(drawn.chunks_exact(16 * LANES));
         for (g, ((group, metas), drawn)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
-            let aads: [[u8; AAD_LEN]; LANES] =
-                std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
+            let aads = self.group_aads(base);
             let nonces: [[u8; 16]; LANES] =
                 std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
             let tags = crypt4(
@@ -200,7 +199,7 @@ impl AeadSuite {
         metadata: &[u8],
         failed: &mut Vec<u64>,
     ) -> (usize, Io<'a>) {
-        use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
+        use crate::ffi::aegis128l_vaes::{available, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         // A shift: sector sizes are powers of two (`check_run`).
         let grouped = (data.len() >> ss.trailing_zeros()) / LANES * LANES;
@@ -213,32 +212,14 @@ impl AeadSuite {
             .zip(metadata.chunks_exact(LANES * md_len));
         for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
-            let aads: [[u8; AAD_LEN]; LANES] =
-                std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
+            let aads = self.group_aads(base);
             let nonces: [&[u8; 16]; LANES] = std::array::from_fn(|i| {
                 metas[i * md_len..][..16].try_into().expect("16-byte nonce")
             });
-            let mut lanes = split_lanes(group, ss);
-            let tags = crypt4(
-                key,
-                nonces,
-                aads.each_ref().map(|a| &a[..]),
-                &mut lanes,
-                false,
-            )
-            .expect("VAES is available and sectors are multiples of 64 bytes");
-            for (i, (sector, tag)) in lanes.iter_mut().zip(&tags).enumerate() {
-                let stored = &metas[i * md_len + 16..][..TAG_LEN];
-                // Constant time: the comparison must not say how many tag bytes matched.
-                let diff = stored
-                    .iter()
-                    .zip(tag)
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b));
-                if diff != 0 {
-                    sector.clear_output();
-                    failed.push(base + i as u64);
-                }
-            }
+            let stored: [&[u8]; LANES] =
+                std::array::from_fn(|i| &metas[i * md_len + 16..][..TAG_LEN]);
+            let lanes = split_lanes(group, ss);
+            open_group(key, base, nonces, &aads, stored, lanes, failed);
         }
         (grouped, rest)
     }
@@ -340,8 +321,7 @@ impl AeadSuite {
         let mut outputs = slots.chunks_exact_mut(ss + md_len);
         for (g, drawn) in drawn.chunks_exact(16 * LANES).enumerate() {
             let base = first_sector + (g * LANES) as u64;
-            let aads: [[u8; AAD_LEN]; LANES] =
-                std::array::from_fn(|i| aad(&self.image_id, base + i as u64));
+            let aads = self.group_aads(base);
             let nonces: [[u8; 16]; LANES] =
                 std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
             let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
@@ -374,6 +354,102 @@ impl AeadSuite {
             write_copy(meta, md);
         }
         Ok(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// AEGIS-128L straight from slots (`decrypt_sectors_from_slots`): groups of four sectors
+    /// through the four-lane kernel with each lane's input at its slot, the rest one sector at
+    /// a time through `open_run`; sectors whose tag does not verify are zeroed and named in the
+    /// error. The caller checked the run and that the four-lane kernel runs here.
+    fn open_slots(
+        &self,
+        key: &[u8; 16],
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        use crate::ffi::aegis128l_vaes::LANES;
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let grouped = plaintext.len() / ss / LANES * LANES;
+        let mut failed = Vec::new();
+        let mut inputs = slots.chunks_exact(ss + md_len);
+        let mut outputs = plaintext.chunks_exact_mut(ss);
+        for g in 0..grouped / LANES {
+            let base = first_sector + (g * LANES) as u64;
+            let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
+                let (data, meta) = inputs.next().expect("a slot per sector").split_at(ss);
+                let output = outputs.next().expect("a whole group of sectors");
+                (Io::copy(data, output), meta)
+            });
+            let metas = [m0, m1, m2, m3];
+            let nonces: [&[u8; 16]; LANES] =
+                std::array::from_fn(|i| metas[i][..16].try_into().expect("16-byte nonce"));
+            let stored = metas.map(|m| &m[16..16 + TAG_LEN]);
+            let aads = self.group_aads(base);
+            open_group(
+                key,
+                base,
+                nonces,
+                &aads,
+                stored,
+                [l0, l1, l2, l3],
+                &mut failed,
+            );
+        }
+        for (i, (slot, output)) in inputs.zip(outputs).enumerate() {
+            let number = first_sector + (grouped + i) as u64;
+            let (data, meta) = slot.split_at(ss);
+            match self.open_run(number, Io::copy(data, output), meta) {
+                Ok(()) => {}
+                Err(CryptoError::Authentication { sectors }) => failed.extend(sectors),
+                Err(e) => return Err(e),
+            }
+        }
+        authenticated(failed)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// The associated data of the four sectors from `base`.
+    fn group_aads(&self, base: u64) -> [[u8; AAD_LEN]; 4] {
+        std::array::from_fn(|i| aad(&self.image_id, base + i as u64))
+    }
+}
+
+/// Open one group of four sectors from `base` with the four-lane AEGIS-128L, zeroing and
+/// listing in `failed` the sectors whose tag is not the `stored` one.
+#[cfg(target_arch = "x86_64")]
+fn open_group(
+    key: &[u8; 16],
+    base: u64,
+    nonces: [&[u8; 16]; 4],
+    aads: &[[u8; AAD_LEN]; 4],
+    stored: [&[u8]; 4],
+    mut lanes: [Io<'_>; 4],
+    failed: &mut Vec<u64>,
+) {
+    use crate::ffi::aegis128l_vaes::crypt4;
+    let tags = crypt4(
+        key,
+        nonces,
+        aads.each_ref().map(|a| &a[..]),
+        &mut lanes,
+        false,
+    )
+    .expect("VAES is available and sectors are multiples of 64 bytes");
+    for (i, ((sector, tag), stored)) in lanes.iter_mut().zip(&tags).zip(stored).enumerate() {
+        // Constant time: the comparison must not say how many tag bytes matched.
+        let diff = stored
+            .iter()
+            .zip(tag)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        if diff != 0 {
+            sector.clear_output();
+            failed.push(base + i as u64);
+        }
     }
 }
 
@@ -655,22 +731,30 @@ impl crate::SectorCipher for AeadSuite {
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
             if crate::ffi::aegis128l_vaes::available() {
-                let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-                let sectors = plaintext.len() / ss;
-                check_run(
-                    self.suite,
-                    ss,
-                    first_sector,
-                    plaintext.len(),
-                    sectors * md_len,
-                )?;
-                let len = sectors * (ss + md_len);
+                let sectors = check_whole_sectors(self, first_sector, plaintext)?;
+                let len = sectors * (self.sector_size + self.suite.metadata_len());
                 return crate::ffi::spare::append_written(slots, len, |spare| {
                     self.seal_slots(key, first_sector, plaintext, spare)
                 });
             }
         }
         append_slots_piecewise(self, first_sector, plaintext, slots)
+    }
+
+    fn decrypt_sectors_from_slots(
+        &self,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        #[cfg(target_arch = "x86_64")]
+        if let Engine::Aegis128L(key) = &self.engine {
+            if crate::ffi::aegis128l_vaes::available() {
+                return self.open_slots(key, first_sector, slots, plaintext);
+            }
+        }
+        decrypt_slots_apart(self, first_sector, slots, plaintext)
     }
 
     fn writes_used(&self) -> Option<u64> {

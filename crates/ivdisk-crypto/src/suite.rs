@@ -256,6 +256,21 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         append_slots_piecewise(self, first_sector, plaintext, slots)
     }
 
+    /// Decrypt slots (what [`SectorCipher::encrypt_sectors_append_slots`] writes: each
+    /// sector's ciphertext, then its metadata) into `plaintext`, `slots.len()` being
+    /// `plaintext.len()` plus the sectors' metadata; on [`CryptoError::Authentication`] the
+    /// failed sectors' plaintext is zeros, every other sector's is correct. The default copies
+    /// sectors and metadata apart first; AEGIS-128L decrypts from each slot directly.
+    fn decrypt_sectors_from_slots(
+        &self,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        decrypt_slots_apart(self, first_sector, slots, plaintext)
+    }
+
     /// Bytes of metadata per sector.
     fn metadata_len(&self) -> usize {
         self.suite().metadata_len()
@@ -319,14 +334,7 @@ pub(crate) fn append_slots_piecewise<C: SectorCipher + ?Sized>(
 ) -> Result<(), CryptoError> {
     const PIECE: usize = 32 << 10;
     let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
-    let sectors = plaintext.len() / ss;
-    check_run(
-        cipher.suite(),
-        ss,
-        first_sector,
-        plaintext.len(),
-        sectors * ml,
-    )?;
+    let sectors = check_whole_sectors(cipher, first_sector, plaintext)?;
     if ml == 0 {
         // No metadata: a slot is the sector.
         return cipher.encrypt_sectors_append(first_sector, plaintext, slots, &mut []);
@@ -352,6 +360,63 @@ pub(crate) fn append_slots_piecewise<C: SectorCipher + ?Sized>(
         }
     }
     Ok(())
+}
+
+/// [`SectorCipher::decrypt_sectors_from_slots`] by copying sectors and metadata apart, then
+/// decrypting in place; the run was checked ([`check_slots`]).
+pub(crate) fn decrypt_slots_apart<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    slots: &[u8],
+    plaintext: &mut [u8],
+) -> Result<(), CryptoError> {
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    let mut metadata = Vec::with_capacity(plaintext.len() / ss * ml);
+    for (slot, sector) in slots
+        .chunks_exact(ss + ml)
+        .zip(plaintext.chunks_exact_mut(ss))
+    {
+        sector.copy_from_slice(&slot[..ss]);
+        metadata.extend_from_slice(&slot[ss..]);
+    }
+    cipher.decrypt_sectors(first_sector, plaintext, &metadata)
+}
+
+/// [`check_run`] for a run whose metadata the caller places itself (slots); returns the
+/// number of sectors.
+pub(crate) fn check_whole_sectors<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    plaintext: &[u8],
+) -> Result<usize, CryptoError> {
+    let ss = cipher.sector_size();
+    let sectors = plaintext.len() / ss;
+    let metadata_len = sectors * cipher.metadata_len();
+    check_run(
+        cipher.suite(),
+        ss,
+        first_sector,
+        plaintext.len(),
+        metadata_len,
+    )
+}
+
+/// A slotted run: whole sectors of plaintext, and a slot (sector and metadata) for each.
+pub(crate) fn check_slots<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    slots: &[u8],
+    plaintext: &[u8],
+) -> Result<usize, CryptoError> {
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    let sectors = check_whole_sectors(cipher, first_sector, plaintext)?;
+    if slots.len() != sectors * (ss + ml) {
+        return Err(CryptoError::OutputLength {
+            input: slots.len(),
+            output: plaintext.len(),
+        });
+    }
+    Ok(sectors)
 }
 
 /// An out-of-place run's output must be exactly as long as its input.

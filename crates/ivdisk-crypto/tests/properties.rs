@@ -606,6 +606,39 @@ fn long_appended_runs_equal_in_place() {
                     "{config:?}: a refused run changed the buffer"
                 );
             }
+            // And back from slots; a tampered slot fails alone and reads as zeros.
+            let mut back = vec![0x11u8; plain.len()];
+            c.decrypt_sectors_from_slots(77, &slots, &mut back).unwrap();
+            assert!(
+                back == plain,
+                "{config:?}: {count} sectors back from slots differ"
+            );
+            let refused = c.decrypt_sectors_from_slots(77, &slots[1..], &mut back);
+            assert!(
+                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                "{config:?}: {refused:?}"
+            );
+            if config.suite.is_authenticated() {
+                let victim = count * 2 / 3;
+                let mut tampered = slots.clone();
+                tampered[victim * (ss + ml) + ss / 3] ^= 4;
+                let mut back = vec![0x11u8; plain.len()];
+                let result = c.decrypt_sectors_from_slots(77, &tampered, &mut back);
+                match result {
+                    Err(CryptoError::Authentication { sectors }) => {
+                        assert_eq!(sectors, vec![77 + victim as u64], "{config:?}")
+                    }
+                    other => panic!("{config:?}: tampered slot {victim}: {other:?}"),
+                }
+                for i in 0..count {
+                    let sector = &back[i * ss..][..ss];
+                    if i == victim {
+                        assert!(sector.iter().all(|&b| b == 0), "{config:?}: {i} not zeroed");
+                    } else {
+                        assert!(sector == &plain[i * ss..][..ss], "{config:?}: sector {i}");
+                    }
+                }
+            }
         }
     }
 }

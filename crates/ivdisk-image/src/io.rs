@@ -14,7 +14,7 @@ use ivdisk_crypto::CryptoError;
 use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteStep};
 
 use crate::image::{Image, Inner};
-use crate::layout::{extent_bytes, take_or_place_extents};
+use crate::layout::{extent_bytes, take_or_place_extents, Decoded};
 use crate::metadata_cache::{BoxFuture, MetadataCache, ReadPlan};
 use crate::ImageError;
 
@@ -42,6 +42,17 @@ enum Fill<'a> {
     Zeros,
     /// The unwritten state (discard, write-zeroes that may unmap).
     Unwritten,
+}
+
+/// Where a read run's ciphertext and metadata are, for [`Inner::decrypt_written`].
+#[derive(Clone, Copy)]
+enum Stored<'a> {
+    /// The ciphertext already in the output buffer, with this metadata.
+    InOutput(&'a [u8]),
+    /// The ciphertext in the first buffer (the store's), the metadata in the second.
+    Apart(&'a [u8], &'a [u8]),
+    /// Slots of ciphertext and metadata (`unaligned`).
+    Slots(&'a [u8]),
 }
 
 fn all_zero(bytes: &[u8]) -> bool {
@@ -170,8 +181,11 @@ impl Inner {
             })?;
         match taken {
             // Decrypted from the store's buffer straight into the caller's: one pass.
-            Some(ciphertext) => self.decrypt_written(piece.lba, Some(&ciphertext), out, &metadata),
-            None => self.decrypt_written(piece.lba, None, out, &metadata),
+            Decoded::Taken(ciphertext) => {
+                self.decrypt_written(piece.lba, Stored::Apart(&ciphertext, &metadata), out)
+            }
+            Decoded::Slots(slots) => self.decrypt_written(piece.lba, Stored::Slots(&slots), out),
+            Decoded::Placed => self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out),
         }
     }
 
@@ -250,8 +264,10 @@ impl Inner {
             }
         };
         match taken {
-            Some(ciphertext) => self.decrypt_written(piece.lba, Some(&ciphertext), out, &metadata),
-            None => self.decrypt_written(piece.lba, None, out, &metadata),
+            Some(ciphertext) => {
+                self.decrypt_written(piece.lba, Stored::Apart(&ciphertext, &metadata), out)
+            }
+            None => self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out),
         }
     }
 
@@ -310,44 +326,60 @@ impl Inner {
         written.map(|_| ())
     }
 
-    /// Decrypt the written sectors of a run into `out`: from `ciphertext` when given (and
-    /// zeros for the unwritten sectors), else in place (unwritten sectors are zeros already).
+    /// Decrypt the written sectors of a run into `out`, from where `stored` says the
+    /// ciphertext and metadata are (zeros for the unwritten sectors).
     fn decrypt_written(
         &self,
         lba: u64,
-        ciphertext: Option<&[u8]>,
+        stored: Stored<'_>,
         out: &mut [u8],
-        metadata: &[u8],
     ) -> Result<Vec<u64>, ImageError> {
         let ss = self.sector_size;
         let ml = self.cipher.metadata_len();
+        let slot = ss + ml;
         let n = out.len() / ss;
-        let written = |i: usize, data: &[u8]| {
-            !(all_zero(&metadata[i * ml..(i + 1) * ml]) && all_zero(&data[i * ss..(i + 1) * ss]))
+        let written = |i: usize, out: &[u8]| match stored {
+            Stored::InOutput(metadata) => {
+                !(all_zero(&metadata[i * ml..(i + 1) * ml]) && all_zero(&out[i * ss..(i + 1) * ss]))
+            }
+            Stored::Apart(ciphertext, metadata) => {
+                !(all_zero(&metadata[i * ml..(i + 1) * ml])
+                    && all_zero(&ciphertext[i * ss..(i + 1) * ss]))
+            }
+            Stored::Slots(slots) => !all_zero(&slots[i * slot..(i + 1) * slot]),
         };
         let mut failed = Vec::new();
         let mut i = 0;
         while i < n {
             let start = i;
-            let is_written = written(i, ciphertext.unwrap_or(out));
-            while i < n && written(i, ciphertext.unwrap_or(out)) == is_written {
+            let is_written = written(i, out);
+            while i < n && written(i, out) == is_written {
                 i += 1;
             }
-            let (sectors, meta) = (start * ss..i * ss, &metadata[start * ml..i * ml]);
+            let sectors = start * ss..i * ss;
             let first = lba + start as u64 + self.iv_sector_base;
-            let result = match (is_written, ciphertext) {
-                (false, Some(_)) => {
+            let result = match (is_written, stored) {
+                (false, Stored::InOutput(_)) => continue,
+                (false, _) => {
                     out[sectors].fill(0);
                     continue;
                 }
-                (false, None) => continue,
-                (true, Some(ct)) => self.cipher.decrypt_sectors_to(
+                (true, Stored::Apart(ciphertext, metadata)) => self.cipher.decrypt_sectors_to(
                     first,
-                    &ct[sectors.clone()],
+                    &ciphertext[sectors.clone()],
                     &mut out[sectors],
-                    meta,
+                    &metadata[start * ml..i * ml],
                 ),
-                (true, None) => self.cipher.decrypt_sectors(first, &mut out[sectors], meta),
+                (true, Stored::InOutput(metadata)) => self.cipher.decrypt_sectors(
+                    first,
+                    &mut out[sectors],
+                    &metadata[start * ml..i * ml],
+                ),
+                (true, Stored::Slots(slots)) => self.cipher.decrypt_sectors_from_slots(
+                    first,
+                    &slots[start * slot..i * slot],
+                    &mut out[sectors],
+                ),
             };
             match result {
                 Ok(()) => {}

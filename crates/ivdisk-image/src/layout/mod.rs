@@ -164,10 +164,9 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     /// [`SectorLayout::read`]'s steps (consumed from `results` in order). Bytes never written
     /// come out zero: `metadata` arrives zeroed, `ciphertext` may arrive holding anything (it
     /// is the caller's read buffer) and must be overwritten whole, unless the ciphertext comes
-    /// back as `Some(bytes)` (exactly `ciphertext.len()` of them, `ciphertext` untouched): the
-    /// store's own buffer when one extent holds the whole run, so the caller can decrypt from
-    /// it straight into its buffer instead of copying first. An `Err` names what was
-    /// malformed.
+    /// back in the store's own buffer ([`Decoded::Taken`] or [`Decoded::Slots`], `ciphertext`
+    /// untouched), so the caller can decrypt from it straight into its buffer instead of
+    /// copying first. An `Err` names what was malformed.
     fn decode(
         &self,
         results: &mut dyn Iterator<Item = ReadResult>,
@@ -175,7 +174,27 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, String>;
+    ) -> Result<Decoded, String>;
+}
+
+/// Where [`SectorLayout::decode`] left a run.
+#[derive(Debug)]
+pub(crate) enum Decoded {
+    /// In the caller's `ciphertext` and `metadata`.
+    Placed,
+    /// The ciphertext in this buffer (exactly the run's length); the metadata in the caller's
+    /// `metadata`.
+    Taken(Vec<u8>),
+    /// Ciphertext and metadata as slots in this buffer, each sector's ciphertext followed by
+    /// its metadata (`unaligned`); the caller's buffers untouched.
+    Slots(Vec<u8>),
+}
+
+impl From<Option<Vec<u8>>> for Decoded {
+    /// What [`take_or_place_extents`] returns, as a [`Decoded`].
+    fn from(taken: Option<Vec<u8>>) -> Self {
+        taken.map_or(Decoded::Placed, Decoded::Taken)
+    }
 }
 
 /// The store's buffer of a read of `[base, base + out.len())` when one extent covers exactly

@@ -3,7 +3,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{take_or_place_extents, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct NoMetadata(pub ObjectGeometry);
@@ -40,11 +40,12 @@ impl SectorLayout for NoMetadata {
         _count: u32,
         ciphertext: &mut [u8],
         _metadata: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, String> {
+    ) -> Result<Decoded, String> {
         take_or_place_extents(
             results.next(),
             first as u64 * self.0.sector_size as u64,
             ciphertext,
         )
+        .map(Decoded::from)
     }
 }

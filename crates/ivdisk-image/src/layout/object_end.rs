@@ -5,7 +5,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{place_extents, take_or_place_extents, ObjectGeometry, SectorLayout};
+use super::{place_extents, take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct ObjectEnd(pub ObjectGeometry);
@@ -67,9 +67,9 @@ impl SectorLayout for ObjectEnd {
         _count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, String> {
+    ) -> Result<Decoded, String> {
         let taken = take_or_place_extents(results.next(), self.data_offset(first), ciphertext)?;
         place_extents(results.next(), self.metadata_offset(first), metadata)?;
-        Ok(taken)
+        Ok(taken.into())
     }
 }

@@ -4,7 +4,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{take_or_place_extents, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
 
 /// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
 const MAX_KEYS_PER_STEP: u32 = 1024;
@@ -86,7 +86,7 @@ impl SectorLayout for Omap {
         count: u32,
         ciphertext: &mut [u8],
         metadata: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, String> {
+    ) -> Result<Decoded, String> {
         let ml = self.0.metadata_len;
         let taken = take_or_place_extents(
             results.next(),
@@ -114,7 +114,7 @@ impl SectorLayout for Omap {
                 metadata[at..at + ml].copy_from_slice(&value);
             }
         }
-        Ok(taken)
+        Ok(taken.into())
     }
 }
 

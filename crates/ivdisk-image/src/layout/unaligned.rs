@@ -5,7 +5,7 @@
 use ivdisk_crypto::{CryptoError, SectorCipher};
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{extent_bytes, ObjectGeometry, SectorLayout};
+use super::{extent_bytes, Decoded, ObjectGeometry, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct Unaligned(pub ObjectGeometry);
@@ -83,26 +83,18 @@ impl SectorLayout for Unaligned {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         count: u32,
-        ciphertext: &mut [u8],
-        metadata: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, String> {
-        let (ss, ml) = (self.0.sector_size, self.0.metadata_len);
-        // Sector and metadata interleave, so the ciphertext is copied out either way; only
-        // the store's buffer is used as it is when one extent holds the run.
+        _ciphertext: &mut [u8],
+        _metadata: &mut [u8],
+    ) -> Result<Decoded, String> {
+        // The slots as they are: the caller decrypts from them (`decrypt_sectors_from_slots`),
+        // with no copy to take sectors and metadata apart. The store's buffer when one extent
+        // holds the run.
         let slots = extent_bytes(
             results.next(),
             first as u64 * self.slot() as u64,
             count as usize * self.slot(),
         )?;
-        for ((slot, sector), meta) in slots
-            .chunks_exact(self.slot())
-            .zip(ciphertext.chunks_exact_mut(ss))
-            .zip(metadata.chunks_exact_mut(ml))
-        {
-            sector.copy_from_slice(&slot[..ss]);
-            meta.copy_from_slice(&slot[ss..]);
-        }
-        Ok(None)
+        Ok(Decoded::Slots(slots))
     }
 }
 
