@@ -535,15 +535,101 @@ impl AeadSuite {
             for (i, (mut sector, md)) in sectors.zip(metadata.chunks_exact_mut(md_len)).enumerate()
             {
                 let number = first_sector + i as u64;
-                let (nonce, rest) = md.split_at_mut(GCM_NONCE_LEN);
-                self.nonces.fill(number, nonce)?;
-                let aad = aad(&self.image_id, number);
-                let tag = gcm_seal(&gcm.encrypt, ctx, nonce, &aad, &mut sector)?;
-                rest[..TAG_LEN].copy_from_slice(&tag);
-                rest[TAG_LEN..].fill(0);
+                self.gcm_seal_sector(gcm, ctx, number, &mut sector, md)?;
             }
             Ok(())
         })
+    }
+
+    /// Seal one sector with AES-GCM from `sector`'s input into its output; its metadata
+    /// (nonce, tag, zero padding) into `md`.
+    fn gcm_seal_sector(
+        &self,
+        gcm: &GcmEngine,
+        ctx: &mut CipherCtxRef,
+        number: u64,
+        sector: &mut Io<'_>,
+        md: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let (nonce, rest) = md.split_at_mut(GCM_NONCE_LEN);
+        self.nonces.fill(number, nonce)?;
+        let aad = aad(&self.image_id, number);
+        let tag = gcm_seal(&gcm.encrypt, ctx, nonce, &aad, sector)?;
+        rest[..TAG_LEN].copy_from_slice(&tag);
+        rest[TAG_LEN..].fill(0);
+        Ok(())
+    }
+
+    /// Open one sector with AES-GCM from `sector`'s input into its output; a sector whose tag
+    /// (or zero padding) does not verify is zeroed and listed in `failed`.
+    fn gcm_open_sector(
+        &self,
+        gcm: &GcmEngine,
+        ctx: &mut CipherCtxRef,
+        number: u64,
+        sector: &mut Io<'_>,
+        md: &[u8],
+        failed: &mut Vec<u64>,
+    ) -> Result<(), CryptoError> {
+        let (nonce, rest) = md.split_at(GCM_NONCE_LEN);
+        let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
+        let aad = aad(&self.image_id, number);
+        let ok = rest[TAG_LEN..].iter().all(|&b| b == 0)
+            && gcm_open(&gcm.decrypt, ctx, nonce, &aad, sector, tag)?;
+        if !ok {
+            // Never hand out unauthenticated plaintext.
+            sector.clear_output();
+            failed.push(number);
+        }
+        Ok(())
+    }
+
+    /// AES-GCM straight into slots (`encrypt_sectors_append_slots`): each sector sealed from
+    /// the plaintext into its slot, its metadata after it. The caller checked the run.
+    fn seal_gcm_slots(
+        &self,
+        gcm: &GcmEngine,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), CryptoError> {
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        self.reserve_writes((plaintext.len() / ss) as u64)?;
+        gcm.encrypt.with(|ctx| {
+            let slots = slots.chunks_exact_mut(ss + md_len);
+            for (i, (input, slot)) in plaintext.chunks_exact(ss).zip(slots).enumerate() {
+                let (data, meta) = slot.split_at_mut(ss);
+                let mut md = [0u8; 32];
+                let md = &mut md[..md_len];
+                let number = first_sector + i as u64;
+                self.gcm_seal_sector(gcm, ctx, number, &mut Io::fresh(input, data), md)?;
+                crate::ffi::spare::write_copy(meta, md);
+            }
+            Ok(())
+        })
+    }
+
+    /// AES-GCM straight from slots (`decrypt_sectors_from_slots`). The caller checked the run.
+    fn open_gcm_slots(
+        &self,
+        gcm: &GcmEngine,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let mut failed = Vec::new();
+        gcm.decrypt.with(|ctx| {
+            let sectors = plaintext.chunks_exact_mut(ss);
+            for (i, (slot, output)) in slots.chunks_exact(ss + md_len).zip(sectors).enumerate() {
+                let (data, md) = slot.split_at(ss);
+                let number = first_sector + i as u64;
+                let mut sector = Io::copy(data, output);
+                self.gcm_open_sector(gcm, ctx, number, &mut sector, md, &mut failed)?;
+            }
+            Ok(())
+        })?;
+        authenticated(failed)
     }
 
     /// Open a whole run with AES-GCM, sector by sector, zeroing and listing in `failed` the
@@ -561,16 +647,7 @@ impl AeadSuite {
             let sectors = data.chunks(self.sector_size);
             for (i, (mut sector, md)) in sectors.zip(metadata.chunks_exact(md_len)).enumerate() {
                 let number = first_sector + i as u64;
-                let (nonce, rest) = md.split_at(GCM_NONCE_LEN);
-                let tag: &[u8; TAG_LEN] = rest[..TAG_LEN].try_into().expect("fixed layout");
-                let aad = aad(&self.image_id, number);
-                let ok = rest[TAG_LEN..].iter().all(|&b| b == 0)
-                    && gcm_open(&gcm.decrypt, ctx, nonce, &aad, &mut sector, tag)?;
-                if !ok {
-                    // Never hand out unauthenticated plaintext.
-                    sector.clear_output();
-                    failed.push(number);
-                }
+                self.gcm_open_sector(gcm, ctx, number, &mut sector, md, failed)?;
             }
             Ok(())
         })
@@ -728,11 +805,17 @@ impl crate::SectorCipher for AeadSuite {
         plaintext: &[u8],
         slots: &mut Vec<u8>,
     ) -> Result<(), CryptoError> {
+        let slot = self.sector_size + self.suite.metadata_len();
+        if let Engine::Gcm(gcm) = &self.engine {
+            let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
+            return crate::ffi::spare::append_written(slots, len, |spare| {
+                self.seal_gcm_slots(gcm, first_sector, plaintext, spare)
+            });
+        }
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
             if crate::ffi::aegis128l_vaes::available() {
-                let sectors = check_whole_sectors(self, first_sector, plaintext)?;
-                let len = sectors * (self.sector_size + self.suite.metadata_len());
+                let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
                 return crate::ffi::spare::append_written(slots, len, |spare| {
                     self.seal_slots(key, first_sector, plaintext, spare)
                 });
@@ -748,6 +831,9 @@ impl crate::SectorCipher for AeadSuite {
         plaintext: &mut [u8],
     ) -> Result<(), CryptoError> {
         check_slots(self, first_sector, slots, plaintext)?;
+        if let Engine::Gcm(gcm) = &self.engine {
+            return self.open_gcm_slots(gcm, first_sector, slots, plaintext);
+        }
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
             if crate::ffi::aegis128l_vaes::available() {

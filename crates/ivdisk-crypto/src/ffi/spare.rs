@@ -14,8 +14,9 @@ use std::mem::MaybeUninit;
 ///
 /// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The
 /// callers (`encrypt_sectors_append` of AEGIS-128L and AES-GCM in `aead.rs` and of AES-XTS in
-/// `xts.rs`; AEGIS-128L's `encrypt_sectors_append_slots`, whose `seal_slots` passes each
-/// slot's sector part as an `Io::fresh` run and writes every byte of its metadata part) pass
+/// `xts.rs`; `encrypt_sectors_append_slots` of AEGIS-128L and AES-GCM, whose `seal_slots`
+/// and `seal_gcm_slots` pass each slot's sector part as an `Io::fresh` run and write every
+/// byte of its metadata part) pass
 /// the region to their encryption path as `Io::fresh`, whose every branch writes the whole
 /// output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit
 /// one-message AEGIS-128L code and the XTS kernels store every block of each sector through
