@@ -1,5 +1,6 @@
 //! The crate's only `unsafe`: what the Rust compiler cannot check. Calls into C libraries (a
-//! fork handler registered with libc, two OpenSSL calls) and CPU instructions used through
+//! fork handler registered with libc, two OpenSSL calls, AEGIS-256 in libaegis with a run's
+//! own pointers in `aegis256`) and CPU instructions used through
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
 //! one-message AEGIS-128L with AVX-512VL or 256-bit VAES in `aegis128l_one`, where one
 //! instruction is written out in `asm!` so that the compiler keeps it: callable only once the
@@ -19,6 +20,7 @@
 pub(crate) mod aegis128l_one;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod aegis128l_vaes;
+pub(crate) mod aegis256;
 pub(crate) mod io;
 #[cfg(target_arch = "x86_64")]
 mod simd;

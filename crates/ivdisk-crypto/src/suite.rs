@@ -227,8 +227,8 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     ///
     /// Why: the image layer builds a fresh buffer per write for the store. Out of place into
     /// `&mut [u8]` means zeroing that buffer first, a pass of its own; suites whose kernels
-    /// store through pointers (AES-XTS, AEGIS-128L, and AES-GCM through OpenSSL) write the
-    /// spare capacity directly. The default
+    /// store through pointers (AES-XTS, AEGIS-128L, AEGIS-256 through libaegis and AES-GCM
+    /// through OpenSSL) write the spare capacity directly. The default
     /// zeroes and encrypts 64 KiB at a time, so what was zeroed is still in the cache when the
     /// cipher overwrites it.
     fn encrypt_sectors_append(
@@ -246,8 +246,8 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     /// an error `slots` keeps its length.
     ///
     /// Why: interleaving after encrypting is a copy of the whole run; AEGIS-128L's four-lane
-    /// kernel takes a separate output per sector and AES-GCM seals one sector at a time, so
-    /// both write each slot directly. The default encrypts 32 KiB at a time and copies each
+    /// kernel takes a separate output per sector, and AEGIS-256, AES-GCM and
+    /// `aes-xts-random` encrypt one sector at a time, so they write each slot directly. The default encrypts 32 KiB at a time and copies each
     /// piece into its slots while it is in the cache.
     fn encrypt_sectors_append_slots(
         &self,
@@ -262,8 +262,8 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
     /// sector's ciphertext, then its metadata) into `plaintext`, `slots.len()` being
     /// `plaintext.len()` plus the sectors' metadata; on [`CryptoError::Authentication`] the
     /// failed sectors' plaintext is zeros, every other sector's is correct. The default copies
-    /// sectors and metadata apart first; AEGIS-128L and AES-GCM decrypt from each slot
-    /// directly.
+    /// sectors and metadata apart first; the AEAD suites and `aes-xts-random` decrypt from
+    /// each slot directly.
     fn decrypt_sectors_from_slots(
         &self,
         first_sector: u64,

@@ -25,6 +25,7 @@ use aes::cipher::generic_array::GenericArray;
 use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
 use aes::Aes256;
 use openssl::cipher::{Cipher, CipherRef};
+use std::mem::MaybeUninit;
 
 use crate::evp::{ContextPool, Direction};
 #[cfg(target_arch = "x86_64")]
@@ -32,7 +33,10 @@ use crate::ffi::xts_vaes::{AesBlockCipher, XtsVaes};
 use crate::io::{Io, Settled};
 use crate::key::derive_subkey;
 use crate::rng::NonceSource;
-use crate::suite::{check_key_len, check_out_of_place, check_run, check_sector_size, plain64_iv};
+use crate::suite::{
+    append_slots_piecewise, check_key_len, check_out_of_place, check_run, check_sector_size,
+    check_slots, check_whole_sectors, decrypt_slots_apart, plain64_iv,
+};
 use crate::{CipherParams, CryptoError, Suite};
 
 /// AES-256 under `K_t`, the key that maps `aes-xts-random`'s R to the XTS tweak. With the VAES
@@ -278,13 +282,27 @@ impl AesXts {
         &self,
         first_sector: u64,
         data: Io<'_>,
+        tweaks: Tweaks<'_>,
+        encrypt: bool,
+    ) -> Result<(), CryptoError> {
+        let sectors = data.len() / self.sector_size;
+        let units = data.chunks(self.sector_size);
+        self.crypt_units(first_sector, sectors, units, tweaks, encrypt)
+    }
+
+    /// [`AesXts::crypt`] over sectors that need not lie one after another: `units` yields
+    /// each of the `sectors` sectors' runs in order (the `unaligned` layout's slots).
+    fn crypt_units<'a>(
+        &self,
+        first_sector: u64,
+        sectors: usize,
+        units: impl Iterator<Item = Io<'a>>,
         mut tweaks: Tweaks<'_>,
         encrypt: bool,
     ) -> Result<(), CryptoError> {
         let mut batch = [[0u8; 16]; TWEAK_BATCH];
-        let sectors = data.len() / self.sector_size;
         self.engine.run(encrypt, |unit| {
-            for (i, sector) in data.chunks(self.sector_size).enumerate() {
+            for (i, sector) in units.enumerate() {
                 let number = first_sector + i as u64;
                 let j = i % TWEAK_BATCH;
                 let n = (sectors - i).min(TWEAK_BATCH);
@@ -315,7 +333,72 @@ impl AesXts {
             Ok(())
         })
     }
+
+    /// `aes-xts-random` straight into slots (`encrypt_sectors_append_slots`): each sector
+    /// encrypted from the plaintext into its slot, its stored value R after it. The caller
+    /// checked the run. Values are drawn for [`SLOT_PIECE`] sectors at a time, on the stack.
+    fn encrypt_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [MaybeUninit<u8>],
+    ) -> Result<(), CryptoError> {
+        let ss = self.sector_size;
+        let slot = ss + 16;
+        let mut values = [0u8; SLOT_PIECE * 16];
+        let pieces = plaintext
+            .chunks(SLOT_PIECE * ss)
+            .zip(slots.chunks_mut(SLOT_PIECE * slot));
+        for (k, (plain, slots)) in pieces.enumerate() {
+            let n = plain.len() / ss;
+            let number = first_sector + (k * SLOT_PIECE) as u64;
+            let values = &mut values[..n * 16];
+            self.nonces.fill_each(number, values, 16)?;
+            let units = plain
+                .chunks_exact(ss)
+                .zip(slots.chunks_exact_mut(slot))
+                .map(|(p, s)| Io::fresh(p, &mut s[..ss]));
+            self.crypt_units(number, n, units, Tweaks::Drawn(values), true)?;
+            for (s, r) in slots.chunks_exact_mut(slot).zip(values.chunks_exact(16)) {
+                crate::ffi::spare::write_copy(&mut s[ss..], r);
+            }
+        }
+        Ok(())
+    }
+
+    /// `aes-xts-random` straight from slots (`decrypt_sectors_from_slots`): the stored values
+    /// of [`SLOT_PIECE`] sectors gathered on the stack, each sector decrypted from its slot.
+    /// The caller checked the run.
+    fn decrypt_slots(
+        &self,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let ss = self.sector_size;
+        let slot = ss + 16;
+        let mut values = [0u8; SLOT_PIECE * 16];
+        let pieces = slots
+            .chunks(SLOT_PIECE * slot)
+            .zip(plaintext.chunks_mut(SLOT_PIECE * ss));
+        for (k, (slots, plain)) in pieces.enumerate() {
+            let n = plain.len() / ss;
+            let number = first_sector + (k * SLOT_PIECE) as u64;
+            for (r, s) in values.chunks_exact_mut(16).zip(slots.chunks_exact(slot)) {
+                r.copy_from_slice(&s[ss..]);
+            }
+            let units = slots
+                .chunks_exact(slot)
+                .zip(plain.chunks_exact_mut(ss))
+                .map(|(s, p)| Io::copy(&s[..ss], p));
+            self.crypt_units(number, n, units, Tweaks::Stored(&values[..n * 16]), false)?;
+        }
+        Ok(())
+    }
 }
+
+/// Sectors per piece of a slotted run: their 16-byte values (1 KiB) stay on the stack.
+const SLOT_PIECE: usize = 64;
 
 fn xts_cipher(key: &[u8]) -> &'static CipherRef {
     if key.len() == 64 {
@@ -370,6 +453,35 @@ impl crate::SectorCipher for AesXts {
             let run = Io::fresh(plaintext, spare);
             self.encrypt_run(first_sector, run, metadata)
         })
+    }
+
+    fn encrypt_sectors_append_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        if self.tweak_key.is_none() {
+            // No metadata: a slot is the sector.
+            return append_slots_piecewise(self, first_sector, plaintext, slots);
+        }
+        let len = check_whole_sectors(self, first_sector, plaintext)? * (self.sector_size + 16);
+        crate::ffi::spare::append_written(slots, len, |spare| {
+            self.encrypt_slots(first_sector, plaintext, spare)
+        })
+    }
+
+    fn decrypt_sectors_from_slots(
+        &self,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        if self.tweak_key.is_none() {
+            return decrypt_slots_apart(self, first_sector, slots, plaintext);
+        }
+        self.decrypt_slots(first_sector, slots, plaintext)
     }
 
     fn decrypt_sectors_to(

@@ -13,15 +13,17 @@ use std::mem::MaybeUninit;
 /// become part of `out` only when `write` returns `Ok`; on `Err` `out` keeps its length.
 ///
 /// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The
-/// callers (`encrypt_sectors_append` of AEGIS-128L and AES-GCM in `aead.rs` and of AES-XTS in
-/// `xts.rs`; `encrypt_sectors_append_slots` of AEGIS-128L and AES-GCM, whose `seal_slots`
-/// and `seal_gcm_slots` pass each slot's sector part as an `Io::fresh` run and write every
-/// byte of its metadata part) pass
+/// callers (`encrypt_sectors_append` of the AEAD suites in `aead.rs` and of AES-XTS in
+/// `xts.rs`; `encrypt_sectors_append_slots` of AEGIS-128L, AEGIS-256, AES-GCM and
+/// `aes-xts-random`, whose `seal_slots`, `seal_aegis256_slots`, `seal_gcm_slots` and
+/// `encrypt_slots` pass each slot's sector part as an `Io::fresh` run and write every byte of
+/// its metadata part) pass
 /// the region to their encryption path as `Io::fresh`, whose every branch writes the whole
 /// output of a successful run: the four-lane AEGIS-128L kernels, the 256-bit
 /// one-message AEGIS-128L code and the XTS kernels store every block of each sector through
 /// `Io::as_ptrs`, GCM's `ffi::stream_update` hands those pointers to OpenSSL and checks that
-/// it wrote every byte; the other code (the AVX-512 one-message code, OpenSSL's XTS) works on
+/// it wrote every byte, `ffi::aegis256` hands them to libaegis, whose encryption writes
+/// every output byte; the other code (the AVX-512 one-message code, OpenSSL's XTS) works on
 /// the region
 /// after `Io::settled` zeroed it, and the in-place fallback after `Io::into_in_place` copied
 /// the input into it. `tests/properties.rs` holds the appended
