@@ -159,19 +159,14 @@ impl AeadSuite {
             return Ok((0, data));
         }
         let (head, rest) = data.split_at(grouped * ss);
-        // The nonces of all groups in one draw: at 20 GB/s a per-group call into the generator
-        // showed.
-        let mut drawn = vec![0u8; grouped * 16];
-        self.nonces.fill_each(first_sector, &mut drawn, 16)?;
+        let mut drawn = GroupNonces::new(self, first_sector, grouped);
         let groups = head
             .chunks(LANES * ss)
-            .zip(metadata.chunks_exact_mut(LANES * md_len))
-            .zip(drawn.chunks_exact(16 * LANES));
-        for (g, ((group, metas), drawn)) in groups.enumerate() {
+            .zip(metadata.chunks_exact_mut(LANES * md_len));
+        for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
             let aads = self.group_aads(base);
-            let nonces: [[u8; 16]; LANES] =
-                std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
+            let nonces = drawn.group(g)?;
             let tags = crypt4(
                 key,
                 nonces.each_ref(),
@@ -222,6 +217,58 @@ impl AeadSuite {
             open_group(key, base, nonces, &aads, stored, lanes, failed);
         }
         (grouped, rest)
+    }
+}
+
+/// Sectors whose nonces [`GroupNonces`] draws at once: 1 KiB on the stack.
+#[cfg(target_arch = "x86_64")]
+const NONCE_DRAW: usize = 64;
+// Groups never straddle two draws.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(NONCE_DRAW.is_multiple_of(crate::ffi::aegis128l_vaes::LANES));
+
+/// The nonces of a run's groups of four sectors, drawn [`NONCE_DRAW`] sectors at a time into
+/// a buffer on the stack. Why: at 20 GB/s a call into the generator per group showed, and so
+/// did a heap buffer for the whole run (its `calloc` and `free` in 64 KiB writes).
+#[cfg(target_arch = "x86_64")]
+struct GroupNonces<'s> {
+    suite: &'s AeadSuite,
+    first_sector: u64,
+    grouped: usize,
+    drawn: [u8; NONCE_DRAW * 16],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'s> GroupNonces<'s> {
+    fn new(suite: &'s AeadSuite, first_sector: u64, grouped: usize) -> Self {
+        GroupNonces {
+            suite,
+            first_sector,
+            grouped,
+            drawn: [0; NONCE_DRAW * 16],
+        }
+    }
+
+    /// The nonces of group `g` (groups are asked for in order).
+    fn group(
+        &mut self,
+        g: usize,
+    ) -> Result<[[u8; 16]; crate::ffi::aegis128l_vaes::LANES], CryptoError> {
+        use crate::ffi::aegis128l_vaes::LANES;
+        let sector = g * LANES;
+        let at = sector % NONCE_DRAW;
+        if at == 0 {
+            let n = (self.grouped - sector).min(NONCE_DRAW);
+            let first = self.first_sector + sector as u64;
+            self.suite
+                .nonces
+                .fill_each(first, &mut self.drawn[..n * 16], 16)?;
+        }
+        Ok(std::array::from_fn(|i| {
+            self.drawn[(at + i) * 16..][..16]
+                .try_into()
+                .expect("16 bytes")
+        }))
     }
 }
 
@@ -315,15 +362,13 @@ impl AeadSuite {
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let sectors = plaintext.len() / ss;
         let grouped = sectors / LANES * LANES;
-        let mut drawn = vec![0u8; grouped * 16];
-        self.nonces.fill_each(first_sector, &mut drawn, 16)?;
+        let mut drawn = GroupNonces::new(self, first_sector, grouped);
         let mut inputs = plaintext.chunks_exact(ss);
         let mut outputs = slots.chunks_exact_mut(ss + md_len);
-        for (g, drawn) in drawn.chunks_exact(16 * LANES).enumerate() {
+        for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
             let aads = self.group_aads(base);
-            let nonces: [[u8; 16]; LANES] =
-                std::array::from_fn(|i| drawn[i * 16..][..16].try_into().expect("16 bytes"));
+            let nonces = drawn.group(g)?;
             let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
                 let input = inputs.next().expect("a whole group of sectors");
                 let (data, meta) = outputs.next().expect("a slot per sector").split_at_mut(ss);

@@ -15,7 +15,7 @@ use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteStep}
 
 use crate::image::{Image, Inner};
 use crate::layout::{extent_bytes, take_or_place_extents, Decoded};
-use crate::metadata_cache::{BoxFuture, MetadataCache, ReadPlan};
+use crate::metadata_cache::{MetadataCache, ReadPlan};
 use crate::ImageError;
 
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
@@ -116,9 +116,14 @@ impl Inner {
     async fn read_sectors(&self, first: u64, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
         let ss = self.sector_size;
         let end = first + (out.len() / ss) as u64;
-        let mut reads = Vec::new();
+        let pieces = self.pieces(first, end);
+        if let [piece] = pieces[..] {
+            // A read inside one object, the usual case: awaited as it is.
+            return self.read_piece(piece, out).await;
+        }
+        let mut reads = Vec::with_capacity(pieces.len());
         let mut rest = out;
-        for piece in self.pieces(first, end) {
+        for piece in pieces {
             let (chunk, tail) = rest.split_at_mut(piece.count as usize * ss);
             rest = tail;
             reads.push(self.read_piece(piece, chunk));
@@ -283,10 +288,6 @@ impl Inner {
         mut op: WriteOp,
     ) -> Result<(), StoreError> {
         let store = &self.store;
-        type Outputs = (
-            Result<ivdisk_store::WriteOutcome, StoreError>,
-            Option<Result<Vec<ivdisk_store::ReadResult>, StoreError>>,
-        );
         let (load, (written, loaded)) = cache
             .submit(n, |shard| {
                 let load = cache.prepare_write(shard, n, &mut op.steps);
@@ -299,12 +300,12 @@ impl Inner {
                     store.read_op(object, op)
                 });
                 // Both are submitted in the first poll, the write first.
-                let both: BoxFuture<'_, Outputs> = Box::pin(join(write, async move {
+                let both = join(write, async move {
                     match read {
                         Some(read) => Some(read.await),
                         None => None,
                     }
-                }));
+                });
                 (load, both)
             })
             .await;
@@ -430,47 +431,52 @@ impl Inner {
             _ => end - first,
         };
         self.reserve_nonces(encrypted_sectors).await?;
+        let build = |piece| {
+            self.piece_op(
+                piece,
+                offset,
+                end_byte,
+                fill,
+                (first, &head),
+                (end - 1, &tail),
+            )
+        };
+        if let [piece] = pieces[..] {
+            // An IO inside one object, the usual case: its operation awaited as it is.
+            return self.write_piece(piece, build(piece)?).await;
+        }
         for batch in pieces.chunks(OBJECTS_IN_FLIGHT) {
             let mut ops = Vec::with_capacity(batch.len());
             for &piece in batch {
-                let op = self.piece_op(
-                    piece,
-                    offset,
-                    end_byte,
-                    fill,
-                    (first, &head),
-                    (end - 1, &tail),
-                )?;
-                ops.push(async move {
-                    let object = self.data_object(piece.object);
-                    let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
-                    let written = match self.usable_cache() {
-                        Some(cache) => {
-                            self.write_piece_cached(cache, piece.object, &object, op)
-                                .await
-                        }
-                        None => self.store.write_op(&object, op).await.map(|_| ()),
-                    };
-                    match written {
-                        Ok(()) => Ok(()),
-                        // Discarding in an object that does not exist: nothing to do.
-                        Err(StoreError::NotFound { .. }) if only_if_exists => Ok(()),
-                        Err(e) => Err(ImageError::store(&self.name)(e)),
-                    }
-                });
+                ops.push(self.write_piece(piece, build(piece)?));
             }
             // Wait for every operation of the batch even if one fails, so no operation is
-            // still in flight when the error is returned (each object is old or new). One
-            // operation (an IO inside one object, the usual case) is awaited as it is.
-            let failed = match ops.len() {
-                1 => ops.pop().expect("one operation").await.err(),
-                _ => join_all(ops).await.into_iter().find_map(Result::err),
-            };
-            if let Some(e) = failed {
+            // still in flight when the error is returned (each object is old or new).
+            if let Some(e) = join_all(ops).await.into_iter().find_map(Result::err) {
                 return Err(e);
             }
         }
         Ok(())
+    }
+
+    /// Apply one object's operation of a request (through the metadata cache when it is in
+    /// use).
+    async fn write_piece(&self, piece: Piece, op: WriteOp) -> Result<(), ImageError> {
+        let object = self.data_object(piece.object);
+        let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
+        let written = match self.usable_cache() {
+            Some(cache) => {
+                self.write_piece_cached(cache, piece.object, &object, op)
+                    .await
+            }
+            None => self.store.write_op(&object, op).await.map(|_| ()),
+        };
+        match written {
+            Ok(()) => Ok(()),
+            // Discarding in an object that does not exist: nothing to do.
+            Err(StoreError::NotFound { .. }) if only_if_exists => Ok(()),
+            Err(e) => Err(ImageError::store(&self.name)(e)),
+        }
     }
 
     /// The one operation for one object of a request.
@@ -487,15 +493,26 @@ impl Inner {
         let piece_end = piece.lba + piece.count as u64;
         let mut op = WriteOp::new();
         op.snap_context = self.snap_context();
-        // The sectors of this piece that get encrypted content: all, or only partial edges.
-        let encrypted: Vec<(u64, u64)> = match fill {
-            Fill::Unwritten => [head, tail]
-                .into_iter()
-                .filter(|(lba, old)| old.is_some() && (piece.lba..piece_end).contains(lba))
-                .map(|(lba, _)| (lba, lba + 1))
-                .collect(),
-            _ => vec![(piece.lba, piece_end)],
+        // The sectors of this piece that get encrypted content: all, or only partial edges
+        // (at most two runs, on the stack).
+        let mut runs = [(0u64, 0u64); 2];
+        let count = match fill {
+            Fill::Unwritten => {
+                let mut count = 0;
+                for (lba, old) in [head, tail] {
+                    if old.is_some() && (piece.lba..piece_end).contains(&lba) {
+                        runs[count] = (lba, lba + 1);
+                        count += 1;
+                    }
+                }
+                count
+            }
+            _ => {
+                runs[0] = (piece.lba, piece_end);
+                1
+            }
         };
+        let encrypted = &runs[..count];
         // Discard steps go after the edge sectors' writes: those create the object if it is
         // missing, and zeroing or omap removal on a missing object fails on some stores.
         let mut discard = Vec::new();
@@ -520,7 +537,7 @@ impl Inner {
                 }
             }
         }
-        for (start, stop) in encrypted {
+        for &(start, stop) in encrypted {
             let n = (stop - start) as usize;
             let old_sector = |lba: u64| {
                 [head, tail]

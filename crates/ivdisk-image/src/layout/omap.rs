@@ -22,11 +22,18 @@ fn key(index: u32) -> Vec<u8> {
         .collect()
 }
 
+/// The sector index of a key written by [`key`] (lowercase only), read out by hand as
+/// [`key`] writes it: `from_utf8` and `from_str_radix` per key showed in 1 MiB reads.
 fn index_of(key: &[u8]) -> Option<u32> {
-    if key.len() != 8 {
-        return None;
-    }
-    u32::from_str_radix(std::str::from_utf8(key).ok()?, 16).ok()
+    let digits: &[u8; 8] = key.try_into().ok()?;
+    digits.iter().try_fold(0u32, |index, &d| {
+        let value = match d {
+            b'0'..=b'9' => d - b'0',
+            b'a'..=b'f' => d - b'a' + 10,
+            _ => return None,
+        };
+        Some(index << 4 | u32::from(value))
+    })
 }
 
 impl SectorLayout for Omap {
@@ -126,6 +133,17 @@ mod tests {
             let key = super::key(index);
             assert_eq!(key, format!("{index:08x}").into_bytes());
             assert_eq!(super::index_of(&key), Some(index));
+        }
+        // Anything else is no key of ours.
+        for other in [
+            &b"0000000"[..],
+            b"000000000",
+            b"0000000A",
+            b"0000000g",
+            b"+0000001",
+            b"",
+        ] {
+            assert_eq!(super::index_of(other), None, "{other:?}");
         }
     }
 }
