@@ -224,7 +224,9 @@ impl MapStore {
                     o.exists = false;
                 }
                 WriteStep::OmapSet(pairs) => {
-                    o.omap.extend(pairs);
+                    // The store keeps its own copies, as a real one stores them.
+                    o.omap
+                        .extend(pairs.iter().map(|(k, v)| (k.to_vec(), v.to_vec())));
                     o.exists = true;
                 }
                 WriteStep::OmapRemoveKeys(keys) => {

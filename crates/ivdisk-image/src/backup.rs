@@ -309,7 +309,9 @@ impl ObjectState {
         }
         op.steps.push(WriteStep::Truncate(self.size));
         if !self.omap.is_empty() {
-            op.steps.push(WriteStep::OmapSet(self.omap.clone()));
+            op.steps.push(WriteStep::OmapSet(
+                self.omap.iter().map(|(k, v)| (k, v)).collect(),
+            ));
         }
     }
 }
@@ -1763,10 +1765,13 @@ async fn restore_full(
             snapshot: checked.description.snapshot.clone(),
             applying: None,
         };
-        op.steps.push(WriteStep::OmapSet(vec![(
-            BACKUP_STATE_KEY.to_vec(),
-            serde_json::to_vec(&state).expect("serializes"),
-        )]));
+        op.steps.push(WriteStep::OmapSet(
+            vec![(
+                BACKUP_STATE_KEY.to_vec(),
+                serde_json::to_vec(&state).expect("serializes"),
+            )]
+            .into(),
+        ));
         match store.write_op(&target.header_object, op).await {
             Ok(_) => {}
             Err(StoreError::Exists { .. }) => {
@@ -2008,10 +2013,13 @@ async fn apply_increment(
         state.snapshot_id = d.snapshot_id;
         state.snapshot = d.snapshot.clone();
         state.applying = None;
-        op.steps.push(WriteStep::OmapSet(vec![(
-            BACKUP_STATE_KEY.to_vec(),
-            serde_json::to_vec(&state).expect("serializes"),
-        )]));
+        op.steps.push(WriteStep::OmapSet(
+            vec![(
+                BACKUP_STATE_KEY.to_vec(),
+                serde_json::to_vec(&state).expect("serializes"),
+            )]
+            .into(),
+        ));
         store
             .write_op(&target.header_object, op)
             .await

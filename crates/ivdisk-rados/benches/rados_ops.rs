@@ -160,8 +160,8 @@ impl Case {
             Case::Omap => extent.omap_set(
                 meta.chunks(META as usize)
                     .zip(first..)
-                    .map(|(value, sector)| (omap_key(sector), value.to_vec()))
-                    .collect(),
+                    .map(|(value, sector)| (omap_key(sector), value))
+                    .collect::<ivdisk_store::OmapPairs>(),
             ),
             Case::Unaligned => WriteOp::new().write(first * RECORD, &data[..(n * RECORD) as usize]),
             Case::ObjectEndBlock => {
@@ -338,9 +338,9 @@ async fn prefill(bench: &Arc<Bench>, cases: &[Case]) -> Result<(), StoreError> {
                     (0..SECTORS_PER_OBJECT)
                         .map(|s| {
                             let at = (s * META) as usize;
-                            (omap_key(s), bench.meta[at..at + META as usize].to_vec())
+                            (omap_key(s), &bench.meta[at..at + META as usize])
                         })
-                        .collect(),
+                        .collect::<ivdisk_store::OmapPairs>(),
                 );
             }
             bench.store.write_op(name, op).await.map(drop)

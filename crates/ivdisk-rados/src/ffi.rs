@@ -736,12 +736,12 @@ impl WriteOp {
         unsafe { sys::rados_write_op_remove(self.raw) }
     }
 
-    pub fn omap_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) {
-        let keys: Vec<&[u8]> = pairs.iter().map(|(k, _)| k.as_slice()).collect();
-        let values: Vec<&[u8]> = pairs.iter().map(|(_, v)| v.as_slice()).collect();
-        let (key_ptrs, key_lens) = byte_arrays(&keys);
-        let (value_ptrs, value_lens) = byte_arrays(&values);
-        // SAFETY: valid op; four arrays of `pairs.len()` entries pointing at live bytes;
+    /// Set the pairs (`keys[i]`, `values[i]`); the two are of one length.
+    pub fn omap_set(&mut self, keys: &[&[u8]], values: &[&[u8]]) {
+        assert_eq!(keys.len(), values.len(), "a value per key");
+        let (key_ptrs, key_lens) = byte_arrays(keys);
+        let (value_ptrs, value_lens) = byte_arrays(values);
+        // SAFETY: valid op; four arrays of `keys.len()` entries pointing at live bytes;
         // librados encodes them into the op before returning.
         unsafe {
             sys::rados_write_op_omap_set2(
@@ -750,7 +750,7 @@ impl WriteOp {
                 value_ptrs.as_ptr(),
                 key_lens.as_ptr(),
                 value_lens.as_ptr(),
-                pairs.len(),
+                keys.len(),
             )
         }
     }

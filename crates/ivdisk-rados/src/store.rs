@@ -384,7 +384,10 @@ impl ObjectStore for RadosStore {
                 WriteStep::Zero { offset, len } => raw.zero(*offset, *len),
                 WriteStep::Truncate(size) => raw.truncate(*size),
                 WriteStep::Remove => raw.remove(),
-                WriteStep::OmapSet(pairs) => raw.omap_set(pairs),
+                WriteStep::OmapSet(pairs) => {
+                    let (keys, values): (Vec<&[u8]>, Vec<&[u8]>) = pairs.iter().unzip();
+                    raw.omap_set(&keys, &values)
+                }
                 WriteStep::OmapRemoveKeys(keys) => raw.omap_remove_keys(keys),
                 WriteStep::OmapRemoveRange { start, end } => raw.omap_remove_range(start, end),
                 WriteStep::Rollback(_) => unreachable!("handled above"),

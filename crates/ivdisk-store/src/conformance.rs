@@ -917,7 +917,7 @@ pub async fn omap<S: ObjectStore>(c: Clients<S>) {
     // Set, overwrite, get.
     let o = name(&p, "obj");
     let keys: Vec<String> = (0..10).map(|i| format!("r{i:02}")).collect();
-    let pairs = keys.iter().map(|k| kv(k, format!("v-{k}"))).collect();
+    let pairs: Vec<_> = keys.iter().map(|k| kv(k, format!("v-{k}"))).collect();
     s.write_op(&o, WriteOp::new().omap_set(pairs))
         .await
         .unwrap();

@@ -83,6 +83,114 @@ pub struct SnapContext {
     pub snaps: Vec<SnapId>,
 }
 
+/// Omap keys and values to set, packed into one buffer.
+///
+/// Why not a `Vec` of owned pairs: the `omap` layout sets one pair per sector, and two small
+/// allocations per sector (and their frees) were most of what that layout's writes cost the
+/// engine beyond the cipher (docs/BENCHMARKS.md). Every backend only reads the pairs (RADOS
+/// passes pointers to librados, the local backend binds them to SQL), so borrowing them out
+/// of one buffer costs nothing there.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct OmapPairs {
+    /// Each pair's key, then its value, one pair after another.
+    bytes: Vec<u8>,
+    /// Where each pair's key ends and its value ends in `bytes`.
+    ends: Vec<(usize, usize)>,
+}
+
+impl OmapPairs {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Room for `pairs` pairs of `bytes` key and value bytes in all, without reallocating.
+    pub fn with_capacity(pairs: usize, bytes: usize) -> Self {
+        OmapPairs {
+            bytes: Vec::with_capacity(bytes),
+            ends: Vec::with_capacity(pairs),
+        }
+    }
+
+    pub fn push(&mut self, key: &[u8], value: &[u8]) {
+        self.bytes.extend_from_slice(key);
+        let key_end = self.bytes.len();
+        self.bytes.extend_from_slice(value);
+        self.ends.push((key_end, self.bytes.len()));
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The pairs in the order they were pushed.
+    pub fn iter(&self) -> OmapPairsIter<'_> {
+        OmapPairsIter {
+            bytes: &self.bytes,
+            ends: self.ends.iter(),
+            start: 0,
+        }
+    }
+}
+
+/// The pairs of an [`OmapPairs`], borrowed.
+pub struct OmapPairsIter<'a> {
+    bytes: &'a [u8],
+    ends: std::slice::Iter<'a, (usize, usize)>,
+    /// Where the next pair's key starts.
+    start: usize,
+}
+
+impl<'a> Iterator for OmapPairsIter<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let &(key_end, end) = self.ends.next()?;
+        let start = std::mem::replace(&mut self.start, end);
+        Some((&self.bytes[start..key_end], &self.bytes[key_end..end]))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.ends.size_hint()
+    }
+}
+
+impl ExactSizeIterator for OmapPairsIter<'_> {}
+
+impl<'a> IntoIterator for &'a OmapPairs {
+    type Item = (&'a [u8], &'a [u8]);
+    type IntoIter = OmapPairsIter<'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl fmt::Debug for OmapPairs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<K: AsRef<[u8]>, V: AsRef<[u8]>> FromIterator<(K, V)> for OmapPairs {
+    fn from_iter<I: IntoIterator<Item = (K, V)>>(pairs: I) -> Self {
+        let mut out = OmapPairs::new();
+        for (k, v) in pairs {
+            out.push(k.as_ref(), v.as_ref());
+        }
+        out
+    }
+}
+
+impl<K: AsRef<[u8]>, V: AsRef<[u8]>> From<Vec<(K, V)>> for OmapPairs {
+    fn from(pairs: Vec<(K, V)>) -> Self {
+        pairs.into_iter().collect()
+    }
+}
+
 /// One step of a write operation. The steps of one [`WriteOp`] apply in order and atomically:
 /// all of them or, if any fails, none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,8 +211,8 @@ pub enum WriteStep {
     Truncate(u64),
     /// Delete the object (with its omap).
     Remove,
-    /// Set omap keys.
-    OmapSet(Vec<(Vec<u8>, Vec<u8>)>),
+    /// Set omap keys (later pairs win over earlier ones with the same key).
+    OmapSet(OmapPairs),
     /// Remove omap keys (missing keys are fine).
     OmapRemoveKeys(Vec<Vec<u8>>),
     /// Remove the omap keys in `[start, end)`.
@@ -135,8 +243,8 @@ impl WriteOp {
             data: data.into(),
         })
     }
-    pub fn omap_set(self, pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Self {
-        self.step(WriteStep::OmapSet(pairs))
+    pub fn omap_set(self, pairs: impl Into<OmapPairs>) -> Self {
+        self.step(WriteStep::OmapSet(pairs.into()))
     }
     pub fn with_snap_context(mut self, context: SnapContext) -> Self {
         self.snap_context = Some(context);
@@ -241,4 +349,39 @@ pub struct LockRequest {
     /// expired or was broken, renewal fails `NotLocked` instead of taking it again (librados'
     /// `LIBRADOS_LOCK_FLAG_MUST_RENEW`), so a holder learns it lost the lock.
     pub renew: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OmapPairs;
+
+    #[test]
+    fn omap_pairs_give_back_what_was_pushed_in_order() {
+        let given: Vec<(Vec<u8>, Vec<u8>)> = vec![
+            (b"k1".to_vec(), b"value".to_vec()),
+            (Vec::new(), b"empty key".to_vec()),
+            (b"empty value".to_vec(), Vec::new()),
+            (b"k1".to_vec(), b"again".to_vec()),
+            (vec![0, 255], vec![7; 100]),
+        ];
+        let pairs = OmapPairs::from(given.clone());
+        assert_eq!(pairs.len(), given.len());
+        assert_eq!(pairs.iter().len(), given.len());
+        let back: Vec<(Vec<u8>, Vec<u8>)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
+        assert_eq!(back, given);
+        let mut pushed = OmapPairs::with_capacity(given.len(), 1);
+        for (k, v) in &given {
+            pushed.push(k, v);
+        }
+        assert_eq!(pushed, pairs);
+        assert!(OmapPairs::new().is_empty());
+        assert_eq!(OmapPairs::new().iter().next(), None);
+        assert_eq!(
+            format!("{:?}", OmapPairs::from(vec![(b"a", b"b")])),
+            "{[97]: [98]}"
+        );
+    }
 }

@@ -2,7 +2,7 @@
 //! `{index:08x}` (fixed-width hex: sorts in sector order, and holds no NUL byte, which
 //! librados' C API cannot start a range at).
 
-use ivdisk_store::{ReadResult, ReadStep, WriteStep};
+use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
 use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
 
@@ -14,12 +14,13 @@ pub(crate) struct Omap(pub ObjectGeometry);
 
 /// `{index:08x}`, written out: through `format!` the key was a quarter of the engine's own
 /// time in writes of 1 MiB (256 keys each).
-fn key(index: u32) -> Vec<u8> {
+fn key_digits(index: u32) -> [u8; 8] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    (0..8)
-        .rev()
-        .map(|i| HEX[(index >> (4 * i)) as usize & 15])
-        .collect()
+    std::array::from_fn(|i| HEX[(index >> (4 * (7 - i))) as usize & 15])
+}
+
+fn key(index: u32) -> Vec<u8> {
+    key_digits(index).to_vec()
 }
 
 /// The sector index of a key written by [`key`] (lowercase only), read out by hand as
@@ -48,11 +49,13 @@ impl SectorLayout for Omap {
             offset: first as u64 * self.0.sector_size as u64,
             data: ciphertext,
         });
-        let pairs = metadata
-            .chunks_exact(self.0.metadata_len)
-            .enumerate()
-            .map(|(i, meta)| (key(first + i as u32), meta.to_vec()))
-            .collect();
+        // One buffer for all the keys and values (`OmapPairs`), not two per sector.
+        let ml = self.0.metadata_len;
+        let sectors = metadata.len() / ml;
+        let mut pairs = OmapPairs::with_capacity(sectors, sectors * (8 + ml));
+        for (i, meta) in metadata.chunks_exact(ml).enumerate() {
+            pairs.push(&key_digits(first + i as u32), meta);
+        }
         steps.push(WriteStep::OmapSet(pairs));
     }
 

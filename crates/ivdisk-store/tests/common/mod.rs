@@ -136,7 +136,7 @@ pub fn object_op(k: usize, g: u64) -> WriteOp {
         pairs.reverse();
     }
     let at = rng.below(steps.len() as u64 + 1) as usize;
-    steps.insert(at, WriteStep::OmapSet(pairs));
+    steps.insert(at, WriteStep::OmapSet(pairs.into()));
     if g.is_multiple_of(10) {
         // Forget old per-generation keys (keep the last few).
         let start = gen_key(rng.below(g - 5));
@@ -197,7 +197,7 @@ impl Model {
                 }
                 WriteStep::OmapSet(pairs) => {
                     for (key, value) in pairs {
-                        self.omap.insert(key.clone(), value.clone());
+                        self.omap.insert(key.to_vec(), value.to_vec());
                     }
                 }
                 WriteStep::OmapRemoveRange { start, end } => {
