@@ -73,8 +73,8 @@ use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, Volu
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind, DEFAULT_OBJECT_SIZE};
 use ivdisk_store::{
-    check_range, Extent, LockRequest, Locker, MemoryStore, ObjectName, ObjectStore, ReadOp,
-    ReadResult, ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
+    check_range, Extent, LockRequest, Locker, MemoryStore, ObjectName, ObjectStore, OmapPairs,
+    ReadOp, ReadResult, ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
 
 const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
@@ -290,13 +290,13 @@ impl MapStore {
                     keys.dedup();
                     let pairs = keys
                         .into_iter()
-                        .filter_map(|k| o.omap.get(&k).map(|v| (k, v.clone())))
+                        .filter_map(|k| o.omap.get(&k).map(|v| (k, v)))
                         .collect();
                     ReadResult::Omap { pairs, more: false }
                 }
                 ReadStep::OmapGetRange { start, end, max } => {
                     let range = o.omap.range(start..);
-                    let mut pairs = Vec::new();
+                    let mut pairs = OmapPairs::new();
                     let mut more = false;
                     for (k, v) in range {
                         if end.as_ref().is_some_and(|e| k >= e) {
@@ -306,7 +306,7 @@ impl MapStore {
                             more = true;
                             break;
                         }
-                        pairs.push((k.clone(), v.clone()));
+                        pairs.push(k, v);
                     }
                     ReadResult::Omap { pairs, more }
                 }

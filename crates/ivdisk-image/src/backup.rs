@@ -371,10 +371,7 @@ async fn read_object(
     let (
         Some(ReadResult::Stat(stat)),
         Some(ReadResult::Extents(extents)),
-        Some(ReadResult::Omap {
-            mut pairs,
-            mut more,
-        }),
+        Some(ReadResult::Omap { pairs, mut more }),
     ) = (results.next(), results.next(), results.next())
     else {
         return Err(StoreError::Corrupt(format!(
@@ -387,6 +384,7 @@ async fn read_object(
             stat.size
         )));
     }
+    let mut pairs = pairs.to_vec();
     // More omap pairs: page on from the last key (skipped), as `omap_all` does.
     while more {
         let start = pairs.last().map(|(k, _)| k.clone()).unwrap_or_default();
@@ -407,7 +405,11 @@ async fn read_object(
                 "an omap read of `{object}` returned the wrong result"
             )));
         };
-        let fresh: Vec<_> = page.into_iter().filter(|(k, _)| *k > start).collect();
+        let fresh: Vec<_> = page
+            .iter()
+            .filter(|(k, _)| *k > start.as_slice())
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
         if fresh.is_empty() && m {
             return Err(StoreError::Corrupt(format!(
                 "omap paging of `{object}` made no progress"

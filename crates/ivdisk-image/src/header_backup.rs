@@ -304,7 +304,7 @@ mod tests {
             b"ivdisk.nonce_writes_reserved".to_vec(),
         ]));
         match store.read_op(object, op).await.unwrap().pop() {
-            Some(ReadResult::Omap { pairs, .. }) => pairs,
+            Some(ReadResult::Omap { pairs, .. }) => pairs.to_vec(),
             other => panic!("{other:?}"),
         }
     }

@@ -886,7 +886,7 @@ async fn read_nonce_reservation(
     let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![NONCE_KEY.to_vec()]));
     let results = store.read_op(object, op).await?;
     let value = match results.into_iter().next() {
-        Some(ReadResult::Omap { pairs, .. }) => pairs.into_iter().next().map(|(_, v)| v),
+        Some(ReadResult::Omap { pairs, .. }) => pairs.first().map(|(_, v)| v.to_vec()),
         _ => None,
     };
     match value {

@@ -161,8 +161,8 @@ impl SnapshotTable {
             }
         }
         if let Some(ReadResult::Omap { pairs, .. }) = results.next() {
-            for (key, value) in pairs {
-                table.snapshots.push(decode(image, &key, &value)?);
+            for (key, value) in &pairs {
+                table.snapshots.push(decode(image, key, value)?);
             }
         }
         table.snapshots.sort_by_key(|s| s.id);

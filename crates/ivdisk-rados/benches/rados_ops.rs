@@ -412,7 +412,7 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
             "{what}: the object-end metadata read back differs"
         ),
         Case::Omap => {
-            let expected: Vec<(Vec<u8>, Vec<u8>)> = meta[..(n * META) as usize]
+            let expected: ivdisk_store::OmapPairs = meta[..(n * META) as usize]
                 .chunks(META as usize)
                 .zip(first..)
                 .map(|(v, s)| (omap_key(s), v.to_vec()))

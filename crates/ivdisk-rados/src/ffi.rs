@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_channel::oneshot;
+use ivdisk_store::OmapPairs;
 
 #[allow(non_camel_case_types)]
 mod sys {
@@ -824,13 +825,8 @@ enum Slot {
 #[derive(Debug)]
 pub enum SlotResult {
     Read(Vec<u8>),
-    Stat {
-        size: u64,
-    },
-    Omap {
-        pairs: Vec<(Vec<u8>, Vec<u8>)>,
-        more: bool,
-    },
+    Stat { size: u64 },
+    Omap { pairs: OmapPairs, more: bool },
     Exec(Vec<u8>),
 }
 
@@ -1017,8 +1013,8 @@ impl ReadOp {
 }
 
 /// Copy every pair out of an omap iterator and end it (it is NULL if the step never ran).
-fn drain_omap(iter: &mut sys::rados_omap_iter_t) -> Vec<(Vec<u8>, Vec<u8>)> {
-    let mut pairs = Vec::new();
+fn drain_omap(iter: &mut sys::rados_omap_iter_t) -> OmapPairs {
+    let mut pairs = OmapPairs::new();
     if iter.is_null() {
         return pairs;
     }
@@ -1032,14 +1028,14 @@ fn drain_omap(iter: &mut sys::rados_omap_iter_t) -> Vec<(Vec<u8>, Vec<u8>)> {
         }
         // SAFETY: librados returned `kl` and `vl` valid bytes at `k` and `v` (v may be NULL
         // for an empty value).
-        let key = unsafe { std::slice::from_raw_parts(k.cast::<u8>(), kl) }.to_vec();
+        let key = unsafe { std::slice::from_raw_parts(k.cast::<u8>(), kl) };
         let value = if v.is_null() {
-            Vec::new()
+            &[][..]
         } else {
             // SAFETY: as above.
-            unsafe { std::slice::from_raw_parts(v.cast::<u8>(), vl) }.to_vec()
+            unsafe { std::slice::from_raw_parts(v.cast::<u8>(), vl) }
         };
-        pairs.push((key, value));
+        pairs.push(key, value);
     }
     // SAFETY: ends the live iterator exactly once; NULL afterwards so `Drop` skips it.
     unsafe { sys::rados_omap_get_end(*iter) };

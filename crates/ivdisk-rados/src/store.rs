@@ -7,9 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use futures_channel::oneshot;
 use ivdisk_store::{
-    check_range, Extent, LockRequest, Locker, ObjectName, ObjectStore, ObjectStoreExt, ReadOp,
-    ReadResult, ReadStep, SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
-    MAX_OBJECT_SIZE,
+    check_range, Extent, LockRequest, Locker, ObjectName, ObjectStore, ObjectStoreExt, OmapPairs,
+    ReadOp, ReadResult, ReadStep, SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome,
+    WriteStep, MAX_OBJECT_SIZE,
 };
 
 use crate::ffi::{self, Cluster, Errno, IoCtx, SlotResult};
@@ -558,18 +558,18 @@ impl ObjectStore for RadosStore {
                             other => return Err(mismatch(object, &other)),
                         }
                     } else {
-                        Vec::new()
+                        OmapPairs::new()
                     };
                     let (listed, rados_more) = match next()? {
                         SlotResult::Omap { pairs, more } => (pairs, more),
                         other => return Err(mismatch(object, &other)),
                     };
-                    let past_end = |k: &Vec<u8>| end.as_ref().is_some_and(|end| k >= end);
+                    let past_end = |k: &[u8]| end.as_ref().is_some_and(|end| k >= end.as_slice());
                     let reached_end = listed.last().is_some_and(|(k, _)| past_end(k));
-                    let mut pairs: Vec<_> = first
-                        .into_iter()
-                        .filter(|(k, _)| *k == start)
-                        .chain(listed.into_iter().filter(|(k, _)| *k >= start))
+                    let mut pairs: OmapPairs = first
+                        .iter()
+                        .filter(|(k, _)| *k == start.as_slice())
+                        .chain(listed.iter().filter(|(k, _)| *k >= start.as_slice()))
                         .filter(|(k, _)| !past_end(k))
                         .collect();
                     // Unseen keys may still be in range: more than `max` seen says so. A

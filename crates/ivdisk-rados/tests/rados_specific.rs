@@ -9,8 +9,8 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use ivdisk_rados::RadosConfig;
 use ivdisk_store::{
-    ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, StoreError, WriteOp,
-    WriteStep,
+    ObjectName, ObjectStore, ObjectStoreExt, OmapPairs, ReadOp, ReadResult, ReadStep, StoreError,
+    WriteOp, WriteStep,
 };
 
 macro_rules! skip_without_ceph {
@@ -138,7 +138,7 @@ async fn omap_ranges_from_binary_keys_are_exact_or_refused() {
                 )
                 .await?;
             match results.pop() {
-                Some(ReadResult::Omap { pairs, more }) => Ok((pairs, more)),
+                Some(ReadResult::Omap { pairs, more }) => Ok((pairs.to_vec(), more)),
                 other => panic!("an omap result, not {other:?}"),
             }
         }
@@ -186,7 +186,7 @@ async fn omap_ranges_from_binary_keys_are_exact_or_refused() {
     assert_eq!(
         results.pop(),
         Some(ReadResult::Omap {
-            pairs: vec![],
+            pairs: OmapPairs::new(),
             more: false
         })
     );

@@ -374,7 +374,7 @@ async fn read_state<S: ObjectStore>(
     Ok(State {
         size: stat.size,
         data,
-        omap: pairs.clone(),
+        omap: pairs.to_vec(),
     })
 }
 
@@ -396,7 +396,8 @@ async fn omap_get<S: ObjectStore>(
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
     let keys = keys.iter().map(|k| k.to_vec()).collect();
     match read_one(store, object, ReadStep::OmapGetByKeys(keys)).await {
-        ReadResult::Omap { mut pairs, .. } => {
+        ReadResult::Omap { pairs, .. } => {
+            let mut pairs = pairs.to_vec();
             pairs.sort();
             pairs
         }
@@ -418,7 +419,7 @@ async fn omap_range<S: ObjectStore>(
         max,
     };
     match read_one(store, object, step).await {
-        ReadResult::Omap { pairs, more } => (pairs, more),
+        ReadResult::Omap { pairs, more } => (pairs.to_vec(), more),
         other => panic!("an omap read returned {other:?}"),
     }
 }
@@ -1124,11 +1125,11 @@ pub async fn concurrent_ops_stay_atomic<S: ObjectStore + 'static>(c: Clients<S>)
         else {
             panic!("a three-step read returned {results:?}");
         };
-        let [(key, value)] = pairs.as_slice() else {
+        let (Some((key, value)), 1) = (pairs.first(), pairs.len()) else {
             panic!("the tag key: {pairs:?}");
         };
         assert_eq!(key, b"tag");
-        let tag = u16::from_le_bytes(value.as_slice().try_into().expect("a 2-byte tag"));
+        let tag = u16::from_le_bytes(value.try_into().expect("a 2-byte tag"));
         assert_eq!(
             (id_of(near, 0), id_of(far, FAR)),
             (Some(tag), Some(tag)),

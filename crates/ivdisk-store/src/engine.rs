@@ -25,7 +25,7 @@ use futures_channel::oneshot;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::{
-    check_range, Extent, LockRequest, Locker, ObjectName, ReadOp, ReadResult, ReadStep,
+    check_range, Extent, LockRequest, Locker, ObjectName, OmapPairs, ReadOp, ReadResult, ReadStep,
     SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
 
@@ -1936,47 +1936,51 @@ impl Engine {
                     let mut stmt = self
                         .db
                         .prepare_cached("SELECT value FROM omap WHERE node = ?1 AND key = ?2")?;
-                    let mut pairs = Vec::new();
+                    let mut found = Vec::new();
                     for key in keys {
                         if let Some(value) = stmt
                             .query_row(params![node.id, key], |r| r.get::<_, Vec<u8>>(0))
                             .optional()?
                         {
-                            pairs.push((key.clone(), value));
+                            found.push((key, value));
                         }
                     }
-                    pairs.sort();
-                    pairs.dedup_by(|a, b| a.0 == b.0);
-                    ReadResult::Omap { pairs, more: false }
+                    found.sort();
+                    found.dedup_by(|a, b| a.0 == b.0);
+                    ReadResult::Omap {
+                        pairs: found.into(),
+                        more: false,
+                    }
                 }
                 ReadStep::OmapGetRange { start, end, max } => {
                     // One more than asked tells whether there is more; SQLite reads a negative LIMIT as
                     // none (a `max` past i64, such as usize::MAX, means all).
                     let limit = i64::try_from(*max).map_or(-1, |m| m.saturating_add(1));
-                    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = match end {
-                        Some(end) => self
-                            .db
-                            .prepare_cached(
-                                "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
-                                 AND key < ?3 ORDER BY key LIMIT ?4",
-                            )?
-                            .query_map(params![node.id, start, end, limit], |r| {
-                                Ok((r.get(0)?, r.get(1)?))
-                            })?
-                            .collect::<Result<_, _>>()?,
-                        None => self
-                            .db
-                            .prepare_cached(
-                                "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
-                                 ORDER BY key LIMIT ?3",
-                            )?
-                            .query_map(params![node.id, start, limit], |r| {
-                                Ok((r.get(0)?, r.get(1)?))
-                            })?
-                            .collect::<Result<_, _>>()?,
+                    let mut stmt = match end {
+                        Some(_) => self.db.prepare_cached(
+                            "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
+                             AND key < ?3 ORDER BY key LIMIT ?4",
+                        )?,
+                        None => self.db.prepare_cached(
+                            "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
+                             ORDER BY key LIMIT ?3",
+                        )?,
                     };
-                    let more = pairs.len() > *max;
-                    pairs.truncate(*max);
+                    let mut rows = match end {
+                        Some(end) => stmt.query(params![node.id, start, end, limit])?,
+                        None => stmt.query(params![node.id, start, limit])?,
+                    };
+                    // Each row's key and value copied straight into the one buffer of the
+                    // pairs, not into two allocations of its own.
+                    let mut pairs = OmapPairs::new();
+                    let mut more = false;
+                    while let Some(row) = rows.next()? {
+                        if pairs.len() == *max {
+                            more = true;
+                            break;
+                        }
+                        pairs.push(blob_at(row, 0)?, blob_at(row, 1)?);
+                    }
                     ReadResult::Omap { pairs, more }
                 }
             });
@@ -2510,3 +2514,11 @@ macro_rules! delegate_object_store {
     };
 }
 pub(crate) use delegate_object_store;
+
+/// Column `column` of `row` as the bytes of a BLOB, borrowed from the row.
+fn blob_at<'row>(row: &'row rusqlite::Row<'_>, column: usize) -> rusqlite::Result<&'row [u8]> {
+    let value = row.get_ref(column)?;
+    value.as_blob().map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(column, value.data_type(), Box::new(e))
+    })
+}

@@ -112,13 +112,18 @@ pub trait ObjectStoreExt: ObjectStore {
                 ));
             };
             let skip = usize::from(
-                matches!(out.last(), Some((last, _)) if pairs.first().is_some_and(|(k, _)| k == last)),
+                matches!(out.last(), Some((last, _)) if pairs.first().is_some_and(|(k, _)| k == last.as_slice())),
             );
             if let Some((last, _)) = pairs.last() {
-                start = last.clone();
+                start = last.to_vec();
             }
             let fresh = pairs.len() - skip;
-            out.extend(pairs.into_iter().skip(skip));
+            out.extend(
+                pairs
+                    .iter()
+                    .skip(skip)
+                    .map(|(k, v)| (k.to_vec(), v.to_vec())),
+            );
             if fresh == 0 && more {
                 return Err(StoreError::Corrupt(format!(
                     "omap paging of `{object}` made no progress"

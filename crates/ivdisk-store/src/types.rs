@@ -83,13 +83,14 @@ pub struct SnapContext {
     pub snaps: Vec<SnapId>,
 }
 
-/// Omap keys and values to set, packed into one buffer.
+/// Omap keys and values, packed into one buffer: the pairs a write sets and the pairs a read
+/// returns.
 ///
-/// Why not a `Vec` of owned pairs: the `omap` layout sets one pair per sector, and two small
-/// allocations per sector (and their frees) were most of what that layout's writes cost the
-/// engine beyond the cipher (docs/BENCHMARKS.md). Every backend only reads the pairs (RADOS
-/// passes pointers to librados, the local backend binds them to SQL), so borrowing them out
-/// of one buffer costs nothing there.
+/// Why not a `Vec` of owned pairs: the `omap` layout sets and reads one pair per sector, and
+/// two small allocations per sector (and their frees) were most of what that layout's IO cost
+/// the engine beyond the cipher (docs/BENCHMARKS.md). Every backend only reads the pairs it
+/// sets (RADOS passes pointers to librados, the local backend binds them to SQL) and copies
+/// the pairs it reads out of its own buffers anyway, so one buffer costs nothing there.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct OmapPairs {
     /// Each pair's key, then its value, one pair after another.
@@ -124,6 +125,30 @@ impl OmapPairs {
 
     pub fn is_empty(&self) -> bool {
         self.ends.is_empty()
+    }
+
+    pub fn first(&self) -> Option<(&[u8], &[u8])> {
+        self.iter().next()
+    }
+
+    pub fn last(&self) -> Option<(&[u8], &[u8])> {
+        let &(key_end, end) = self.ends.last()?;
+        let start = self.ends.len().checked_sub(2).map_or(0, |i| self.ends[i].1);
+        Some((&self.bytes[start..key_end], &self.bytes[key_end..end]))
+    }
+
+    /// Keep the first `len` pairs.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.ends.len() {
+            self.ends.truncate(len);
+            self.bytes
+                .truncate(self.ends.last().map_or(0, |&(_, end)| end));
+        }
+    }
+
+    /// The pairs as owned keys and values, for callers that keep them apart.
+    pub fn to_vec(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        self.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect()
     }
 
     /// The pairs in the order they were pushed.
@@ -182,6 +207,14 @@ impl<K: AsRef<[u8]>, V: AsRef<[u8]>> FromIterator<(K, V)> for OmapPairs {
             out.push(k.as_ref(), v.as_ref());
         }
         out
+    }
+}
+
+impl<K: AsRef<[u8]>, V: AsRef<[u8]>> Extend<(K, V)> for OmapPairs {
+    fn extend<I: IntoIterator<Item = (K, V)>>(&mut self, pairs: I) {
+        for (k, v) in pairs {
+            self.push(k.as_ref(), v.as_ref());
+        }
     }
 }
 
@@ -320,7 +353,7 @@ pub enum ReadResult {
     Extents(Vec<Extent>),
     Stat(Stat),
     Omap {
-        pairs: Vec<(Vec<u8>, Vec<u8>)>,
+        pairs: OmapPairs,
         /// More pairs were in range than `max`.
         more: bool,
     },
@@ -372,6 +405,21 @@ mod tests {
             .map(|(k, v)| (k.to_vec(), v.to_vec()))
             .collect();
         assert_eq!(back, given);
+        assert_eq!(pairs.to_vec(), given);
+        assert_eq!(pairs.first(), Some((&b"k1"[..], &b"value"[..])));
+        assert_eq!(pairs.last(), Some((&[0, 255][..], &[7; 100][..])));
+        for keep in (0..=given.len() + 1).rev() {
+            let mut cut = pairs.clone();
+            cut.truncate(keep);
+            assert_eq!(cut.to_vec(), given[..keep.min(given.len())], "keep {keep}");
+            assert_eq!(
+                cut.last().map(|(k, v)| (k.to_vec(), v.to_vec())),
+                given[..keep.min(given.len())].last().cloned()
+            );
+            // Pushing after a cut starts where the kept pairs end.
+            cut.extend([(b"new", b"pair")]);
+            assert_eq!(cut.last(), Some((&b"new"[..], &b"pair"[..])), "keep {keep}");
+        }
         let mut pushed = OmapPairs::with_capacity(given.len(), 1);
         for (k, v) in &given {
             pushed.push(k, v);

@@ -826,7 +826,7 @@ async fn reopen_after_clean_close_keeps_everything() {
                     Some(State {
                         stat: *stat,
                         extents: extents.clone(),
-                        omap: pairs.clone(),
+                        omap: pairs.to_vec(),
                     })
                 }
                 other => panic!("a snapshot read returned {other:?}"),

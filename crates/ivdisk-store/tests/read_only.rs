@@ -81,8 +81,8 @@ async fn read_gen(store: &dyn ObjectStore, k: usize) -> Result<u64, String> {
     else {
         return Err(format!("object {k}: unexpected results {results:?}"));
     };
-    let g: u64 = match pairs.as_slice() {
-        [(_, v)] => std::str::from_utf8(v).unwrap().parse().unwrap(),
+    let g: u64 = match (pairs.first(), pairs.len()) {
+        (Some((_, v)), 1) => std::str::from_utf8(v).unwrap().parse().unwrap(),
         _ => return Err(format!("object {k}: omap {pairs:?}")),
     };
     if stat.size != gen_size(k, g) {

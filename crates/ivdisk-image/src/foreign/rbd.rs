@@ -203,11 +203,11 @@ impl RbdImage {
                 ));
             };
             if let Some((last, _)) = got.last() {
-                start = last.clone();
+                start = last.to_vec();
                 start.push(0);
             }
             let done = !more || got.is_empty();
-            pairs.extend(got);
+            pairs.extend(got.to_vec());
             if done {
                 break;
             }

@@ -108,11 +108,11 @@ impl SectorLayout for Omap {
             let Some(ReadResult::Omap { pairs, .. }) = results.next() else {
                 return Err("expected the pairs of an omap range read".into());
             };
-            for (k, value) in pairs {
-                let index = index_of(&k)
+            for (k, value) in &pairs {
+                let index = index_of(k)
                     .filter(|i| (first..first + count).contains(i))
                     .ok_or_else(|| {
-                        format!("unexpected omap key {:?}", String::from_utf8_lossy(&k))
+                        format!("unexpected omap key {:?}", String::from_utf8_lossy(k))
                     })?;
                 if value.len() != ml {
                     return Err(format!(
@@ -121,7 +121,7 @@ impl SectorLayout for Omap {
                     ));
                 }
                 let at = (index - first) as usize * ml;
-                metadata[at..at + ml].copy_from_slice(&value);
+                metadata[at..at + ml].copy_from_slice(value);
             }
         }
         Ok(taken.into())

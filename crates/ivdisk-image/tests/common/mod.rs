@@ -364,10 +364,8 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
         MetadataPlace::Bytes(at) => dense(results.next().unwrap(), *at, ml),
         MetadataPlace::OmapKey(_) => match results.next().unwrap() {
             ReadResult::Omap { pairs, .. } => pairs
-                .into_iter()
-                .next()
-                .map(|(_, v)| v)
-                .unwrap_or_else(|| vec![0u8; ml]),
+                .first()
+                .map_or_else(|| vec![0u8; ml], |(_, v)| v.to_vec()),
             other => panic!("expected omap pairs, got {other:?}"),
         },
         MetadataPlace::Nothing => Vec::new(),
@@ -425,7 +423,7 @@ pub async fn raw_object(image: &Image, object: &ObjectName) -> RawObject {
     assert!(!more);
     RawObject {
         extents,
-        omap: pairs,
+        omap: pairs.to_vec(),
     }
 }
 

@@ -227,7 +227,7 @@ pub async fn current_gen(store: &LocalStore, k: usize) -> u64 {
     match store.read_op(&object_name(k), op).await {
         Ok(mut results) => match results.pop() {
             Some(ReadResult::Omap { pairs, .. }) => match pairs.first() {
-                Some((_, v)) => u64::from_be_bytes(v.as_slice().try_into().expect("8-byte gen")),
+                Some((_, v)) => u64::from_be_bytes(v.try_into().expect("8-byte gen")),
                 None => 0,
             },
             other => panic!("an omap read returned {other:?}"),
