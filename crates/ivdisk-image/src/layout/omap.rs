@@ -13,7 +13,8 @@ const MAX_KEYS_PER_STEP: u32 = 1024;
 pub(crate) struct Omap(pub ObjectGeometry);
 
 /// `{index:08x}`, written out: through `format!` the key was a quarter of the engine's own
-/// time in writes of 1 MiB (256 keys each).
+/// time in writes of 1 MiB (256 keys each). (All eight digits at once in a `u64` measured
+/// no different, docs/BENCHMARKS.md.)
 fn key_digits(index: u32) -> [u8; 8] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     std::array::from_fn(|i| HEX[(index >> (4 * (7 - i))) as usize & 15])
@@ -132,7 +133,14 @@ impl SectorLayout for Omap {
 mod tests {
     #[test]
     fn keys_are_eight_hex_digits_and_parse_back() {
-        for index in [0, 1, 0xa, 0xff, 0x0123_4567, 0xfedc_ba98, u32::MAX] {
+        // Every digit value at every position, and a spread of indexes between.
+        let mut indexes = vec![0, 1, 0xa, 0xff, 0x0123_4567, 0xfedc_ba98, u32::MAX];
+        for digit in 0..16u32 {
+            indexes.push(digit * 0x1111_1111);
+            indexes.extend((0..8).map(|at| digit << (4 * at)));
+        }
+        indexes.extend((0..100_000u32).map(|i| i.wrapping_mul(0x9e37_79b9)));
+        for index in indexes {
             let key = super::key(index);
             assert_eq!(key, format!("{index:08x}").into_bytes());
             assert_eq!(super::index_of(&key), Some(index));
