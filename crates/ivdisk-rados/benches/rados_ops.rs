@@ -25,8 +25,9 @@
 //! size-aligned sector. The objects are written in full once before any measurement (`c` also
 //! gets all 1024 keys, `f` all 8 blocks), as an image in use is: the paper measured a fully
 //! written image, and BlueStore overwrites differently from first writes (the unaligned case's
-//! partial blocks need a read-modify-write only when there is old data). Every write carries the allocation hint
-//! librbd sends (expected object size 4 MiB; `IVDISK_BENCH_ALLOC_HINT=0` drops it).
+//! partial blocks need a read-modify-write only when there is old data). Every write carries
+//! the allocation hint librbd sends (expected object size 4 MiB; `IVDISK_BENCH_ALLOC_HINT=0`
+//! drops it).
 //!
 //! Per size: a warm-up of every case, then `IVDISK_BENCH_REPS` rounds (default 5) of every case
 //! for `IVDISK_BENCH_SECONDS` (default 3) each, interleaved (the order rotates per round:
@@ -53,8 +54,7 @@
 //! `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo test --all-targets` runs
 //! it) it is a smoke test of every case (all six unless `IVDISK_BENCH_CASES` says otherwise):
 //! one object per case, two operations per case and size at queue depth 2, then one operation
-//! per case read back and compared. `IVDISK_NO_CEPH=1` skips it
-//! (it prints `SKIPPED`);
+//! per case read back and compared. `IVDISK_NO_CEPH=1` skips it (it prints `SKIPPED`);
 //! without that, a missing `CEPH_CONF` fails it, as the RADOS tests do.
 
 use std::fmt::Write as _;

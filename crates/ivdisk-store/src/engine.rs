@@ -1953,8 +1953,8 @@ impl Engine {
                     }
                 }
                 ReadStep::OmapGetRange { start, end, max } => {
-                    // One more than asked tells whether there is more; SQLite reads a negative LIMIT as
-                    // none (a `max` past i64, such as usize::MAX, means all).
+                    // One more than asked tells whether there is more; SQLite reads a negative
+                    // LIMIT as none (a `max` past i64, such as usize::MAX, means all).
                     let limit = i64::try_from(*max).map_or(-1, |m| m.saturating_add(1));
                     let mut stmt = match end {
                         Some(_) => self.db.prepare_cached(
