@@ -18,9 +18,14 @@
 //! - **f** `omap-4k` (only when `IVDISK_BENCH_CASES` names it): the same whole 4 KiB
 //!   metadata blocks as `e`, each as one omap value (key: the block's index) instead of an
 //!   extent: what a write costs the OSD when the second extent of `e` becomes one RocksDB key.
+//! - **g** `grouped-4k` (only when `IVDISK_BENCH_CASES` names it): the object as groups of 128
+//!   data sectors each followed by the 4 KiB block of their metadata (an interleaved layout);
+//!   a write inside one group is its data plus its group's metadata block, close by rather
+//!   than at the object's end, and a write of whole groups (512 KiB, 1 MiB, ...) is one
+//!   extent holding data and metadata blocks together.
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b: 4
-//! MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
+//! MiB + 32 KiB, as e and g; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
 //! (default 64, i.e. 256 MiB of data per case) and writes go to a uniformly random object and
 //! size-aligned sector. The objects are written in full once before any measurement (`c` also
 //! gets all 1024 keys, `f` all 8 blocks), as an image in use is: the paper measured a fully
@@ -49,10 +54,10 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f`, default `a,b,c,d`; ratios need `a`),
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g`, default `a,b,c,d`; ratios need `a`),
 //! `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1), `IVDISK_BENCH_OBJECTS`,
 //! `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo test --all-targets` runs
-//! it) it is a smoke test of every case (all six unless `IVDISK_BENCH_CASES` says otherwise):
+//! it) it is a smoke test of every case (all seven unless `IVDISK_BENCH_CASES` says otherwise):
 //! one object per case, two operations per case and size at queue depth 2, then one operation
 //! per case read back and compared. `IVDISK_NO_CEPH=1` skips it (it prints `SKIPPED`);
 //! without that, a missing `CEPH_CONF` fails it, as the RADOS tests do.
@@ -91,16 +96,18 @@ enum Case {
     Unaligned,
     ObjectEndBlock,
     OmapBlock,
+    Grouped,
 }
 
 impl Case {
-    const ALL: [Case; 6] = [
+    const ALL: [Case; 7] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
         Case::Unaligned,
         Case::ObjectEndBlock,
         Case::OmapBlock,
+        Case::Grouped,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -114,6 +121,7 @@ impl Case {
             Case::Unaligned => 'd',
             Case::ObjectEndBlock => 'e',
             Case::OmapBlock => 'f',
+            Case::Grouped => 'g',
         }
     }
 
@@ -125,6 +133,7 @@ impl Case {
             Case::Unaligned => "unaligned",
             Case::ObjectEndBlock => "object-end-4k",
             Case::OmapBlock => "omap-4k",
+            Case::Grouped => "grouped-4k",
         }
     }
 
@@ -150,6 +159,13 @@ impl Case {
                     if blocks == 1 { "" } else { "s" }
                 )
             }
+            Case::Grouped => match grouped_extents(0, n, &[0; 0], &[0; 0]).len() {
+                1 => format!(
+                    "1 extent of {} B (data and its groups' metadata blocks)",
+                    size as u64 + n / GROUP * SECTOR
+                ),
+                _ => format!("{size} B + 4096 B (its group's metadata block, after the group)"),
+            },
         }
     }
 
@@ -157,7 +173,9 @@ impl Case {
     fn object_len(self) -> u64 {
         match self {
             Case::Data | Case::Omap | Case::OmapBlock => OBJECT_DATA,
-            Case::ObjectEnd | Case::ObjectEndBlock => OBJECT_DATA + SECTORS_PER_OBJECT * META,
+            Case::ObjectEnd | Case::ObjectEndBlock | Case::Grouped => {
+                OBJECT_DATA + SECTORS_PER_OBJECT * META
+            }
             Case::Unaligned => SECTORS_PER_OBJECT * RECORD,
         }
     }
@@ -189,8 +207,50 @@ impl Case {
                     .map(|(block, value)| (omap_key(block), value))
                     .collect::<ivdisk_store::OmapPairs>(),
             ),
+            Case::Grouped => {
+                let mut op = WriteOp::new();
+                for (offset, data) in grouped_extents(first, n, data, block_meta) {
+                    op = op.step(WriteStep::Write { offset, data });
+                }
+                op
+            }
         }
     }
+}
+
+/// Data sectors per group of the `grouped-4k` case: each group of 128 data sectors is
+/// followed by the 4 KiB block of their metadata (128 x 32 bytes), so a write of whole groups
+/// is one extent and a smaller one puts its metadata block next to its data.
+const GROUP: u64 = 128;
+
+/// The extents (offset, bytes) of a `grouped-4k` write of sectors `first..first + n` (within
+/// one group, or whole groups): the data from `data`, metadata blocks from `meta` (4 KiB
+/// each). Empty `data` gives the extents' lengths only (zeros).
+fn grouped_extents(first: u64, n: u64, data: &[u8], meta: &[u8]) -> Vec<(u64, Vec<u8>)> {
+    let block = SECTOR as usize;
+    let at = |sector: u64| (sector / GROUP * (GROUP + 1) + sector % GROUP) * SECTOR;
+    let bytes = |from: &[u8], range: std::ops::Range<usize>| match from.is_empty() {
+        true => vec![0; range.len()],
+        false => from[range].to_vec(),
+    };
+    if n < GROUP {
+        let group_meta = (first / GROUP * (GROUP + 1) + GROUP) * SECTOR;
+        return vec![
+            (at(first), bytes(data, 0..(n * SECTOR) as usize)),
+            (group_meta, bytes(meta, 0..block)),
+        ];
+    }
+    assert!(
+        first.is_multiple_of(GROUP) && n.is_multiple_of(GROUP),
+        "whole groups only"
+    );
+    let mut one = Vec::with_capacity(((n + n / GROUP) * SECTOR) as usize);
+    for g in 0..(n / GROUP) as usize {
+        let group = GROUP as usize * block;
+        one.extend_from_slice(&bytes(data, g * group..(g + 1) * group));
+        one.extend_from_slice(&bytes(meta, g * block..(g + 1) * block));
+    }
+    vec![(at(first), one)]
 }
 
 /// The indexes of the 4 KiB metadata blocks (128 sectors' metadata each) that hold the
@@ -250,7 +310,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -414,6 +474,19 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
         .store
         .write_op(object, case.op(first, size, &data, &meta))
         .await?;
+    if case == Case::Grouped {
+        let what = format!("{} {}", case.name(), size_label(size));
+        for (offset, bytes) in grouped_extents(first, n, &data, &meta) {
+            let len = bytes.len() as u64;
+            let read = ReadOp::new().step(ReadStep::Read { offset, len });
+            let results = bench.store.read_op(object, read).await?;
+            assert!(
+                assemble(&results[0], offset, len) == bytes,
+                "{what}: the extent at {offset} read back differs from the one written"
+            );
+        }
+        return Ok(());
+    }
     let (offset, len) = match case {
         Case::Unaligned => (first * RECORD, n * RECORD),
         _ => (first * SECTOR, size as u64),
