@@ -24,15 +24,14 @@
 //!   than at the object's end, and a write of whole groups (512 KiB, 1 MiB, ...) is one
 //!   extent holding data and metadata blocks together.
 //!
-//! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b: 4
-//! MiB + 32 KiB, as e and g; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
+//! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
+//! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
 //! (default 64, i.e. 256 MiB of data per case) and writes go to a uniformly random object and
-//! size-aligned sector. The objects are written in full once before any measurement (`c` also
-//! gets all 1024 keys, `f` all 8 blocks), as an image in use is: the paper measured a fully
-//! written image, and BlueStore overwrites differently from first writes (the unaligned case's
-//! partial blocks need a read-modify-write only when there is old data). Every write carries
-//! the allocation hint librbd sends (expected object size 4 MiB; `IVDISK_BENCH_ALLOC_HINT=0`
-//! drops it).
+//! size-aligned sector. The objects are written in full once before any measurement (`c` also gets
+//! all 1024 keys, `f` all 8 blocks), as an image in use is: the paper measured a fully written
+//! image, and BlueStore overwrites differently from first writes (the unaligned case's partial
+//! blocks need a read-modify-write only when there is old data). Every write carries the allocation
+//! hint librbd sends (expected object size 4 MiB; `IVDISK_BENCH_ALLOC_HINT=0` drops it).
 //!
 //! Per size: a warm-up of every case, then `IVDISK_BENCH_REPS` rounds (default 5) of every case
 //! for `IVDISK_BENCH_SECONDS` (default 3) each, interleaved (the order rotates per round:
@@ -159,13 +158,13 @@ impl Case {
                     if blocks == 1 { "" } else { "s" }
                 )
             }
-            Case::Grouped => match grouped_extents(0, n, &[0; 0], &[0; 0]).len() {
-                1 => format!(
-                    "1 extent of {} B (data and its groups' metadata blocks)",
-                    size as u64 + n / GROUP * SECTOR
-                ),
-                _ => format!("{size} B + 4096 B (its group's metadata block, after the group)"),
-            },
+            Case::Grouped if n < GROUP => {
+                format!("{size} B + 4096 B (its group's metadata block, after the group)")
+            }
+            Case::Grouped => format!(
+                "1 extent of {} B (data and its groups' metadata blocks)",
+                size as u64 + n / GROUP * SECTOR
+            ),
         }
     }
 
@@ -224,20 +223,16 @@ impl Case {
 const GROUP: u64 = 128;
 
 /// The extents (offset, bytes) of a `grouped-4k` write of sectors `first..first + n` (within
-/// one group, or whole groups): the data from `data`, metadata blocks from `meta` (4 KiB
-/// each). Empty `data` gives the extents' lengths only (zeros).
+/// one group, or whole groups, as the sizes measured are): the data from `data`, metadata
+/// blocks from `meta` (4 KiB each).
 fn grouped_extents(first: u64, n: u64, data: &[u8], meta: &[u8]) -> Vec<(u64, Vec<u8>)> {
     let block = SECTOR as usize;
     let at = |sector: u64| (sector / GROUP * (GROUP + 1) + sector % GROUP) * SECTOR;
-    let bytes = |from: &[u8], range: std::ops::Range<usize>| match from.is_empty() {
-        true => vec![0; range.len()],
-        false => from[range].to_vec(),
-    };
     if n < GROUP {
         let group_meta = (first / GROUP * (GROUP + 1) + GROUP) * SECTOR;
         return vec![
-            (at(first), bytes(data, 0..(n * SECTOR) as usize)),
-            (group_meta, bytes(meta, 0..block)),
+            (at(first), data[..(n * SECTOR) as usize].to_vec()),
+            (group_meta, meta[..block].to_vec()),
         ];
     }
     assert!(
@@ -247,8 +242,8 @@ fn grouped_extents(first: u64, n: u64, data: &[u8], meta: &[u8]) -> Vec<(u64, Ve
     let mut one = Vec::with_capacity(((n + n / GROUP) * SECTOR) as usize);
     for g in 0..(n / GROUP) as usize {
         let group = GROUP as usize * block;
-        one.extend_from_slice(&bytes(data, g * group..(g + 1) * group));
-        one.extend_from_slice(&bytes(meta, g * block..(g + 1) * block));
+        one.extend_from_slice(&data[g * group..(g + 1) * group]);
+        one.extend_from_slice(&meta[g * block..(g + 1) * block]);
     }
     vec![(at(first), one)]
 }
