@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use ivdisk_rados::{RadosConfig, RadosStore};
-use ivdisk_store::{LocalStore, LocalStoreOptions, MemoryStore, ObjectStore};
+use ivdisk_store::{CoalescingStore, LocalStore, LocalStoreOptions, MemoryStore, ObjectStore};
 
 use crate::ImageError;
 
@@ -208,7 +208,9 @@ impl ImageUri {
                 let store = RadosStore::open(&config)
                     .await
                     .map_err(|source| ImageError::Rados { image, source })?;
-                Ok(Arc::new(store))
+                // Writes that queue behind one in flight on the same object go out as one
+                // operation: the OSDs pay per operation (docs/BENCHMARKS.md, issue 8).
+                Ok(Arc::new(CoalescingStore::new(store)))
             }
         }
     }

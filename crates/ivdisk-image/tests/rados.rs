@@ -163,3 +163,79 @@ async fn writer_lock_between_two_rados_clients() {
         Err(ImageError::NotFound { .. })
     ));
 }
+
+/// RADOS images send the writes that queue on one object as one operation
+/// (`ivdisk_store::CoalescingStore`): many concurrent writes into one object, with reads among
+/// them, read back as written, from the writer and after reopening (the metadata the merged
+/// operations stored, not only the writer's cache).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_in_one_object_read_back_after_merging() {
+    let Some(uri) = common::rados_uri("merged") else {
+        return;
+    };
+    const SECTOR: usize = 4096;
+    let options = common::options(
+        2 << 20,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        SECTOR as u32,
+        1 << 20,
+    );
+    let image = Image::create(&uri, &options, PASS).await.unwrap();
+    assert!(image.store().merges_operations());
+    let mut expected = vec![0u8; 2 << 20];
+
+    // Wave 1: 256 single-sector writes at once, all of object 0 (and its metadata blocks).
+    let wave: Vec<(usize, Vec<u8>)> = (0..256)
+        .map(|i| (i * SECTOR, vec![(i % 251) as u8 + 1; SECTOR]))
+        .collect();
+    // Wave 2: two-sector writes over the second half of object 0 and into object 1, and a
+    // sub-sector write in each of their sectors' middles, with reads of wave 1's first half.
+    let wave2: Vec<(usize, Vec<u8>)> = (0..96)
+        .map(|i| {
+            (
+                128 * SECTOR + i * 2 * SECTOR,
+                vec![0xa0 ^ i as u8; 2 * SECTOR],
+            )
+        })
+        .collect();
+    let wave3: Vec<(usize, Vec<u8>)> = (0..192)
+        .map(|i| (128 * SECTOR + i * SECTOR + 1000, vec![0x5c ^ i as u8; 100]))
+        .collect();
+    for batch in [&wave, &wave2, &wave3] {
+        let image = &image;
+        let writes = futures_util::future::join_all(
+            batch.iter().map(|(at, data)| image.write(*at as u64, data)),
+        );
+        let reads = futures_util::future::join_all((0..32).map(|i| async move {
+            let mut buf = vec![0u8; SECTOR];
+            image.read((i * SECTOR) as u64, &mut buf).await.map(|_| buf)
+        }));
+        let (written, read) = tokio::join!(writes, reads);
+        for result in written {
+            result.unwrap();
+        }
+        for buf in read {
+            // Wave 1's sectors, or zeros while wave 1 is still going.
+            let buf = buf.unwrap();
+            assert!(buf.iter().all(|&b| b == buf[0]), "a torn sector");
+        }
+        for (at, data) in batch.iter() {
+            expected[*at..*at + data.len()].copy_from_slice(data);
+        }
+    }
+    let mut all = vec![0u8; expected.len()];
+    image.read(0, &mut all).await.unwrap();
+    assert!(all == expected, "the writer reads back something else");
+    image.close().await.unwrap();
+
+    let reopened = Image::open(&uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let mut all = vec![0u8; expected.len()];
+    reopened.read(0, &mut all).await.unwrap();
+    assert!(
+        all == expected,
+        "the reopened image reads back something else"
+    );
+}

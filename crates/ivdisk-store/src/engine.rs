@@ -2442,8 +2442,7 @@ impl crate::ObjectStore for Client {
 macro_rules! delegate_object_store {
     ($backend:ty) => {
         // Field 0 of the backend newtype is its engine client.
-        #[async_trait::async_trait]
-        impl $crate::ObjectStore for $backend {
+        $crate::object_store_forwarding_to_inner!(impl[] $backend, 0 {
             async fn write_op(
                 &self,
                 object: &$crate::ObjectName,
@@ -2458,59 +2457,10 @@ macro_rules! delegate_object_store {
             ) -> Result<Vec<$crate::ReadResult>, $crate::StoreError> {
                 self.0.read_op(object, op).await
             }
-            async fn list(
-                &self,
-                prefix: &str,
-            ) -> Result<Vec<$crate::ObjectName>, $crate::StoreError> {
-                self.0.list(prefix).await
-            }
-            async fn snap_create(&self) -> Result<$crate::SnapId, $crate::StoreError> {
-                self.0.snap_create().await
-            }
-            async fn snap_remove(&self, snap: $crate::SnapId) -> Result<(), $crate::StoreError> {
-                self.0.snap_remove(snap).await
-            }
-            async fn lock_exclusive(
-                &self,
-                object: &$crate::ObjectName,
-                request: $crate::LockRequest,
-            ) -> Result<(), $crate::StoreError> {
-                self.0.lock_exclusive(object, request).await
-            }
-            async fn unlock(
-                &self,
-                object: &$crate::ObjectName,
-                lock: &str,
-                cookie: &str,
-            ) -> Result<(), $crate::StoreError> {
-                self.0.unlock(object, lock, cookie).await
-            }
-            async fn list_lockers(
-                &self,
-                object: &$crate::ObjectName,
-                lock: &str,
-            ) -> Result<Vec<$crate::Locker>, $crate::StoreError> {
-                self.0.list_lockers(object, lock).await
-            }
-            async fn break_lock(
-                &self,
-                object: &$crate::ObjectName,
-                lock: &str,
-                client: &str,
-                cookie: &str,
-            ) -> Result<(), $crate::StoreError> {
-                self.0.break_lock(object, lock, client, cookie).await
-            }
-            async fn flush(&self) -> Result<(), $crate::StoreError> {
-                self.0.flush().await
-            }
-            fn client_id(&self) -> &str {
-                self.0.client_id()
-            }
             fn write_unit(&self) -> u64 {
                 self.0.write_unit()
             }
-        }
+        });
     };
 }
 pub(crate) use delegate_object_store;

@@ -10,6 +10,7 @@
 
 #![deny(unsafe_code)]
 
+mod coalesce;
 mod engine;
 mod error;
 mod ext;
@@ -29,6 +30,7 @@ mod wal_check;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use coalesce::CoalescingStore;
 pub use error::StoreError;
 pub use ext::ObjectStoreExt;
 pub use local::{LocalStore, LocalStoreOptions, RecoveryReport};
@@ -112,4 +114,92 @@ pub trait ObjectStore: Send + Sync {
     fn write_unit(&self) -> u64 {
         1
     }
+
+    /// Whether concurrent write operations on one object may be applied as one operation
+    /// ([`CoalescingStore`]), so that they report the same version. `false`: every
+    /// operation gets a version of its own.
+    fn merges_operations(&self) -> bool {
+        false
+    }
+}
+
+/// Implements [`ObjectStore`] for a wrapper around another store held in a field `inner`: the
+/// wrapper's own methods go in the braces (at least `write_op` and `read_op`), and every other
+/// required method is passed to `inner` unchanged, so each wrapper spells out only what it
+/// changes. Generic wrappers put their parameters first: `impl[S: ObjectStore] Wrapper<S> {
+/// ... }`; a store in another field names it after the type: `impl[] Newtype, 0 { ... }`.
+/// The provided methods (`distinguishes_holes`, `write_unit`, `merges_operations`)
+/// keep their defaults unless the braces define them.
+// `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
+// whole impl (the wrapper's own methods first, then the forwarded ones) under the attribute.
+#[macro_export]
+macro_rules! object_store_forwarding_to_inner {
+    ($store:ty { $($own:tt)* }) => {
+        $crate::object_store_forwarding_to_inner!(impl[] $store, inner { $($own)* });
+    };
+    (impl[$($generics:tt)*] $store:ty { $($own:tt)* }) => {
+        $crate::object_store_forwarding_to_inner!(impl[$($generics)*] $store, inner { $($own)* });
+    };
+    // The store is in field `$inner` (a name, or 0 for a newtype).
+    (impl[$($generics:tt)*] $store:ty, $inner:tt { $($own:tt)* }) => {
+        #[$crate::__private::async_trait]
+        impl<$($generics)*> $crate::ObjectStore for $store {
+        $($own)*
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> Result<Vec<$crate::ObjectName>, $crate::StoreError> {
+            self.$inner.list(prefix).await
+        }
+        async fn snap_create(&self) -> Result<$crate::SnapId, $crate::StoreError> {
+            self.$inner.snap_create().await
+        }
+        async fn snap_remove(&self, snap: $crate::SnapId) -> Result<(), $crate::StoreError> {
+            self.$inner.snap_remove(snap).await
+        }
+        async fn lock_exclusive(
+            &self,
+            object: &$crate::ObjectName,
+            request: $crate::LockRequest,
+        ) -> Result<(), $crate::StoreError> {
+            self.$inner.lock_exclusive(object, request).await
+        }
+        async fn unlock(
+            &self,
+            object: &$crate::ObjectName,
+            lock: &str,
+            cookie: &str,
+        ) -> Result<(), $crate::StoreError> {
+            self.$inner.unlock(object, lock, cookie).await
+        }
+        async fn list_lockers(
+            &self,
+            object: &$crate::ObjectName,
+            lock: &str,
+        ) -> Result<Vec<$crate::Locker>, $crate::StoreError> {
+            self.$inner.list_lockers(object, lock).await
+        }
+        async fn break_lock(
+            &self,
+            object: &$crate::ObjectName,
+            lock: &str,
+            client: &str,
+            cookie: &str,
+        ) -> Result<(), $crate::StoreError> {
+            self.$inner.break_lock(object, lock, client, cookie).await
+        }
+        async fn flush(&self) -> Result<(), $crate::StoreError> {
+            self.$inner.flush().await
+        }
+        fn client_id(&self) -> &str {
+            self.$inner.client_id()
+        }
+        }
+    };
+}
+
+/// What [`object_store_forwarding_to_inner!`] needs from this crate's dependencies.
+#[doc(hidden)]
+pub mod __private {
+    pub use async_trait::async_trait;
 }

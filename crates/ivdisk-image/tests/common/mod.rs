@@ -797,70 +797,7 @@ impl FailingStore {
     }
 }
 
-/// The `ObjectStore` methods a test wrapper passes unchanged to its `inner` store (every one
-/// but `write_op`, `read_op` and the provided ones), so each wrapper spells out only what it
-/// changes.
-// `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
-// whole impl (the store's own methods first, then the forwarded ones) under the attribute.
-macro_rules! object_store_forwarding_to_inner {
-    ($store:ty { $($own:tt)* }) => {
-        #[async_trait::async_trait]
-        impl ivdisk_store::ObjectStore for $store {
-        $($own)*
-        async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
-            self.inner.list(prefix).await
-        }
-        async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
-            self.inner.snap_create().await
-        }
-        async fn snap_remove(
-            &self,
-            snap: ivdisk_store::SnapId,
-        ) -> Result<(), ivdisk_store::StoreError> {
-            self.inner.snap_remove(snap).await
-        }
-        async fn lock_exclusive(
-            &self,
-            object: &ObjectName,
-            request: ivdisk_store::LockRequest,
-        ) -> Result<(), ivdisk_store::StoreError> {
-            self.inner.lock_exclusive(object, request).await
-        }
-        async fn unlock(
-            &self,
-            object: &ObjectName,
-            lock: &str,
-            cookie: &str,
-        ) -> Result<(), ivdisk_store::StoreError> {
-            self.inner.unlock(object, lock, cookie).await
-        }
-        async fn list_lockers(
-            &self,
-            object: &ObjectName,
-            lock: &str,
-        ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
-            self.inner.list_lockers(object, lock).await
-        }
-        async fn break_lock(
-            &self,
-            object: &ObjectName,
-            lock: &str,
-            client: &str,
-            cookie: &str,
-        ) -> Result<(), ivdisk_store::StoreError> {
-            self.inner.break_lock(object, lock, client, cookie).await
-        }
-        async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
-            self.inner.flush().await
-        }
-        fn client_id(&self) -> &str {
-            self.inner.client_id()
-        }
-        }
-    };
-}
-
-object_store_forwarding_to_inner!(FailingStore {
+ivdisk_store::object_store_forwarding_to_inner!(FailingStore {
     async fn write_op(
         &self,
         object: &ObjectName,
@@ -910,7 +847,7 @@ impl BlockStore {
     }
 }
 
-object_store_forwarding_to_inner!(BlockStore {
+ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
     async fn write_op(
         &self,
         object: &ObjectName,
