@@ -23,9 +23,10 @@
 //! when the one before has been submitted (its future's first poll).
 //!
 //! Failures: a merged operation that the store refuses during its first poll, before sending
-//! it (a bad range: the RADOS backend checks ranges first), is sent again operation by operation, so each caller
-//! gets the outcome of its own operation; one that fails later fails every operation in it
-//! with the same error (nothing of it applied, the store is atomic).
+//! it (a bad range: the RADOS backend checks ranges first), is sent again operation by
+//! operation, so each caller gets the outcome of its own operation; one that fails later
+//! fails every operation in it with the same error (nothing of it applied, the store is
+//! atomic).
 //!
 //! What it changes: operations sent as one report the one version the store gave them
 //! ([`ObjectStore::merges_operations`]).
@@ -44,15 +45,15 @@ use crate::{
 
 /// Operations of one object that go to the store without waiting for each other. Beyond
 /// this they queue and are merged. 2: random writes seldom have three operations in one
-/// object at once, so they almost never wait; a sequential stream keeps two operations in the store while
-/// the rest of its queue depth gathers into the next one.
+/// object at once, so they almost never wait; a sequential stream keeps two operations in
+/// the store while the rest of its queue depth gathers into the next one.
 const MAX_IN_FLIGHT: usize = 2;
 
 /// An operation with at least this many bytes of writes goes straight to the store whenever
 /// nothing of its object is queued, however many are in flight: the store's cost per
 /// operation is small beside its data, so merging it gains little, and waiting would cost it
 /// a round trip (sequential 1 MiB writes at queue depth 16 ran at 0.84-1.08x, median 0.87x,
-/// when they queued; 1.01-1.14x going out at once).
+/// of the old path when they queued; docs/BENCHMARKS.md).
 const DIRECT_BYTES: usize = 512 << 10;
 
 /// At most this many operations go out as one: a bound on what a refused merge sends again
