@@ -511,7 +511,10 @@ fn merge(first: &WriteOp, rest: &[WriteOp]) -> WriteOp {
         .flat_map(|op| &op.steps)
         .collect();
     let range = |step: &WriteStep| match step {
-        WriteStep::Write { offset, data } => Some((*offset, *offset + data.len() as u64)),
+        // Saturating: a range past u64::MAX is the store's to refuse, not ours to panic on.
+        WriteStep::Write { offset, data } => {
+            Some((*offset, offset.saturating_add(data.len() as u64)))
+        }
         _ => None,
     };
     let mut steps: Vec<WriteStep> = Vec::with_capacity(all.len());
@@ -527,7 +530,7 @@ fn merge(first: &WriteOp, rest: &[WriteOp]) -> WriteOp {
                 continue;
             }
             if let Some(WriteStep::Write { offset, data }) = steps.last_mut() {
-                if *offset + data.len() as u64 == start {
+                if offset.checked_add(data.len() as u64) == Some(start) {
                     if let WriteStep::Write { data: more, .. } = step {
                         data.extend_from_slice(more);
                     }

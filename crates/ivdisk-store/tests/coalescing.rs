@@ -25,7 +25,8 @@ ivdisk_store::object_store_forwarding_to_inner!(SlowWrites {
         // as RADOS' backend does (the memory backend answers from its worker thread).
         for step in &op.steps {
             if let WriteStep::Write { offset, data } = step {
-                if offset + data.len() as u64 > MAX_OBJECT_SIZE {
+                let end = offset.checked_add(data.len() as u64);
+                if end.is_none_or(|end| end > MAX_OBJECT_SIZE) {
                     return Err(StoreError::OutOfRange {
                         object: object.to_string(),
                         offset: *offset,
