@@ -191,8 +191,12 @@ pub(crate) struct Inner {
     pub(crate) snapshot: Option<(String, SnapId)>,
     /// The snapshot context every data write carries (`None`: the image has no snapshots).
     pub(crate) snap_context: std::sync::RwLock<Option<SnapContext>>,
-    /// The `object-end` metadata in memory (writers only; used while the lock is held).
+    /// The `object-end` or `omap-packed` metadata in memory (writers only; used while the
+    /// lock is held).
     pub(crate) metadata_cache: Option<MetadataCache>,
+    /// Whether reads use the cache. Not when it was turned off (0 bytes) and is there only
+    /// because the layout writes through it (`omap-packed`): then every read goes to the store.
+    pub(crate) metadata_cache_reads: bool,
 }
 
 /// The parts of an open image (see [`Image::from_spec`]).
@@ -342,7 +346,7 @@ impl Image {
                     if options.suite.metadata_len() == 0 {
                         "--layout none".to_owned()
                     } else {
-                        "--layout object-end, unaligned or omap".to_owned()
+                        format!("--layout {}", LayoutKind::with_metadata_names())
                     }
                 ),
             ));
@@ -562,17 +566,28 @@ impl Image {
             metadata_len: spec.suite.metadata_len(),
             sectors_per_object: (spec.object_size / spec.sector_size as u64) as u32,
         };
-        let metadata_cache = match (spec.layout, spec.read_only || spec.snapshot.is_some()) {
-            (LayoutKind::ObjectEnd, false) => MetadataCache::new(
-                spec.object_size,
-                geometry.sectors_per_object as usize * geometry.metadata_len,
+        let writable_head = !(spec.read_only || spec.snapshot.is_some());
+        let metadata_cache = match spec.layout.cached_region(geometry) {
+            Some((region_offset, region_len, None)) if writable_head => MetadataCache::new(
+                region_offset,
+                region_len,
                 spec.store.write_unit(),
                 spec.metadata_cache_bytes,
+            ),
+            // A layout that writes whole blocks only cannot be written without the cache: it
+            // gets at least the smallest one, whatever the option says.
+            Some((region_offset, region_len, Some(block))) if writable_head => MetadataCache::new(
+                region_offset,
+                region_len,
+                block,
+                spec.metadata_cache_bytes
+                    .max(crate::metadata_cache::minimum_bytes(block as usize)),
             ),
             _ => None,
         };
         let inner = Inner {
             metadata_cache,
+            metadata_cache_reads: spec.metadata_cache_bytes > 0,
             data_prefix: spec.data_prefix,
             name: spec.name,
             store: spec.store,

@@ -9,9 +9,9 @@
 
 use std::sync::atomic::Ordering;
 
-use futures_util::future::{join, join_all};
+use futures_util::future::{join, join_all, Either};
 use ivdisk_crypto::CryptoError;
-use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteStep};
+use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutcome, WriteStep};
 
 use crate::image::{Image, Inner};
 use crate::layout::{extent_bytes, take_or_place_extents, Decoded};
@@ -42,6 +42,16 @@ enum Fill<'a> {
     Zeros,
     /// The unwritten state (discard, write-zeroes that may unmap).
     Unwritten,
+}
+
+/// What [`Inner::write_piece_whole_blocks`] sent in one pass.
+enum PackedStep {
+    /// A read of the blocks the write needs whole (region bytes, and the loads it finishes).
+    Load(std::ops::Range<usize>, crate::metadata_cache::Loads),
+    /// The write itself.
+    Write,
+    /// Nothing: the cache left a step the layout cannot store (a bug; the write fails).
+    Unstorable(String),
 }
 
 /// Where a read run's ciphertext and metadata are, for [`Inner::decrypt_written`].
@@ -155,7 +165,7 @@ impl Inner {
     }
 
     async fn read_piece(&self, piece: Piece, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
-        if let Some(cache) = self.usable_cache() {
+        if let Some(cache) = self.usable_cache().filter(|_| self.metadata_cache_reads) {
             return self.read_piece_cached(cache, piece, out).await;
         }
         let object = self.data_object(piece.object);
@@ -216,10 +226,8 @@ impl Inner {
                     len: piece.count as u64 * ss,
                 });
                 if let ReadPlan::Fetch { range, .. } = &plan {
-                    op.steps.push(ReadStep::Read {
-                        offset: cache.region_offset() + range.start as u64,
-                        len: range.len() as u64,
-                    });
+                    op.steps
+                        .push(self.layout.cached_fetch_step(cache.region_offset(), range));
                 }
                 (plan, store.read_op(&object, op))
             })
@@ -254,8 +262,10 @@ impl Inner {
         let (taken, metadata) = match plan {
             ReadPlan::Cached(metadata) => (taken.map_err(corrupt)?, metadata),
             ReadPlan::Fetch { range, loads } => {
-                let at = cache.region_offset() + range.start as u64;
-                match (taken, extent_bytes(results.next(), at, range.len())) {
+                let fetched =
+                    self.layout
+                        .cached_fetched(results.next(), cache.region_offset(), &range);
+                match (taken, fetched) {
                     (Ok(taken), Ok(fetched)) => {
                         cache.finish_loads(piece.object, &loads, &range, Some(&fetched));
                         let wanted = wanted.start - range.start..wanted.end - range.start;
@@ -325,6 +335,88 @@ impl Inner {
             }
         }
         written.map(|_| ())
+    }
+
+    /// [`Inner::write_piece_cached`] for a layout that writes whole metadata blocks only
+    /// (`omap-packed`): the blocks the write needs whole and the cache does not know are read
+    /// first (in the object's order, like any load), then the write is built and submitted
+    /// under the shard lock, where they are known; if one was evicted or changed meanwhile, it
+    /// is loaded again.
+    async fn write_piece_whole_blocks(
+        &self,
+        cache: &MetadataCache,
+        n: u64,
+        object: &ObjectName,
+        mut op: WriteOp,
+    ) -> Result<(), StoreError> {
+        let store = &self.store;
+        let layout = &*self.layout;
+        for attempt in 0.. {
+            let (step, outcome) = cache
+                .submit(n, |shard| {
+                    let take_over = attempt >= 2;
+                    if let Some((range, loads)) =
+                        cache.loads_before_write(shard, n, &op.steps, take_over)
+                    {
+                        let read = ReadOp::new()
+                            .step(layout.cached_fetch_step(cache.region_offset(), &range));
+                        let read = store.read_op(object, read);
+                        let step = PackedStep::Load(range, loads);
+                        return (step, Either::Left(async move { Err(read.await) }));
+                    }
+                    let mut op = std::mem::take(&mut op);
+                    // Only here do the cache's blocks change: every block this write needs
+                    // whole is known, so what comes back are whole blocks (and nothing to load).
+                    let load = cache.prepare_write(shard, n, &mut op.steps);
+                    debug_assert!(load.is_none(), "a whole-block write left a load");
+                    if let Err(reason) = layout.lower_cached_steps(&mut op.steps) {
+                        let nothing = async { Ok(Ok(WriteOutcome { version: 0 })) };
+                        let step = PackedStep::Unstorable(reason);
+                        return (step, Either::Right(Either::Right(nothing)));
+                    }
+                    let write = store.write_op(object, op);
+                    let write = async move { Ok(write.await) };
+                    (PackedStep::Write, Either::Right(Either::Left(write)))
+                })
+                .await;
+            match (step, outcome) {
+                (PackedStep::Write, Ok(written)) => {
+                    if written.is_err() {
+                        cache.forget(n);
+                    }
+                    return written.map(|_| ());
+                }
+                (PackedStep::Unstorable(reason), _) => {
+                    cache.forget(n);
+                    return Err(StoreError::InvalidOperation {
+                        object: object.to_string(),
+                        reason: format!("metadata cache left an unstorable step: {reason}"),
+                    });
+                }
+                (PackedStep::Load(range, loads), Err(loaded)) => match loaded {
+                    Ok(results) => match layout.cached_fetched(
+                        results.into_iter().next(),
+                        cache.region_offset(),
+                        &range,
+                    ) {
+                        Ok(bytes) => cache.finish_loads(n, &loads, &range, Some(&bytes)),
+                        Err(reason) => {
+                            cache.abandon_loads(n, &loads);
+                            return Err(StoreError::Corrupt(format!(
+                                "object `{object}`: its metadata values: {reason}"
+                            )));
+                        }
+                    },
+                    Err(StoreError::NotFound { .. }) => cache.finish_loads(n, &loads, &range, None),
+                    Err(e) => {
+                        cache.abandon_loads(n, &loads);
+                        return Err(e);
+                    }
+                },
+                _ => unreachable!("each step has its own outcome"),
+            }
+        }
+        unreachable!("the attempts are unbounded")
     }
 
     /// Decrypt the written sectors of a run into `out`, from where `stored` says the
@@ -465,9 +557,25 @@ impl Inner {
         let object = self.data_object(piece.object);
         let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
         let written = match self.usable_cache() {
+            Some(cache) if self.layout.needs_metadata_cache() => {
+                self.write_piece_whole_blocks(cache, piece.object, &object, op)
+                    .await
+            }
             Some(cache) => {
                 self.write_piece_cached(cache, piece.object, &object, op)
                     .await
+            }
+            None if self.layout.needs_metadata_cache() => {
+                // Only a writer has the cache, and the layout cannot write without it.
+                self.check_writable()?;
+                return Err(ImageError::Corrupt {
+                    image: self.name.clone(),
+                    reason: format!(
+                        "object `{object}`: layout {} is written through the metadata cache, \
+                         and this open has none",
+                        self.layout_kind
+                    ),
+                });
             }
             None => self.store.write_op(&object, op).await.map(|_| ()),
         };

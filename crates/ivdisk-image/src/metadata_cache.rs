@@ -46,6 +46,11 @@ pub(crate) const BLOCK: usize = 4096;
 /// futex calls showed in the profile.
 const SHARDS: usize = 64;
 
+/// The least memory a cache with blocks of `block` bytes works with (one block per shard).
+pub(crate) fn minimum_bytes(block: usize) -> usize {
+    block * SHARDS
+}
+
 /// The default memory bound: 64 MiB of metadata, 8 GiB of image data with 4 KiB sectors and
 /// 32 bytes of metadata each.
 pub const DEFAULT_METADATA_CACHE_BYTES: usize = 64 << 20;
@@ -408,6 +413,64 @@ impl MetadataCache {
         let range =
             first as usize * self.block..((last as usize + 1) * self.block).min(self.region_len);
         Some((range, loads))
+    }
+
+    /// For layouts that can only write whole blocks (`omap-packed`): the blocks a write's
+    /// metadata steps touch in part that are not known yet, marked as loading (the caller
+    /// reads them and calls [`MetadataCache::finish_loads`] before it builds the write again).
+    /// `None` when every block the write needs whole is known (or it needs none: an object
+    /// removal). Changes nothing else. With `take_over`, blocks another load is fetching are
+    /// loaded afresh by this one (that load's result is then ignored): a caller that waited
+    /// for them more than once takes them over, so a load whose future was dropped cannot hold
+    /// writes back for ever.
+    pub(crate) fn loads_before_write(
+        &self,
+        shard: &mut Shard,
+        object: u64,
+        steps: &[WriteStep],
+        take_over: bool,
+    ) -> Option<(Range<usize>, Loads)> {
+        let region_start = self.region_offset;
+        let region_end = self.region_offset + self.region_len as u64;
+        if steps.iter().any(|s| matches!(s, WriteStep::Remove)) {
+            return None;
+        }
+        let mut missing: Option<Range<u32>> = None;
+        for step in steps {
+            let (offset, len) = match step {
+                WriteStep::Write { offset, data } if *offset >= region_start => {
+                    (*offset, data.len() as u64)
+                }
+                WriteStep::Zero { offset, len } if *offset >= region_start => {
+                    (*offset, (*len).min(region_end.saturating_sub(*offset)))
+                }
+                _ => continue,
+            };
+            let at = (offset - region_start) as usize;
+            let range = at..at + len as usize;
+            for b in self.blocks_of(&range) {
+                let block = self.block_range(b);
+                let whole = range.start <= block.start && block.end <= range.end;
+                let known = matches!(shard.blocks.get(&(object, b)), Some(Block::Known(_)));
+                if !whole && !known {
+                    missing = Some(match missing {
+                        Some(m) => m.start.min(b)..m.end.max(b + 1),
+                        None => b..b + 1,
+                    });
+                }
+            }
+        }
+        let blocks = missing?;
+        if take_over {
+            for b in blocks.clone() {
+                if let Some(Block::Loading { .. }) = shard.blocks.get(&(object, b)) {
+                    shard.blocks.remove(&(object, b));
+                }
+            }
+        }
+        let range = blocks.start as usize * self.block
+            ..(blocks.end as usize * self.block).min(self.region_len);
+        Some((range, self.start_loads(shard, object, blocks)))
     }
 
     /// Apply one change to the blocks it touches; blocks not in memory and only partly

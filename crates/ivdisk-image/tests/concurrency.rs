@@ -287,6 +287,19 @@ async fn concurrent_overlapping_writes_serialize_memory_512_omap() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_overlapping_writes_serialize_memory_omap_packed() {
+    concurrent_writers(
+        "concurrent_overlapping_writes_serialize_memory_omap_packed",
+        Target::On(Backend::Memory),
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        4096,
+        12,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_overlapping_writes_serialize_local() {
     concurrent_writers(
         "concurrent_overlapping_writes_serialize_local",

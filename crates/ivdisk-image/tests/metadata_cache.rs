@@ -194,3 +194,145 @@ async fn sectors_written_one_by_one_after_a_reopen_read_back() {
     reader.read(0, &mut back).await.unwrap();
     assert!(back == expected, "read back from the store alone");
 }
+
+/// `omap-packed`: one omap value per 16 sectors (512 bytes with the default suite), written
+/// whole through the cache.
+#[tokio::test]
+async fn omap_packed_writes_one_whole_value_per_run_and_loads_it_first() {
+    let store = Arc::new(BlockStore::new());
+    let options = common::options(
+        4 * OBJECT_SIZE,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        SS as u32,
+        OBJECT_SIZE,
+    );
+    let image = Image::create_on(store.clone(), "packed", &options, PASS)
+        .await
+        .unwrap();
+    let object = image.data_object(0).to_string();
+
+    // A first small write: its run's value is read first, then the data and the whole
+    // value go out together; nothing at an offset past the data.
+    store.clear();
+    image.write(3 * SS, &sector(3)).await.unwrap();
+    assert_eq!(writes_to(&store, &object), vec![(3 * SS, 4096)]);
+    assert_eq!(
+        store.omap_of(&object),
+        vec!["get 00000000", "set 00000000:512"]
+    );
+
+    // The value is known now: no read before the next write in the run.
+    store.clear();
+    image.write(5 * SS, &sector(5)).await.unwrap();
+    assert_eq!(store.omap_of(&object), vec!["set 00000000:512"]);
+    assert!(read_steps(&store).is_empty());
+    // Reads of known runs fetch the data alone.
+    assert_eq!(read_sector(&image, 3).await, sector(3));
+    assert_eq!(read_sector(&image, 5).await, sector(5));
+    assert_eq!(read_sector(&image, 4).await, sector(0));
+    assert!(store.omap_of(&object).len() == 1, "no omap reads");
+
+    // Whole runs need no load; a run discarded whole loses its key; a discarded sector
+    // zeroes its part of the value and keeps the others.
+    let second = image.data_object(1).to_string();
+    store.clear();
+    let run = vec![9u8; 16 * SS as usize];
+    image.write(OBJECT_SIZE + 32 * SS, &run).await.unwrap();
+    image.write(OBJECT_SIZE + 48 * SS, &run).await.unwrap();
+    assert_eq!(
+        store.omap_of(&second),
+        vec!["set 00000002:512", "set 00000003:512"]
+    );
+    store.clear();
+    image.discard(OBJECT_SIZE + 32 * SS, 16 * SS).await.unwrap();
+    image.discard(OBJECT_SIZE + 50 * SS, SS).await.unwrap();
+    assert_eq!(
+        store.omap_of(&second),
+        vec!["remove 00000002", "set 00000003:512"]
+    );
+    image.close().await.unwrap();
+
+    // A read-only open has no cache: each read fetches its runs' values.
+    let ro = Image::open_on(store.clone(), "packed", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    store.clear();
+    let mut back = vec![0u8; 32 * SS as usize];
+    ro.read(OBJECT_SIZE + 32 * SS, &mut back).await.unwrap();
+    assert_eq!(store.omap_of(&second), vec!["get 00000002,00000003"]);
+    let mut expected = vec![0u8; 16 * SS as usize];
+    expected.extend_from_slice(&run);
+    expected[18 * SS as usize..19 * SS as usize].fill(0);
+    assert!(back == expected, "discarded run and sector read as zeros");
+    assert_eq!(read_sector(&ro, 3).await, sector(3));
+    assert_eq!(read_sector(&ro, 5).await, sector(5));
+    ro.close().await.unwrap();
+}
+
+/// `omap-packed` with the smallest cache (asked for none: it keeps one value per shard):
+/// concurrent writes of single sectors over more runs than it holds, so values are evicted
+/// and loaded again before writes, read back after a reopen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn omap_packed_with_the_smallest_cache_loses_no_write() {
+    let store = Arc::new(BlockStore::new());
+    let objects = 8;
+    let options = common::options(
+        objects * OBJECT_SIZE,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        SS as u32,
+        OBJECT_SIZE,
+    );
+    Image::create_on(store.clone(), "small", &options, PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let uncached = OpenOptions {
+        metadata_cache_bytes: 0,
+        ..OpenOptions::default()
+    };
+    let image = Arc::new(
+        Image::open_on(store.clone(), "small", PASS, &uncached)
+            .await
+            .unwrap(),
+    );
+    // 8 objects x 16 runs = 128 runs, against 64 values in memory. Every task writes its
+    // own sectors (t, t + 16, ...), two passes, so the runs it shares with the others see
+    // writes from several tasks in flight at once.
+    let sectors = objects * OBJECT_SIZE / SS;
+    let tasks: Vec<_> = (0..16u64)
+        .map(|t| {
+            let image = image.clone();
+            tokio::spawn(async move {
+                for pass in 0..2u8 {
+                    for lba in (t..sectors).step_by(16 * 3) {
+                        let value = (lba as u8).wrapping_mul(7).wrapping_add(pass);
+                        image.write(lba * SS, &sector(value)).await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    Arc::into_inner(image).unwrap().close().await.unwrap();
+    let image = Image::open_on(store.clone(), "small", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    for lba in 0..sectors {
+        let expected = if (lba % 48) < 16 {
+            sector((lba as u8).wrapping_mul(7).wrapping_add(1))
+        } else {
+            sector(0)
+        };
+        assert!(
+            read_sector(&image, lba).await == expected,
+            "sector {lba} does not hold its last write"
+        );
+    }
+    image.close().await.unwrap();
+}

@@ -23,6 +23,13 @@
 //!   a write inside one group is its data plus its group's metadata block, close by rather
 //!   than at the object's end, and a write of whole groups (512 KiB, 1 MiB, ...) is one
 //!   extent holding data and metadata blocks together.
+//! - **j** `omap-512` (only when `IVDISK_BENCH_CASES` names it): `f` with smaller values: one
+//!   omap value per 16 sectors (their 512 bytes of metadata), so a write of up to 64 KiB
+//!   (aligned) sets one 512-byte value.
+//! - **h** `data-unhinted` and **i** `object-end-4k-unhinted` (only when `IVDISK_BENCH_CASES`
+//!   names them): `a` and `e` without the allocation hint. librbd sends the hint only to
+//!   objects its object map says may not exist, so its overwrites of a written image are `h`;
+//!   these two show what the hint costs an overwrite.
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
 //! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
@@ -53,10 +60,10 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g`, default `a,b,c,d`; ratios need `a`),
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j`, default `a,b,c,d`; ratios need `a`),
 //! `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1), `IVDISK_BENCH_OBJECTS`,
 //! `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo test --all-targets` runs
-//! it) it is a smoke test of every case (all seven unless `IVDISK_BENCH_CASES` says otherwise):
+//! it) it is a smoke test of every case (all ten unless `IVDISK_BENCH_CASES` says otherwise):
 //! one object per case, two operations per case and size at queue depth 2, then one operation
 //! per case read back and compared. `IVDISK_NO_CEPH=1` skips it (it prints `SKIPPED`);
 //! without that, a missing `CEPH_CONF` fails it, as the RADOS tests do.
@@ -96,10 +103,13 @@ enum Case {
     ObjectEndBlock,
     OmapBlock,
     Grouped,
+    DataUnhinted,
+    ObjectEndBlockUnhinted,
+    OmapChunk,
 }
 
 impl Case {
-    const ALL: [Case; 7] = [
+    const ALL: [Case; 10] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -107,6 +117,9 @@ impl Case {
         Case::ObjectEndBlock,
         Case::OmapBlock,
         Case::Grouped,
+        Case::DataUnhinted,
+        Case::ObjectEndBlockUnhinted,
+        Case::OmapChunk,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -121,6 +134,9 @@ impl Case {
             Case::ObjectEndBlock => 'e',
             Case::OmapBlock => 'f',
             Case::Grouped => 'g',
+            Case::DataUnhinted => 'h',
+            Case::ObjectEndBlockUnhinted => 'i',
+            Case::OmapChunk => 'j',
         }
     }
 
@@ -133,12 +149,41 @@ impl Case {
             Case::ObjectEndBlock => "object-end-4k",
             Case::OmapBlock => "omap-4k",
             Case::Grouped => "grouped-4k",
+            Case::DataUnhinted => "data-unhinted",
+            Case::ObjectEndBlockUnhinted => "object-end-4k-unhinted",
+            Case::OmapChunk => "omap-512",
         }
+    }
+
+    /// The case whose operations this one sends (the unhinted cases send their hinted
+    /// twin's, without the hint).
+    fn base(self) -> Case {
+        match self {
+            Case::DataUnhinted => Case::Data,
+            Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
+            other => other,
+        }
+    }
+
+    /// Sectors per omap value of the cases that keep whole metadata pieces in omap values.
+    fn sectors_per_value(self) -> u64 {
+        match self {
+            Case::OmapChunk => 16,
+            _ => SECTOR / META,
+        }
+    }
+
+    /// Whether its measured writes carry the allocation hint.
+    fn hinted(self) -> bool {
+        self.base() == self
     }
 
     /// What one operation of `size` data bytes writes.
     fn describe(self, size: usize) -> String {
         let n = size as u64 / SECTOR;
+        if !self.hinted() {
+            return format!("{}, no allocation hint", self.base().describe(size));
+        }
         match self {
             Case::Data => format!("1 extent of {size} B"),
             Case::ObjectEnd => format!("{size} B + {} B at object end", n * META),
@@ -151,11 +196,13 @@ impl Case {
                 let (_, len) = meta_blocks(0, n);
                 format!("{size} B + {len} B (whole 4 KiB blocks) at object end")
             }
-            Case::OmapBlock => {
-                let blocks = meta_block_indexes(0, n).count();
+            Case::OmapBlock | Case::OmapChunk => {
+                let per = self.sectors_per_value();
+                let values = value_indexes(0, n, per).count();
                 format!(
-                    "{size} B + {blocks} omap key{} (8 B + a whole 4 KiB metadata block)",
-                    if blocks == 1 { "" } else { "s" }
+                    "{size} B + {values} omap key{} (8 B + {} B of metadata)",
+                    if values == 1 { "" } else { "s" },
+                    per * META
                 )
             }
             Case::Grouped if n < GROUP => {
@@ -165,17 +212,19 @@ impl Case {
                 "1 extent of {} B (data and its groups' metadata blocks)",
                 size as u64 + n / GROUP * SECTOR
             ),
+            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("handled above"),
         }
     }
 
     /// The object's length when written in full.
     fn object_len(self) -> u64 {
-        match self {
-            Case::Data | Case::Omap | Case::OmapBlock => OBJECT_DATA,
+        match self.base() {
+            Case::Data | Case::Omap | Case::OmapBlock | Case::OmapChunk => OBJECT_DATA,
             Case::ObjectEnd | Case::ObjectEndBlock | Case::Grouped => {
                 OBJECT_DATA + SECTORS_PER_OBJECT * META
             }
             Case::Unaligned => SECTORS_PER_OBJECT * RECORD,
+            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("base() is hinted"),
         }
     }
 
@@ -186,7 +235,7 @@ impl Case {
         let block_meta = meta;
         let meta = &meta[..(n * META) as usize];
         let extent = WriteOp::new().write(first * SECTOR, &data[..size]);
-        match self {
+        match self.base() {
             Case::Data => extent,
             Case::ObjectEnd => extent.write(OBJECT_DATA + first * META, meta),
             Case::Omap => extent.omap_set(
@@ -200,12 +249,15 @@ impl Case {
                 let (offset, len) = meta_blocks(first, n);
                 extent.write(offset, &block_meta[..len as usize])
             }
-            Case::OmapBlock => extent.omap_set(
-                meta_block_indexes(first, n)
-                    .zip(block_meta.chunks(SECTOR as usize))
-                    .map(|(block, value)| (omap_key(block), value))
-                    .collect::<ivdisk_store::OmapPairs>(),
-            ),
+            Case::OmapBlock | Case::OmapChunk => {
+                let per = self.sectors_per_value();
+                extent.omap_set(
+                    value_indexes(first, n, per)
+                        .zip(block_meta.chunks((per * META) as usize))
+                        .map(|(index, value)| (omap_key(index), value))
+                        .collect::<ivdisk_store::OmapPairs>(),
+                )
+            }
             Case::Grouped => {
                 let mut op = WriteOp::new();
                 for (offset, data) in grouped_extents(first, n, data, block_meta) {
@@ -213,6 +265,7 @@ impl Case {
                 }
                 op
             }
+            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("base() is hinted"),
         }
     }
 }
@@ -248,10 +301,10 @@ fn grouped_extents(first: u64, n: u64, data: &[u8], meta: &[u8]) -> Vec<(u64, Ve
     vec![(at(first), one)]
 }
 
-/// The indexes of the 4 KiB metadata blocks (128 sectors' metadata each) that hold the
-/// metadata of sectors `first..first + n`.
-fn meta_block_indexes(first: u64, n: u64) -> std::ops::Range<u64> {
-    first * META / SECTOR..((first + n) * META).div_ceil(SECTOR)
+/// The indexes of the metadata pieces of `per` sectors each that hold the metadata of sectors
+/// `first..first + n`.
+fn value_indexes(first: u64, n: u64, per: u64) -> std::ops::Range<u64> {
+    first / per..(first + n).div_ceil(per)
 }
 
 /// The whole 4 KiB blocks at the object's end that hold the metadata of sectors
@@ -305,7 +358,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -330,7 +383,10 @@ impl Config {
 
 /// What the measuring tasks share.
 struct Bench {
+    /// Sends the allocation hint with every write (the prefill's and the hinted cases').
     store: RadosStore,
+    /// The same pool and namespace, without the hint.
+    unhinted: RadosStore,
     /// The objects of each case, indexed like `Case::ALL`.
     names: Vec<Vec<ObjectName>>,
     /// Source bytes for extents (as long as the largest object).
@@ -342,6 +398,15 @@ struct Bench {
 impl Bench {
     fn objects(&self, case: Case) -> &[ObjectName] {
         &self.names[case as usize]
+    }
+
+    /// The store a case's measured writes go through.
+    fn store_for(&self, case: Case) -> &RadosStore {
+        if case.hinted() {
+            &self.store
+        } else {
+            &self.unhinted
+        }
     }
 }
 
@@ -382,7 +447,7 @@ async fn phase(
                     let object = &objects[rng.below(objects.len() as u64) as usize];
                     let first = rng.below(slots) * (size as u64 / SECTOR);
                     let op = case.op(first, size, &bench.data, &bench.meta);
-                    bench.store.write_op(object, op).await?;
+                    bench.store_for(case).write_op(object, op).await?;
                     ops += 1;
                 }
                 Ok::<u64, StoreError>(ops)
@@ -427,11 +492,12 @@ async fn prefill(bench: &Arc<Bench>, cases: &[Case]) -> Result<(), StoreError> {
                         .collect::<ivdisk_store::OmapPairs>(),
                 );
             }
-            if case == Case::OmapBlock {
+            if matches!(case, Case::OmapBlock | Case::OmapChunk) {
+                let per = case.sectors_per_value();
                 op = op.omap_set(
-                    meta_block_indexes(0, SECTORS_PER_OBJECT)
-                        .zip(bench.meta.chunks(SECTOR as usize))
-                        .map(|(block, value)| (omap_key(block), value))
+                    value_indexes(0, SECTORS_PER_OBJECT, per)
+                        .zip(bench.meta.chunks((per * META) as usize))
+                        .map(|(index, value)| (omap_key(index), value))
                         .collect::<ivdisk_store::OmapPairs>(),
                 );
             }
@@ -466,11 +532,13 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
     let meta = rng.bytes((n * META).max(block_len) as usize);
     let object = &bench.objects(case)[0];
     bench
-        .store
+        .store_for(case)
         .write_op(object, case.op(first, size, &data, &meta))
         .await?;
+    let what = format!("{} {}", case.name(), size_label(size));
+    // What to read back depends only on the layout.
+    let case = case.base();
     if case == Case::Grouped {
-        let what = format!("{} {}", case.name(), size_label(size));
         for (offset, bytes) in grouped_extents(first, n, &data, &meta) {
             let len = bytes.len() as u64;
             let read = ReadOp::new().step(ReadStep::Read { offset, len });
@@ -503,15 +571,16 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
                 (first..first + n).map(omap_key).collect(),
             ))
         }
-        Case::OmapBlock => {
+        Case::OmapBlock | Case::OmapChunk => {
             read = read.step(ReadStep::OmapGetByKeys(
-                meta_block_indexes(first, n).map(omap_key).collect(),
+                value_indexes(first, n, case.sectors_per_value())
+                    .map(omap_key)
+                    .collect(),
             ))
         }
         _ => {}
     }
     let results = bench.store.read_op(object, read).await?;
-    let what = format!("{} {}", case.name(), size_label(size));
     assert!(
         assemble(&results[0], offset, len) == data[..len as usize],
         "{what}: the extent read back differs from the one written"
@@ -521,18 +590,21 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
             assemble(&results[1], meta_at, meta_len) == meta[..meta_len as usize],
             "{what}: the object-end metadata read back differs"
         ),
-        Case::Omap | Case::OmapBlock => {
-            // Per sector (its 32 bytes) or per metadata block (the whole 4 KiB block).
+        Case::Omap | Case::OmapBlock | Case::OmapChunk => {
+            // Per sector (its 32 bytes) or per piece of `sectors_per_value` sectors.
             let expected: ivdisk_store::OmapPairs = match case {
                 Case::Omap => meta[..(n * META) as usize]
                     .chunks(META as usize)
                     .zip(first..)
                     .map(|(v, s)| (omap_key(s), v))
                     .collect(),
-                _ => meta_block_indexes(first, n)
-                    .zip(meta.chunks(SECTOR as usize))
-                    .map(|(block, v)| (omap_key(block), v))
-                    .collect(),
+                _ => {
+                    let per = case.sectors_per_value();
+                    value_indexes(first, n, per)
+                        .zip(meta.chunks((per * META) as usize))
+                        .map(|(index, v)| (omap_key(index), v))
+                        .collect()
+                }
             };
             assert!(
                 results[1]
@@ -769,8 +841,15 @@ fn main() {
                 .collect()
         })
         .collect();
+    let unhinted = runtime
+        .block_on(RadosStore::open(&RadosConfig {
+            expected_object_size: None,
+            ..config.clone()
+        }))
+        .unwrap_or_else(|e| panic!("opening pool `{}` a second time: {e}", config.pool));
     let bench = Arc::new(Bench {
         store,
+        unhinted,
         names,
         data: rng.bytes(longest as usize),
         meta: rng.bytes((SECTORS_PER_OBJECT * META) as usize),

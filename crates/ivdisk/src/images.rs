@@ -116,9 +116,12 @@ impl FormatArgs {
                  sector): use {}",
                 suite.metadata_len(),
                 if suite.metadata_len() == 0 {
-                    "--layout none (or leave --layout out)"
+                    "--layout none (or leave --layout out)".to_owned()
                 } else {
-                    "--layout object-end, unaligned or omap (or leave --layout out)"
+                    format!(
+                        "--layout {} (or leave --layout out)",
+                        LayoutKind::with_metadata_names()
+                    )
                 }
             );
         }

@@ -481,15 +481,16 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 }
                 .to_owned()
             });
-            if !["none", "object-end", "unaligned", "omap"].contains(&layout.as_str())
-                || (layout == "none") != (suite.metadata_len() == 0)
-            {
+            let fits = layout
+                .parse::<ivdisk_image::LayoutKind>()
+                .is_ok_and(|l| l.fits(suite.metadata_len()));
+            if !fits {
                 bail!(
                     "--layout {layout}: {suite} needs {}",
                     if suite.metadata_len() == 0 {
-                        "layout none"
+                        "layout none".to_owned()
                     } else {
-                        "object-end, unaligned or omap"
+                        ivdisk_image::LayoutKind::with_metadata_names()
                     }
                 );
             }

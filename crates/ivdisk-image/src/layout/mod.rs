@@ -12,6 +12,7 @@
 mod none;
 mod object_end;
 mod omap;
+mod omap_packed;
 mod unaligned;
 
 use std::fmt;
@@ -31,22 +32,27 @@ pub enum LayoutKind {
     Unaligned,
     /// Metadata in the object's omap, key = sector index within the object (8 hex digits).
     Omap,
+    /// Metadata in the object's omap, one value per run of 16 sectors (ours: one small value
+    /// per write up to 64 KiB; written through the writer's metadata cache).
+    OmapPacked,
 }
 
 impl LayoutKind {
     /// Every layout, in the order `--help` lists them.
-    pub const ALL: [LayoutKind; 4] = [
+    pub const ALL: [LayoutKind; 5] = [
         LayoutKind::ObjectEnd,
         LayoutKind::Unaligned,
         LayoutKind::Omap,
+        LayoutKind::OmapPacked,
         LayoutKind::None,
     ];
 
     /// The layouts that store metadata (for suites that have some).
-    pub const WITH_METADATA: [LayoutKind; 3] = [
+    pub const WITH_METADATA: [LayoutKind; 4] = [
         LayoutKind::ObjectEnd,
         LayoutKind::Unaligned,
         LayoutKind::Omap,
+        LayoutKind::OmapPacked,
     ];
 
     /// The layout new images get when the user names none: `object-end` for suites with
@@ -66,6 +72,7 @@ impl LayoutKind {
             LayoutKind::ObjectEnd => "object-end",
             LayoutKind::Unaligned => "unaligned",
             LayoutKind::Omap => "omap",
+            LayoutKind::OmapPacked => "omap-packed",
         }
     }
 
@@ -80,7 +87,17 @@ impl LayoutKind {
             }
             LayoutKind::Unaligned => "each sector's metadata right after it",
             LayoutKind::Omap => "metadata in the object's key/value map",
+            LayoutKind::OmapPacked => {
+                "metadata in the object's key/value map, 16 sectors per value"
+            }
         }
+    }
+
+    /// The layouts for suites with metadata, for messages: "object-end, unaligned, ... or X".
+    pub fn with_metadata_names() -> String {
+        let names: Vec<_> = Self::WITH_METADATA.iter().map(|l| l.name()).collect();
+        let (last, rest) = names.split_last().expect("layouts with metadata");
+        format!("{} or {last}", rest.join(", "))
     }
 
     /// Whether this layout can hold `metadata_len` bytes per sector.
@@ -94,6 +111,33 @@ impl LayoutKind {
             LayoutKind::ObjectEnd => Box::new(object_end::ObjectEnd(geometry)),
             LayoutKind::Unaligned => Box::new(unaligned::Unaligned(geometry)),
             LayoutKind::Omap => Box::new(omap::Omap(geometry)),
+            LayoutKind::OmapPacked => Box::new(omap_packed::OmapPacked(geometry)),
+        }
+    }
+
+    /// For layouts whose metadata the writer keeps in its metadata cache: where the cache
+    /// places the object's metadata region, its length, and the bytes the cache writes as one
+    /// whole block (`None`: the store's write unit).
+    pub(crate) fn cached_region(
+        self,
+        geometry: ObjectGeometry,
+    ) -> Option<(u64, usize, Option<u64>)> {
+        let region_len = geometry.sectors_per_object as usize * geometry.metadata_len;
+        match self {
+            LayoutKind::ObjectEnd => Some((
+                geometry.sectors_per_object as u64 * geometry.sector_size as u64,
+                region_len,
+                None,
+            )),
+            LayoutKind::OmapPacked => {
+                let layout = omap_packed::OmapPacked(geometry);
+                Some((
+                    omap_packed::VIRTUAL_REGION,
+                    region_len,
+                    Some(layout.value_len() as u64),
+                ))
+            }
+            _ => None,
         }
     }
 }
@@ -175,6 +219,37 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         ciphertext: &mut [u8],
         metadata: &mut [u8],
     ) -> Result<Decoded, String>;
+
+    /// Whether writes must go through the writer's metadata cache (the layout cannot store a
+    /// metadata change without the metadata around it).
+    fn needs_metadata_cache(&self) -> bool {
+        false
+    }
+
+    /// Turn the metadata steps the cache left (region offsets) into the store's steps. `Err`
+    /// names a step that cannot be stored as it is.
+    fn lower_cached_steps(&self, _steps: &mut Vec<WriteStep>) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// The read step fetching bytes `range` of the metadata region that the cache places at
+    /// `region_offset` (the cache asks for whole blocks).
+    fn cached_fetch_step(&self, region_offset: u64, range: &std::ops::Range<usize>) -> ReadStep {
+        ReadStep::Read {
+            offset: region_offset + range.start as u64,
+            len: range.len() as u64,
+        }
+    }
+
+    /// Region bytes `range` from the result of [`SectorLayout::cached_fetch_step`].
+    fn cached_fetched(
+        &self,
+        result: Option<ReadResult>,
+        region_offset: u64,
+        range: &std::ops::Range<usize>,
+    ) -> Result<Vec<u8>, String> {
+        extent_bytes(result, region_offset + range.start as u64, range.len())
+    }
 }
 
 /// Where [`SectorLayout::decode`] left a run.

@@ -20,6 +20,40 @@ impl ObjectEnd {
     }
 }
 
+/// The two write steps of a run whose ciphertext is at `data_offset` and packed metadata at
+/// `metadata_offset` (also what `omap-packed` hands its cache).
+pub(super) fn write_apart(
+    steps: &mut Vec<WriteStep>,
+    (data_offset, ciphertext): (u64, Vec<u8>),
+    (metadata_offset, metadata): (u64, Vec<u8>),
+) {
+    steps.push(WriteStep::Write {
+        offset: data_offset,
+        data: ciphertext,
+    });
+    steps.push(WriteStep::Write {
+        offset: metadata_offset,
+        data: metadata,
+    });
+}
+
+/// The two zeroing steps of `count` sectors laid out as [`write_apart`] writes them.
+pub(super) fn discard_apart(
+    steps: &mut Vec<WriteStep>,
+    geometry: &ObjectGeometry,
+    (data_offset, metadata_offset): (u64, u64),
+    count: u32,
+) {
+    steps.push(WriteStep::Zero {
+        offset: data_offset,
+        len: count as u64 * geometry.sector_size as u64,
+    });
+    steps.push(WriteStep::Zero {
+        offset: metadata_offset,
+        len: count as u64 * geometry.metadata_len as u64,
+    });
+}
+
 impl SectorLayout for ObjectEnd {
     fn write(
         &self,
@@ -28,25 +62,16 @@ impl SectorLayout for ObjectEnd {
         ciphertext: Vec<u8>,
         metadata: Vec<u8>,
     ) {
-        steps.push(WriteStep::Write {
-            offset: self.data_offset(first),
-            data: ciphertext,
-        });
-        steps.push(WriteStep::Write {
-            offset: self.metadata_offset(first),
-            data: metadata,
-        });
+        write_apart(
+            steps,
+            (self.data_offset(first), ciphertext),
+            (self.metadata_offset(first), metadata),
+        );
     }
 
     fn discard(&self, steps: &mut Vec<WriteStep>, first: u32, count: u32) {
-        steps.push(WriteStep::Zero {
-            offset: self.data_offset(first),
-            len: count as u64 * self.0.sector_size as u64,
-        });
-        steps.push(WriteStep::Zero {
-            offset: self.metadata_offset(first),
-            len: count as u64 * self.0.metadata_len as u64,
-        });
+        let offsets = (self.data_offset(first), self.metadata_offset(first));
+        discard_apart(steps, &self.0, offsets, count);
     }
 
     fn read(&self, steps: &mut Vec<ReadStep>, first: u32, count: u32) {

@@ -20,13 +20,13 @@ fn key_digits(index: u32) -> [u8; 8] {
     std::array::from_fn(|i| HEX[(index >> (4 * (7 - i))) as usize & 15])
 }
 
-fn key(index: u32) -> Vec<u8> {
+pub(super) fn key(index: u32) -> Vec<u8> {
     key_digits(index).to_vec()
 }
 
 /// The sector index of a key written by [`key`] (lowercase only), read out by hand as
 /// [`key`] writes it: `from_utf8` and `from_str_radix` per key showed in 1 MiB reads.
-fn index_of(key: &[u8]) -> Option<u32> {
+pub(super) fn index_of(key: &[u8]) -> Option<u32> {
     let digits: &[u8; 8] = key.try_into().ok()?;
     digits.iter().try_fold(0u32, |index, &d| {
         let value = match d {

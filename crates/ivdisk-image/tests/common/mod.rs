@@ -293,6 +293,9 @@ pub enum MetadataPlace {
     Bytes(u64),
     /// The value of this omap key.
     OmapKey(Vec<u8>),
+    /// Bytes `at..at + metadata length` of the value of this omap key (`omap-packed`: 16
+    /// sectors per value; no value reads as zeros).
+    OmapValuePart { key: Vec<u8>, at: usize },
     /// No metadata (`none`).
     Nothing,
 }
@@ -311,6 +314,13 @@ pub fn sector_place(image: &Image, lba: u64) -> SectorPlace {
         LayoutKind::Omap => (
             index * ss,
             MetadataPlace::OmapKey(format!("{index:08x}").into_bytes()),
+        ),
+        LayoutKind::OmapPacked => (
+            index * ss,
+            MetadataPlace::OmapValuePart {
+                key: format!("{:08x}", index / 16).into_bytes(),
+                at: (index % 16 * ml) as usize,
+            },
         ),
         LayoutKind::None => (index * ss, MetadataPlace::Nothing),
     };
@@ -350,7 +360,9 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
             offset: *at,
             len: ml as u64,
         }),
-        MetadataPlace::OmapKey(key) => op.step(ReadStep::OmapGetByKeys(vec![key.clone()])),
+        MetadataPlace::OmapKey(key) | MetadataPlace::OmapValuePart { key, .. } => {
+            op.step(ReadStep::OmapGetByKeys(vec![key.clone()]))
+        }
         MetadataPlace::Nothing => op,
     };
     let mut results = image
@@ -368,6 +380,12 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
                 .map_or_else(|| vec![0u8; ml], |(_, v)| v.to_vec()),
             other => panic!("expected omap pairs, got {other:?}"),
         },
+        MetadataPlace::OmapValuePart { at, .. } => match results.next().unwrap() {
+            ReadResult::Omap { pairs, .. } => pairs
+                .first()
+                .map_or_else(|| vec![0u8; ml], |(_, v)| v[*at..*at + ml].to_vec()),
+            other => panic!("expected omap pairs, got {other:?}"),
+        },
         MetadataPlace::Nothing => Vec::new(),
     };
     (data, metadata)
@@ -381,6 +399,20 @@ pub async fn put_raw_sector(image: &Image, lba: u64, data: &[u8], metadata: &[u8
     op = match &place.metadata {
         MetadataPlace::Bytes(at) => op.write(*at, metadata),
         MetadataPlace::OmapKey(key) => op.omap_set(vec![(key.clone(), metadata.to_vec())]),
+        MetadataPlace::OmapValuePart { key, at } => {
+            // The rest of the value as stored (zeros if none: every sector of it unwritten).
+            let read = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![key.clone()]));
+            let stored = image.store().read_op(&place.object, read).await;
+            let value_len = 16 * metadata.len();
+            let mut value = match stored.as_deref() {
+                Ok([ReadResult::Omap { pairs, .. }]) => pairs
+                    .first()
+                    .map_or_else(|| vec![0u8; value_len], |(_, v)| v.to_vec()),
+                _ => vec![0u8; value_len],
+            };
+            value[*at..*at + metadata.len()].copy_from_slice(metadata);
+            op.omap_set(vec![(key.clone(), value)])
+        }
         MetadataPlace::Nothing => op,
     };
     image
@@ -829,6 +861,9 @@ pub struct BlockStore {
     pub writes: std::sync::Mutex<Vec<(String, u64, usize)>>,
     /// (object, number of read steps) of every read operation.
     pub reads: std::sync::Mutex<Vec<(String, usize)>>,
+    /// (object, what) of every omap step, in submission order: `set KEY:LEN,...` (values set),
+    /// `remove KEY,...`, `get KEY,...` (read by keys).
+    pub omap: std::sync::Mutex<Vec<(String, String)>>,
 }
 
 impl BlockStore {
@@ -837,6 +872,7 @@ impl BlockStore {
             inner: ivdisk_store::MemoryStore::new().unwrap(),
             writes: Default::default(),
             reads: Default::default(),
+            omap: Default::default(),
         }
     }
 
@@ -844,7 +880,23 @@ impl BlockStore {
     pub fn clear(&self) {
         self.writes.lock().unwrap().clear();
         self.reads.lock().unwrap().clear();
+        self.omap.lock().unwrap().clear();
     }
+
+    /// What was recorded of `object`'s omap steps.
+    pub fn omap_of(&self, object: &str) -> Vec<String> {
+        let omap = self.omap.lock().unwrap();
+        omap.iter()
+            .filter(|(o, _)| o == object)
+            .map(|(_, what)| what.clone())
+            .collect()
+    }
+}
+
+fn key_list<'a>(keys: impl Iterator<Item = &'a [u8]>) -> String {
+    keys.map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
@@ -855,9 +907,24 @@ ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
     ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
         {
             let mut writes = self.writes.lock().unwrap();
+            let mut omap = self.omap.lock().unwrap();
             for step in &op.steps {
-                if let ivdisk_store::WriteStep::Write { offset, data } = step {
-                    writes.push((object.to_string(), *offset, data.len()));
+                match step {
+                    ivdisk_store::WriteStep::Write { offset, data } => {
+                        writes.push((object.to_string(), *offset, data.len()))
+                    }
+                    ivdisk_store::WriteStep::OmapSet(pairs) => {
+                        let set: Vec<String> = pairs
+                            .iter()
+                            .map(|(k, v)| format!("{}:{}", String::from_utf8_lossy(k), v.len()))
+                            .collect();
+                        omap.push((object.to_string(), format!("set {}", set.join(","))));
+                    }
+                    ivdisk_store::WriteStep::OmapRemoveKeys(keys) => omap.push((
+                        object.to_string(),
+                        format!("remove {}", key_list(keys.iter().map(|k| &k[..]))),
+                    )),
+                    _ => {}
                 }
             }
         }
@@ -874,6 +941,12 @@ ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
             .filter(|s| matches!(s, ReadStep::Read { .. }))
             .count();
         self.reads.lock().unwrap().push((object.to_string(), steps));
+        for step in &op.steps {
+            if let ReadStep::OmapGetByKeys(keys) = step {
+                let what = format!("get {}", key_list(keys.iter().map(|k| &k[..])));
+                self.omap.lock().unwrap().push((object.to_string(), what));
+            }
+        }
         self.inner.read_op(object, op).await
     }
     fn write_unit(&self) -> u64 {
