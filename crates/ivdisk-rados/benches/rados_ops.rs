@@ -30,6 +30,12 @@
 //!   names them): `a` and `e` without the allocation hint. librbd sends the hint only to
 //!   objects its object map says may not exist, so its overwrites of a written image are `h`;
 //!   these two show what the hint costs an overwrite.
+//! - **k** `data-full` and **l** `omap-512-full` (only when `IVDISK_BENCH_CASES` names them):
+//!   `a` and `j`, but a write of a whole object's data (4 MiB) replaces the object with
+//!   `write_full` instead of writing an extent, as librbd does for a write that covers its
+//!   object (`ObjectWriteRequest::add_write_ops`); at smaller sizes they are `a` and `j`.
+//! - **m** `omap-2k` (only when `IVDISK_BENCH_CASES` names it): `j` with values of 64 sectors
+//!   (2 KiB): a quarter of `j`'s values at 256 KiB and up, each four times as large.
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
 //! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
@@ -60,13 +66,14 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j`, default `a,b,c,d`; ratios need `a`),
-//! `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1), `IVDISK_BENCH_OBJECTS`,
-//! `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo test --all-targets` runs
-//! it) it is a smoke test of every case (all ten unless `IVDISK_BENCH_CASES` says otherwise):
-//! one object per case, two operations per case and size at queue depth 2, then one operation
-//! per case read back and compared. `IVDISK_NO_CEPH=1` skips it (it prints `SKIPPED`);
-//! without that, a missing `CEPH_CONF` fails it, as the RADOS tests do.
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m`, default `a,b,c,d`; ratios
+//! need `a`), `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1),
+//! `IVDISK_BENCH_OBJECTS`, `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo
+//! test --all-targets` runs it) it is a smoke test of every case (all thirteen unless
+//! `IVDISK_BENCH_CASES` says otherwise): one object per case, two operations per case and size
+//! at queue depth 2, then one operation per case read back and compared. `IVDISK_NO_CEPH=1`
+//! skips it (it prints `SKIPPED`); without that, a missing `CEPH_CONF` fails it, as the RADOS
+//! tests do.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -106,10 +113,13 @@ enum Case {
     DataUnhinted,
     ObjectEndBlockUnhinted,
     OmapChunk,
+    DataFull,
+    OmapChunkFull,
+    OmapWideChunk,
 }
 
 impl Case {
-    const ALL: [Case; 10] = [
+    const ALL: [Case; 13] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -120,6 +130,9 @@ impl Case {
         Case::DataUnhinted,
         Case::ObjectEndBlockUnhinted,
         Case::OmapChunk,
+        Case::DataFull,
+        Case::OmapChunkFull,
+        Case::OmapWideChunk,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -137,6 +150,9 @@ impl Case {
             Case::DataUnhinted => 'h',
             Case::ObjectEndBlockUnhinted => 'i',
             Case::OmapChunk => 'j',
+            Case::DataFull => 'k',
+            Case::OmapChunkFull => 'l',
+            Case::OmapWideChunk => 'm',
         }
     }
 
@@ -152,30 +168,41 @@ impl Case {
             Case::DataUnhinted => "data-unhinted",
             Case::ObjectEndBlockUnhinted => "object-end-4k-unhinted",
             Case::OmapChunk => "omap-512",
+            Case::DataFull => "data-full",
+            Case::OmapChunkFull => "omap-512-full",
+            Case::OmapWideChunk => "omap-2k",
         }
     }
 
     /// The case whose operations this one sends (the unhinted cases send their hinted
-    /// twin's, without the hint).
+    /// twin's, without the hint; the `-full` cases their twin's, with `write_full` for a whole
+    /// object).
     fn base(self) -> Case {
         match self {
-            Case::DataUnhinted => Case::Data,
+            Case::DataUnhinted | Case::DataFull => Case::Data,
             Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
+            Case::OmapChunkFull => Case::OmapChunk,
             other => other,
         }
     }
 
+    /// Whether a write of a whole object's data goes out as `write_full`.
+    fn writes_full(self) -> bool {
+        matches!(self, Case::DataFull | Case::OmapChunkFull)
+    }
+
     /// Sectors per omap value of the cases that keep whole metadata pieces in omap values.
     fn sectors_per_value(self) -> u64 {
-        match self {
+        match self.base() {
             Case::OmapChunk => 16,
+            Case::OmapWideChunk => 64,
             _ => SECTOR / META,
         }
     }
 
     /// Whether its measured writes carry the allocation hint.
     fn hinted(self) -> bool {
-        self.base() == self
+        !matches!(self, Case::DataUnhinted | Case::ObjectEndBlockUnhinted)
     }
 
     /// What one operation of `size` data bytes writes.
@@ -183,6 +210,13 @@ impl Case {
         let n = size as u64 / SECTOR;
         if !self.hinted() {
             return format!("{}, no allocation hint", self.base().describe(size));
+        }
+        if self.writes_full() {
+            let base = self.base().describe(size);
+            return match size as u64 == OBJECT_DATA {
+                true => format!("{base}, the data by write_full"),
+                false => base,
+            };
         }
         match self {
             Case::Data => format!("1 extent of {size} B"),
@@ -196,7 +230,7 @@ impl Case {
                 let (_, len) = meta_blocks(0, n);
                 format!("{size} B + {len} B (whole 4 KiB blocks) at object end")
             }
-            Case::OmapBlock | Case::OmapChunk => {
+            Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
                 let per = self.sectors_per_value();
                 let values = value_indexes(0, n, per).count();
                 format!(
@@ -212,19 +246,27 @@ impl Case {
                 "1 extent of {} B (data and its groups' metadata blocks)",
                 size as u64 + n / GROUP * SECTOR
             ),
-            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("handled above"),
+            Case::DataUnhinted
+            | Case::ObjectEndBlockUnhinted
+            | Case::DataFull
+            | Case::OmapChunkFull => unreachable!("handled above"),
         }
     }
 
     /// The object's length when written in full.
     fn object_len(self) -> u64 {
         match self.base() {
-            Case::Data | Case::Omap | Case::OmapBlock | Case::OmapChunk => OBJECT_DATA,
+            Case::Data | Case::Omap | Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
+                OBJECT_DATA
+            }
             Case::ObjectEnd | Case::ObjectEndBlock | Case::Grouped => {
                 OBJECT_DATA + SECTORS_PER_OBJECT * META
             }
             Case::Unaligned => SECTORS_PER_OBJECT * RECORD,
-            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("base() is hinted"),
+            Case::DataUnhinted
+            | Case::ObjectEndBlockUnhinted
+            | Case::DataFull
+            | Case::OmapChunkFull => unreachable!("base() is not a variant"),
         }
     }
 
@@ -234,7 +276,10 @@ impl Case {
         let n = size as u64 / SECTOR;
         let block_meta = meta;
         let meta = &meta[..(n * META) as usize];
-        let extent = WriteOp::new().write(first * SECTOR, &data[..size]);
+        let extent = match self.writes_full() && first == 0 && size as u64 == OBJECT_DATA {
+            true => WriteOp::new().step(WriteStep::WriteFull(data[..size].to_vec())),
+            false => WriteOp::new().write(first * SECTOR, &data[..size]),
+        };
         match self.base() {
             Case::Data => extent,
             Case::ObjectEnd => extent.write(OBJECT_DATA + first * META, meta),
@@ -249,7 +294,7 @@ impl Case {
                 let (offset, len) = meta_blocks(first, n);
                 extent.write(offset, &block_meta[..len as usize])
             }
-            Case::OmapBlock | Case::OmapChunk => {
+            Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
                 let per = self.sectors_per_value();
                 extent.omap_set(
                     value_indexes(first, n, per)
@@ -265,7 +310,10 @@ impl Case {
                 }
                 op
             }
-            Case::DataUnhinted | Case::ObjectEndBlockUnhinted => unreachable!("base() is hinted"),
+            Case::DataUnhinted
+            | Case::ObjectEndBlockUnhinted
+            | Case::DataFull
+            | Case::OmapChunkFull => unreachable!("base() is not a variant"),
         }
     }
 }
@@ -358,7 +406,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -492,7 +540,10 @@ async fn prefill(bench: &Arc<Bench>, cases: &[Case]) -> Result<(), StoreError> {
                         .collect::<ivdisk_store::OmapPairs>(),
                 );
             }
-            if matches!(case, Case::OmapBlock | Case::OmapChunk) {
+            if matches!(
+                case,
+                Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk
+            ) {
                 let per = case.sectors_per_value();
                 op = op.omap_set(
                     value_indexes(0, SECTORS_PER_OBJECT, per)
@@ -571,7 +622,7 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
                 (first..first + n).map(omap_key).collect(),
             ))
         }
-        Case::OmapBlock | Case::OmapChunk => {
+        Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
             read = read.step(ReadStep::OmapGetByKeys(
                 value_indexes(first, n, case.sectors_per_value())
                     .map(omap_key)
@@ -590,7 +641,7 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
             assemble(&results[1], meta_at, meta_len) == meta[..meta_len as usize],
             "{what}: the object-end metadata read back differs"
         ),
-        Case::Omap | Case::OmapBlock | Case::OmapChunk => {
+        Case::Omap | Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
             // Per sector (its 32 bytes) or per piece of `sectors_per_value` sectors.
             let expected: ivdisk_store::OmapPairs = match case {
                 Case::Omap => meta[..(n * META) as usize]

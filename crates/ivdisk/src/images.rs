@@ -39,7 +39,7 @@ pub fn image_or_rbd_help() -> String {
 /// Layouts for `ivdisk create --help`.
 pub fn layouts_help() -> String {
     let mut text = String::from(
-        "Layouts (--layout: where each sector's IV/MAC lives; default object-end for suites with \
+        "Layouts (--layout: where each sector's IV/MAC lives; default omap-packed for suites with \
          metadata, none for the others):\n",
     );
     for layout in LayoutKind::ALL {
@@ -87,7 +87,7 @@ pub struct FormatArgs {
     /// Cipher suite (below).
     #[arg(long, default_value = Suite::DEFAULT.name(), value_parser = parse_suite)]
     cipher: Suite,
-    /// Where per-sector metadata lives (below); default object-end, or none for suites
+    /// Where per-sector metadata lives (below); default omap-packed, or none for suites
     /// without metadata.
     #[arg(long, value_parser = |s: &str| s.parse::<LayoutKind>())]
     layout: Option<LayoutKind>,

@@ -34,10 +34,18 @@ fn info_shows_what_create_made_for_each_suite_and_layout() {
         (
             "aegis128l-random",
             None,
-            "object-end",
+            "omap-packed",
             4096,
             None,
             4u64 << 20,
+        ),
+        (
+            "aegis128l-random",
+            Some("object-end"),
+            "object-end",
+            4096,
+            Some("2M"),
+            2 << 20,
         ),
         (
             "aes-xts-random",

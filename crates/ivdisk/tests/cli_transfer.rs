@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use ivdisk_image::{Image, ImageUri, OpenOptions};
-use ivdisk_store::{ObjectName, ObjectStoreExt};
+use ivdisk_store::{ObjectName, ObjectStoreExt, OmapPairs, WriteOp};
 use serde_json::Value;
 
 mod common;
@@ -90,6 +90,24 @@ async fn flip(image: &Image, object: &ObjectName, at: u64) {
     assert_eq!(byte.len(), 1, "{object} holds byte {at}");
     byte[0] ^= 0x40;
     store.write(object, at, &byte).await.unwrap();
+}
+
+/// Flip one byte of an omap value of a stored object.
+async fn flip_omap(image: &Image, object: &ObjectName, key: &[u8], at: usize) {
+    let store = image.store();
+    let pairs = store.omap_all(object).await.unwrap();
+    let (_, mut value) = pairs
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .unwrap_or_else(|| panic!("{object} has no omap key {key:?}"));
+    assert!(at < value.len(), "{object}'s value {key:?} holds byte {at}");
+    value[at] ^= 0x40;
+    let mut pairs = OmapPairs::new();
+    pairs.push(key, &value);
+    store
+        .write_op(object, WriteOp::new().omap_set(pairs))
+        .await
+        .unwrap();
 }
 
 #[test]
@@ -208,12 +226,14 @@ fn verify_names_exactly_the_tampered_sectors() {
     assert!(text.contains("all authentic"), "{text}");
 
     // Ciphertext of LBA 3 (object 0) and LBA 131 (object 8, sector 3), the metadata of LBA
-    // 140 (object 8, sector 12): object-end keeps sector i at i * 4096, metadata after all 16.
+    // 140 (object 8, sector 12): omap-packed (the default layout) keeps sector i at i * 4096,
+    // the metadata of sectors 0-15 in the omap value of key "00000000".
+    assert_eq!(info(&image)["layout"], "omap-packed");
     with_store(&image, b"correct horse", async |image| {
-        let ml = image.suite().metadata_len() as u64;
+        let ml = image.suite().metadata_len();
         flip(image, &image.data_object(0), 3 * SECTOR + 100).await;
         flip(image, &image.data_object(8), 3 * SECTOR).await;
-        flip(image, &image.data_object(8), 16 * SECTOR + 12 * ml + 1).await;
+        flip_omap(image, &image.data_object(8), b"00000000", 12 * ml + 1).await;
     });
     let (out, _) = exits(
         1,
