@@ -55,7 +55,8 @@
 //! `IVDISK_BENCH_QUICK=1` (64 KiB and 1 MiB, 1 window of 0.25 s after 0.1 s, a 128 MiB
 //! image), `IVDISK_BENCH_JSON` (where the samples go; default `target/bench-image/image_io.json`).
 //! Without `--bench` (as `cargo test --all-targets` runs it): one short pass of
-//! aegis128l-random / object-end at 64 KiB on both stores, no JSON.
+//! aegis128l-random with `object-end` and with `omap-packed` (the default layout) at 64 KiB on
+//! both stores, no JSON.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -543,7 +544,7 @@ impl Config {
             // Smoke test (cargo test --all-targets): every code path once, briefly.
             return Config {
                 suites: vec![Suite::Aegis128lRandom],
-                layouts: vec![LayoutKind::ObjectEnd],
+                layouts: vec![LayoutKind::ObjectEnd, LayoutKind::OmapPacked],
                 stores: default_stores.to_vec(),
                 sizes: vec![64 << 10],
                 rws: vec![Rw::Read, Rw::Write],
