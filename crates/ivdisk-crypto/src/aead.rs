@@ -16,7 +16,7 @@ use crate::evp::{ContextPool, Direction};
 #[cfg(target_arch = "x86_64")]
 use crate::ffi::aegis128l_one::OneMessage;
 use crate::io::Io;
-use crate::rng::NonceSource;
+use crate::rng::{NonceSource, RunNonces};
 use crate::suite::{
     append_by_zeroing, append_slots_piecewise, check_key_len, check_out_of_place, check_run,
     check_sector_size, check_slots, check_whole_sectors, decrypt_slots_apart,
@@ -147,26 +147,26 @@ impl AeadSuite {
     fn seal_lanes<'a>(
         &self,
         key: &[u8; 16],
+        nonces: &RunNonces,
         first_sector: u64,
         data: Io<'a>,
         metadata: &mut [u8],
-    ) -> Result<(usize, Io<'a>), CryptoError> {
+    ) -> (usize, Io<'a>) {
         use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         // A shift: sector sizes are powers of two (`check_run`).
         let grouped = (data.len() >> ss.trailing_zeros()) / LANES * LANES;
         if grouped == 0 || !available() {
-            return Ok((0, data));
+            return (0, data);
         }
         let (head, rest) = data.split_at(grouped * ss);
-        let mut drawn = GroupNonces::new(self, first_sector, grouped);
         let groups = head
             .chunks(LANES * ss)
             .zip(metadata.chunks_exact_mut(LANES * md_len));
         for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
             let aads = self.group_aads(base);
-            let nonces = drawn.group(g)?;
+            let nonces = group_nonces(nonces, base);
             let tags = crypt4(
                 key,
                 nonces.each_ref(),
@@ -180,7 +180,7 @@ impl AeadSuite {
                 md[16..16 + TAG_LEN].copy_from_slice(tag);
             }
         }
-        Ok((grouped, rest))
+        (grouped, rest)
     }
 
     /// Open the run's leading groups of four sectors with the four-lane AEGIS-128L, zeroing and
@@ -220,56 +220,14 @@ impl AeadSuite {
     }
 }
 
-/// Sectors whose nonces [`GroupNonces`] draws at once: 1 KiB on the stack.
+/// The nonces of the group of four sectors from `base`.
 #[cfg(target_arch = "x86_64")]
-const NONCE_DRAW: usize = 64;
-// Groups never straddle two draws.
-#[cfg(target_arch = "x86_64")]
-const _: () = assert!(NONCE_DRAW.is_multiple_of(crate::ffi::aegis128l_vaes::LANES));
-
-/// The nonces of a run's groups of four sectors, drawn [`NONCE_DRAW`] sectors at a time into
-/// a buffer on the stack. Why: at 20 GB/s a call into the generator per group showed, and so
-/// did a heap buffer for the whole run (its `calloc` and `free` in 64 KiB writes).
-#[cfg(target_arch = "x86_64")]
-struct GroupNonces<'s> {
-    suite: &'s AeadSuite,
-    first_sector: u64,
-    grouped: usize,
-    drawn: [u8; NONCE_DRAW * 16],
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<'s> GroupNonces<'s> {
-    fn new(suite: &'s AeadSuite, first_sector: u64, grouped: usize) -> Self {
-        GroupNonces {
-            suite,
-            first_sector,
-            grouped,
-            drawn: [0; NONCE_DRAW * 16],
-        }
-    }
-
-    /// The nonces of group `g` (groups are asked for in order).
-    fn group(
-        &mut self,
-        g: usize,
-    ) -> Result<[[u8; 16]; crate::ffi::aegis128l_vaes::LANES], CryptoError> {
-        use crate::ffi::aegis128l_vaes::LANES;
-        let sector = g * LANES;
-        let at = sector % NONCE_DRAW;
-        if at == 0 {
-            let n = (self.grouped - sector).min(NONCE_DRAW);
-            let first = self.first_sector + sector as u64;
-            self.suite
-                .nonces
-                .fill_each(first, &mut self.drawn[..n * 16], 16)?;
-        }
-        Ok(std::array::from_fn(|i| {
-            self.drawn[(at + i) * 16..][..16]
-                .try_into()
-                .expect("16 bytes")
-        }))
-    }
+fn group_nonces(nonces: &RunNonces, base: u64) -> [[u8; 16]; crate::ffi::aegis128l_vaes::LANES] {
+    std::array::from_fn(|i| {
+        let mut nonce = [0u8; 16];
+        nonces.fill(base + i as u64, &mut nonce);
+        nonce
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -280,12 +238,13 @@ impl AeadSuite {
     fn seal_singles<'a>(
         &self,
         key: &[u8; 16],
+        nonces: &RunNonces,
         first_sector: u64,
         data: Io<'a>,
         metadata: &mut [u8],
-    ) -> Result<(usize, Io<'a>), CryptoError> {
+    ) -> (usize, Io<'a>) {
         let Some(kernel) = self.aegis128l_one else {
-            return Ok((0, data));
+            return (0, data);
         };
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let (mut rest, mut done) = (data, 0);
@@ -294,14 +253,14 @@ impl AeadSuite {
             rest = tail;
             let number = first_sector + done as u64;
             let (nonce, md) = metadata[done * md_len..][..md_len].split_at_mut(16);
-            self.nonces.fill(number, nonce)?;
+            nonces.fill(number, nonce);
             let nonce: &[u8; 16] = (&*nonce).try_into().expect("16-byte nonce");
             let tag = kernel.seal(key, nonce, &aad(&self.image_id, number), sector);
             md[..TAG_LEN].copy_from_slice(&tag);
             md[TAG_LEN..].fill(0);
             done += 1;
         }
-        Ok((done, rest))
+        (done, rest)
     }
 
     /// Open the sectors the four-lane code left one at a time with the one-message AEGIS-128L,
@@ -357,18 +316,18 @@ impl AeadSuite {
         plaintext: &[u8],
         slots: &mut [std::mem::MaybeUninit<u8>],
     ) -> Result<(), CryptoError> {
+        let nonces = self.nonces.run(first_sector, self.nonce_len())?;
         use crate::ffi::aegis128l_vaes::{crypt4, LANES};
         use crate::ffi::spare::write_copy;
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let sectors = plaintext.len() / ss;
         let grouped = sectors / LANES * LANES;
-        let mut drawn = GroupNonces::new(self, first_sector, grouped);
         let mut inputs = plaintext.chunks_exact(ss);
         let mut outputs = slots.chunks_exact_mut(ss + md_len);
         for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
             let aads = self.group_aads(base);
-            let nonces = drawn.group(g)?;
+            let nonces = group_nonces(&nonces, base);
             let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
                 let input = inputs.next().expect("a whole group of sectors");
                 let (data, meta) = outputs.next().expect("a slot per sector").split_at_mut(ss);
@@ -395,7 +354,7 @@ impl AeadSuite {
             let mut md = [0u8; 64];
             let md = &mut md[..md_len];
             let number = first_sector + (grouped + i) as u64;
-            self.seal_run(number, Io::fresh(input, data), md)?;
+            self.seal_run_with(&nonces, number, Io::fresh(input, data), md)?;
             write_copy(meta, md);
         }
         Ok(())
@@ -508,8 +467,21 @@ fn split_lanes(group: Io<'_>, sector_size: usize) -> [Io<'_>; 4] {
 }
 
 impl AeadSuite {
+    /// Seal a run of consecutive sectors, their nonces counting up from one random value.
     fn seal_run(
         &self,
+        first_sector: u64,
+        data: Io<'_>,
+        metadata: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let nonces = self.nonces.run(first_sector, self.nonce_len())?;
+        self.seal_run_with(&nonces, first_sector, data, metadata)
+    }
+
+    /// [`AeadSuite::seal_run`] with the nonces of the run this one is part of.
+    fn seal_run_with(
+        &self,
+        nonces: &RunNonces,
         first_sector: u64,
         data: Io<'_>,
         metadata: &mut [u8],
@@ -532,25 +504,26 @@ impl AeadSuite {
             Engine::Gcm(gcm) => {
                 return gcm.encrypt.with(|ctx| {
                     self.seal_each(first_sector, data, metadata, |number, sector, md| {
-                        self.gcm_seal_sector(gcm, ctx, number, sector, md)
+                        self.gcm_seal_sector(gcm, ctx, nonces, number, sector, md)
                     })
                 });
             }
             Engine::Aegis256(key) => {
                 return self.seal_each(first_sector, data, metadata, |number, sector, md| {
-                    self.aegis256_seal_sector(key, number, sector, md)
+                    self.aegis256_seal_sector(key, nonces, number, sector, md)
                 });
             }
             #[cfg(target_arch = "x86_64")]
             Engine::Aegis128L(key) => {
-                let (lanes, rest) = self.seal_lanes(key, first_sector, data, metadata)?;
+                let (lanes, rest) = self.seal_lanes(key, nonces, first_sector, data, metadata);
                 // Wraps only when no sector is left (a run ending at u64::MAX).
                 let (singles, rest) = self.seal_singles(
                     key,
+                    nonces,
                     first_sector.wrapping_add(lanes as u64),
                     rest,
                     &mut metadata[lanes * md_len..],
-                )?;
+                );
                 (lanes + singles, rest)
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -566,7 +539,7 @@ impl AeadSuite {
             let number = first_sector + (done + i) as u64;
             let aad = aad(&self.image_id, number);
             let (nonce, rest) = md.split_at_mut(nonce_len);
-            self.nonces.fill(number, nonce)?;
+            nonces.fill(number, nonce);
             let tag = match &self.engine {
                 Engine::Aegis128L(key) => aegis128l_seal(key, nonce, &aad, sector),
                 Engine::Aegis256(_) | Engine::Gcm(_) => {
@@ -655,12 +628,13 @@ impl AeadSuite {
     fn aegis256_seal_sector(
         &self,
         key: &[u8; 32],
+        nonces: &RunNonces,
         number: u64,
         sector: &mut Io<'_>,
         md: &mut [u8],
     ) -> Result<(), CryptoError> {
         let (nonce, rest) = md.split_at_mut(32);
-        self.nonces.fill(number, nonce)?;
+        nonces.fill(number, nonce);
         let nonce: &[u8; 32] = (&*nonce).try_into().expect("AEGIS-256 nonce is 32 bytes");
         let tag = crate::ffi::aegis256::seal(key, nonce, &aad(&self.image_id, number), sector);
         put_tag(rest, &tag);
@@ -691,12 +665,13 @@ impl AeadSuite {
         &self,
         gcm: &GcmEngine,
         ctx: &mut CipherCtxRef,
+        nonces: &RunNonces,
         number: u64,
         sector: &mut Io<'_>,
         md: &mut [u8],
     ) -> Result<(), CryptoError> {
         let (nonce, rest) = md.split_at_mut(GCM_NONCE_LEN);
-        self.nonces.fill(number, nonce)?;
+        nonces.fill(number, nonce);
         let aad = aad(&self.image_id, number);
         let tag = gcm_seal(&gcm.encrypt, ctx, nonce, &aad, sector)?;
         put_tag(rest, &tag);
@@ -911,19 +886,21 @@ impl crate::SectorCipher for AeadSuite {
         if let Engine::Gcm(gcm) = &self.engine {
             let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
             self.reserve_writes((plaintext.len() / self.sector_size) as u64)?;
+            let nonces = self.nonces.run(first_sector, self.nonce_len())?;
             return crate::ffi::spare::append_written(slots, len, |spare| {
                 gcm.encrypt.with(|ctx| {
                     self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
-                        self.gcm_seal_sector(gcm, ctx, number, sector, md)
+                        self.gcm_seal_sector(gcm, ctx, &nonces, number, sector, md)
                     })
                 })
             });
         }
         if let Engine::Aegis256(key) = &self.engine {
             let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
+            let nonces = self.nonces.run(first_sector, self.nonce_len())?;
             return crate::ffi::spare::append_written(slots, len, |spare| {
                 self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
-                    self.aegis256_seal_sector(key, number, sector, md)
+                    self.aegis256_seal_sector(key, &nonces, number, sector, md)
                 })
             });
         }

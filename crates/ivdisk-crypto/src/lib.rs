@@ -33,7 +33,7 @@ mod xts;
 pub use aead::GCM_RANDOM_NONCE_WRITE_LIMIT;
 pub use error::CryptoError;
 pub use key::VolumeKey;
-pub use rng::fill_random;
+pub use rng::{fill_random, nonce_add};
 pub use suite::{CipherParams, ImageId, SectorCipher, Suite};
 
 use rng::NonceSource;

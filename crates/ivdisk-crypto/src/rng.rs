@@ -199,18 +199,128 @@ impl NonceSource {
         match self {
             NonceSource::Random => fill_random(out),
             NonceSource::SectorNumber => {
-                out.fill(0);
-                let n = out.len().min(8);
-                out[..n].copy_from_slice(&sector.to_le_bytes()[..n]);
+                sector_number_nonce(sector, out);
                 Ok(())
             }
         }
+    }
+
+    /// The nonces of one run of consecutive sectors from `first_sector`, sealed together:
+    /// one random value of `nonce_len` bytes for the run (at most [`MAX_RUN_NONCE`]).
+    pub(crate) fn run(self, first_sector: u64, nonce_len: usize) -> Result<RunNonces, CryptoError> {
+        let mut base = [0u8; MAX_RUN_NONCE];
+        if self == NonceSource::Random {
+            fill_random(&mut base[..nonce_len])?;
+        }
+        Ok(RunNonces {
+            source: self,
+            first_sector,
+            base,
+            nonce_len,
+        })
+    }
+}
+
+fn sector_number_nonce(sector: u64, out: &mut [u8]) {
+    out.fill(0);
+    let n = out.len().min(8);
+    out[..n].copy_from_slice(&sector.to_le_bytes()[..n]);
+}
+
+/// The longest nonce [`NonceSource::run`] draws (AEGIS-256's).
+pub(crate) const MAX_RUN_NONCE: usize = 32;
+
+/// The nonces of one run of consecutive sectors sealed together: sector `first + i` gets the
+/// run's random value plus `i` (little endian, wrapping within the nonce's bytes).
+///
+/// Why not a fresh random nonce per sector: on RADOS the metadata's bytes cost the OSDs in
+/// proportion to their size, and consecutive nonces let the `omap-packed` layout store a run of
+/// sectors' nonces as one (docs/CRYPTO.md, "Nonces of one write"). The AEAD suites need nonces
+/// that never repeat under one key, not unpredictable ones; the runs' random starting points keep
+/// the chance that two runs overlap at most what independent nonces per sector would give.
+#[derive(Debug)]
+pub(crate) struct RunNonces {
+    source: NonceSource,
+    first_sector: u64,
+    base: [u8; MAX_RUN_NONCE],
+    nonce_len: usize,
+}
+
+impl RunNonces {
+    /// The nonce of `sector` (a sector of the run) into `out` (`nonce_len` bytes).
+    pub(crate) fn fill(&self, sector: u64, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), self.nonce_len);
+        match self.source {
+            NonceSource::Random => {
+                out.copy_from_slice(&self.base[..out.len()]);
+                nonce_add(out, sector.wrapping_sub(self.first_sector));
+            }
+            NonceSource::SectorNumber => sector_number_nonce(sector, out),
+        }
+    }
+
+    /// The nonces of consecutive sectors from `first_sector`, `nonce_len` bytes each, packed
+    /// in `out`.
+    #[cfg(test)]
+    pub(crate) fn fill_each(&self, first_sector: u64, out: &mut [u8]) {
+        for (i, nonce) in out.chunks_exact_mut(self.nonce_len).enumerate() {
+            self.fill(first_sector + i as u64, nonce);
+        }
+    }
+}
+
+/// `bytes += value` as a little-endian number, wrapping at its width.
+pub fn nonce_add(bytes: &mut [u8], value: u64) {
+    let mut carry = value as u128;
+    for b in bytes.iter_mut() {
+        if carry == 0 {
+            break;
+        }
+        let sum = *b as u128 + (carry & 0xff);
+        *b = sum as u8;
+        carry = (carry >> 8) + (sum >> 8);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_le_carries_and_wraps() {
+        let mut n = [0xff, 0xff, 0x01, 0x00];
+        nonce_add(&mut n, 1);
+        assert_eq!(n, [0x00, 0x00, 0x02, 0x00]);
+        let mut n = [0xfe, 0xff, 0xff, 0xff];
+        nonce_add(&mut n, 3);
+        assert_eq!(n, [0x01, 0x00, 0x00, 0x00], "wraps at the nonce's width");
+        let mut n = [0u8; 16];
+        nonce_add(&mut n, u64::MAX);
+        assert_eq!(n[..8], [0xff; 8]);
+        assert_eq!(n[8..], [0; 8]);
+        nonce_add(&mut n, 1);
+        assert_eq!(n[..9], [0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn a_runs_nonces_count_up_from_one_random_value() {
+        let run = NonceSource::Random.run(100, 16).unwrap();
+        let other = NonceSource::Random.run(100, 16).unwrap();
+        let mut a = [0u8; 16 * 8];
+        run.fill_each(100, &mut a);
+        let mut b = [0u8; 16 * 8];
+        other.fill_each(100, &mut b);
+        assert_ne!(a[..16], b[..16], "two runs draw different values");
+        for (i, nonce) in a.chunks_exact(16).enumerate() {
+            let mut expected: [u8; 16] = a[..16].try_into().unwrap();
+            nonce_add(&mut expected, i as u64);
+            assert_eq!(nonce, expected, "sector {}", 100 + i);
+        }
+        // A sector asked for alone gets the nonce it has in the run.
+        let mut one = [0u8; 16];
+        run.fill(103, &mut one);
+        assert_eq!(one, a[3 * 16..4 * 16]);
+    }
 
     #[test]
     fn handed_out_bytes_are_wiped_and_refills_rekey() {

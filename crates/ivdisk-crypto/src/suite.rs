@@ -61,6 +61,20 @@ impl Suite {
         }
     }
 
+    /// Bytes at the start of each sector's metadata that hold its nonce, where the sectors
+    /// sealed in one run get consecutive nonces (the run's random value plus the sector's place
+    /// in the run, [`crate::nonce_add`]); 0 for suites whose metadata is not such a nonce. A
+    /// layout may store a run's nonces as its first one (`omap-packed` does).
+    pub const fn counted_nonce_len(self) -> usize {
+        match self {
+            // aes-xts-random stores R = AES^-1(K_t, U), which does not count up.
+            Suite::AesXtsPlain64 | Suite::AesHctr2Plain64 | Suite::AesXtsRandom => 0,
+            Suite::Aegis128lRandom => 16,
+            Suite::AesGcmRandom => 12,
+            Suite::Aegis256Random => 32,
+        }
+    }
+
     /// Accepted volume key lengths in bytes; the first is the default.
     pub const fn key_lens(self) -> &'static [usize] {
         match self {

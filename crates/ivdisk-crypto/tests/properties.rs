@@ -710,3 +710,55 @@ fn plain64_sectors_up_to_the_last_one_have_their_own_tweak() {
         }
     }
 }
+
+/// The sectors of one run get consecutive nonces (`Suite::counted_nonce_len`): the first
+/// sector's nonce plus the sector's place in the run, through every way in (in place, out of
+/// place, appended, into slots) and across the four-lane groups; another run starts elsewhere.
+#[test]
+fn a_runs_nonces_count_up() {
+    for config in configs().filter(|c| c.suite.counted_nonce_len() > 0) {
+        let (ss, ml) = (config.sector_size, config.suite.metadata_len());
+        let nl = config.suite.counted_nonce_len();
+        let c = cipher(config, &key(config, 7), image_id(7));
+        for count in [1usize, 3, 4, 5, 17, 64] {
+            let first = 1000 + count as u64;
+            let plain = bytes(count as u64, count * ss);
+            let mut runs: Vec<(&str, Vec<u8>)> = vec![("in place", encrypt(&*c, first, &plain).1)];
+            let (mut ct, mut md) = (vec![0u8; plain.len()], vec![0u8; count * ml]);
+            c.encrypt_sectors_to(first, &plain, &mut ct, &mut md)
+                .unwrap();
+            runs.push(("out of place", md));
+            let mut md = vec![0u8; count * ml];
+            c.encrypt_sectors_append(first, &plain, &mut Vec::new(), &mut md)
+                .unwrap();
+            runs.push(("appended", md));
+            let mut slots = Vec::new();
+            c.encrypt_sectors_append_slots(first, &plain, &mut slots)
+                .unwrap();
+            let md = slots
+                .chunks_exact(ss + ml)
+                .flat_map(|s| s[ss..].to_vec())
+                .collect();
+            runs.push(("slots", md));
+            for (how, md) in &runs {
+                let base = &md[..nl];
+                for i in 0..count {
+                    let mut expected = base.to_vec();
+                    ivdisk_crypto::nonce_add(&mut expected, i as u64);
+                    assert_eq!(
+                        &md[i * ml..][..nl],
+                        &expected[..],
+                        "{config:?} {how}: nonce of sector {i} of {count}"
+                    );
+                }
+            }
+            let firsts: std::collections::HashSet<&[u8]> =
+                runs.iter().map(|(_, md)| &md[..nl]).collect();
+            assert_eq!(
+                firsts.len(),
+                runs.len(),
+                "{config:?}: two runs began at one nonce"
+            );
+        }
+    }
+}

@@ -564,6 +564,7 @@ impl Image {
         let geometry = ObjectGeometry {
             sector_size: spec.sector_size,
             metadata_len: spec.suite.metadata_len(),
+            nonce_len: spec.suite.counted_nonce_len(),
             sectors_per_object: (spec.object_size / spec.sector_size as u64) as u32,
         };
         let writable_head = !(spec.read_only || spec.snapshot.is_some());

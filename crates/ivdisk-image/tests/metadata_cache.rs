@@ -233,8 +233,9 @@ async fn omap_packed_writes_one_whole_value_per_run_and_loads_it_first() {
     assert_eq!(read_sector(&image, 4).await, sector(0));
     assert!(store.omap_of(&object).len() == 1, "no omap reads");
 
-    // Whole runs need no load; a run discarded whole loses its key; a discarded sector
-    // zeroes its part of the value and keeps the others.
+    // Whole runs need no load, and their sectors, sealed in one run, are stored compact
+    // (their nonces count up: 32 + 15 x 16 bytes); a run discarded whole loses its key; a
+    // discarded sector zeroes its part of the value and keeps the others (in full form).
     let second = image.data_object(1).to_string();
     store.clear();
     let run = vec![9u8; 16 * SS as usize];
@@ -242,7 +243,7 @@ async fn omap_packed_writes_one_whole_value_per_run_and_loads_it_first() {
     image.write(OBJECT_SIZE + 48 * SS, &run).await.unwrap();
     assert_eq!(
         store.omap_of(&second),
-        vec!["set 00000002:512", "set 00000003:512"]
+        vec!["set 00000002:272", "set 00000003:272"]
     );
     store.clear();
     image.discard(OBJECT_SIZE + 32 * SS, 16 * SS).await.unwrap();

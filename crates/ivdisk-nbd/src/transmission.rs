@@ -112,12 +112,12 @@ where
         };
         let mut payload = Vec::new();
         if request.command == CMD_WRITE {
-            payload = vec![0u8; request.length as usize];
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-                read = reader.read_exact(&mut payload) => if let Err(e) = read {
-                    break Err(io(e));
+                read = read_payload(&mut reader, request.length as usize) => match read {
+                    Ok(read) => payload = read,
+                    Err(e) => break Err(io(e)),
                 },
             }
         }
@@ -163,6 +163,24 @@ where
         .await
         .expect("the budget semaphore is never closed");
     ending
+}
+
+/// Read a write's `len`-byte payload into a buffer that is not zeroed first: the bytes read
+/// fill it. Why: zeroing a fresh 4 MiB buffer (and faulting in its pages) showed as 4-5% of
+/// the server's CPU under 4 MiB writes on RADOS (docs/BENCHMARKS.md, "Smaller metadata for
+/// large writes").
+async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    len: usize,
+) -> std::io::Result<Vec<u8>> {
+    let mut payload = Vec::with_capacity(len);
+    let mut limited = (&mut *reader).take(len as u64);
+    while payload.len() < len {
+        if limited.read_buf(&mut payload).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(payload)
 }
 
 /// Read a request header; `Ok(false)` on a clean end of stream before its first byte.

@@ -36,6 +36,11 @@
 //!   object (`ObjectWriteRequest::add_write_ops`); at smaller sizes they are `a` and `j`.
 //! - **m** `omap-2k` (only when `IVDISK_BENCH_CASES` names it): `j` with values of 64 sectors
 //!   (2 KiB): a quarter of `j`'s values at 256 KiB and up, each four times as large.
+//! - **n** `omap-256` (only when `IVDISK_BENCH_CASES` names it): `j` with 16 bytes per sector
+//!   (256-byte values): what metadata of half the size (a tag without its nonce) would cost.
+//! - **o** `omap-one-32` (only when `IVDISK_BENCH_CASES` names it): the data plus one 32-byte
+//!   omap value whatever the size (always the same key): what an omap value costs a write apart
+//!   from its bytes.
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
 //! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
@@ -66,10 +71,10 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m`, default `a,b,c,d`; ratios
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m,n,o`, default `a,b,c,d`; ratios
 //! need `a`), `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1),
 //! `IVDISK_BENCH_OBJECTS`, `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo
-//! test --all-targets` runs it) it is a smoke test of every case (all thirteen unless
+//! test --all-targets` runs it) it is a smoke test of every case (all fifteen unless
 //! `IVDISK_BENCH_CASES` says otherwise): one object per case, two operations per case and size
 //! at queue depth 2, then one operation per case read back and compared. `IVDISK_NO_CEPH=1`
 //! skips it (it prints `SKIPPED`); without that, a missing `CEPH_CONF` fails it, as the RADOS
@@ -116,10 +121,12 @@ enum Case {
     DataFull,
     OmapChunkFull,
     OmapWideChunk,
+    OmapHalf,
+    OmapOne,
 }
 
 impl Case {
-    const ALL: [Case; 13] = [
+    const ALL: [Case; 15] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -133,6 +140,8 @@ impl Case {
         Case::DataFull,
         Case::OmapChunkFull,
         Case::OmapWideChunk,
+        Case::OmapHalf,
+        Case::OmapOne,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -153,6 +162,8 @@ impl Case {
             Case::DataFull => 'k',
             Case::OmapChunkFull => 'l',
             Case::OmapWideChunk => 'm',
+            Case::OmapHalf => 'n',
+            Case::OmapOne => 'o',
         }
     }
 
@@ -171,6 +182,8 @@ impl Case {
             Case::DataFull => "data-full",
             Case::OmapChunkFull => "omap-512-full",
             Case::OmapWideChunk => "omap-2k",
+            Case::OmapHalf => "omap-256",
+            Case::OmapOne => "omap-one-32",
         }
     }
 
@@ -196,7 +209,21 @@ impl Case {
         match self.base() {
             Case::OmapChunk => 16,
             Case::OmapWideChunk => 64,
+            Case::OmapHalf => 16,
+            // One value for the whole object: every write sets the same single key.
+            Case::OmapOne => SECTORS_PER_OBJECT,
             _ => SECTOR / META,
+        }
+    }
+
+    /// Bytes per omap value of those cases.
+    fn value_len(self) -> u64 {
+        match self.base() {
+            // 16 bytes per sector: a tag without its nonce.
+            Case::OmapHalf => self.sectors_per_value() * 16,
+            // 32 bytes whatever the write's size: what any omap value costs, without its bytes.
+            Case::OmapOne => META,
+            _ => self.sectors_per_value() * META,
         }
     }
 
@@ -230,13 +257,17 @@ impl Case {
                 let (_, len) = meta_blocks(0, n);
                 format!("{size} B + {len} B (whole 4 KiB blocks) at object end")
             }
-            Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
+            Case::OmapBlock
+            | Case::OmapChunk
+            | Case::OmapWideChunk
+            | Case::OmapHalf
+            | Case::OmapOne => {
                 let per = self.sectors_per_value();
                 let values = value_indexes(0, n, per).count();
                 format!(
                     "{size} B + {values} omap key{} (8 B + {} B of metadata)",
                     if values == 1 { "" } else { "s" },
-                    per * META
+                    self.value_len()
                 )
             }
             Case::Grouped if n < GROUP => {
@@ -256,9 +287,13 @@ impl Case {
     /// The object's length when written in full.
     fn object_len(self) -> u64 {
         match self.base() {
-            Case::Data | Case::Omap | Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
-                OBJECT_DATA
-            }
+            Case::Data
+            | Case::Omap
+            | Case::OmapBlock
+            | Case::OmapChunk
+            | Case::OmapWideChunk
+            | Case::OmapHalf
+            | Case::OmapOne => OBJECT_DATA,
             Case::ObjectEnd | Case::ObjectEndBlock | Case::Grouped => {
                 OBJECT_DATA + SECTORS_PER_OBJECT * META
             }
@@ -294,11 +329,15 @@ impl Case {
                 let (offset, len) = meta_blocks(first, n);
                 extent.write(offset, &block_meta[..len as usize])
             }
-            Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
+            Case::OmapBlock
+            | Case::OmapChunk
+            | Case::OmapWideChunk
+            | Case::OmapHalf
+            | Case::OmapOne => {
                 let per = self.sectors_per_value();
                 extent.omap_set(
                     value_indexes(first, n, per)
-                        .zip(block_meta.chunks((per * META) as usize))
+                        .zip(block_meta.chunks(self.value_len() as usize))
                         .map(|(index, value)| (omap_key(index), value))
                         .collect::<ivdisk_store::OmapPairs>(),
                 )
@@ -406,7 +445,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m,n,o"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -542,12 +581,16 @@ async fn prefill(bench: &Arc<Bench>, cases: &[Case]) -> Result<(), StoreError> {
             }
             if matches!(
                 case,
-                Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk
+                Case::OmapBlock
+                    | Case::OmapChunk
+                    | Case::OmapWideChunk
+                    | Case::OmapHalf
+                    | Case::OmapOne
             ) {
                 let per = case.sectors_per_value();
                 op = op.omap_set(
                     value_indexes(0, SECTORS_PER_OBJECT, per)
-                        .zip(bench.meta.chunks((per * META) as usize))
+                        .zip(bench.meta.chunks(case.value_len() as usize))
                         .map(|(index, value)| (omap_key(index), value))
                         .collect::<ivdisk_store::OmapPairs>(),
                 );
@@ -622,7 +665,11 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
                 (first..first + n).map(omap_key).collect(),
             ))
         }
-        Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
+        Case::OmapBlock
+        | Case::OmapChunk
+        | Case::OmapWideChunk
+        | Case::OmapHalf
+        | Case::OmapOne => {
             read = read.step(ReadStep::OmapGetByKeys(
                 value_indexes(first, n, case.sectors_per_value())
                     .map(omap_key)
@@ -641,7 +688,12 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
             assemble(&results[1], meta_at, meta_len) == meta[..meta_len as usize],
             "{what}: the object-end metadata read back differs"
         ),
-        Case::Omap | Case::OmapBlock | Case::OmapChunk | Case::OmapWideChunk => {
+        Case::Omap
+        | Case::OmapBlock
+        | Case::OmapChunk
+        | Case::OmapWideChunk
+        | Case::OmapHalf
+        | Case::OmapOne => {
             // Per sector (its 32 bytes) or per piece of `sectors_per_value` sectors.
             let expected: ivdisk_store::OmapPairs = match case {
                 Case::Omap => meta[..(n * META) as usize]
@@ -652,7 +704,7 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
                 _ => {
                     let per = case.sectors_per_value();
                     value_indexes(first, n, per)
-                        .zip(meta.chunks((per * META) as usize))
+                        .zip(meta.chunks(case.value_len() as usize))
                         .map(|(index, v)| (omap_key(index), v))
                         .collect()
                 }

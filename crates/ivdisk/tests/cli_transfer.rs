@@ -225,15 +225,28 @@ fn verify_names_exactly_the_tampered_sectors() {
     let (text, _) = exits(0, &["verify", p(&image), "--passphrase-file", p(&f.pw)]);
     assert!(text.contains("all authentic"), "{text}");
 
-    // Ciphertext of LBA 3 (object 0) and LBA 131 (object 8, sector 3), the metadata of LBA
-    // 140 (object 8, sector 12): omap-packed (the default layout) keeps sector i at i * 4096,
-    // the metadata of sectors 0-15 in the omap value of key "00000000".
+    // Ciphertext of LBA 3 (object 0) and LBA 131 (object 8, sector 3), the tag of LBA 140
+    // (object 8, sector 12), and the nonce that LBAs 64-79 (object 4) share: omap-packed (the
+    // default layout) keeps sector i at i * 4096, the metadata of sectors 0-15 in the omap
+    // value of key "00000000", and import seals each 16-sector object in one run, so that value
+    // is compact (the first sector's nonce and tag, then the other 15 sectors' tags).
     assert_eq!(info(&image)["layout"], "omap-packed");
     with_store(&image, b"correct horse", async |image| {
         let ml = image.suite().metadata_len();
+        let nl = image.suite().counted_nonce_len();
+        for object in [4, 8] {
+            let omap = image.store().omap_all(&image.data_object(object)).await;
+            assert_eq!(
+                omap.unwrap()[0].1.len(),
+                ml + 15 * (ml - nl),
+                "object {object}"
+            );
+        }
         flip(image, &image.data_object(0), 3 * SECTOR + 100).await;
         flip(image, &image.data_object(8), 3 * SECTOR).await;
-        flip_omap(image, &image.data_object(8), b"00000000", 12 * ml + 1).await;
+        let tag_of_12 = ml + 11 * (ml - nl);
+        flip_omap(image, &image.data_object(8), b"00000000", tag_of_12 + 1).await;
+        flip_omap(image, &image.data_object(4), b"00000000", 2).await;
     });
     let (out, _) = exits(
         1,
@@ -241,13 +254,12 @@ fn verify_names_exactly_the_tampered_sectors() {
     );
     let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["ok"], false);
-    assert_eq!(report["bad_lbas"], serde_json::json!([3, 131, 140]));
-    assert_eq!(
-        report["bad_offsets"],
-        serde_json::json!([3 * SECTOR, 131 * SECTOR, 140 * SECTOR])
-    );
+    let bad: Vec<u64> = [3].into_iter().chain(64..80).chain([131, 140]).collect();
+    assert_eq!(report["bad_lbas"], serde_json::json!(bad));
+    let offsets: Vec<u64> = bad.iter().map(|lba| lba * SECTOR).collect();
+    assert_eq!(report["bad_offsets"], serde_json::json!(offsets));
     let (text, _) = exits(1, &["verify", p(&image), "--passphrase-file", p(&f.pw)]);
-    assert!(text.contains("3 of 52 sector(s)"), "{text}");
+    assert!(text.contains("19 of 52 sector(s)"), "{text}");
     // Exit code 1 is not a crash: the store was closed first (its clean-stop marker is there).
     assert!(
         image.join("CLEAN").exists(),

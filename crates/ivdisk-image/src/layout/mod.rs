@@ -164,11 +164,14 @@ impl FromStr for LayoutKind {
 }
 
 /// The shape of one data object: sectors of `sector_size` bytes, `metadata_len` bytes of
-/// metadata each, `sectors_per_object` of them.
+/// metadata each, `sectors_per_object` of them. The first `nonce_len` bytes of a sector's
+/// metadata are a nonce that counts up across the sectors sealed in one run
+/// (`Suite::counted_nonce_len`; 0: none), which a layout may store once per run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ObjectGeometry {
     pub sector_size: usize,
     pub metadata_len: usize,
+    pub nonce_len: usize,
     pub sectors_per_object: u32,
 }
 

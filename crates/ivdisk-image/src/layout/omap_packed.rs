@@ -15,7 +15,18 @@
 //! region at [`VIRTUAL_REGION`] (never sent to a store: [`OmapPacked::lower`] turns its
 //! steps into omap steps) and loads a value before a write that needs it. Reads without the
 //! cache (read-only opens, snapshots) fetch the values of their runs.
+//!
+//! A value whose sectors' nonces count up from its first sector's (the sectors were sealed in
+//! one run: a write covering the whole run, `Suite::counted_nonce_len`) is stored compact:
+//! the first sector's metadata whole, then for each further sector its metadata without the
+//! nonce. For AEGIS-128L that is 16 + 16 x 16 = 272 bytes instead of 512. Why: on RADOS the
+//! metadata's bytes cost the OSDs in proportion to their size (docs/BENCHMARKS.md, RADOS
+//! bench cases `j`, `n` and `o`), and large writes set many values. A reader tells the two
+//! forms apart by length (they differ whenever the run has two sectors and the suite a counted
+//! nonce); the compact form is lossless, so the cache and the cipher only ever see full
+//! metadata. A changed byte of the first nonce fails every sector of the run, still detected.
 
+use ivdisk_crypto::nonce_add;
 use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
 use super::object_end::{discard_apart, write_apart};
@@ -24,6 +35,12 @@ use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
 
 /// Sectors whose metadata share one omap value.
 pub(crate) const SECTORS_PER_VALUE: u32 = 16;
+
+/// The most metadata bytes per sector this layout stores compact (the longest suite has 48).
+const MAX_METADATA_LEN: usize = 64;
+
+/// The most nonce bytes per sector that count up (AEGIS-256's 32).
+const MAX_NONCE_LEN: usize = 32;
 
 /// Where the metadata cache places this layout's metadata region: past any object's data, so
 /// a step there is always metadata; [`OmapPacked::lower`] maps it to omap values.
@@ -56,6 +73,59 @@ impl OmapPacked {
     fn value_len_of(&self, run: u32) -> usize {
         let start = run as usize * self.value_len();
         (start + self.value_len()).min(self.region_len()) - start
+    }
+
+    /// Bytes of run `run`'s value in compact form, if it has one (two sectors or more, and a
+    /// counted nonce).
+    fn compact_len_of(&self, run: u32) -> Option<usize> {
+        let (ml, nl) = (self.0.metadata_len, self.0.nonce_len);
+        let sectors = self.value_len_of(run) / ml;
+        (nl > 0 && nl < ml && sectors >= 2 && ml <= MAX_METADATA_LEN && nl <= MAX_NONCE_LEN)
+            .then(|| ml + (sectors - 1) * (ml - nl))
+    }
+
+    /// `value` (a full value of run `run`) in compact form into `out`, if its sectors' nonces
+    /// count up from the first one's; the compact bytes.
+    fn compact<'o>(&self, run: u32, value: &[u8], out: &'o mut [u8]) -> Option<&'o [u8]> {
+        let len = self.compact_len_of(run)?;
+        let (ml, nl) = (self.0.metadata_len, self.0.nonce_len);
+        let mut nonce = [0u8; MAX_NONCE_LEN];
+        let nonce = &mut nonce[..nl];
+        nonce.copy_from_slice(&value[..nl]);
+        for sector in value.chunks_exact(ml).skip(1) {
+            nonce_add(nonce, 1);
+            if sector[..nl] != *nonce {
+                return None;
+            }
+        }
+        let out = &mut out[..len];
+        out[..ml].copy_from_slice(&value[..ml]);
+        for (rest, sector) in out[ml..]
+            .chunks_exact_mut(ml - nl)
+            .zip(value.chunks_exact(ml).skip(1))
+        {
+            rest.copy_from_slice(&sector[nl..]);
+        }
+        Some(out)
+    }
+
+    /// The full value of run `run` from its compact form `stored` into `out`.
+    fn expand(&self, run: u32, stored: &[u8], out: &mut [u8]) {
+        let (ml, nl) = (self.0.metadata_len, self.0.nonce_len);
+        let out = &mut out[..self.value_len_of(run)];
+        out[..ml].copy_from_slice(&stored[..ml]);
+        let mut nonce = [0u8; MAX_NONCE_LEN];
+        let nonce = &mut nonce[..nl];
+        nonce.copy_from_slice(&stored[..nl]);
+        for (sector, rest) in out
+            .chunks_exact_mut(ml)
+            .skip(1)
+            .zip(stored[ml..].chunks_exact(ml - nl))
+        {
+            nonce_add(nonce, 1);
+            sector[..nl].copy_from_slice(nonce);
+            sector[nl..].copy_from_slice(rest);
+        }
     }
 
     /// The runs holding sectors `first..first + count`.
@@ -107,12 +177,22 @@ impl OmapPacked {
                 ));
             }
             let expected = self.value_len_of(run);
-            if value.len() != expected {
+            let mut expanded = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
+            let value = if value.len() == expected {
+                value
+            } else if Some(value.len()) == self.compact_len_of(run) {
+                self.expand(run, value, &mut expanded);
+                &expanded[..expected]
+            } else {
+                let compact = match self.compact_len_of(run) {
+                    Some(len) => format!(" (or {len} compact)"),
+                    None => String::new(),
+                };
                 return Err(format!(
-                    "omap value of run {run} holds {} bytes, not {expected}",
+                    "omap value of run {run} holds {} bytes, not {expected}{compact}",
                     value.len()
                 ));
-            }
+            };
             let start = run as usize * self.value_len();
             let lo = start.max(base);
             let hi = (start + value.len()).min(base + out.len());
@@ -154,8 +234,11 @@ impl OmapPacked {
             let run = (offset / v) as u32;
             match data {
                 Some(data) if offset.is_multiple_of(v) && data.len() == self.value_len_of(run) => {
+                    let mut compact = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
                     if data.iter().all(|&b| b == 0) {
                         removed.push(key(run));
+                    } else if let Some(compact) = self.compact(run, data, &mut compact) {
+                        set.push(&key(run), compact);
                     } else {
                         set.push(&key(run), data);
                     }
@@ -266,6 +349,7 @@ mod tests {
         OmapPacked(ObjectGeometry {
             sector_size: 4096,
             metadata_len: 32,
+            nonce_len: 16,
             sectors_per_object: 40,
         })
     }
@@ -307,6 +391,115 @@ mod tests {
         assert!(
             matches!(&steps[3], WriteStep::OmapRemoveKeys(k) if k == &vec![b"00000001".to_vec()])
         );
+    }
+
+    /// Full metadata of `sectors` sectors sealed in one run: nonces counting up from one that
+    /// carries into its second byte, tags that differ per sector.
+    fn one_run(sectors: usize) -> Vec<u8> {
+        let mut value = Vec::new();
+        for i in 0..sectors {
+            let mut nonce = [0xf0u8; 16];
+            nonce[0] = 0xf8;
+            nonce_add(&mut nonce, i as u64);
+            value.extend_from_slice(&nonce);
+            value.extend_from_slice(&[i as u8 + 1; 16]);
+        }
+        value
+    }
+
+    fn stored_values(steps: &[WriteStep]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let [WriteStep::OmapSet(set)] = steps else {
+            panic!("{steps:?}")
+        };
+        set.to_vec()
+    }
+
+    #[test]
+    fn a_run_sealed_at_once_is_stored_compact_and_reads_back_whole() {
+        let l = layout();
+        let full = one_run(16);
+        let mut steps = vec![WriteStep::Write {
+            offset: VIRTUAL_REGION + 512,
+            data: full.clone(),
+        }];
+        l.lower(&mut steps).expect("a whole value");
+        let stored = stored_values(&steps);
+        assert_eq!(stored[0].0, b"00000001");
+        let compact = &stored[0].1;
+        assert_eq!(
+            compact.len(),
+            32 + 15 * 16,
+            "first sector whole, then tags only"
+        );
+        assert_eq!(compact[..32], full[..32]);
+        assert_eq!(
+            compact[32..48],
+            [2u8; 16],
+            "the second sector's tag follows"
+        );
+        // Read back: any part of the run, from the compact value, is the full metadata.
+        let mut pairs = OmapPairs::new();
+        pairs.push(b"00000001", compact);
+        let result = || {
+            Some(ReadResult::Omap {
+                pairs: pairs.clone(),
+                more: false,
+            })
+        };
+        assert_eq!(l.fetched_bytes(result(), &(512..1024)).unwrap(), full);
+        let mut part = vec![0u8; 3 * 32];
+        l.place_values(result(), 512 + 5 * 32, &mut part).unwrap();
+        assert_eq!(part, full[5 * 32..8 * 32]);
+
+        // The last run's 8 sectors: compact too (32 + 7 x 16 bytes).
+        let mut steps = vec![WriteStep::Write {
+            offset: VIRTUAL_REGION + 1024,
+            data: one_run(8),
+        }];
+        l.lower(&mut steps).unwrap();
+        assert_eq!(stored_values(&steps)[0].1.len(), 32 + 7 * 16);
+    }
+
+    #[test]
+    fn a_run_whose_nonces_do_not_count_up_is_stored_whole() {
+        let l = layout();
+        // One sector rewritten later (another nonce), or one never written (zeros).
+        for changed in [3usize, 0, 15] {
+            let mut value = one_run(16);
+            value[changed * 32] ^= 0x55;
+            let mut steps = vec![WriteStep::Write {
+                offset: VIRTUAL_REGION,
+                data: value.clone(),
+            }];
+            l.lower(&mut steps).unwrap();
+            assert_eq!(
+                stored_values(&steps)[0].1,
+                value,
+                "sector {changed} changed"
+            );
+        }
+        let mut value = one_run(16);
+        value[7 * 32..8 * 32].fill(0);
+        let mut steps = vec![WriteStep::Write {
+            offset: VIRTUAL_REGION,
+            data: value.clone(),
+        }];
+        l.lower(&mut steps).unwrap();
+        assert_eq!(stored_values(&steps)[0].1, value);
+        // Suites without a counted nonce never compact.
+        let xts = OmapPacked(ObjectGeometry {
+            metadata_len: 16,
+            nonce_len: 0,
+            ..l.0
+        });
+        assert_eq!(xts.compact_len_of(0), None);
+        // A value of neither length is refused, naming both.
+        let mut pairs = OmapPairs::new();
+        pairs.push(b"00000000", &[1u8; 300]);
+        let err = l
+            .fetched_bytes(Some(ReadResult::Omap { pairs, more: false }), &(0..512))
+            .unwrap_err();
+        assert!(err.contains("300 bytes, not 512 (or 272 compact)"), "{err}");
     }
 
     #[test]

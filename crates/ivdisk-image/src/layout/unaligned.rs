@@ -120,6 +120,7 @@ mod tests {
                 let layout = Unaligned(ObjectGeometry {
                     sector_size,
                     metadata_len: suite.metadata_len(),
+                    nonce_len: suite.counted_nonce_len(),
                     sectors_per_object: 1024,
                 });
                 for sectors in [1, 3, 8, 9, 70, 131] {

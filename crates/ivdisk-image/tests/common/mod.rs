@@ -381,14 +381,42 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
             other => panic!("expected omap pairs, got {other:?}"),
         },
         MetadataPlace::OmapValuePart { at, .. } => match results.next().unwrap() {
-            ReadResult::Omap { pairs, .. } => pairs
-                .first()
-                .map_or_else(|| vec![0u8; ml], |(_, v)| v[*at..*at + ml].to_vec()),
+            ReadResult::Omap { pairs, .. } => pairs.first().map_or_else(
+                || vec![0u8; ml],
+                |(_, v)| full_packed_value(image, lba, v)[*at..*at + ml].to_vec(),
+            ),
             other => panic!("expected omap pairs, got {other:?}"),
         },
         MetadataPlace::Nothing => Vec::new(),
     };
     (data, metadata)
+}
+
+/// The full form of an `omap-packed` value as stored (the value of sector `lba`'s run): a
+/// compact value (the run's sectors sealed at once, their nonces counting up) is the first
+/// sector's metadata, then each further sector's metadata without its nonce.
+pub fn full_packed_value(image: &Image, lba: u64, stored: &[u8]) -> Vec<u8> {
+    let ml = image.suite().metadata_len();
+    let nl = image.suite().counted_nonce_len();
+    let spo = image.object_size() / image.sector_size() as u64;
+    let run_start = lba % spo / 16 * 16;
+    let sectors = (spo - run_start).min(16) as usize;
+    if stored.len() == sectors * ml {
+        return stored.to_vec();
+    }
+    assert!(
+        nl > 0 && stored.len() == ml + (sectors - 1) * (ml - nl),
+        "omap-packed value of {} bytes for {sectors} sectors of {ml} bytes",
+        stored.len()
+    );
+    let mut full = stored[..ml].to_vec();
+    let mut nonce = stored[..nl].to_vec();
+    for rest in stored[ml..].chunks_exact(ml - nl) {
+        ivdisk_crypto::nonce_add(&mut nonce, 1);
+        full.extend_from_slice(&nonce);
+        full.extend_from_slice(rest);
+    }
+    full
 }
 
 /// Store `data` and `metadata` as sector `lba`'s, in one operation (as an attacker with
@@ -405,11 +433,13 @@ pub async fn put_raw_sector(image: &Image, lba: u64, data: &[u8], metadata: &[u8
             let stored = image.store().read_op(&place.object, read).await;
             let value_len = 16 * metadata.len();
             let mut value = match stored.as_deref() {
-                Ok([ReadResult::Omap { pairs, .. }]) => pairs
-                    .first()
-                    .map_or_else(|| vec![0u8; value_len], |(_, v)| v.to_vec()),
+                Ok([ReadResult::Omap { pairs, .. }]) => pairs.first().map_or_else(
+                    || vec![0u8; value_len],
+                    |(_, v)| full_packed_value(image, lba, v),
+                ),
                 _ => vec![0u8; value_len],
             };
+            // Stored back in full form, which every reader takes.
             value[*at..*at + metadata.len()].copy_from_slice(metadata);
             op.omap_set(vec![(key.clone(), value)])
         }
