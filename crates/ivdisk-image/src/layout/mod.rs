@@ -58,9 +58,10 @@ impl LayoutKind {
     /// The layout new images get when the user names none: `omap-packed` for suites with
     /// metadata, `none` for those without. `omap-packed` because on RADOS its writes cost the
     /// OSDs what librbd LUKS2's do up to 64 KiB, where `object-end`'s second extent costs them
-    /// 11-15% more, and random writes of VMs are mostly that small; it ties with `object-end`
-    /// from 128 KiB to 1 MiB, loses 3-9% at 2-4 MiB, and ties on the local store
-    /// (docs/BENCHMARKS.md, "omap-packed as the default").
+    /// 11-15% more, and random writes of VMs are mostly that small; from 128 KiB to 4 MiB,
+    /// with its compact values, it is within a few percent of `object-end` either way, and
+    /// ties on the local store (docs/BENCHMARKS.md, "omap-packed as the default" and
+    /// "Smaller metadata for large writes").
     pub fn default_for(metadata_len: usize) -> LayoutKind {
         if metadata_len == 0 {
             LayoutKind::None
