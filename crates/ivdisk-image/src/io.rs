@@ -16,6 +16,7 @@ use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutco
 use crate::image::{Image, Inner};
 use crate::layout::{extent_bytes, take_or_place_extents, Decoded};
 use crate::metadata_cache::{MetadataCache, ReadPlan};
+use crate::range_lock::RangeGuard;
 use crate::ImageError;
 
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
@@ -98,6 +99,25 @@ impl Inner {
             lba += count;
         }
         out
+    }
+
+    /// The one piece of `[offset, offset + len)` when that is whole sectors inside one object
+    /// (not empty).
+    fn whole_sectors_in_one_object(&self, offset: u64, len: u64) -> Option<Piece> {
+        let ss = self.sector_size as u64;
+        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
+            return None;
+        }
+        let per_object = self.sectors_per_object();
+        let (lba, count) = (offset / ss, len / ss);
+        let global = self.data_offset / ss + lba;
+        let index = global % per_object;
+        (index + count <= per_object).then_some(Piece {
+            object: global / per_object,
+            index: index as u32,
+            count: count as u32,
+            lba,
+        })
     }
 
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<(), ImageError> {
@@ -748,6 +768,31 @@ impl Image {
             .await
     }
 
+    /// [`Image::write`] of a buffer the caller hands over (the NBD server's write payload).
+    /// Whole sectors inside one object, the usual case, are encrypted in place in `data`,
+    /// which then goes to the store as the data of the object's operation: no second buffer
+    /// of the write's size. Anything else is written as [`Image::write`] writes it.
+    pub async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let ss = inner.sector_size as u64;
+        let len = data.len() as u64;
+        let Some(piece) = inner.whole_sectors_in_one_object(offset, len) else {
+            return self.write(offset, &data).await;
+        };
+        let Some(_held) = self.lock_for_write(offset, len).await? else {
+            return Ok(());
+        };
+        inner.reserve_nonces(len / ss).await?;
+        let mut op = WriteOp::new();
+        op.snap_context = inner.snap_context();
+        let first = piece.lba + inner.iv_sector_base;
+        inner
+            .layout
+            .write_encrypted_owned(&mut op.steps, piece.index, &*inner.cipher, first, data)
+            .map_err(ImageError::crypto(&inner.name))?;
+        inner.write_piece(piece, op).await
+    }
+
     /// Make `[offset, offset + len)` read as zeros and free its space where the store can
     /// (whole objects are removed). Partial sectors at the ends are zeroed in place.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), ImageError> {
@@ -773,20 +818,34 @@ impl Image {
         self.modify(offset, len, fill).await
     }
 
-    async fn modify(&self, offset: u64, len: u64, fill: Fill<'_>) -> Result<(), ImageError> {
+    /// Check that `[offset, offset + len)` may be written and hold its sectors against every
+    /// other write touching them. `None`: nothing to write (`len` is 0).
+    async fn lock_for_write(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<RangeGuard<'_>>, ImageError> {
         let inner = &self.inner;
         inner.check_writable()?;
         inner.check_range(offset, len)?;
         if len == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let ss = inner.sector_size as u64;
-        let _held = inner
+        let held = inner
             .ranges
             .lock(offset / ss, (offset + len).div_ceil(ss))
             .await;
         // The image may have shrunk while we waited.
         inner.check_range(offset, len)?;
+        Ok(Some(held))
+    }
+
+    async fn modify(&self, offset: u64, len: u64, fill: Fill<'_>) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let Some(_held) = self.lock_for_write(offset, len).await? else {
+            return Ok(());
+        };
         if let Fill::Zeros = fill {
             // Bounded memory: at most a batch of objects' worth of encrypted zeros at once.
             let step = inner.object_size * OBJECTS_IN_FLIGHT as u64;

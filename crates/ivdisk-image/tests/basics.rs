@@ -95,6 +95,10 @@ async fn second_writer_is_refused_and_readers_are_not() {
         reader.write(0, &b).await,
         Err(ImageError::ReadOnly { .. })
     ));
+    assert!(matches!(
+        reader.write_owned(0, b.to_vec()).await,
+        Err(ImageError::ReadOnly { .. })
+    ));
     // Breaking the lock makes the old writer refuse writes once its renewal notices.
     let broken = Image::break_lock(&uri).await.unwrap();
     assert!(broken.is_some());
@@ -118,6 +122,19 @@ async fn bad_input() {
     .unwrap();
     let err = image.write((1 << 20) - 10, &[1u8; 11]).await.unwrap_err();
     assert!(matches!(err, ImageError::OutOfRange { .. }), "{err}");
+    // The same through `write_owned`: whole sectors inside one object past the end (the path
+    // that encrypts in place), and whole sectors across the end: refused, nothing written.
+    for (offset, len) in [(1 << 20, 512), ((1 << 20) - 512, 1024)] {
+        let err = image.write_owned(offset, vec![1u8; len]).await.unwrap_err();
+        assert!(matches!(err, ImageError::OutOfRange { .. }), "{err}");
+    }
+    let mut tail = vec![9u8; 512];
+    image.read((1 << 20) - 512, &mut tail).await.unwrap();
+    assert!(
+        tail.iter().all(|&b| b == 0),
+        "a refused write left bytes behind"
+    );
+    image.write_owned(4096, Vec::new()).await.unwrap();
     image.write(5, &[]).await.unwrap();
     let err = Image::open(&uri, b"wrong", &OpenOptions::read_only())
         .await

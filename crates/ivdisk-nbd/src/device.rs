@@ -83,6 +83,12 @@ pub trait BlockDevice: Send + Sync + 'static {
     /// Make every completed write durable.
     async fn flush(&self) -> Result<(), DeviceError>;
 
+    /// [`BlockDevice::write`] of a buffer the server hands over (a write's payload), which the
+    /// device may use as its own instead of copying it (an ivdisk image encrypts it in place).
+    async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {
+        self.write(offset, &data).await
+    }
+
     /// Refuses writes (the export is advertised read-only).
     fn read_only(&self) -> bool {
         false

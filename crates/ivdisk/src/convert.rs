@@ -686,7 +686,7 @@ async fn copy(
                 if all_zero(&buf) {
                     return Ok((piece.len, false));
                 }
-                image.write(piece.offset, &buf).await.map_err(flat)?;
+                image.write_owned(piece.offset, buf).await.map_err(flat)?;
                 Ok((piece.len, true))
             })
         })

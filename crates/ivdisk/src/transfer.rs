@@ -280,8 +280,10 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
                 if all_zero(&buf) {
                     return Ok((n, 0));
                 }
-                image.write(offset, &buf).await.map_err(flat)?;
-                anyhow::Ok((n, buf.len() as u64))
+                let stored = buf.len() as u64;
+                // Handed over: encrypted in place, no second buffer.
+                image.write_owned(offset, buf).await.map_err(flat)?;
+                anyhow::Ok((n, stored))
             })
         })
         .buffer_unordered(IN_FLIGHT);

@@ -203,6 +203,25 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// [`SectorLayout::write_encrypted`] for a plaintext the caller hands over (the NBD
+    /// server's write payload): by default encrypted in place and stored as it is, so a write
+    /// needs no second buffer of its size (for 4 MiB writes, fresh memory the kernel zeroes
+    /// page by page). A layout that stores the ciphertext rearranged overrides this too.
+    fn write_encrypted_owned(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        cipher: &dyn SectorCipher,
+        first_sector: u64,
+        mut plaintext: Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        let sectors = plaintext.len() / cipher.sector_size();
+        let mut metadata = vec![0u8; sectors * cipher.metadata_len()];
+        cipher.encrypt_sectors(first_sector, &mut plaintext, &mut metadata)?;
+        self.write(steps, first, plaintext, metadata);
+        Ok(())
+    }
+
     /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no
     /// metadata key), freeing space where the store can.
     fn discard(&self, steps: &mut Vec<WriteStep>, first: u32, count: u32);

@@ -64,6 +64,19 @@ impl SectorLayout for Unaligned {
         Ok(())
     }
 
+    /// Slots are built from the plaintext whatever owns it: the caller's buffer cannot hold
+    /// them.
+    fn write_encrypted_owned(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        cipher: &dyn SectorCipher,
+        first_sector: u64,
+        plaintext: Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        self.write_encrypted(steps, first, cipher, first_sector, &plaintext)
+    }
+
     fn discard(&self, steps: &mut Vec<WriteStep>, first: u32, count: u32) {
         steps.push(WriteStep::Zero {
             offset: first as u64 * self.slot() as u64,

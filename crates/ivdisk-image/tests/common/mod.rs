@@ -598,6 +598,9 @@ impl Case {
 enum Op {
     Read(u64, u64),
     Write(u64, u64),
+    /// `Image::write_owned`: the buffer handed over (encrypted in place when it is whole
+    /// sectors of one object).
+    WriteOwned(u64, u64),
     Discard(u64, u64),
     WriteZeroes(u64, u64, bool),
     Flush,
@@ -656,7 +659,8 @@ fn pick_op(rng: &mut Rng, size: u64, ss: u64, os: u64) -> Op {
     let (offset, len) = pick_range(rng, size, ss, os);
     match rng.below(100) {
         0..=29 => Op::Read(offset, len),
-        30..=64 => Op::Write(offset, len),
+        30..=49 => Op::Write(offset, len),
+        50..=64 => Op::WriteOwned(offset, len),
         65..=76 => Op::Discard(offset, len),
         77..=86 => Op::WriteZeroes(offset, len, true),
         87..=96 => Op::WriteZeroes(offset, len, false),
@@ -735,6 +739,11 @@ pub async fn run(case: &Case, uri: &ImageUri, seed: u64) -> Result<(), String> {
                 let r = image.write(offset, &data).await;
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                 r
+            }
+            Op::WriteOwned(offset, len) => {
+                let data = rng.bytes(len as usize);
+                model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                image.write_owned(offset, data).await
             }
             Op::Discard(offset, len) => {
                 let r = image.discard(offset, len).await;
