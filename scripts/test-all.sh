@@ -24,7 +24,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 CEPH_DEV_CLUSTER=$ROOT/scripts/ceph-dev-cluster
 
-log() { printf '\n== %s\n' "$*" >&2; }
+# Each step with the time since the start (CI must stay under 30 minutes: where it goes).
+START_S=$SECONDS
+log() { printf '\n== [%dm%02ds] %s\n' $(((SECONDS - START_S) / 60)) $(((SECONDS - START_S) % 60)) "$*" >&2; }
 die() {
   printf '\ntest-all.sh: error: %s\n' "$*" >&2
   exit 1
