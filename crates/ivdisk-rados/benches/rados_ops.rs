@@ -41,6 +41,13 @@
 //! - **o** `omap-one-32` (only when `IVDISK_BENCH_CASES` names it): the data plus one 32-byte
 //!   omap value whatever the size (always the same key): what an omap value costs a write apart
 //!   from its bytes.
+//! - **p** `object-end-17` (only when `IVDISK_BENCH_CASES` names it): `b` with 17 bytes of
+//!   metadata per sector (`4 MiB + sector x 17`), the size of `omap-packed`'s compact values
+//!   (a 16-byte tag per sector, one 16-byte first nonce per 16 sectors): the same bytes as an
+//!   extent instead of omap values.
+//! - **q** `object-end-17-full` (only when `IVDISK_BENCH_CASES` names it): `p`, but a write of
+//!   a whole object's data replaces the object with one `write_full` of the data followed by
+//!   its metadata (4 MiB + 17 KiB in one extent, no small extent of its own).
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
 //! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
@@ -71,10 +78,10 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m,n,o`, default `a,b,c,d`; ratios
-//! need `a`), `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1),
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q`, default `a,b,c,d`;
+//! ratios need `a`), `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1),
 //! `IVDISK_BENCH_OBJECTS`, `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo
-//! test --all-targets` runs it) it is a smoke test of every case (all fifteen unless
+//! test --all-targets` runs it) it is a smoke test of every case (all seventeen unless
 //! `IVDISK_BENCH_CASES` says otherwise): one object per case, two operations per case and size
 //! at queue depth 2, then one operation per case read back and compared. `IVDISK_NO_CEPH=1`
 //! skips it (it prints `SKIPPED`); without that, a missing `CEPH_CONF` fails it, as the RADOS
@@ -100,6 +107,9 @@ const QUEUE_DEPTH: usize = 32;
 const SECTOR: u64 = 4096;
 /// Metadata per sector: a 16-byte IV/nonce and a 16-byte tag.
 const META: u64 = 32;
+/// Metadata per sector in `omap-packed`'s compact values: a 16-byte tag, and one 16-byte
+/// first nonce per 16 sectors.
+const COMPACT: u64 = 17;
 /// An unaligned-layout record: a sector followed by its metadata.
 const RECORD: u64 = SECTOR + META;
 const SECTORS_PER_OBJECT: u64 = 1024;
@@ -123,10 +133,12 @@ enum Case {
     OmapWideChunk,
     OmapHalf,
     OmapOne,
+    ObjectEndCompact,
+    ObjectEndCompactFull,
 }
 
 impl Case {
-    const ALL: [Case; 15] = [
+    const ALL: [Case; 17] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -142,6 +154,8 @@ impl Case {
         Case::OmapWideChunk,
         Case::OmapHalf,
         Case::OmapOne,
+        Case::ObjectEndCompact,
+        Case::ObjectEndCompactFull,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -164,6 +178,8 @@ impl Case {
             Case::OmapWideChunk => 'm',
             Case::OmapHalf => 'n',
             Case::OmapOne => 'o',
+            Case::ObjectEndCompact => 'p',
+            Case::ObjectEndCompactFull => 'q',
         }
     }
 
@@ -184,6 +200,8 @@ impl Case {
             Case::OmapWideChunk => "omap-2k",
             Case::OmapHalf => "omap-256",
             Case::OmapOne => "omap-one-32",
+            Case::ObjectEndCompact => "object-end-17",
+            Case::ObjectEndCompactFull => "object-end-17-full",
         }
     }
 
@@ -195,13 +213,17 @@ impl Case {
             Case::DataUnhinted | Case::DataFull => Case::Data,
             Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
             Case::OmapChunkFull => Case::OmapChunk,
+            Case::ObjectEndCompactFull => Case::ObjectEndCompact,
             other => other,
         }
     }
 
     /// Whether a write of a whole object's data goes out as `write_full`.
     fn writes_full(self) -> bool {
-        matches!(self, Case::DataFull | Case::OmapChunkFull)
+        matches!(
+            self,
+            Case::DataFull | Case::OmapChunkFull | Case::ObjectEndCompactFull
+        )
     }
 
     /// Sectors per omap value of the cases that keep whole metadata pieces in omap values.
@@ -241,6 +263,10 @@ impl Case {
         if self.writes_full() {
             let base = self.base().describe(size);
             return match size as u64 == OBJECT_DATA {
+                true if self == Case::ObjectEndCompactFull => format!(
+                    "write_full of {} B (data, then metadata)",
+                    OBJECT_DATA + SECTORS_PER_OBJECT * COMPACT
+                ),
                 true => format!("{base}, the data by write_full"),
                 false => base,
             };
@@ -248,6 +274,7 @@ impl Case {
         match self {
             Case::Data => format!("1 extent of {size} B"),
             Case::ObjectEnd => format!("{size} B + {} B at object end", n * META),
+            Case::ObjectEndCompact => format!("{size} B + {} B at object end", n * COMPACT),
             Case::Omap => format!(
                 "{size} B + {n} omap key{} (8 B + {META} B)",
                 if n == 1 { "" } else { "s" }
@@ -280,7 +307,8 @@ impl Case {
             Case::DataUnhinted
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
-            | Case::OmapChunkFull => unreachable!("handled above"),
+            | Case::OmapChunkFull
+            | Case::ObjectEndCompactFull => unreachable!("handled above"),
         }
     }
 
@@ -297,11 +325,13 @@ impl Case {
             Case::ObjectEnd | Case::ObjectEndBlock | Case::Grouped => {
                 OBJECT_DATA + SECTORS_PER_OBJECT * META
             }
+            Case::ObjectEndCompact => OBJECT_DATA + SECTORS_PER_OBJECT * COMPACT,
             Case::Unaligned => SECTORS_PER_OBJECT * RECORD,
             Case::DataUnhinted
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
-            | Case::OmapChunkFull => unreachable!("base() is not a variant"),
+            | Case::OmapChunkFull
+            | Case::ObjectEndCompactFull => unreachable!("base() is not a variant"),
         }
     }
 
@@ -311,13 +341,24 @@ impl Case {
         let n = size as u64 / SECTOR;
         let block_meta = meta;
         let meta = &meta[..(n * META) as usize];
-        let extent = match self.writes_full() && first == 0 && size as u64 == OBJECT_DATA {
+        let whole = self.writes_full() && first == 0 && size as u64 == OBJECT_DATA;
+        if whole && self == Case::ObjectEndCompactFull {
+            let mut one = Vec::with_capacity((self.object_len()) as usize);
+            one.extend_from_slice(&data[..size]);
+            one.extend_from_slice(&block_meta[..(n * COMPACT) as usize]);
+            return WriteOp::new().step(WriteStep::WriteFull(one));
+        }
+        let extent = match whole {
             true => WriteOp::new().step(WriteStep::WriteFull(data[..size].to_vec())),
             false => WriteOp::new().write(first * SECTOR, &data[..size]),
         };
         match self.base() {
             Case::Data => extent,
             Case::ObjectEnd => extent.write(OBJECT_DATA + first * META, meta),
+            Case::ObjectEndCompact => extent.write(
+                OBJECT_DATA + first * COMPACT,
+                &block_meta[..(n * COMPACT) as usize],
+            ),
             Case::Omap => extent.omap_set(
                 meta.chunks(META as usize)
                     .zip(first..)
@@ -352,7 +393,8 @@ impl Case {
             Case::DataUnhinted
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
-            | Case::OmapChunkFull => unreachable!("base() is not a variant"),
+            | Case::OmapChunkFull
+            | Case::ObjectEndCompactFull => unreachable!("base() is not a variant"),
         }
     }
 }
@@ -445,7 +487,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m,n,o"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -651,10 +693,11 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
     let mut read = ReadOp::new().step(ReadStep::Read { offset, len });
     let (meta_at, meta_len) = match case {
         Case::ObjectEndBlock => (block_at, block_len),
+        Case::ObjectEndCompact => (OBJECT_DATA + first * COMPACT, n * COMPACT),
         _ => (OBJECT_DATA + first * META, n * META),
     };
     match case {
-        Case::ObjectEnd | Case::ObjectEndBlock => {
+        Case::ObjectEnd | Case::ObjectEndBlock | Case::ObjectEndCompact => {
             read = read.step(ReadStep::Read {
                 offset: meta_at,
                 len: meta_len,
@@ -684,7 +727,7 @@ async fn check(bench: &Bench, case: Case, size: usize, seed: u64) -> Result<(), 
         "{what}: the extent read back differs from the one written"
     );
     match case {
-        Case::ObjectEnd | Case::ObjectEndBlock => assert!(
+        Case::ObjectEnd | Case::ObjectEndBlock | Case::ObjectEndCompact => assert!(
             assemble(&results[1], meta_at, meta_len) == meta[..meta_len as usize],
             "{what}: the object-end metadata read back differs"
         ),
