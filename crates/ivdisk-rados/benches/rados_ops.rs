@@ -48,6 +48,16 @@
 //! - **q** `object-end-17-full` (only when `IVDISK_BENCH_CASES` names it): `p`, but a write of
 //!   a whole object's data replaces the object with one `write_full` of the data followed by
 //!   its metadata (4 MiB + 17 KiB in one extent, no small extent of its own).
+//! - **r** `tail-17-read-both` and **s** `omap-256-read-both` (only when `IVDISK_BENCH_CASES`
+//!   names them; for `IVDISK_BENCH_RW=read`): objects written as `p` and as `n`, read the way a
+//!   layout that kept metadata in both places (omap values, and a whole object's compact
+//!   metadata at its end) would have to read them: the data, the omap values of its sectors
+//!   and their 17-byte entries at the object's end in one operation. `r`'s objects have no
+//!   values, `s`'s no tail (that read goes past the object's end).
+//!
+//! `IVDISK_BENCH_RW=read` measures reads instead of writes: for each case, one read operation
+//! of what its writes store (the data extent, and the metadata extent or the omap values of
+//! those sectors), on the prefilled objects. `g` has no read form.
 //!
 //! Objects are laid out as the layouts would: 1024 sectors per object, so 4 MiB of data (b, e and
 //! g: 4 MiB + 32 KiB; d: 1024 x 4128 bytes). Each case has its own `IVDISK_BENCH_OBJECTS` objects
@@ -78,12 +88,14 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SIZES` (KiB, comma-separated, powers of two from 4 to 4096),
-//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q`, default `a,b,c,d`;
+//! `IVDISK_BENCH_CASES` (a subset of `a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q,r,s`, default `a,b,c,d`;
 //! ratios need `a`), `IVDISK_BENCH_WARMUP` (seconds per case and size, default 1),
-//! `IVDISK_BENCH_OBJECTS`, `IVDISK_RADOS_POOL` (default `rbd`). Without `--bench` (as `cargo
-//! test --all-targets` runs it) it is a smoke test of every case (all seventeen unless
-//! `IVDISK_BENCH_CASES` says otherwise): one object per case, two operations per case and size
-//! at queue depth 2, then one operation per case read back and compared. `IVDISK_NO_CEPH=1`
+//! `IVDISK_BENCH_OBJECTS`, `IVDISK_RADOS_POOL` (default `rbd`), `IVDISK_BENCH_RW` (`write`,
+//! the default, or `read`). Without `--bench` (as `cargo
+//! test --all-targets` runs it) it is a smoke test of every case (all nineteen unless
+//! `IVDISK_BENCH_CASES` says otherwise): one object per case, two write operations per case and
+//! size at queue depth 2, two of its read operations (but `g`), then one write per case read
+//! back and compared. `IVDISK_NO_CEPH=1`
 //! skips it (it prints `SKIPPED`); without that, a missing `CEPH_CONF` fails it, as the RADOS
 //! tests do.
 
@@ -135,10 +147,12 @@ enum Case {
     OmapOne,
     ObjectEndCompact,
     ObjectEndCompactFull,
+    TailReadBoth,
+    OmapHalfReadBoth,
 }
 
 impl Case {
-    const ALL: [Case; 17] = [
+    const ALL: [Case; 19] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -156,6 +170,8 @@ impl Case {
         Case::OmapOne,
         Case::ObjectEndCompact,
         Case::ObjectEndCompactFull,
+        Case::TailReadBoth,
+        Case::OmapHalfReadBoth,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -180,6 +196,8 @@ impl Case {
             Case::OmapOne => 'o',
             Case::ObjectEndCompact => 'p',
             Case::ObjectEndCompactFull => 'q',
+            Case::TailReadBoth => 'r',
+            Case::OmapHalfReadBoth => 's',
         }
     }
 
@@ -202,6 +220,8 @@ impl Case {
             Case::OmapOne => "omap-one-32",
             Case::ObjectEndCompact => "object-end-17",
             Case::ObjectEndCompactFull => "object-end-17-full",
+            Case::TailReadBoth => "tail-17-read-both",
+            Case::OmapHalfReadBoth => "omap-256-read-both",
         }
     }
 
@@ -213,7 +233,8 @@ impl Case {
             Case::DataUnhinted | Case::DataFull => Case::Data,
             Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
             Case::OmapChunkFull => Case::OmapChunk,
-            Case::ObjectEndCompactFull => Case::ObjectEndCompact,
+            Case::ObjectEndCompactFull | Case::TailReadBoth => Case::ObjectEndCompact,
+            Case::OmapHalfReadBoth => Case::OmapHalf,
             other => other,
         }
     }
@@ -259,6 +280,9 @@ impl Case {
         let n = size as u64 / SECTOR;
         if !self.hinted() {
             return format!("{}, no allocation hint", self.base().describe(size));
+        }
+        if matches!(self, Case::TailReadBoth | Case::OmapHalfReadBoth) {
+            return format!("{}; read: data + values + tail", self.base().describe(size));
         }
         if self.writes_full() {
             let base = self.base().describe(size);
@@ -308,7 +332,9 @@ impl Case {
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
             | Case::OmapChunkFull
-            | Case::ObjectEndCompactFull => unreachable!("handled above"),
+            | Case::ObjectEndCompactFull
+            | Case::TailReadBoth
+            | Case::OmapHalfReadBoth => unreachable!("handled above"),
         }
     }
 
@@ -331,7 +357,59 @@ impl Case {
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
             | Case::OmapChunkFull
-            | Case::ObjectEndCompactFull => unreachable!("base() is not a variant"),
+            | Case::ObjectEndCompactFull
+            | Case::TailReadBoth
+            | Case::OmapHalfReadBoth => unreachable!("base() is not a variant"),
+        }
+    }
+
+    /// The read operation of sectors `first..first + size / 4096` of an object: what its
+    /// writes store for them (`IVDISK_BENCH_RW=read`).
+    fn read_op(self, first: u64, size: usize) -> ReadOp {
+        let n = size as u64 / SECTOR;
+        let data = ReadStep::Read {
+            offset: first * SECTOR,
+            len: size as u64,
+        };
+        let values = |per: u64| {
+            ReadStep::OmapGetByKeys(value_indexes(first, n, per).map(omap_key).collect())
+        };
+        let tail = ReadStep::Read {
+            offset: OBJECT_DATA + first * COMPACT,
+            len: n * COMPACT,
+        };
+        let op = ReadOp::new();
+        match self {
+            Case::TailReadBoth | Case::OmapHalfReadBoth => {
+                return op.step(data).step(values(16)).step(tail);
+            }
+            Case::Grouped => panic!("case g has no read form"),
+            _ => {}
+        }
+        match self.base() {
+            Case::Data => op.step(data),
+            Case::ObjectEnd => op.step(data).step(ReadStep::Read {
+                offset: OBJECT_DATA + first * META,
+                len: n * META,
+            }),
+            Case::ObjectEndBlock => {
+                let (offset, len) = meta_blocks(first, n);
+                op.step(data).step(ReadStep::Read { offset, len })
+            }
+            Case::ObjectEndCompact => op.step(data).step(tail),
+            Case::Omap => op.step(data).step(ReadStep::OmapGetByKeys(
+                (first..first + n).map(omap_key).collect(),
+            )),
+            Case::OmapBlock
+            | Case::OmapChunk
+            | Case::OmapWideChunk
+            | Case::OmapHalf
+            | Case::OmapOne => op.step(data).step(values(self.sectors_per_value())),
+            Case::Unaligned => op.step(ReadStep::Read {
+                offset: first * RECORD,
+                len: n * RECORD,
+            }),
+            _ => unreachable!("base() is not a variant"),
         }
     }
 
@@ -394,7 +472,9 @@ impl Case {
             | Case::ObjectEndBlockUnhinted
             | Case::DataFull
             | Case::OmapChunkFull
-            | Case::ObjectEndCompactFull => unreachable!("base() is not a variant"),
+            | Case::ObjectEndCompactFull
+            | Case::TailReadBoth
+            | Case::OmapHalfReadBoth => unreachable!("base() is not a variant"),
         }
     }
 }
@@ -458,6 +538,8 @@ struct Config {
     cases: Vec<Case>,
     objects: u64,
     alloc_hint: bool,
+    /// `IVDISK_BENCH_RW=read`: measure each case's read operation instead of its writes.
+    reads: bool,
 }
 
 impl Config {
@@ -487,7 +569,7 @@ impl Config {
         };
         assert!(
             !cases.is_empty(),
-            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q"
+            "IVDISK_BENCH_CASES: a comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q,r,s"
         );
         let seconds = env_or("IVDISK_BENCH_SECONDS", 3.0);
         let reps = env_or("IVDISK_BENCH_REPS", 5);
@@ -506,6 +588,11 @@ impl Config {
                 1
             },
             alloc_hint: std::env::var("IVDISK_BENCH_ALLOC_HINT").as_deref() != Ok("0"),
+            reads: match std::env::var("IVDISK_BENCH_RW").as_deref() {
+                Ok("read") => true,
+                Ok("write") | Err(_) => false,
+                Ok(other) => panic!("IVDISK_BENCH_RW: `read` or `write`, not {other:?}"),
+            },
         }
     }
 }
@@ -554,6 +641,7 @@ async fn phase(
     depth: usize,
     stop: Stop,
     seed: u64,
+    reads: bool,
 ) -> Result<Run, StoreError> {
     let start = Instant::now();
     let budget = Arc::new(AtomicI64::new(match stop {
@@ -575,8 +663,13 @@ async fn phase(
                 while Instant::now() < deadline && budget.fetch_sub(1, Ordering::Relaxed) > 0 {
                     let object = &objects[rng.below(objects.len() as u64) as usize];
                     let first = rng.below(slots) * (size as u64 / SECTOR);
-                    let op = case.op(first, size, &bench.data, &bench.meta);
-                    bench.store_for(case).write_op(object, op).await?;
+                    if reads {
+                        let op = case.read_op(first, size);
+                        bench.store.read_op(object, op).await?;
+                    } else {
+                        let op = case.op(first, size, &bench.data, &bench.meta);
+                        bench.store_for(case).write_op(object, op).await?;
+                    }
                     ops += 1;
                 }
                 Ok::<u64, StoreError>(ops)
@@ -622,7 +715,7 @@ async fn prefill(bench: &Arc<Bench>, cases: &[Case]) -> Result<(), StoreError> {
                 );
             }
             if matches!(
-                case,
+                case.base(),
                 Case::OmapBlock
                     | Case::OmapChunk
                     | Case::OmapWideChunk
@@ -810,6 +903,7 @@ async fn measure(bench: &Arc<Bench>, cfg: &Config) -> Result<Vec<Vec<Samples>>, 
                 QUEUE_DEPTH,
                 Stop::After(warmup),
                 next_seed(),
+                cfg.reads,
             )
             .await?;
             eprintln!(
@@ -825,8 +919,9 @@ async fn measure(bench: &Arc<Bench>, cfg: &Config) -> Result<Vec<Vec<Samples>>, 
             for j in 0..k {
                 let case = cfg.cases[(j + round) % k];
                 let stop = Stop::After(Duration::from_secs_f64(cfg.seconds));
-                runs[case as usize] =
-                    Some(phase(bench, case, size, QUEUE_DEPTH, stop, next_seed()).await?);
+                runs[case as usize] = Some(
+                    phase(bench, case, size, QUEUE_DEPTH, stop, next_seed(), cfg.reads).await?,
+                );
             }
             let mut line = format!("round {} {:>7}:", round + 1, size_label(size));
             let base = runs[Case::Data as usize];
@@ -852,8 +947,13 @@ async fn measure(bench: &Arc<Bench>, cfg: &Config) -> Result<Vec<Vec<Samples>>, 
 
 fn table(cfg: &Config, samples: &[Vec<Samples>]) -> String {
     let mut out = String::new();
-    out.push_str(
-        "| size | case | one write op | ops/s | data MB/s | ratio to a (median, min..max) |\n",
+    let op = match cfg.reads {
+        true => "what its writes store (each read fetches that back)",
+        false => "one write op",
+    };
+    let _ = writeln!(
+        out,
+        "| size | case | {op} | ops/s | data MB/s | ratio to a (median, min..max) |"
     );
     out.push_str("|---:|---|---|---:|---:|---|\n");
     for (&size, per_case) in cfg.sizes.iter().zip(samples) {
@@ -899,8 +999,12 @@ fn json(
     );
     let _ = writeln!(
         json,
-        "  \"queue_depth\": {QUEUE_DEPTH}, \"seconds\": {}, \"warmup_seconds\": {}, \"reps\": {},",
-        cfg.seconds, cfg.warmup, cfg.reps
+        "  \"queue_depth\": {QUEUE_DEPTH}, \"seconds\": {}, \"warmup_seconds\": {}, \"reps\": {}, \
+         \"rw\": \"{}\",",
+        cfg.seconds,
+        cfg.warmup,
+        cfg.reps,
+        if cfg.reads { "read" } else { "write" }
     );
     json.push_str("  \"results\": [\n");
     let mut rows = Vec::new();
@@ -1024,8 +1128,13 @@ fn main() {
         } else {
             for &size in &cfg.sizes {
                 for &case in &cfg.cases {
-                    let run = phase(&bench, case, size, 2, Stop::Ops(2), size as u64).await?;
+                    let seed = size as u64;
+                    let run = phase(&bench, case, size, 2, Stop::Ops(2), seed, false).await?;
                     assert_eq!(run.ops, 2, "{} {}", case.name(), size_label(size));
+                    if case != Case::Grouped {
+                        let run = phase(&bench, case, size, 2, Stop::Ops(2), seed, true).await?;
+                        assert_eq!(run.ops, 2, "{} {} reads", case.name(), size_label(size));
+                    }
                     check(&bench, case, size, size as u64 ^ case as u64).await?;
                 }
             }
@@ -1042,7 +1151,7 @@ fn main() {
         Ok(Some(samples)) => samples,
         Ok(None) => {
             println!(
-                "rados_ops: smoke test passed ({} cases x {} sizes, 2 write ops each, read back)",
+                "rados_ops: smoke test passed ({} cases x {} sizes, 2 writes + 2 reads each)",
                 cfg.cases.len(),
                 cfg.sizes.len()
             );
@@ -1065,9 +1174,13 @@ fn main() {
         print!("{json}");
     } else {
         println!(
-            "RADOS write ops, queue depth {QUEUE_DEPTH}, {} objects per case; \
+            "RADOS {} ops, queue depth {QUEUE_DEPTH}, {} objects per case; \
              client {} CPUs ({}), {}",
-            cfg.objects, m.cpus, m.cpu_model, m.memory
+            if cfg.reads { "read" } else { "write" },
+            cfg.objects,
+            m.cpus,
+            m.cpu_model,
+            m.memory
         );
         println!(
             "{} rounds x {} s per case, interleaved; medians; MB = 10^6 data bytes\n",
