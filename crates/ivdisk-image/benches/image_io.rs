@@ -7,10 +7,18 @@
 //! - a fresh store and a fresh image on it (`Image::create_on`, fast PBKDF2, 4 MiB objects,
 //!   `IVDISK_BENCH_IMAGE_MIB` (256) MiB), written in full first in 4 MiB writes (untimed), so
 //!   reads decrypt real data;
-//! - **read**, then **write**: 32 tokio tasks (2 worker threads on this 2-core machine), each
-//!   with one `Image::read`/`Image::write` of the IO size in flight at a random size-aligned
-//!   offset. Task `t` only uses the slots `t, t + 32, ...`, so no two IOs in flight overlap
-//!   (no waits on the engine's range locks; those are not what is measured). `IVDISK_BENCH_REPS`
+//! - **read**, **write**, **nbd-read**, **nbd-write**: 32 tokio tasks (2 worker threads on this
+//!   2-core machine), each with one IO of the IO size in flight at a random size-aligned
+//!   offset. `read` is `Image::read` into the task's buffer, reused from IO to IO; `write` is
+//!   `Image::write` of a borrowed buffer (which the engine must encrypt into a new one).
+//!   `nbd-read` and `nbd-write` make the same IO as `ivdisk serve` does: a read into a buffer
+//!   the image returns (`Image::read_owned`: the store's, decrypted in place), a write of a
+//!   payload received into a fresh buffer (a copy here) and handed over
+//!   (`Image::write_owned`, encrypted in place). The front end's part (freeing the read's
+//!   buffer; the payload's allocation and copy) is timed in the IO threads and taken out of
+//!   the engine's figure, as the store's is. Task
+//!   `t` only uses the slots `t, t + 32, ...`, so no two IOs in flight overlap (no waits on
+//!   the engine's range locks; those are not what is measured). `IVDISK_BENCH_REPS`
 //!   windows, each after a warm-up (0.05 s after the first) and followed by the raw crypto
 //!   baseline with the IO tasks stopped; per window of `IVDISK_BENCH_SECONDS`: the IOs
 //!   completed in it, the process' CPU time
@@ -39,7 +47,8 @@
 //! (decrypting real ciphertext), in batches of at least 1 MiB whose buffers are refilled
 //! (untimed) before each batch, on as many threads at once as the engine has (2), summed thread
 //! CPU time: CPU us per IO of raw crypto. Engine overhead = (CPU us/IO less the store's - raw
-//! crypto) / raw crypto, same direction (write: encrypt, read: decrypt).
+//! crypto) / raw crypto, same direction (write: encrypt, read: decrypt); the front end's part
+//! of `nbd-read`/`nbd-write` is taken out of the CPU us/IO as well.
 //!
 //! ```text
 //! cargo bench -p ivdisk-image --bench image_io            # all; scripts/bench-image wraps it
@@ -49,14 +58,15 @@
 //! ```
 //!
 //! Knobs: `IVDISK_BENCH_SUITES`, `IVDISK_BENCH_LAYOUTS`, `IVDISK_BENCH_STORES` (comma lists of
-//! names), `IVDISK_BENCH_SIZES` (KiB), `IVDISK_BENCH_RW` (`read`, `write`, both by default),
+//! names), `IVDISK_BENCH_SIZES` (KiB), `IVDISK_BENCH_RW` (`read`, `write`,
+//! `nbd-read`, `nbd-write`; all four by default),
 //! `IVDISK_BENCH_REPS` (3), `IVDISK_BENCH_SECONDS` (0.35), `IVDISK_BENCH_WARMUP` (0.25),
 //! `IVDISK_BENCH_CRYPTO_SECONDS` (0.05 per thread), `IVDISK_BENCH_IMAGE_MIB` (256),
 //! `IVDISK_BENCH_QUICK=1` (64 KiB and 1 MiB, 1 window of 0.25 s after 0.1 s, a 128 MiB
 //! image), `IVDISK_BENCH_JSON` (where the samples go; default `target/bench-image/image_io.json`).
 //! Without `--bench` (as `cargo test --all-targets` runs it): one short pass of
 //! aegis128l-random with `object-end` and with `omap-packed` (the default layout) at 64 KiB on
-//! both stores, no JSON.
+//! both stores, all four directions, no JSON.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -115,16 +125,34 @@ struct MapLock {
 /// Objects in a hash map, one mutex per object; every operation runs in the caller's thread.
 /// Holes are not tracked (reads return every byte up to the object's size, as RADOS does).
 /// Snapshots are not supported. Enough for the image layer, nothing more. The thread CPU time
-/// spent in its read and write operations is summed in `cpu_ns`, the operations counted in
-/// `calls`: the two `clock_gettime` calls per operation (a system call each, for a thread's CPU
-/// clock: about 0.15 us apiece here, 15% of a 4 KiB read) are calibrated at start-up
-/// ([`timer_pair_ns`]) and taken out of the figures.
+/// spent in its read and write operations is summed in `tally`.
 #[derive(Default)]
 struct MapStore {
     objects: RwLock<HashMap<ObjectName, Arc<Mutex<MapObject>>>>,
     locks: Mutex<HashMap<(ObjectName, String), MapLock>>,
+    tally: CpuTally,
+}
+
+/// Thread CPU time of one kind of work done inside the IO threads (the `map` store's
+/// operations, the front end's buffers), summed, and how many times it was timed: the two
+/// `clock_gettime` calls per timing (a system call each, for a thread's CPU clock: about
+/// 0.15 us apiece here, 15% of a 4 KiB read) are calibrated at start-up ([`timer_pair_ns`])
+/// and taken out of the figures.
+#[derive(Default)]
+struct CpuTally {
     cpu_ns: AtomicU64,
     calls: AtomicU64,
+}
+
+impl CpuTally {
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let start = ThreadTime::now();
+        let out = f();
+        let ns = start.elapsed().as_nanos() as u64;
+        self.cpu_ns.fetch_add(ns, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        out
+    }
 }
 
 impl MapStore {
@@ -162,15 +190,6 @@ fn write_at(data: &mut Vec<u8>, offset: u64, bytes: &[u8]) {
 }
 
 impl MapStore {
-    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
-        let start = ThreadTime::now();
-        let out = f();
-        let ns = start.elapsed().as_nanos() as u64;
-        self.cpu_ns.fetch_add(ns, Ordering::Relaxed);
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        out
-    }
-
     fn apply_write(&self, name: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
         let object = self.object(name, true).expect("created");
         let mut o = object.lock().unwrap();
@@ -320,11 +339,11 @@ impl MapStore {
 #[async_trait::async_trait]
 impl ObjectStore for MapStore {
     async fn write_op(&self, name: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
-        self.timed(|| self.apply_write(name, op))
+        self.tally.timed(|| self.apply_write(name, op))
     }
 
     async fn read_op(&self, name: &ObjectName, op: ReadOp) -> Result<Vec<ReadResult>, StoreError> {
-        self.timed(|| self.apply_read(name, op))
+        self.tally.timed(|| self.apply_read(name, op))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
@@ -477,15 +496,34 @@ impl StoreKind {
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Rw {
+    /// `Image::read` into the task's own buffer, reused from IO to IO.
     Read,
+    /// `Image::write` of a borrowed buffer (encrypted into a new one).
     Write,
+    /// A read as `ivdisk serve` makes it: `Image::read_owned`, the buffer it returns freed
+    /// once sent (the front end's work, timed and taken out).
+    NbdRead,
+    /// A write as `ivdisk serve` makes it: the payload received into a fresh buffer (a copy
+    /// here, the front end's work, timed and taken out), then handed over (`Image::write_owned`,
+    /// encrypted in place).
+    NbdWrite,
 }
 
 impl Rw {
+    const ALL: [Rw; 4] = [Rw::Read, Rw::Write, Rw::NbdRead, Rw::NbdWrite];
     fn name(self) -> &'static str {
         match self {
             Rw::Read => "read",
             Rw::Write => "write",
+            Rw::NbdRead => "nbd-read",
+            Rw::NbdWrite => "nbd-write",
+        }
+    }
+    /// The raw crypto this direction is compared with.
+    fn crypto(self) -> Rw {
+        match self {
+            Rw::Read | Rw::NbdRead => Rw::Read,
+            Rw::Write | Rw::NbdWrite => Rw::Write,
         }
     }
 }
@@ -537,9 +575,7 @@ impl Config {
             Ok(_) => list_from_env("IVDISK_BENCH_STORES", &StoreKind::ALL, |s| s.name().into()),
             Err(_) => default_stores.to_vec(),
         };
-        let rws = list_from_env("IVDISK_BENCH_RW", &[Rw::Read, Rw::Write], |r| {
-            r.name().into()
-        });
+        let rws = list_from_env("IVDISK_BENCH_RW", &Rw::ALL, |r| r.name().into());
         if !bench {
             // Smoke test (cargo test --all-targets): every code path once, briefly.
             return Config {
@@ -547,7 +583,7 @@ impl Config {
                 layouts: vec![LayoutKind::ObjectEnd, LayoutKind::OmapPacked],
                 stores: default_stores.to_vec(),
                 sizes: vec![64 << 10],
-                rws: vec![Rw::Read, Rw::Write],
+                rws: Rw::ALL.to_vec(),
                 seconds: 0.1,
                 warmup: 0.05,
                 crypto_seconds: 0.02,
@@ -603,16 +639,16 @@ impl Config {
 // ---------------------------------------------------------------------------------------------
 // Measuring.
 
-/// CPU nanoseconds that timing one `map` store operation costs (an empty operation timed as
-/// the store times its operations); the least of a few rounds.
+/// CPU nanoseconds that timing one piece of work costs (an empty one timed as [`CpuTally`]
+/// times); the least of a few rounds.
 fn timer_pair_ns() -> f64 {
-    let store = MapStore::default();
+    let tally = CpuTally::default();
     (0..5)
         .map(|_| {
             let n = 20_000;
             let t = ThreadTime::now();
             for _ in 0..n {
-                store.timed(|| std::hint::black_box(()));
+                tally.timed(|| std::hint::black_box(()));
             }
             t.elapsed().as_nanos() as f64 / n as f64
         })
@@ -627,7 +663,10 @@ struct ThreadCpu {
     /// The store: the memory store's worker thread, or the `map` store's operations.
     store: u64,
     /// Operations of the `map` store (each timed with two `clock_gettime` calls).
-    timed_calls: u64,
+    store_calls: u64,
+    /// The front end's work (`nbd-read`, `nbd-write`), timed inside the IO threads.
+    front: u64,
+    front_calls: u64,
     other: u64,
 }
 
@@ -660,10 +699,12 @@ struct Snapshot {
 }
 
 impl Snapshot {
-    fn take(ops: &AtomicU64, map: Option<&MapStore>) -> Snapshot {
+    fn take(ops: &AtomicU64, map: Option<&MapStore>, front: &CpuTally) -> Snapshot {
         let mut threads = thread_cpu();
-        threads.store += map.map_or(0, |m| m.cpu_ns.load(Ordering::Relaxed));
-        threads.timed_calls = map.map_or(0, |m| m.calls.load(Ordering::Relaxed));
+        threads.store += map.map_or(0, |m| m.tally.cpu_ns.load(Ordering::Relaxed));
+        threads.store_calls = map.map_or(0, |m| m.tally.calls.load(Ordering::Relaxed));
+        threads.front = front.cpu_ns.load(Ordering::Relaxed);
+        threads.front_calls = front.calls.load(Ordering::Relaxed);
         Snapshot {
             at: Instant::now(),
             cpu: ProcessTime::now(),
@@ -681,21 +722,27 @@ struct Window {
     cpu: f64,
     io_cpu: f64,
     store_cpu: f64,
+    /// The front end's work in the IO threads (part of `io_cpu`).
+    front_cpu: f64,
     other_cpu: f64,
 }
 
 impl Window {
-    /// The CPU between two snapshots, less the `map` store's timers (`pair_ns` per operation;
-    /// about half of it falls between the two clock readings, so inside the store's share).
+    /// The CPU between two snapshots, less the timers (`pair_ns` per timing; about half of it
+    /// falls between the two clock readings, so inside the timed share).
     fn between(a: &Snapshot, b: &Snapshot, pair_ns: f64) -> Window {
         let ns = |x: u64, y: u64| y.saturating_sub(x) as f64 * 1e-9;
-        let timers = (b.threads.timed_calls - a.threads.timed_calls) as f64 * pair_ns * 1e-9;
+        let (ta, tb) = (&a.threads, &b.threads);
+        let store_timers = (tb.store_calls - ta.store_calls) as f64 * pair_ns * 1e-9;
+        let front_timers = (tb.front_calls - ta.front_calls) as f64 * pair_ns * 1e-9;
+        let timers = store_timers + front_timers;
         Window {
             ops: b.ops - a.ops,
             wall: (b.at - a.at).as_secs_f64(),
             cpu: b.cpu.duration_since(a.cpu).as_secs_f64() - timers,
-            io_cpu: ns(a.threads.io, b.threads.io) - timers,
-            store_cpu: (ns(a.threads.store, b.threads.store) - timers / 2.0).max(0.0),
+            io_cpu: ns(ta.io, tb.io) - timers,
+            store_cpu: (ns(ta.store, tb.store) - store_timers / 2.0).max(0.0),
+            front_cpu: (ns(ta.front, tb.front) - front_timers / 2.0).max(0.0),
             other_cpu: ns(a.threads.other, b.threads.other),
         }
     }
@@ -731,6 +778,7 @@ fn measure_io(
     map: Option<&MapStore>,
     mut between: impl FnMut(),
 ) -> Vec<Window> {
+    let front = Arc::new(CpuTally::default());
     let Load {
         rw,
         size,
@@ -745,7 +793,7 @@ fn measure_io(
         let tasks: Vec<_> = (0..QUEUE_DEPTH as u64)
             .map(|t| {
                 let (image, ops, stop) = (image.clone(), ops.clone(), stop.clone());
-                let data = data.clone();
+                let (data, front) = (data.clone(), front.clone());
                 let seed = seed.wrapping_mul(1_000_003).wrapping_add(rep * 1000 + t);
                 rt.spawn(async move {
                     let mut rng = Rng(seed);
@@ -765,6 +813,21 @@ fn measure_io(
                                 .write(offset, &data[..size])
                                 .await
                                 .expect("image write"),
+                            Rw::NbdRead => {
+                                // As the NBD server reads: into a buffer the image returns,
+                                // which the server frees once it sent it.
+                                let reply =
+                                    image.read_owned(offset, size).await.expect("image read");
+                                front.timed(|| drop(reply));
+                            }
+                            Rw::NbdWrite => {
+                                // As the NBD server receives a payload: into a fresh buffer.
+                                let payload = front.timed(|| data[..size].to_vec());
+                                image
+                                    .write_owned(offset, payload)
+                                    .await
+                                    .expect("image write");
+                            }
                         }
                         ops.fetch_add(1, Ordering::AcqRel);
                     }
@@ -774,7 +837,7 @@ fn measure_io(
         let cap_ops = byte_cap.map_or(u64::MAX, |b| b / size as u64);
         let warmup = if rep == 0 { cfg.warmup } else { REWARM };
         std::thread::sleep(Duration::from_secs_f64(warmup));
-        let start = Snapshot::take(&ops, map);
+        let start = Snapshot::take(&ops, map, &front);
         let deadline = start.at + Duration::from_secs_f64(cfg.seconds);
         loop {
             std::thread::sleep(Duration::from_millis(5));
@@ -782,7 +845,7 @@ fn measure_io(
                 break;
             }
         }
-        let end = Snapshot::take(&ops, map);
+        let end = Snapshot::take(&ops, map, &front);
         stop.store(true, Ordering::Relaxed);
         rt.block_on(async {
             for t in tasks {
@@ -844,9 +907,9 @@ fn crypto_run(cipher: &dyn SectorCipher, rw: Rw, size: usize, seconds: f64) -> (
         let t = ThreadTime::now();
         for (i, d) in work.chunks_mut(size).enumerate() {
             let m = &mut meta[i * per * ml..(i + 1) * per * ml];
-            match rw {
+            match rw.crypto() {
                 Rw::Write => cipher.encrypt_sectors(lba(i), d, m).expect("encrypt"),
-                Rw::Read => cipher.decrypt_sectors(lba(i), d, m).expect("decrypt"),
+                _ => cipher.decrypt_sectors(lba(i), d, m).expect("decrypt"),
             }
         }
         total += t.elapsed();
@@ -905,6 +968,8 @@ struct EngineResult {
 struct Figures {
     all: f64,
     store: f64,
+    /// The front end's buffers (`nbd-read`, `nbd-write`).
+    front: f64,
     engine: f64,
     crypto: f64,
     gb_per_s: f64,
@@ -928,10 +993,12 @@ impl EngineResult {
             .map(|(i, w)| {
                 let all = w.per_io_us(w.cpu);
                 let store = w.per_io_us(w.store_cpu);
+                let front = w.per_io_us(w.front_cpu);
                 Figures {
                     all,
                     store,
-                    engine: all - store,
+                    front,
+                    engine: all - store - front,
                     crypto: (self.crypto[i] + self.crypto[i + 1]) / 2.0,
                     gb_per_s: w.gb_per_s(self.size),
                     cores: w.cpu / w.wall,
@@ -986,7 +1053,8 @@ fn json_engine(e: &EngineResult) -> String {
     let w = &e.windows;
     format!(
         "{{\"suite\": {}, \"layout\": {}, \"store\": {}, \"size\": {}, \"op\": \"{}\", \
-         \"cpu_us_per_io\": {}, \"store_us_per_io\": {}, \"engine_us_per_io\": {}, \
+         \"cpu_us_per_io\": {}, \"store_us_per_io\": {}, \"front_us_per_io\": {}, \
+         \"engine_us_per_io\": {}, \
          \"crypto_us_per_io\": {}, \"engine_overhead\": {}, \"all_over_crypto\": {}, \
          \"gb_per_s\": {}, \"cores\": {}, \"fill_gb_per_s\": {}, \"windows\": {{\
          \"ops\": {}, \"wall_s\": {}, \"cpu_s\": {}, \"io_threads_cpu_s\": {}, \
@@ -999,6 +1067,7 @@ fn json_engine(e: &EngineResult) -> String {
         e.rw.name(),
         json_num(e.median(|f| f.all), 3),
         json_num(e.median(|f| f.store), 3),
+        json_num(e.median(|f| f.front), 3),
         json_num(e.median(|f| f.engine), 3),
         json_num(e.median(|f| f.crypto), 4),
         json_num(e.median(Figures::overhead), 4),
@@ -1087,7 +1156,7 @@ fn main() {
                     );
                     for &rw in &cfg.rws {
                         seed += 1;
-                        let cap = (store != StoreKind::Map && rw == Rw::Write)
+                        let cap = (store != StoreKind::Map && rw.crypto() == Rw::Write)
                             .then_some(MEMORY_WRITE_CAP);
                         let map = bench.map.as_deref();
                         let load = Load {
@@ -1098,9 +1167,11 @@ fn main() {
                         };
                         // Raw crypto before the first window and after each.
                         let c = cfg.crypto_seconds;
-                        let mut crypto = vec![crypto_cost(cipher.as_ref(), rw, size, c, threads)];
+                        let crypto_rw = rw.crypto();
+                        let mut crypto =
+                            vec![crypto_cost(cipher.as_ref(), crypto_rw, size, c, threads)];
                         let windows = measure_io(&rt, &cfg, &bench.image, load, &data, map, || {
-                            crypto.push(crypto_cost(cipher.as_ref(), rw, size, c, threads))
+                            crypto.push(crypto_cost(cipher.as_ref(), crypto_rw, size, c, threads))
                         });
                         let e = EngineResult {
                             suite,
@@ -1115,12 +1186,13 @@ fn main() {
                         let _ = write!(
                             line,
                             " | {} {:.2} GB/s ({:.1} cores) {:.1} us/IO (store {:.1}, \
-                             crypto {:.1}) {:+.0}%",
+                             front {:.1}, crypto {:.1}) {:+.0}%",
                             rw.name(),
                             e.median(|f| f.gb_per_s),
                             e.median(|f| f.cores),
                             e.median(|f| f.all),
                             e.median(|f| f.store),
+                            e.median(|f| f.front),
                             e.median(|f| f.crypto),
                             e.median(Figures::overhead) * 100.0
                         );

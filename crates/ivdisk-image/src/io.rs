@@ -14,7 +14,7 @@ use ivdisk_crypto::CryptoError;
 use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutcome, WriteStep};
 
 use crate::image::{Image, Inner};
-use crate::layout::{extent_bytes, take_or_place_extents, Decoded};
+use crate::layout::{extent_bytes, take_or_place_extents, Decoded, ReadOutput};
 use crate::metadata_cache::{MetadataCache, ReadPlan};
 use crate::range_lock::RangeGuard;
 use crate::ImageError;
@@ -149,14 +149,17 @@ impl Inner {
         let pieces = self.pieces(first, end);
         if let [piece] = pieces[..] {
             // A read inside one object, the usual case: awaited as it is.
-            return self.read_piece(piece, out).await;
+            return self.read_piece(piece, &mut ReadOutput::Borrowed(out)).await;
         }
         let mut reads = Vec::with_capacity(pieces.len());
         let mut rest = out;
         for piece in pieces {
             let (chunk, tail) = rest.split_at_mut(piece.count as usize * ss);
             rest = tail;
-            reads.push(self.read_piece(piece, chunk));
+            reads.push(async move {
+                self.read_piece(piece, &mut ReadOutput::Borrowed(chunk))
+                    .await
+            });
         }
         let mut failed = Vec::new();
         let mut error = None;
@@ -184,7 +187,11 @@ impl Inner {
         self.check_writable().is_ok().then_some(cache)
     }
 
-    async fn read_piece(&self, piece: Piece, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
+    async fn read_piece(
+        &self,
+        piece: Piece,
+        out: &mut ReadOutput<'_>,
+    ) -> Result<Vec<u64>, ImageError> {
         if let Some(cache) = self.usable_cache().filter(|_| self.metadata_cache_reads) {
             return self.read_piece_cached(cache, piece, out).await;
         }
@@ -195,7 +202,7 @@ impl Inner {
         let results = match self.store.read_op(&object, op).await {
             Ok(results) => results,
             Err(StoreError::NotFound { .. }) => {
-                out.fill(0);
+                out.slice().fill(0);
                 return Ok(Vec::new());
             }
             Err(e) => return Err(ImageError::store(&self.name)(e)),
@@ -215,12 +222,35 @@ impl Inner {
                 reason: format!("object `{object}`: {reason}"),
             })?;
         match taken {
-            // Decrypted from the store's buffer straight into the caller's: one pass.
-            Decoded::Taken(ciphertext) => {
-                self.decrypt_written(piece.lba, Stored::Apart(&ciphertext, &metadata), out)
+            Decoded::Taken(ciphertext) => self.decrypt_taken(piece.lba, ciphertext, &metadata, out),
+            Decoded::Slots(slots) => {
+                self.decrypt_written(piece.lba, Stored::Slots(&slots), out.slice())
             }
-            Decoded::Slots(slots) => self.decrypt_written(piece.lba, Stored::Slots(&slots), out),
-            Decoded::Placed => self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out),
+            Decoded::Placed => {
+                self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out.slice())
+            }
+        }
+    }
+
+    /// Decrypt the store's buffer of a run: straight into the caller's buffer (one pass), or
+    /// in place when the read returns a buffer, which it then is.
+    fn decrypt_taken(
+        &self,
+        lba: u64,
+        mut ciphertext: Vec<u8>,
+        metadata: &[u8],
+        out: &mut ReadOutput<'_>,
+    ) -> Result<Vec<u64>, ImageError> {
+        match out {
+            ReadOutput::Borrowed(out) => {
+                self.decrypt_written(lba, Stored::Apart(&ciphertext, metadata), out)
+            }
+            ReadOutput::Owned { buf, .. } => {
+                let failed =
+                    self.decrypt_written(lba, Stored::InOutput(metadata), &mut ciphertext)?;
+                *buf = Some(ciphertext);
+                Ok(failed)
+            }
         }
     }
 
@@ -231,7 +261,7 @@ impl Inner {
         &self,
         cache: &MetadataCache,
         piece: Piece,
-        out: &mut [u8],
+        out: &mut ReadOutput<'_>,
     ) -> Result<Vec<u64>, ImageError> {
         let object = self.data_object(piece.object);
         let (ss, ml) = (self.sector_size as u64, self.cipher.metadata_len());
@@ -270,7 +300,7 @@ impl Inner {
                 }
                 return match e {
                     StoreError::NotFound { .. } => {
-                        out.fill(0);
+                        out.slice().fill(0);
                         Ok(Vec::new())
                     }
                     e => Err(ImageError::store(&self.name)(e)),
@@ -299,10 +329,8 @@ impl Inner {
             }
         };
         match taken {
-            Some(ciphertext) => {
-                self.decrypt_written(piece.lba, Stored::Apart(&ciphertext, &metadata), out)
-            }
-            None => self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out),
+            Some(ciphertext) => self.decrypt_taken(piece.lba, ciphertext, &metadata, out),
+            None => self.decrypt_written(piece.lba, Stored::InOutput(&metadata), out.slice()),
         }
     }
 
@@ -766,6 +794,26 @@ impl Image {
     pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), ImageError> {
         self.modify(offset, data.len() as u64, Fill::Data(data))
             .await
+    }
+
+    /// [`Image::read`] into a buffer it returns (the NBD server's read replies): for whole
+    /// sectors inside one object, the usual case, the store's own buffer decrypted in place,
+    /// with no buffer of the caller's to allocate and zero. On [`ImageError::Integrity`] the
+    /// buffer is dropped; [`Image::read`] keeps the sectors that did authenticate.
+    pub async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, ImageError> {
+        let inner = &self.inner;
+        inner.check_range(offset, len as u64)?;
+        let Some(piece) = inner.whole_sectors_in_one_object(offset, len as u64) else {
+            let mut buf = vec![0u8; len];
+            self.read(offset, &mut buf).await?;
+            return Ok(buf);
+        };
+        let mut out = ReadOutput::Owned { len, buf: None };
+        let failed = inner.read_piece(piece, &mut out).await?;
+        if !failed.is_empty() {
+            return Err(inner.integrity(failed));
+        }
+        Ok(out.into_owned())
     }
 
     /// [`Image::write`] of a buffer the caller hands over (the NBD server's write payload).

@@ -106,6 +106,25 @@ async fn expect_read(
             expect[i]
         );
     }
+    // The same range read into a buffer the image returns (as the NBD server reads): the same
+    // sectors fail, or it returns the content.
+    match (
+        image.read_owned(offset, len as usize).await,
+        failed.is_empty(),
+    ) {
+        (Ok(owned), true) => assert!(
+            owned == expect,
+            "{case:?}: read_owned [{offset}, +{len}) returned other bytes than read"
+        ),
+        (Err(ImageError::Integrity { lbas, .. }), false) => assert_eq!(
+            lbas, failed,
+            "{case:?}: read_owned [{offset}, +{len}) names the wrong sectors"
+        ),
+        (other, _) => panic!(
+            "{case:?}: read_owned [{offset}, +{len}) expected failures {failed:?}, got {:?}",
+            other.map(|b| b.len())
+        ),
+    }
 }
 
 /// Sector `lba` (only) fails: alone, in part, next to its neighbours, and inside a read of

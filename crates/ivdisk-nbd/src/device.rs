@@ -83,6 +83,15 @@ pub trait BlockDevice: Send + Sync + 'static {
     /// Make every completed write durable.
     async fn flush(&self) -> Result<(), DeviceError>;
 
+    /// [`BlockDevice::read`] into a buffer the device returns (a read reply's data), which it
+    /// may take from below instead of filling the server's (an ivdisk image decrypts the
+    /// store's buffer in place). It must hold `len` bytes.
+    async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, DeviceError> {
+        let mut buf = vec![0u8; len];
+        self.read(offset, &mut buf).await?;
+        Ok(buf)
+    }
+
     /// [`BlockDevice::write`] of a buffer the server hands over (a write's payload), which the
     /// device may use as its own instead of copying it (an ivdisk image encrypts it in place).
     async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {

@@ -47,6 +47,12 @@ impl BlockDevice for Image {
         Image::flush(self).await.map_err(device_error)
     }
 
+    async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, DeviceError> {
+        Image::read_owned(self, offset, len)
+            .await
+            .map_err(device_error)
+    }
+
     async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {
         Image::write_owned(self, offset, data)
             .await

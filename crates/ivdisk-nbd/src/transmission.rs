@@ -29,8 +29,23 @@ fn cost(request: &Request) -> u32 {
 }
 
 struct Reply {
-    frame: Vec<u8>,
+    frame: Frame,
     _budget: OwnedSemaphorePermit,
+}
+
+/// A complete reply: its header (all of it, for a reply without data) and its data.
+struct Frame {
+    head: Vec<u8>,
+    body: Vec<u8>,
+}
+
+impl From<Vec<u8>> for Frame {
+    fn from(head: Vec<u8>) -> Frame {
+        Frame {
+            head,
+            body: Vec::new(),
+        }
+    }
 }
 
 /// How the connection ended.
@@ -203,11 +218,13 @@ async fn write_replies<W: AsyncWrite + Unpin>(
 ) -> std::io::Result<()> {
     let mut writer = BufWriter::with_capacity(64 * 1024, writer);
     while let Some(reply) = queue.recv().await {
-        writer.write_all(&reply.frame).await?;
+        writer.write_all(&reply.frame.head).await?;
+        writer.write_all(&reply.frame.body).await?;
         drop(reply);
         // Coalesce replies that are ready into one write to the socket.
         while let Ok(reply) = queue.try_recv() {
-            writer.write_all(&reply.frame).await?;
+            writer.write_all(&reply.frame.head).await?;
+            writer.write_all(&reply.frame.body).await?;
         }
         writer.flush().await?;
     }
@@ -228,7 +245,7 @@ fn refuse(kind: DeviceErrorKind, message: impl Into<String>) -> DeviceError {
 
 impl Context {
     /// Run one request and build its complete reply.
-    async fn handle(&self, request: Request, payload: Vec<u8>) -> Vec<u8> {
+    async fn handle(&self, request: Request, payload: Vec<u8>) -> Frame {
         let write = matches!(request.command, CMD_WRITE | CMD_WRITE_ZEROES);
         match self.run(&request, payload).await {
             Ok(frame) => frame,
@@ -255,11 +272,11 @@ impl Context {
                         }
                         _ => None,
                     };
-                    error_chunk(request.cookie, errno, offset, &error.message)
+                    error_chunk(request.cookie, errno, offset, &error.message).into()
                 } else {
                     let mut frame = Vec::with_capacity(SIMPLE_REPLY_LEN);
                     simple_reply(request.cookie, errno as u32, &mut frame);
-                    frame
+                    frame.into()
                 }
             }
         }
@@ -312,7 +329,7 @@ impl Context {
         frame
     }
 
-    async fn run(&self, request: &Request, payload: Vec<u8>) -> Result<Vec<u8>, DeviceError> {
+    async fn run(&self, request: &Request, payload: Vec<u8>) -> Result<Frame, DeviceError> {
         let device = self.device.as_ref();
         let fua = request.flags & CMD_FLAG_FUA != 0;
         match request.command {
@@ -329,31 +346,38 @@ impl Context {
                 }
                 self.check_range(request)?;
                 let len = request.length as usize;
-                let mut frame;
-                let at;
+                // The data goes out in the device's own buffer (an ivdisk image decrypts the
+                // store's in place), after a header of its own.
+                let body = device.read_owned(request.offset, len).await?;
+                if body.len() != len {
+                    return Err(refuse(
+                        DeviceErrorKind::Io,
+                        format!(
+                            "the device returned {} bytes for a {len}-byte read",
+                            body.len()
+                        ),
+                    ));
+                }
+                if self.structured && len == 0 {
+                    // An OFFSET_DATA chunk must carry data; an empty read is just "done".
+                    return Ok(self.done(request.cookie).into());
+                }
+                let mut head;
                 if self.structured {
-                    at = STRUCTURED_HEADER_LEN + 8;
-                    frame = Vec::with_capacity(at + len);
+                    head = Vec::with_capacity(STRUCTURED_HEADER_LEN + 8);
                     chunk_header(
                         request.cookie,
                         REPLY_FLAG_DONE,
                         REPLY_TYPE_OFFSET_DATA,
                         (8 + len) as u32,
-                        &mut frame,
+                        &mut head,
                     );
-                    frame.extend_from_slice(&request.offset.to_be_bytes());
+                    head.extend_from_slice(&request.offset.to_be_bytes());
                 } else {
-                    at = SIMPLE_REPLY_LEN;
-                    frame = Vec::with_capacity(at + len);
-                    simple_reply(request.cookie, 0, &mut frame);
+                    head = Vec::with_capacity(SIMPLE_REPLY_LEN);
+                    simple_reply(request.cookie, 0, &mut head);
                 }
-                frame.resize(at + len, 0);
-                device.read(request.offset, &mut frame[at..]).await?;
-                if self.structured && len == 0 {
-                    // An OFFSET_DATA chunk must carry data; an empty read is just "done".
-                    return Ok(self.done(request.cookie));
-                }
-                Ok(frame)
+                Ok(Frame { head, body })
             }
             CMD_WRITE => {
                 self.check_flags(request, CMD_FLAG_FUA)?;
@@ -364,12 +388,12 @@ impl Context {
                 if fua {
                     device.flush().await?;
                 }
-                Ok(self.done(request.cookie))
+                Ok(self.done(request.cookie).into())
             }
             CMD_FLUSH => {
                 self.check_flags(request, CMD_FLAG_FUA)?;
                 device.flush().await?;
-                Ok(self.done(request.cookie))
+                Ok(self.done(request.cookie).into())
             }
             CMD_TRIM => {
                 self.check_flags(request, CMD_FLAG_FUA)?;
@@ -381,7 +405,7 @@ impl Context {
                 if fua {
                     device.flush().await?;
                 }
-                Ok(self.done(request.cookie))
+                Ok(self.done(request.cookie).into())
             }
             CMD_WRITE_ZEROES => {
                 self.check_flags(
@@ -403,7 +427,7 @@ impl Context {
                 if fua {
                     device.flush().await?;
                 }
-                Ok(self.done(request.cookie))
+                Ok(self.done(request.cookie).into())
             }
             CMD_BLOCK_STATUS => {
                 self.check_flags(request, CMD_FLAG_REQ_ONE)?;
@@ -458,7 +482,7 @@ impl Context {
                 // Fix the chunk length if extents were cut short above.
                 let payload = (frame.len() - STRUCTURED_HEADER_LEN) as u32;
                 frame[16..20].copy_from_slice(&payload.to_be_bytes());
-                Ok(frame)
+                Ok(frame.into())
             }
             other => Err(refuse(
                 DeviceErrorKind::Invalid,

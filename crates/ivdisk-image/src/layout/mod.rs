@@ -234,14 +234,15 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     /// come out zero: `metadata` arrives zeroed, `ciphertext` may arrive holding anything (it
     /// is the caller's read buffer) and must be overwritten whole, unless the ciphertext comes
     /// back in the store's own buffer ([`Decoded::Taken`] or [`Decoded::Slots`], `ciphertext`
-    /// untouched), so the caller can decrypt from it straight into its buffer instead of
-    /// copying first. An `Err` names what was malformed.
+    /// untouched: an owned output is then never made), so the caller can decrypt from it
+    /// straight into its buffer, or in place, instead of copying first. An `Err` names what
+    /// was malformed.
     fn decode(
         &self,
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         count: u32,
-        ciphertext: &mut [u8],
+        ciphertext: &mut ReadOutput<'_>,
         metadata: &mut [u8],
     ) -> Result<Decoded, String>;
 
@@ -302,11 +303,46 @@ impl From<Option<Vec<u8>>> for Decoded {
 pub(crate) fn take_or_place_extents(
     result: Option<ReadResult>,
     base: u64,
-    out: &mut [u8],
+    out: &mut ReadOutput<'_>,
 ) -> Result<Option<Vec<u8>>, String> {
     match whole_extent(result, base, out.len()) {
         Ok(data) => Ok(Some(data)),
-        Err(other) => place_extents(other, base, out).map(|()| None),
+        Err(other) => place_extents(other, base, out.slice()).map(|()| None),
+    }
+}
+
+/// Where a read's plaintext goes.
+pub(crate) enum ReadOutput<'a> {
+    /// Into the caller's buffer.
+    Borrowed(&'a mut [u8]),
+    /// Into a buffer the read returns (`Image::read_owned`): the store's own, decrypted in
+    /// place, when it hands one over for the whole run (no second buffer, and the cipher works
+    /// in place, as in its raw cost); else a new one of `len` bytes, made on first use.
+    Owned { len: usize, buf: Option<Vec<u8>> },
+}
+
+impl ReadOutput<'_> {
+    /// The buffer to place and decrypt into.
+    pub(crate) fn slice(&mut self) -> &mut [u8] {
+        match self {
+            ReadOutput::Borrowed(out) => out,
+            ReadOutput::Owned { len, buf } => buf.get_or_insert_with(|| vec![0u8; *len]),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            ReadOutput::Borrowed(out) => out.len(),
+            ReadOutput::Owned { len, .. } => *len,
+        }
+    }
+
+    /// An owned output's buffer (made if nothing was read into it).
+    pub(crate) fn into_owned(self) -> Vec<u8> {
+        match self {
+            ReadOutput::Borrowed(out) => out.to_vec(),
+            ReadOutput::Owned { len, buf } => buf.unwrap_or_else(|| vec![0u8; len]),
+        }
     }
 }
 

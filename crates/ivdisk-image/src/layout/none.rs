@@ -3,7 +3,7 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct NoMetadata(pub ObjectGeometry);
@@ -38,7 +38,7 @@ impl SectorLayout for NoMetadata {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         _count: u32,
-        ciphertext: &mut [u8],
+        ciphertext: &mut ReadOutput<'_>,
         _metadata: &mut [u8],
     ) -> Result<Decoded, String> {
         take_or_place_extents(

@@ -5,7 +5,9 @@
 
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{place_extents, take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
+use super::{
+    place_extents, take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout,
+};
 
 #[derive(Debug)]
 pub(crate) struct ObjectEnd(pub ObjectGeometry);
@@ -90,7 +92,7 @@ impl SectorLayout for ObjectEnd {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         _count: u32,
-        ciphertext: &mut [u8],
+        ciphertext: &mut ReadOutput<'_>,
         metadata: &mut [u8],
     ) -> Result<Decoded, String> {
         let taken = take_or_place_extents(results.next(), self.data_offset(first), ciphertext)?;

@@ -4,7 +4,7 @@
 
 use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
-use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
 
 /// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
 const MAX_KEYS_PER_STEP: u32 = 1024;
@@ -95,7 +95,7 @@ impl SectorLayout for Omap {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         count: u32,
-        ciphertext: &mut [u8],
+        ciphertext: &mut ReadOutput<'_>,
         metadata: &mut [u8],
     ) -> Result<Decoded, String> {
         let ml = self.0.metadata_len;

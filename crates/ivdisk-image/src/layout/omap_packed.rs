@@ -31,7 +31,7 @@ use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
 use super::object_end::{discard_apart, write_apart};
 use super::omap::{index_of, key};
-use super::{take_or_place_extents, Decoded, ObjectGeometry, SectorLayout};
+use super::{take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
 
 /// Sectors whose metadata share one omap value.
 pub(crate) const SECTORS_PER_VALUE: u32 = 16;
@@ -305,7 +305,7 @@ impl SectorLayout for OmapPacked {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         count: u32,
-        ciphertext: &mut [u8],
+        ciphertext: &mut ReadOutput<'_>,
         metadata: &mut [u8],
     ) -> Result<Decoded, String> {
         let taken = take_or_place_extents(

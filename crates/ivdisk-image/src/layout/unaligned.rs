@@ -5,7 +5,7 @@
 use ivdisk_crypto::{CryptoError, SectorCipher};
 use ivdisk_store::{ReadResult, ReadStep, WriteStep};
 
-use super::{extent_bytes, Decoded, ObjectGeometry, SectorLayout};
+use super::{extent_bytes, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
 
 #[derive(Debug)]
 pub(crate) struct Unaligned(pub ObjectGeometry);
@@ -96,7 +96,7 @@ impl SectorLayout for Unaligned {
         results: &mut dyn Iterator<Item = ReadResult>,
         first: u32,
         count: u32,
-        _ciphertext: &mut [u8],
+        _ciphertext: &mut ReadOutput<'_>,
         _metadata: &mut [u8],
     ) -> Result<Decoded, String> {
         // The slots as they are: the caller decrypts from them (`decrypt_sectors_from_slots`),
