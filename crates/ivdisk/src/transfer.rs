@@ -470,19 +470,17 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
                 if !allocated {
                     return Ok((offset, n, None));
                 }
-                let buf = tokio::spawn(async move {
-                    let mut buf = vec![0u8; n as usize];
-                    image.read(offset, &mut buf).await.map(|()| buf)
-                })
-                .await
-                .context("an export task failed")?
-                .map_err(|e| match e {
-                    ImageError::Integrity { .. } => anyhow::anyhow!(
-                        "{e}; run `ivdisk verify {}` to list every damaged sector",
-                        image_name(&e)
-                    ),
-                    e => flat(e),
-                })?;
+                // The image's own buffer: the store's, decrypted in place.
+                let buf = tokio::spawn(async move { image.read_owned(offset, n as usize).await })
+                    .await
+                    .context("an export task failed")?
+                    .map_err(|e| match e {
+                        ImageError::Integrity { .. } => anyhow::anyhow!(
+                            "{e}; run `ivdisk verify {}` to list every damaged sector",
+                            image_name(&e)
+                        ),
+                        e => flat(e),
+                    })?;
                 anyhow::Ok((offset, n, Some(buf)))
             }
         })
@@ -653,9 +651,8 @@ fn check(
         .map(|(offset, n)| {
             let image = image.clone();
             tokio::spawn(async move {
-                let mut buf = vec![0u8; n as usize];
-                match image.read(offset, &mut buf).await {
-                    Ok(()) => Ok((n, Vec::new())),
+                match image.read_owned(offset, n as usize).await {
+                    Ok(_) => Ok((n, Vec::new())),
                     // The other sectors of the chunk were read and authenticated.
                     Err(ImageError::Integrity { lbas, .. }) => Ok((n, lbas)),
                     Err(e) => Err(flat(e)),
