@@ -508,14 +508,9 @@ impl MetadataCache {
     /// blocks they touch, and their exact bytes in the blocks not known.
     fn whole_block_steps(&self, shard: &Shard, object: u64, changes: &[Change]) -> Vec<WriteStep> {
         let region_start = self.region_offset;
-        let mut touched: Vec<u32> = changes
-            .iter()
-            .flat_map(|(at, bytes)| self.blocks_of(&(*at..*at + bytes.len())))
-            .collect();
-        touched.sort_unstable();
-        touched.dedup();
+        let blocks_of = |(at, bytes): &Change| self.blocks_of(&(*at..*at + bytes.len()));
         let mut rewritten = Vec::new();
-        for b in touched {
+        let mut rewrite = |b: u32| {
             let block = self.block_range(b);
             match shard.blocks.get(&(object, b)) {
                 Some(Block::Known(content)) => rewritten.push(WriteStep::Write {
@@ -535,6 +530,16 @@ impl MetadataCache {
                         }
                     }
                 }
+            }
+        };
+        match changes {
+            // One change (the usual write) touches a run of blocks in order: no list to build.
+            [one] => blocks_of(one).for_each(&mut rewrite),
+            _ => {
+                let mut touched: Vec<u32> = changes.iter().flat_map(blocks_of).collect();
+                touched.sort_unstable();
+                touched.dedup();
+                touched.into_iter().for_each(&mut rewrite);
             }
         }
         rewritten

@@ -15,7 +15,7 @@ pub(crate) struct Omap(pub ObjectGeometry);
 /// `{index:08x}`, written out: through `format!` the key was a quarter of the engine's own
 /// time in writes of 1 MiB (256 keys each). (All eight digits at once in a `u64` measured
 /// no different, docs/BENCHMARKS.md.)
-fn key_digits(index: u32) -> [u8; 8] {
+pub(super) fn key_digits(index: u32) -> [u8; 8] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     std::array::from_fn(|i| HEX[(index >> (4 * (7 - i))) as usize & 15])
 }
