@@ -54,6 +54,11 @@
 //!   metadata at its end) would have to read them: the data, the omap values of its sectors
 //!   and their 17-byte entries at the object's end in one operation. `r`'s objects have no
 //!   values, `s`'s no tail (that read goes past the object's end).
+//! - **t** `object-end-17-rm` (only when `IVDISK_BENCH_CASES` names it): `p` with, in the same
+//!   operation, the removal of every omap key of the object (an omap key range covering them
+//!   all): what a layout that moved a whole object's metadata from omap values to the object's
+//!   end would send with each whole-object write, so that no stale value could shadow the new
+//!   metadata. The objects have no values (as an object written only in whole would have).
 //!
 //! `IVDISK_BENCH_RW=read` measures reads instead of writes: for each case, one read operation
 //! of what its writes store (the data extent, and the metadata extent or the omap values of
@@ -149,10 +154,11 @@ enum Case {
     ObjectEndCompactFull,
     TailReadBoth,
     OmapHalfReadBoth,
+    TailClearing,
 }
 
 impl Case {
-    const ALL: [Case; 19] = [
+    const ALL: [Case; 20] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -172,6 +178,7 @@ impl Case {
         Case::ObjectEndCompactFull,
         Case::TailReadBoth,
         Case::OmapHalfReadBoth,
+        Case::TailClearing,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -198,6 +205,7 @@ impl Case {
             Case::ObjectEndCompactFull => 'q',
             Case::TailReadBoth => 'r',
             Case::OmapHalfReadBoth => 's',
+            Case::TailClearing => 't',
         }
     }
 
@@ -222,6 +230,7 @@ impl Case {
             Case::ObjectEndCompactFull => "object-end-17-full",
             Case::TailReadBoth => "tail-17-read-both",
             Case::OmapHalfReadBoth => "omap-256-read-both",
+            Case::TailClearing => "object-end-17-rm",
         }
     }
 
@@ -233,7 +242,9 @@ impl Case {
             Case::DataUnhinted | Case::DataFull => Case::Data,
             Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
             Case::OmapChunkFull => Case::OmapChunk,
-            Case::ObjectEndCompactFull | Case::TailReadBoth => Case::ObjectEndCompact,
+            Case::ObjectEndCompactFull | Case::TailReadBoth | Case::TailClearing => {
+                Case::ObjectEndCompact
+            }
             Case::OmapHalfReadBoth => Case::OmapHalf,
             other => other,
         }
@@ -283,6 +294,9 @@ impl Case {
         }
         if matches!(self, Case::TailReadBoth | Case::OmapHalfReadBoth) {
             return format!("{}; read: data + values + tail", self.base().describe(size));
+        }
+        if self == Case::TailClearing {
+            return format!("{} + every omap key removed", self.base().describe(size));
         }
         if self.writes_full() {
             let base = self.base().describe(size);
@@ -334,7 +348,8 @@ impl Case {
             | Case::OmapChunkFull
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
-            | Case::OmapHalfReadBoth => unreachable!("handled above"),
+            | Case::OmapHalfReadBoth
+            | Case::TailClearing => unreachable!("handled above"),
         }
     }
 
@@ -359,7 +374,8 @@ impl Case {
             | Case::OmapChunkFull
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
-            | Case::OmapHalfReadBoth => unreachable!("base() is not a variant"),
+            | Case::OmapHalfReadBoth
+            | Case::TailClearing => unreachable!("base() is not a variant"),
         }
     }
 
@@ -433,10 +449,21 @@ impl Case {
         match self.base() {
             Case::Data => extent,
             Case::ObjectEnd => extent.write(OBJECT_DATA + first * META, meta),
-            Case::ObjectEndCompact => extent.write(
-                OBJECT_DATA + first * COMPACT,
-                &block_meta[..(n * COMPACT) as usize],
-            ),
+            Case::ObjectEndCompact => {
+                let op = extent.write(
+                    OBJECT_DATA + first * COMPACT,
+                    &block_meta[..(n * COMPACT) as usize],
+                );
+                match self {
+                    // Every key `omap-packed` could have set (eight hex digits); the objects
+                    // of this case hold none.
+                    Case::TailClearing => op.step(WriteStep::OmapRemoveRange {
+                        start: b"0".to_vec(),
+                        end: b"g".to_vec(),
+                    }),
+                    _ => op,
+                }
+            }
             Case::Omap => extent.omap_set(
                 meta.chunks(META as usize)
                     .zip(first..)
@@ -474,7 +501,8 @@ impl Case {
             | Case::OmapChunkFull
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
-            | Case::OmapHalfReadBoth => unreachable!("base() is not a variant"),
+            | Case::OmapHalfReadBoth
+            | Case::TailClearing => unreachable!("base() is not a variant"),
         }
     }
 }
