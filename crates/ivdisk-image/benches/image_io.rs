@@ -41,6 +41,13 @@
 //! - `mem-uri`: the `memory` engine as `Image::create` opens it for `mem:NAME` (the process-wide
 //!   store), to check that it measures as `memory` does (not in the default set).
 //!
+//! The bench runs on mimalloc, the allocator the `ivdisk` binary (and so `ivdisk serve`) links:
+//! what is measured is the engine as it runs in the product. With glibc's malloc the same
+//! engine took 10-35% more CPU per IO in the library's calls (docs/BENCHMARKS.md, "The bench on
+//! the product's allocator"). The store's and the front end's work is timed with the monotonic
+//! clock ([`CpuTally`]; `IVDISK_BENCH_TIMER=thread-cpu` for the thread CPU clock of earlier
+//! runs).
+//!
 //! Baseline, before the first window and after each (a window is compared with the mean of the
 //! two around it; the figures are medians over the windows): the suite's cipher
 //! (`new_cipher`, default key size) encrypting / decrypting IO-sized buffers of random data
@@ -62,8 +69,9 @@
 //! `nbd-read`, `nbd-write`; all four by default),
 //! `IVDISK_BENCH_REPS` (3), `IVDISK_BENCH_SECONDS` (0.35), `IVDISK_BENCH_WARMUP` (0.25),
 //! `IVDISK_BENCH_CRYPTO_SECONDS` (0.05 per thread), `IVDISK_BENCH_IMAGE_MIB` (256),
-//! `IVDISK_BENCH_QUICK=1` (64 KiB and 1 MiB, 1 window of 0.25 s after 0.1 s, a 128 MiB
-//! image), `IVDISK_BENCH_JSON` (where the samples go; default `target/bench-image/image_io.json`).
+//! `IVDISK_BENCH_TIMER` (`monotonic` or `thread-cpu`), `IVDISK_BENCH_QUICK=1` (64 KiB and
+//! 1 MiB, 1 window of 0.25 s after 0.1 s, a 128 MiB image), `IVDISK_BENCH_JSON` (where the
+//! samples go; default `target/bench-image/image_io.json`).
 //! Without `--bench` (as `cargo test --all-targets` runs it): one short pass of
 //! aegis128l-random with `object-end` and with `omap-packed` (the default layout) at 64 KiB on
 //! both stores, all four directions, no JSON.
@@ -87,6 +95,11 @@ use ivdisk_store::{
     check_range, Extent, LockRequest, Locker, MemoryStore, ObjectName, ObjectStore, OmapPairs,
     ReadOp, ReadResult, ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
+
+/// The product's allocator (`crates/ivdisk/src/main.rs`), so that the engine is measured as it
+/// runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
 const QUICK_SIZES: [usize; 2] = [64 << 10, 1 << 20];
@@ -133,25 +146,126 @@ struct MapStore {
     tally: CpuTally,
 }
 
-/// Thread CPU time of one kind of work done inside the IO threads (the `map` store's
-/// operations, the front end's buffers), summed, and how many times it was timed: the two
-/// `clock_gettime` calls per timing (a system call each, for a thread's CPU clock: about
-/// 0.15 us apiece here, 15% of a 4 KiB read) are calibrated at start-up ([`timer_pair_ns`])
-/// and taken out of the figures.
+/// Time of one kind of work done inside the IO threads (the `map` store's operations, the
+/// front end's buffers), summed, and how many times it was timed; the cost of the two clock
+/// reads per timing is calibrated at start-up ([`timer_pair_ns`]) and taken out of the figures.
+///
+/// The clock is the monotonic one (`Instant`, read in user space through the vDSO: tens of
+/// nanoseconds) unless `IVDISK_BENCH_TIMER=thread-cpu` asks for the thread's CPU clock, which
+/// earlier runs used. Why not that one: reading it is a system call, and under load (both
+/// vCPUs busy, its kernel paths cold after each 64 KiB copy) a read cost more than the
+/// calibration loop measures: in a profile of 64 KiB `omap-packed` `nbd-write`s the timers
+/// took 13.6% of the IO threads, about 1.6 us per IO, of which 1.1 us were taken out, so the
+/// engine's figure carried half a microsecond (15 points of overhead) of the bench's own
+/// clock reads. Wall time stands for CPU time here because the timed work never waits: the
+/// `map` store's object lock is taken before the timing starts, and a copy or a free does not
+/// block (the VM's steal time is about 0.1%).
+///
+/// Each thread adds into a slot of its own (cache-line sized): shared counters cost a cache
+/// line moving between the two vCPUs on every timing.
 #[derive(Default)]
 struct CpuTally {
-    cpu_ns: AtomicU64,
+    slots: [TallySlot; TALLY_SLOTS],
+}
+
+const TALLY_SLOTS: usize = 16;
+
+#[derive(Default)]
+#[repr(align(128))]
+struct TallySlot {
+    ns: AtomicU64,
     calls: AtomicU64,
+}
+
+/// Which clock a [`CpuTally`] reads (`IVDISK_BENCH_TIMER`: `monotonic`, the default, or
+/// `thread-cpu`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TimerClock {
+    Monotonic,
+    ThreadCpu,
+}
+
+fn timer_clock() -> TimerClock {
+    static CLOCK: std::sync::OnceLock<TimerClock> = std::sync::OnceLock::new();
+    *CLOCK.get_or_init(|| match std::env::var("IVDISK_BENCH_TIMER").as_deref() {
+        Ok("thread-cpu") => TimerClock::ThreadCpu,
+        Ok("monotonic") | Err(_) => TimerClock::Monotonic,
+        Ok(other) => panic!("IVDISK_BENCH_TIMER: monotonic or thread-cpu, not {other:?}"),
+    })
+}
+
+impl TimerClock {
+    fn name(self) -> &'static str {
+        match self {
+            TimerClock::Monotonic => "monotonic",
+            TimerClock::ThreadCpu => "thread-cpu",
+        }
+    }
+}
+
+thread_local! {
+    /// Nanoseconds the timed work on this thread spent waiting for a lock ([`lock_timed`]),
+    /// taken out of its timing: a wait is not work.
+    static WAITED_NS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Locks `mutex`; if another thread holds it, the wait is counted in [`WAITED_NS`]. (The
+/// engine's metadata cache already keeps two operations on one object apart, so waits are
+/// rare; this makes sure none is counted as the store's work.)
+fn lock_timed<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.try_lock() {
+        Ok(guard) => guard,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            let start = Instant::now();
+            let guard = mutex.lock().unwrap_or_else(|e| e.into_inner());
+            let waited = start.elapsed().as_nanos() as u64;
+            WAITED_NS.with(|w| w.set(w.get() + waited));
+            guard
+        }
+    }
+}
+
+/// This thread's slot in every [`CpuTally`]: threads take slots in turn as they first time
+/// something (the bench has two IO threads and a main thread).
+fn tally_slot() -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static SLOT: usize = (NEXT.fetch_add(1, Ordering::Relaxed) as usize) % TALLY_SLOTS;
+    }
+    SLOT.with(|s| *s)
 }
 
 impl CpuTally {
     fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
-        let start = ThreadTime::now();
-        let out = f();
-        let ns = start.elapsed().as_nanos() as u64;
-        self.cpu_ns.fetch_add(ns, Ordering::Relaxed);
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        WAITED_NS.with(|w| w.set(0));
+        let (out, ns) = match timer_clock() {
+            TimerClock::Monotonic => {
+                let start = Instant::now();
+                let out = f();
+                (out, start.elapsed().as_nanos() as u64)
+            }
+            TimerClock::ThreadCpu => {
+                let start = ThreadTime::now();
+                let out = f();
+                (out, start.elapsed().as_nanos() as u64)
+            }
+        };
+        let ns = ns.saturating_sub(WAITED_NS.with(|w| w.get()));
+        let slot = &self.slots[tally_slot()];
+        slot.ns.fetch_add(ns, Ordering::Relaxed);
+        slot.calls.fetch_add(1, Ordering::Relaxed);
         out
+    }
+
+    /// Nanoseconds timed and timings, over all threads.
+    fn totals(&self) -> (u64, u64) {
+        self.slots.iter().fold((0, 0), |(ns, calls), s| {
+            (
+                ns + s.ns.load(Ordering::Relaxed),
+                calls + s.calls.load(Ordering::Relaxed),
+            )
+        })
     }
 }
 
@@ -192,7 +306,7 @@ fn write_at(data: &mut Vec<u8>, offset: u64, bytes: &[u8]) {
 impl MapStore {
     fn apply_write(&self, name: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
         let object = self.object(name, true).expect("created");
-        let mut o = object.lock().unwrap();
+        let mut o = lock_timed(&object);
         // Checks first, so that a failing operation changes nothing.
         for step in &op.steps {
             match step {
@@ -281,7 +395,7 @@ impl MapStore {
             return Err(unsupported("reading at a snapshot"));
         }
         let object = self.object(name, false).ok_or_else(|| not_found(name))?;
-        let o = object.lock().unwrap();
+        let o = lock_timed(&object);
         if !o.exists {
             return Err(not_found(name));
         }
@@ -701,10 +815,10 @@ struct Snapshot {
 impl Snapshot {
     fn take(ops: &AtomicU64, map: Option<&MapStore>, front: &CpuTally) -> Snapshot {
         let mut threads = thread_cpu();
-        threads.store += map.map_or(0, |m| m.tally.cpu_ns.load(Ordering::Relaxed));
-        threads.store_calls = map.map_or(0, |m| m.tally.calls.load(Ordering::Relaxed));
-        threads.front = front.cpu_ns.load(Ordering::Relaxed);
-        threads.front_calls = front.calls.load(Ordering::Relaxed);
+        let (store_ns, store_calls) = map.map_or((0, 0), |m| m.tally.totals());
+        threads.store += store_ns;
+        threads.store_calls = store_calls;
+        (threads.front, threads.front_calls) = front.totals();
         Snapshot {
             at: Instant::now(),
             cpu: ProcessTime::now(),
@@ -1098,13 +1212,14 @@ fn main() {
     println!(
         "image {} MiB, 4 MiB objects, 4 KiB sectors; {} windows of {} s per measurement (warm-up \
          {} s, then {REWARM} s), raw crypto ({} s per thread) before the first and after each; \
-         map store timers {:.0} ns per operation (taken out); figures are medians over the \
-         windows; GB = 10^9 bytes",
+         timers ({} clock) {:.0} ns per timed piece of work (taken out); figures are medians \
+         over the windows; GB = 10^9 bytes",
         cfg.image_size >> 20,
         cfg.reps,
         cfg.seconds,
         cfg.warmup,
         cfg.crypto_seconds,
+        timer_clock().name(),
         cfg.timer_pair_ns
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -1255,8 +1370,8 @@ fn main() {
          \"crypto_seconds\": {}, \"reps\": {}, \"image_bytes\": {}, \
          \"object_size\": {DEFAULT_OBJECT_SIZE}, \"sector_size\": {SECTOR}, \"quick\": {}, \
          \"elapsed_seconds\": {elapsed:.1}, \
-         \"map_timer_ns_per_op\": {:.1}, \"crypto_threads\": {threads}, \
-         \"loadavg_before\": {}, \"loadavg_after\": {},",
+         \"map_timer_ns_per_op\": {:.1}, \"timer_clock\": {}, \
+         \"crypto_threads\": {threads}, \"loadavg_before\": {}, \"loadavg_after\": {},",
         cfg.seconds,
         cfg.warmup,
         cfg.crypto_seconds,
@@ -1264,6 +1379,7 @@ fn main() {
         cfg.image_size,
         cfg.quick,
         cfg.timer_pair_ns,
+        json_str(timer_clock().name()),
         json_str(&load_before),
         json_str(&loadavg())
     );

@@ -59,6 +59,11 @@
 //!   all): what a layout that moved a whole object's metadata from omap values to the object's
 //!   end would send with each whole-object write, so that no stale value could shadow the new
 //!   metadata. The objects have no values (as an object written only in whole would have).
+//! - **u** `object-end-64k-rm` (only when `IVDISK_BENCH_CASES` names it): `t`, but a write of a
+//!   whole object sends its tail as a 64 KiB extent (the 17 KiB of compact metadata, then
+//!   zeros): an extent that size is not a deferred write under BlueStore's `hdd` settings
+//!   (`bluestore_prefer_deferred_size_hdd`), and, a whole number of 4 KiB blocks, needs no
+//!   merge of a partial block under `ssd` settings. Smaller writes send `t`'s operation.
 //!
 //! `IVDISK_BENCH_RW=read` measures reads instead of writes: for each case, one read operation
 //! of what its writes store (the data extent, and the metadata extent or the omap values of
@@ -127,6 +132,9 @@ const META: u64 = 32;
 /// Metadata per sector in `omap-packed`'s compact values: a 16-byte tag, and one 16-byte
 /// first nonce per 16 sectors.
 const COMPACT: u64 = 17;
+/// The tail of case `u`'s whole-object writes: a whole object's compact metadata (17 KiB)
+/// padded with zeros to 64 KiB.
+const TAIL_PADDED: u64 = 64 << 10;
 /// An unaligned-layout record: a sector followed by its metadata.
 const RECORD: u64 = SECTOR + META;
 const SECTORS_PER_OBJECT: u64 = 1024;
@@ -155,10 +163,11 @@ enum Case {
     TailReadBoth,
     OmapHalfReadBoth,
     TailClearing,
+    TailPadded,
 }
 
 impl Case {
-    const ALL: [Case; 20] = [
+    const ALL: [Case; 21] = [
         Case::Data,
         Case::ObjectEnd,
         Case::Omap,
@@ -179,6 +188,7 @@ impl Case {
         Case::TailReadBoth,
         Case::OmapHalfReadBoth,
         Case::TailClearing,
+        Case::TailPadded,
     ];
     /// What runs unless `IVDISK_BENCH_CASES` says otherwise: the paper's three layouts and
     /// the baseline.
@@ -206,6 +216,7 @@ impl Case {
             Case::TailReadBoth => 'r',
             Case::OmapHalfReadBoth => 's',
             Case::TailClearing => 't',
+            Case::TailPadded => 'u',
         }
     }
 
@@ -231,6 +242,7 @@ impl Case {
             Case::TailReadBoth => "tail-17-read-both",
             Case::OmapHalfReadBoth => "omap-256-read-both",
             Case::TailClearing => "object-end-17-rm",
+            Case::TailPadded => "object-end-64k-rm",
         }
     }
 
@@ -242,9 +254,10 @@ impl Case {
             Case::DataUnhinted | Case::DataFull => Case::Data,
             Case::ObjectEndBlockUnhinted => Case::ObjectEndBlock,
             Case::OmapChunkFull => Case::OmapChunk,
-            Case::ObjectEndCompactFull | Case::TailReadBoth | Case::TailClearing => {
-                Case::ObjectEndCompact
-            }
+            Case::ObjectEndCompactFull
+            | Case::TailReadBoth
+            | Case::TailClearing
+            | Case::TailPadded => Case::ObjectEndCompact,
             Case::OmapHalfReadBoth => Case::OmapHalf,
             other => other,
         }
@@ -295,8 +308,15 @@ impl Case {
         if matches!(self, Case::TailReadBoth | Case::OmapHalfReadBoth) {
             return format!("{}; read: data + values + tail", self.base().describe(size));
         }
-        if self == Case::TailClearing {
+        if self == Case::TailClearing || (self == Case::TailPadded && n < SECTORS_PER_OBJECT) {
             return format!("{} + every omap key removed", self.base().describe(size));
+        }
+        if self == Case::TailPadded {
+            return format!(
+                "{size} B + {TAIL_PADDED} B at object end ({} B of metadata, then zeros) + \
+                 every omap key removed",
+                n * COMPACT
+            );
         }
         if self.writes_full() {
             let base = self.base().describe(size);
@@ -349,12 +369,16 @@ impl Case {
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
             | Case::OmapHalfReadBoth
-            | Case::TailClearing => unreachable!("handled above"),
+            | Case::TailClearing
+            | Case::TailPadded => unreachable!("handled above"),
         }
     }
 
     /// The object's length when written in full.
     fn object_len(self) -> u64 {
+        if self == Case::TailPadded {
+            return OBJECT_DATA + TAIL_PADDED;
+        }
         match self.base() {
             Case::Data
             | Case::Omap
@@ -375,7 +399,8 @@ impl Case {
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
             | Case::OmapHalfReadBoth
-            | Case::TailClearing => unreachable!("base() is not a variant"),
+            | Case::TailClearing
+            | Case::TailPadded => unreachable!("base() is not a variant"),
         }
     }
 
@@ -450,14 +475,18 @@ impl Case {
             Case::Data => extent,
             Case::ObjectEnd => extent.write(OBJECT_DATA + first * META, meta),
             Case::ObjectEndCompact => {
-                let op = extent.write(
-                    OBJECT_DATA + first * COMPACT,
-                    &block_meta[..(n * COMPACT) as usize],
-                );
+                let compact = &block_meta[..(n * COMPACT) as usize];
+                let op = if self == Case::TailPadded && n == SECTORS_PER_OBJECT {
+                    let mut tail = vec![0u8; TAIL_PADDED as usize];
+                    tail[..compact.len()].copy_from_slice(compact);
+                    extent.write(OBJECT_DATA, tail)
+                } else {
+                    extent.write(OBJECT_DATA + first * COMPACT, compact)
+                };
                 match self {
                     // Every key `omap-packed` could have set (eight hex digits); the objects
                     // of this case hold none.
-                    Case::TailClearing => op.step(WriteStep::OmapRemoveRange {
+                    Case::TailClearing | Case::TailPadded => op.step(WriteStep::OmapRemoveRange {
                         start: b"0".to_vec(),
                         end: b"g".to_vec(),
                     }),
@@ -502,7 +531,8 @@ impl Case {
             | Case::ObjectEndCompactFull
             | Case::TailReadBoth
             | Case::OmapHalfReadBoth
-            | Case::TailClearing => unreachable!("base() is not a variant"),
+            | Case::TailClearing
+            | Case::TailPadded => unreachable!("base() is not a variant"),
         }
     }
 }
