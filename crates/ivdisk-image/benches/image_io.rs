@@ -43,9 +43,9 @@
 //!
 //! The bench runs on mimalloc, the allocator the `ivdisk` binary (and so `ivdisk serve`) links:
 //! what is measured is the engine as it runs in the product. With glibc's malloc the same
-//! engine took 10-35% more CPU per IO in the library's calls (docs/BENCHMARKS.md, "The bench on
+//! engine took 17-35% more CPU per IO in the library's calls (docs/BENCHMARKS.md, "The bench on
 //! the product's allocator"). The store's and the front end's work is timed with the monotonic
-//! clock ([`CpuTally`]; `IVDISK_BENCH_TIMER=thread-cpu` for the thread CPU clock of earlier
+//! clock ([`WorkTally`]; `IVDISK_BENCH_TIMER=thread-cpu` for the thread CPU clock of earlier
 //! runs).
 //!
 //! Baseline, before the first window and after each (a window is compared with the mean of the
@@ -143,7 +143,7 @@ struct MapLock {
 struct MapStore {
     objects: RwLock<HashMap<ObjectName, Arc<Mutex<MapObject>>>>,
     locks: Mutex<HashMap<(ObjectName, String), MapLock>>,
-    tally: CpuTally,
+    tally: WorkTally,
 }
 
 /// Time of one kind of work done inside the IO threads (the `map` store's operations, the
@@ -153,18 +153,18 @@ struct MapStore {
 /// The clock is the monotonic one (`Instant`, read in user space through the vDSO: tens of
 /// nanoseconds) unless `IVDISK_BENCH_TIMER=thread-cpu` asks for the thread's CPU clock, which
 /// earlier runs used. Why not that one: reading it is a system call, and under load (both
-/// vCPUs busy, its kernel paths cold after each 64 KiB copy) a read cost more than the
+/// vCPUs busy, its kernel paths cold after each 64 KiB copy) a read costs more than the
 /// calibration loop measures: in a profile of 64 KiB `omap-packed` `nbd-write`s the timers
-/// took 13.6% of the IO threads, about 1.6 us per IO, of which 1.1 us were taken out, so the
-/// engine's figure carried half a microsecond (15 points of overhead) of the bench's own
-/// clock reads. Wall time stands for CPU time here because the timed work never waits: the
-/// `map` store's object lock is taken before the timing starts, and a copy or a free does not
+/// took 13.6% of the IO threads, about 1.6 us per IO, of which 1.1 us were taken out; on this
+/// clock the engine's figure came out 0.04-0.17 us per 64 KiB IO lower (docs/BENCHMARKS.md).
+/// Wall time stands for CPU time here because the timed work does not wait: a wait for the
+/// `map` store's object lock is left out ([`lock_timed`]), and a copy or a free does not
 /// block (the VM's steal time is about 0.1%).
 ///
 /// Each thread adds into a slot of its own (cache-line sized): shared counters cost a cache
 /// line moving between the two vCPUs on every timing.
 #[derive(Default)]
-struct CpuTally {
+struct WorkTally {
     slots: [TallySlot; TALLY_SLOTS],
 }
 
@@ -177,7 +177,7 @@ struct TallySlot {
     calls: AtomicU64,
 }
 
-/// Which clock a [`CpuTally`] reads (`IVDISK_BENCH_TIMER`: `monotonic`, the default, or
+/// Which clock a [`WorkTally`] reads (`IVDISK_BENCH_TIMER`: `monotonic`, the default, or
 /// `thread-cpu`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum TimerClock {
@@ -226,7 +226,7 @@ fn lock_timed<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     }
 }
 
-/// This thread's slot in every [`CpuTally`]: threads take slots in turn as they first time
+/// This thread's slot in every [`WorkTally`]: threads take slots in turn as they first time
 /// something (the bench has two IO threads and a main thread).
 fn tally_slot() -> usize {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -236,7 +236,7 @@ fn tally_slot() -> usize {
     SLOT.with(|s| *s)
 }
 
-impl CpuTally {
+impl WorkTally {
     fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
         WAITED_NS.with(|w| w.set(0));
         let (out, ns) = match timer_clock() {
@@ -753,10 +753,10 @@ impl Config {
 // ---------------------------------------------------------------------------------------------
 // Measuring.
 
-/// CPU nanoseconds that timing one piece of work costs (an empty one timed as [`CpuTally`]
+/// CPU nanoseconds that timing one piece of work costs (an empty one timed as [`WorkTally`]
 /// times); the least of a few rounds.
 fn timer_pair_ns() -> f64 {
-    let tally = CpuTally::default();
+    let tally = WorkTally::default();
     (0..5)
         .map(|_| {
             let n = 20_000;
@@ -813,7 +813,7 @@ struct Snapshot {
 }
 
 impl Snapshot {
-    fn take(ops: &AtomicU64, map: Option<&MapStore>, front: &CpuTally) -> Snapshot {
+    fn take(ops: &AtomicU64, map: Option<&MapStore>, front: &WorkTally) -> Snapshot {
         let mut threads = thread_cpu();
         let (store_ns, store_calls) = map.map_or((0, 0), |m| m.tally.totals());
         threads.store += store_ns;
@@ -892,7 +892,7 @@ fn measure_io(
     map: Option<&MapStore>,
     mut between: impl FnMut(),
 ) -> Vec<Window> {
-    let front = Arc::new(CpuTally::default());
+    let front = Arc::new(WorkTally::default());
     let Load {
         rw,
         size,
