@@ -377,6 +377,7 @@ impl MapStore {
                         }
                     }
                 }
+                WriteStep::OmapClear => o.omap.clear(),
                 WriteStep::Rollback(_) => unreachable!("refused above"),
             }
         }

@@ -65,6 +65,7 @@ use crate::image::{
     NONCE_KEY,
 };
 use crate::keyslots::missing_header;
+use crate::layout::max_stored_object_len;
 use crate::snapshot::{SnapshotTable, SNAPSHOT_KEY_PREFIX, SNAP_SEQ_KEY};
 use crate::writer_lock::{WriterLock, DEFAULT_LOCK_DURATION};
 use crate::{Image, ImageError, ImageUri, LayoutKind};
@@ -535,9 +536,11 @@ struct Source {
 impl Source {
     /// Largest stored size of one data object (every layout stays within it).
     fn object_bound(&self) -> u64 {
-        let ss = self.parsed.sector_size as u64;
-        let ml = self.parsed.suite.metadata_len() as u64;
-        self.parsed.params.object_size / ss * (ss + ml)
+        max_stored_object_len(
+            self.parsed.params.object_size,
+            self.parsed.sector_size,
+            self.parsed.suite.metadata_len(),
+        )
     }
 
     fn data_object(&self, n: u64) -> Result<ObjectName, ImageError> {
@@ -1107,9 +1110,9 @@ impl<R: Read> Reader<R> {
             .map_err(|e| reader.damaged(format!("its description does not parse: {e}")))?;
         reader.check_description(&description)?;
         let os = description.object_size;
-        let ss = u64::from(description.sector_size);
         let suite: Suite = description.suite.parse().expect("checked");
-        reader.object_bound = os / ss * (ss + suite.metadata_len() as u64);
+        reader.object_bound =
+            max_stored_object_len(os, description.sector_size, suite.metadata_len());
         reader.max_objects = description
             .size
             .max(description.base.as_ref().map_or(0, |b| b.size))
@@ -1900,9 +1903,8 @@ async fn apply_increment(
         target.context = SnapshotTable::read(store.as_ref(), &target.header_object, &image)
             .await?
             .context();
-        let ss = u64::from(d.sector_size);
-        let ml = parsed.suite.metadata_len() as u64;
-        let bound = d.object_size / ss * (ss + ml);
+        let bound =
+            max_stored_object_len(d.object_size, d.sector_size, parsed.suite.metadata_len());
         let target_ref = &target;
         let store_ref = &store;
         let image_ref = &image;

@@ -276,8 +276,8 @@ impl Inner {
                     len: piece.count as u64 * ss,
                 });
                 if let ReadPlan::Fetch { range, .. } = &plan {
-                    op.steps
-                        .push(self.layout.cached_fetch_step(cache.region_offset(), range));
+                    self.layout
+                        .cached_fetch_steps(cache.region_offset(), range, &mut op.steps);
                 }
                 (plan, store.read_op(&object, op))
             })
@@ -314,7 +314,7 @@ impl Inner {
             ReadPlan::Fetch { range, loads } => {
                 let fetched =
                     self.layout
-                        .cached_fetched(results.next(), cache.region_offset(), &range);
+                        .cached_fetched(&mut results, cache.region_offset(), &range);
                 match (taken, fetched) {
                     (Ok(taken), Ok(fetched)) => {
                         cache.finish_loads(piece.object, &loads, &range, Some(&fetched));
@@ -406,8 +406,8 @@ impl Inner {
                     if let Some((range, loads)) =
                         cache.loads_before_write(shard, n, &op.steps, take_over)
                     {
-                        let read = ReadOp::new()
-                            .step(layout.cached_fetch_step(cache.region_offset(), &range));
+                        let mut read = ReadOp::new();
+                        layout.cached_fetch_steps(cache.region_offset(), &range, &mut read.steps);
                         let read = store.read_op(object, read);
                         let step = PackedStep::Load(range, loads);
                         return (step, Either::Left(async move { Err(read.await) }));
@@ -443,7 +443,7 @@ impl Inner {
                 }
                 (PackedStep::Load(range, loads), Err(loaded)) => match loaded {
                     Ok(results) => match layout.cached_fetched(
-                        results.into_iter().next(),
+                        &mut results.into_iter(),
                         cache.region_offset(),
                         &range,
                     ) {

@@ -46,19 +46,26 @@ async fn read_sector(image: &Image, lba: u64) -> Vec<u8> {
     buf
 }
 
-#[tokio::test]
-async fn small_ios_send_whole_metadata_blocks_and_read_data_alone() {
+/// A new image of four objects in the default suite and `layout`, on a store that records
+/// what it is sent.
+async fn four_object_image(layout: LayoutKind, name: &str) -> (Arc<BlockStore>, Image) {
     let store = Arc::new(BlockStore::new());
     let options = common::options(
         4 * OBJECT_SIZE,
         Suite::DEFAULT,
-        LayoutKind::ObjectEnd,
+        layout,
         SS as u32,
         OBJECT_SIZE,
     );
-    let image = Image::create_on(store.clone(), "cached", &options, PASS)
+    let image = Image::create_on(store.clone(), name, &options, PASS)
         .await
         .unwrap();
+    (store, image)
+}
+
+#[tokio::test]
+async fn small_ios_send_whole_metadata_blocks_and_read_data_alone() {
+    let (store, image) = four_object_image(LayoutKind::ObjectEnd, "cached").await;
     let object = image.data_object(0).to_string();
     let region = OBJECT_SIZE;
 
@@ -199,17 +206,7 @@ async fn sectors_written_one_by_one_after_a_reopen_read_back() {
 /// whole through the cache.
 #[tokio::test]
 async fn omap_packed_writes_one_whole_value_per_run_and_loads_it_first() {
-    let store = Arc::new(BlockStore::new());
-    let options = common::options(
-        4 * OBJECT_SIZE,
-        Suite::DEFAULT,
-        LayoutKind::OmapPacked,
-        SS as u32,
-        OBJECT_SIZE,
-    );
-    let image = Image::create_on(store.clone(), "packed", &options, PASS)
-        .await
-        .unwrap();
+    let (store, image) = four_object_image(LayoutKind::OmapPacked, "packed").await;
     let object = image.data_object(0).to_string();
 
     // A first small write: its run's value is read first, then the data and the whole
@@ -269,6 +266,140 @@ async fn omap_packed_writes_one_whole_value_per_run_and_loads_it_first() {
     assert_eq!(read_sector(&ro, 3).await, sector(3));
     assert_eq!(read_sector(&ro, 5).await, sector(5));
     ro.close().await.unwrap();
+}
+
+/// `omap-tail`: a write of a whole object stores its metadata as one extent after its data
+/// and removes its values; smaller writes and discards set values, which win over the tail
+/// (an empty value: a run discarded whole); reads without the cache fetch both; a byte
+/// changed in the tail fails the sectors it belongs to, and nothing else.
+#[tokio::test]
+async fn omap_tail_puts_whole_objects_at_their_end_and_values_win_over_it() {
+    let (store, image) = four_object_image(LayoutKind::OmapTail, "tail").await;
+    let object = image.data_object(1).to_string();
+    // 16 runs of 16 sectors, each 32 + 15 x 16 bytes compact, padded to a multiple of 4 KiB.
+    let tail_len = (16 * 272usize).next_multiple_of(4096);
+    let mut content: Vec<u8> = (0..OBJECT_SIZE).map(|i| (i % 251) as u8).collect();
+    store.clear();
+    image.write(OBJECT_SIZE, &content).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(0, OBJECT_SIZE as usize), (OBJECT_SIZE, tail_len)]
+    );
+    assert_eq!(store.omap_of(&object), vec!["clear"]);
+
+    // A sector of run 2 rewritten: the writer knows the run's value from the whole write and
+    // sets it whole; run 3 discarded whole: an empty value, so the tail does not show through.
+    store.clear();
+    image
+        .write(OBJECT_SIZE + 37 * SS, &sector(7))
+        .await
+        .unwrap();
+    image.discard(OBJECT_SIZE + 48 * SS, 16 * SS).await.unwrap();
+    assert_eq!(
+        store.omap_of(&object),
+        vec!["set 00000002:512", "set 00000003:0"]
+    );
+    content[37 * SS as usize..38 * SS as usize].copy_from_slice(&sector(7));
+    content[48 * SS as usize..64 * SS as usize].fill(0);
+    let mut back = vec![0u8; OBJECT_SIZE as usize];
+    image.read(OBJECT_SIZE, &mut back).await.unwrap();
+    assert!(back == content, "the writer reads its object back");
+    image.close().await.unwrap();
+
+    // Without the cache (a read-only open), reads fetch the values and the tail's slots.
+    let ro = Image::open_on(store.clone(), "tail", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    store.clear();
+    ro.read(OBJECT_SIZE, &mut back).await.unwrap();
+    assert!(back == content, "read back from the store alone");
+    // Two extents (the data, the tail's slots) and the values, in one operation.
+    let reads = store.reads.lock().unwrap().clone();
+    assert_eq!(reads, vec![(object.clone(), 2)], "the data and the tail");
+    let runs: Vec<String> = (0..16).map(|r| format!("{r:08x}")).collect();
+    assert_eq!(
+        store.omap_of(&object),
+        vec![format!("get {}", runs.join(","))]
+    );
+
+    // A byte of sector 70's tag in the tail (run 4: its slot at 4 x 272; sector 6 of the
+    // run: bytes 32 + 5 x 16 on) fails that sector alone; a byte of run 5's first nonce fails
+    // its 16 sectors.
+    let ivdisk_image::ImageError::Integrity { .. } = (async {
+        flip_stored(&store, &object, OBJECT_SIZE + 4 * 272 + 32 + 5 * 16 + 3).await;
+        let mut back = vec![0u8; OBJECT_SIZE as usize];
+        ro.read(OBJECT_SIZE, &mut back).await.unwrap_err()
+    })
+    .await
+    else {
+        panic!("not an integrity error")
+    };
+    let failed = |e: ivdisk_image::ImageError| match e {
+        ivdisk_image::ImageError::Integrity { lbas, .. } => lbas,
+        other => panic!("{other}"),
+    };
+    let err = ro.read(OBJECT_SIZE, &mut back).await.unwrap_err();
+    assert_eq!(failed(err), vec![256 + 70]);
+    flip_stored(&store, &object, OBJECT_SIZE + 4 * 272 + 32 + 5 * 16 + 3).await;
+    flip_stored(&store, &object, OBJECT_SIZE + 5 * 272).await;
+    let err = ro.read(OBJECT_SIZE, &mut back).await.unwrap_err();
+    assert_eq!(failed(err), (256 + 80..256 + 96).collect::<Vec<u64>>());
+    flip_stored(&store, &object, OBJECT_SIZE + 5 * 272).await;
+    ro.close().await.unwrap();
+
+    // A new writer knows nothing: a write into run 6 loads its value and its tail slot first.
+    let image = Image::open_on(store.clone(), "tail", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    store.clear();
+    image
+        .write(OBJECT_SIZE + 100 * SS, &sector(8))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.omap_of(&object),
+        vec!["get 00000006", "set 00000006:512"]
+    );
+    let reads = store.reads.lock().unwrap().clone();
+    assert_eq!(
+        reads,
+        vec![(object.clone(), 1)],
+        "the tail's slot, with the value"
+    );
+    content[100 * SS as usize..101 * SS as usize].copy_from_slice(&sector(8));
+    image.read(OBJECT_SIZE, &mut back).await.unwrap();
+    assert!(back == content, "run 6 merged from its tail slot");
+
+    // The object written whole again: its values go, the tail holds it all.
+    store.clear();
+    let fresh = vec![0x42u8; OBJECT_SIZE as usize];
+    image.write(OBJECT_SIZE, &fresh).await.unwrap();
+    assert_eq!(store.omap_of(&object), vec!["clear"]);
+    image.close().await.unwrap();
+    let ro = Image::open_on(store.clone(), "tail", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    ro.read(OBJECT_SIZE, &mut back).await.unwrap();
+    assert!(back == fresh, "the new tail, no stale value");
+    ro.close().await.unwrap();
+}
+
+/// Flip one bit of the byte at `offset` of `object`, as an attacker with the store could.
+async fn flip_stored(store: &BlockStore, object: &str, offset: u64) {
+    use ivdisk_store::{ObjectStore, ReadOp, ReadResult, ReadStep, WriteOp};
+    let object = ivdisk_store::ObjectName::new(object).unwrap();
+    let read = ReadOp::new().step(ReadStep::Read { offset, len: 1 });
+    let Ok(results) = store.read_op(&object, read).await else {
+        panic!("read {object}")
+    };
+    let [ReadResult::Extents(extents)] = &results[..] else {
+        panic!("{results:?}")
+    };
+    let byte = extents[0].data[0] ^ 0x01;
+    store
+        .write_op(&object, WriteOp::new().write(offset, vec![byte]))
+        .await
+        .unwrap();
 }
 
 /// `omap-packed` with the smallest cache (asked for none: it keeps one value per shard):

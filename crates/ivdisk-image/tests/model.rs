@@ -35,11 +35,11 @@ fn matrix(backend: Backend, sector_size: u32, object_sizes: [u64; 2], ops: usize
 #[test]
 fn the_matrix_has_every_combination() {
     let combos = common::combinations();
-    // Four suites with metadata x four layouts, two without x `none`.
-    assert_eq!(combos.len(), 18, "{combos:?}");
+    // Four suites with metadata x five layouts, two without x `none`.
+    assert_eq!(combos.len(), 22, "{combos:?}");
     for suite in Suite::ALL {
         let layouts = combos.iter().filter(|(s, _)| *s == suite).count();
-        let expect = if suite.metadata_len() == 0 { 1 } else { 4 };
+        let expect = if suite.metadata_len() == 0 { 1 } else { 5 };
         assert_eq!(layouts, expect, "{suite}");
     }
 }

@@ -432,8 +432,8 @@ async fn without_a_mac_moved_sectors_decrypt_to_garbage() {
     }
     assert_eq!(
         all.len(),
-        6,
-        "aes-xts-random × 4 layouts, 2 suites × none: {all:?}"
+        7,
+        "aes-xts-random × 5 layouts, 2 suites × none: {all:?}"
     );
     all.extend(cases(
         &[Backend::Local],

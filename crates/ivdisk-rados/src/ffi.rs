@@ -153,6 +153,7 @@ mod sys {
             key_end: *const c_char,
             key_end_len: usize,
         );
+        pub fn rados_write_op_omap_clear(op: rados_write_op_t);
         pub fn rados_write_op_set_alloc_hint2(
             op: rados_write_op_t,
             expected_object_size: u64,
@@ -776,6 +777,11 @@ impl WriteOp {
                 end.len(),
             )
         }
+    }
+
+    pub fn omap_clear(&mut self) {
+        // SAFETY: valid op.
+        unsafe { sys::rados_write_op_omap_clear(self.raw) }
     }
 
     /// Tell BlueStore the expected object and write sizes (allocation hint, no semantics).

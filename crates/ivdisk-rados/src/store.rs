@@ -390,6 +390,7 @@ impl ObjectStore for RadosStore {
                 }
                 WriteStep::OmapRemoveKeys(keys) => raw.omap_remove_keys(keys),
                 WriteStep::OmapRemoveRange { start, end } => raw.omap_remove_range(start, end),
+                WriteStep::OmapClear => raw.omap_clear(),
                 WriteStep::Rollback(_) => unreachable!("handled above"),
             }
         }

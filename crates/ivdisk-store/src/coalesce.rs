@@ -488,6 +488,7 @@ fn mergeable(op: &WriteOp) -> bool {
                 | WriteStep::OmapSet(_)
                 | WriteStep::OmapRemoveKeys(_)
                 | WriteStep::OmapRemoveRange { .. }
+                | WriteStep::OmapClear
         )
     })
 }

@@ -752,6 +752,7 @@ pub async fn versions_increase<S: ObjectStore>(c: Clients<S>) {
             start: b"a".to_vec(),
             end: b"z".to_vec(),
         }),
+        WriteOp::new().step(WriteStep::OmapClear),
         WriteOp::new().step(WriteStep::Zero { offset: 0, len: 2 }),
         WriteOp::new().step(WriteStep::Truncate(10)),
         WriteOp::new().step(WriteStep::Truncate(10)),
@@ -910,8 +911,9 @@ pub async fn multi_step_ops_are_atomic<S: ObjectStore>(c: Clients<S>) {
 
 /// The omap: `OmapSet` creates the object, sets and overwrites; get by keys leaves missing keys
 /// out; ranges honour start (inclusive), end (exclusive), max and report `more` only when keys
-/// beyond `max` are in range; keys and ranges remove; keys are binary (0x00, 0xff) and ordered
-/// bytewise; `omap_all` pages over more than 1024 keys.
+/// beyond `max` are in range; keys and ranges remove; a clear removes every key and leaves the
+/// data alone, also on an object with no keys, and is `NotFound` on a missing object; keys are
+/// binary (0x00, 0xff) and ordered bytewise; `omap_all` pages over more than 1024 keys.
 pub async fn omap<S: ObjectStore>(c: Clients<S>) {
     let p = case_prefix("omap");
     let s = &c.a;
@@ -1012,6 +1014,41 @@ pub async fn omap<S: ObjectStore>(c: Clients<S>) {
         .flat_map(|&i| range(i, i + 1))
         .collect();
     assert_eq!(s.omap_all(&o).await.unwrap(), left);
+
+    // Clear: every key goes, the data stays; again on no keys; a missing object is NotFound.
+    let cleared = name(&p, "cleared");
+    s.write_op(
+        &cleared,
+        WriteOp::new()
+            .write(0, b"data")
+            .omap_set(vec![kv(b"a", b"1"), kv([0xff], b"2")]),
+    )
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        s.write_op(&cleared, WriteOp::new().step(WriteStep::OmapClear))
+            .await
+            .unwrap();
+        assert_eq!(s.omap_all(&cleared).await.unwrap(), vec![]);
+        assert_eq!(s.read(&cleared, 0, 10).await.unwrap(), b"data");
+    }
+    s.write_op(
+        &cleared,
+        WriteOp::new()
+            .step(WriteStep::OmapClear)
+            .omap_set(vec![kv(b"b", b"3")]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.omap_all(&cleared).await.unwrap(), vec![kv(b"b", b"3")]);
+    assert_err!(
+        s.write_op(
+            &name(&p, "missing"),
+            WriteOp::new().step(WriteStep::OmapClear)
+        )
+        .await,
+        StoreError::NotFound { .. }
+    );
 
     // Binary keys and values, ordered bytewise (0x80 after 0x7f, shorter before longer).
     let bin = name(&p, "binary");

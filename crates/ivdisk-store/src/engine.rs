@@ -515,7 +515,9 @@ fn check_write(object: &ObjectName, op: &WriteOp, head: Option<&Node>) -> Result
             WriteStep::OmapSet(_) => {
                 version.get_or_insert(0);
             }
-            WriteStep::OmapRemoveKeys(_) | WriteStep::OmapRemoveRange { .. } => {
+            WriteStep::OmapRemoveKeys(_)
+            | WriteStep::OmapRemoveRange { .. }
+            | WriteStep::OmapClear => {
                 version.ok_or_else(|| not_found(object))?;
             }
             // Depends on the snapshot's state: applied in a SAVEPOINT instead.
@@ -1868,6 +1870,12 @@ impl Engine {
                         "DELETE FROM omap WHERE node = ?1 AND key >= ?2 AND key < ?3",
                         params![h.id, start, end],
                     )?;
+                    changed = true;
+                }
+                WriteStep::OmapClear => {
+                    let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    self.db
+                        .execute("DELETE FROM omap WHERE node = ?1", params![h.id])?;
                     changed = true;
                 }
                 WriteStep::Rollback(snap) => {

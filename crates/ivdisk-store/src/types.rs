@@ -250,6 +250,9 @@ pub enum WriteStep {
     OmapRemoveKeys(Vec<Vec<u8>>),
     /// Remove the omap keys in `[start, end)`.
     OmapRemoveRange { start: Vec<u8>, end: Vec<u8> },
+    /// Remove every omap key of the object (RADOS `omap_clear`, which costs nothing on an
+    /// object whose omap is already empty, where a key range removal still searches it).
+    OmapClear,
     /// Put the object back to its state at a snapshot (deleting it if it did not exist then).
     Rollback(SnapId),
 }

@@ -130,7 +130,7 @@ fn a_layout_that_does_not_fit_the_suite_is_refused_before_anything_is_made() {
         (
             "aegis128l-random",
             "none",
-            "--layout object-end, unaligned, omap or omap-packed",
+            "--layout object-end, unaligned, omap, omap-packed or omap-tail",
         ),
     ] {
         let mut args = vec![

@@ -15,6 +15,8 @@ mod omap;
 mod omap_packed;
 mod unaligned;
 
+use omap_packed::WholeObjects;
+
 use std::fmt;
 use std::str::FromStr;
 
@@ -35,24 +37,29 @@ pub enum LayoutKind {
     /// Metadata in the object's omap, one value per run of 16 sectors (ours: one small value
     /// per write up to 64 KiB; written through the writer's metadata cache).
     OmapPacked,
+    /// `omap-packed`, but a write covering a whole object puts the object's metadata at its
+    /// end and removes its values (ours: the metadata of large writes as an extent).
+    OmapTail,
 }
 
 impl LayoutKind {
     /// Every layout, in the order `--help` lists them.
-    pub const ALL: [LayoutKind; 5] = [
+    pub const ALL: [LayoutKind; 6] = [
         LayoutKind::ObjectEnd,
         LayoutKind::Unaligned,
         LayoutKind::Omap,
         LayoutKind::OmapPacked,
+        LayoutKind::OmapTail,
         LayoutKind::None,
     ];
 
     /// The layouts that store metadata (for suites that have some).
-    pub const WITH_METADATA: [LayoutKind; 4] = [
+    pub const WITH_METADATA: [LayoutKind; 5] = [
         LayoutKind::ObjectEnd,
         LayoutKind::Unaligned,
         LayoutKind::Omap,
         LayoutKind::OmapPacked,
+        LayoutKind::OmapTail,
     ];
 
     /// The layout new images get when the user names none: `omap-packed` for suites with
@@ -78,6 +85,7 @@ impl LayoutKind {
             LayoutKind::Unaligned => "unaligned",
             LayoutKind::Omap => "omap",
             LayoutKind::OmapPacked => "omap-packed",
+            LayoutKind::OmapTail => "omap-tail",
         }
     }
 
@@ -92,6 +100,9 @@ impl LayoutKind {
             LayoutKind::Omap => "metadata in the object's key/value map",
             LayoutKind::OmapPacked => {
                 "metadata in the object's key/value map, 16 sectors per value (default)"
+            }
+            LayoutKind::OmapTail => {
+                "as omap-packed, but a write of a whole object puts its metadata at its end"
             }
         }
     }
@@ -114,7 +125,12 @@ impl LayoutKind {
             LayoutKind::ObjectEnd => Box::new(object_end::ObjectEnd(geometry)),
             LayoutKind::Unaligned => Box::new(unaligned::Unaligned(geometry)),
             LayoutKind::Omap => Box::new(omap::Omap(geometry)),
-            LayoutKind::OmapPacked => Box::new(omap_packed::OmapPacked(geometry)),
+            LayoutKind::OmapPacked => {
+                Box::new(omap_packed::OmapPacked(geometry, WholeObjects::AsValues))
+            }
+            LayoutKind::OmapTail => {
+                Box::new(omap_packed::OmapPacked(geometry, WholeObjects::AtTail))
+            }
         }
     }
 
@@ -132,8 +148,8 @@ impl LayoutKind {
                 region_len,
                 None,
             )),
-            LayoutKind::OmapPacked => {
-                let layout = omap_packed::OmapPacked(geometry);
+            LayoutKind::OmapPacked | LayoutKind::OmapTail => {
+                let layout = omap_packed::OmapPacked(geometry, WholeObjects::AsValues);
                 Some((
                     omap_packed::VIRTUAL_REGION,
                     region_len,
@@ -258,23 +274,33 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// The read step fetching bytes `range` of the metadata region that the cache places at
+    /// The read steps fetching bytes `range` of the metadata region that the cache places at
     /// `region_offset` (the cache asks for whole blocks).
-    fn cached_fetch_step(&self, region_offset: u64, range: &std::ops::Range<usize>) -> ReadStep {
-        ReadStep::Read {
+    fn cached_fetch_steps(
+        &self,
+        region_offset: u64,
+        range: &std::ops::Range<usize>,
+        steps: &mut Vec<ReadStep>,
+    ) {
+        steps.push(ReadStep::Read {
             offset: region_offset + range.start as u64,
             len: range.len() as u64,
-        }
+        })
     }
 
-    /// Region bytes `range` from the result of [`SectorLayout::cached_fetch_step`].
+    /// Region bytes `range` from the results of [`SectorLayout::cached_fetch_steps`]
+    /// (consumed from `results` in order).
     fn cached_fetched(
         &self,
-        result: Option<ReadResult>,
+        results: &mut dyn Iterator<Item = ReadResult>,
         region_offset: u64,
         range: &std::ops::Range<usize>,
     ) -> Result<Vec<u8>, String> {
-        extent_bytes(result, region_offset + range.start as u64, range.len())
+        extent_bytes(
+            results.next(),
+            region_offset + range.start as u64,
+            range.len(),
+        )
     }
 }
 
@@ -296,6 +322,17 @@ impl From<Option<Vec<u8>>> for Decoded {
     fn from(taken: Option<Vec<u8>>) -> Self {
         taken.map_or(Decoded::Placed, Decoded::Taken)
     }
+}
+
+/// The largest stored size of one data object in any layout: every sector's data and
+/// metadata, rounded up to a multiple of 4 KiB (`omap-tail` pads its tail to that).
+pub(crate) fn max_stored_object_len(
+    object_size: u64,
+    sector_size: u32,
+    metadata_len: usize,
+) -> u64 {
+    let ss = u64::from(sector_size);
+    (object_size / ss * (ss + metadata_len as u64)).next_multiple_of(omap_packed::TAIL_ALIGN)
 }
 
 /// The store's buffer of a read of `[base, base + out.len())` when one extent covers exactly

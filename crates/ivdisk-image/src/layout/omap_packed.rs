@@ -25,13 +25,27 @@
 //! forms apart by length (they differ whenever the run has two sectors and the suite a counted
 //! nonce); the compact form is lossless, so the cache and the cipher only ever see full
 //! metadata. A changed byte of the first nonce fails every sector of the run, still detected.
+//!
+//! `omap-tail` is the same layout but for one kind of write: a write covering every sector of
+//! an object stores the object's metadata as one extent after its data, its *tail* (each
+//! run's value in its stored form, one after another: [`OmapPacked::tail_range`]), and
+//! removes every value of the object in the same operation. Why: on three replicas the 64
+//! compact values of a 4 MiB write cost the OSDs 5-9% of the write, the same bytes as an
+//! extent 1-6% (docs/BENCHMARKS.md, RADOS bench cases `n`, `t` and `u`). Every other write
+//! stores values as `omap-packed` does, and a value wins over the tail: a reader (and the
+//! cache's load) fetches both and lays the values over the tail. So a discard cannot remove a
+//! run's value here (the tail would show through): it stores an empty value, which reads as
+//! "every sector of the run unwritten". What it costs: a read that misses the cache fetches
+//! a third item (the tail's slots).
 
 use ivdisk_crypto::nonce_add;
 use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
 use super::object_end::{discard_apart, write_apart};
 use super::omap::{index_of, key, key_digits};
-use super::{take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
+use super::{
+    extent_bytes, take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout,
+};
 
 /// Sectors whose metadata share one omap value.
 pub(crate) const SECTORS_PER_VALUE: u32 = 16;
@@ -46,8 +60,24 @@ const MAX_NONCE_LEN: usize = 32;
 /// a step there is always metadata; [`OmapPacked::lower`] maps it to omap values.
 pub(crate) const VIRTUAL_REGION: u64 = 1 << 62;
 
+/// The tail is written padded with zeros up to a multiple of this. Why: BlueStore stores a
+/// write's part that ends inside one of its 4 KiB allocation units as a small write, which
+/// reads the unit first and goes through RocksDB's log (a deferred write); an aligned tail
+/// is written once, in place, as the data is (OSD counters: docs/BENCHMARKS.md).
+pub(crate) const TAIL_ALIGN: u64 = 4096;
+
+/// Where an object's metadata goes when one write covers every sector of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WholeObjects {
+    /// In values, as any other write's (`omap-packed`).
+    AsValues,
+    /// In one extent at the object's end, its tail, every value of the object removed in the
+    /// same operation (`omap-tail`).
+    AtTail,
+}
+
 #[derive(Debug)]
-pub(crate) struct OmapPacked(pub ObjectGeometry);
+pub(crate) struct OmapPacked(pub ObjectGeometry, pub WholeObjects);
 
 impl OmapPacked {
     fn data_offset(&self, sector: u32) -> u64 {
@@ -82,6 +112,28 @@ impl OmapPacked {
         let sectors = self.value_len_of(run) / ml;
         (nl > 0 && nl < ml && sectors >= 2 && ml <= MAX_METADATA_LEN && nl <= MAX_NONCE_LEN)
             .then(|| ml + (sectors - 1) * (ml - nl))
+    }
+
+    /// Bytes of run `run`'s slot in the tail: its compact form where the run has one (a
+    /// suite with a counted nonce), else its full value.
+    fn slot_len_of(&self, run: u32) -> usize {
+        self.compact_len_of(run)
+            .unwrap_or_else(|| self.value_len_of(run))
+    }
+
+    /// The runs of the object.
+    fn all_runs(&self) -> std::ops::Range<u32> {
+        0..self.0.sectors_per_object.div_ceil(SECTORS_PER_VALUE)
+    }
+
+    /// Where the slots of runs `runs` lie in the object: the tail starts after the last
+    /// sector's data, and every run's slot but the last has the first one's length.
+    pub(crate) fn tail_range(&self, runs: &std::ops::Range<u32>) -> std::ops::Range<u64> {
+        let stride = self.slot_len_of(0) as u64;
+        let start = self.0.sectors_per_object as u64 * self.0.sector_size as u64;
+        let last = runs.end - 1;
+        start + runs.start as u64 * stride
+            ..start + last as u64 * stride + self.slot_len_of(last) as u64
     }
 
     /// `value` (a full value of run `run`) in compact form into `out`, if its sectors' nonces
@@ -127,27 +179,92 @@ impl OmapPacked {
         first / SECTORS_PER_VALUE..(first + count).div_ceil(SECTORS_PER_VALUE)
     }
 
-    /// The read step fetching the values of the runs that hold region bytes `range` (whole
-    /// values: the cache's blocks are the values).
-    pub(crate) fn fetch_step(&self, range: &std::ops::Range<usize>) -> ReadStep {
-        let v = self.value_len();
-        ReadStep::OmapGetByKeys(
-            ((range.start / v) as u32..range.end.div_ceil(v) as u32)
-                .map(key)
-                .collect(),
-        )
+    /// The read steps fetching the metadata of runs `runs`: their values, and (`omap-tail`)
+    /// their slots in the tail.
+    fn runs_steps(&self, steps: &mut Vec<ReadStep>, runs: std::ops::Range<u32>) {
+        if self.1 == WholeObjects::AtTail {
+            steps.push(ReadStep::OmapGetByKeys(runs.clone().map(key).collect()));
+            let tail = self.tail_range(&runs);
+            steps.push(ReadStep::Read {
+                offset: tail.start,
+                len: tail.end - tail.start,
+            });
+        } else {
+            steps.push(ReadStep::OmapGetByKeys(runs.map(key).collect()));
+        }
     }
 
-    /// The region bytes `range` from the result of [`OmapPacked::fetch_step`] (zeros where no
-    /// value is stored).
+    /// Place the metadata of runs `runs` from the results of [`OmapPacked::runs_steps`] into
+    /// `out`, which holds region bytes from `base` on and arrives zeroed: the tail's slots
+    /// first, the values over them.
+    fn place_runs(
+        &self,
+        results: &mut dyn Iterator<Item = ReadResult>,
+        runs: std::ops::Range<u32>,
+        base: usize,
+        out: &mut [u8],
+    ) -> Result<(), String> {
+        let values = results.next();
+        if self.1 == WholeObjects::AtTail {
+            self.place_tail(results.next(), runs, base, out)?;
+        }
+        self.place_values(values, base, out)
+    }
+
+    /// The runs whose values hold region bytes `range`.
+    fn runs_of(&self, range: &std::ops::Range<usize>) -> std::ops::Range<u32> {
+        let v = self.value_len();
+        (range.start / v) as u32..range.end.div_ceil(v) as u32
+    }
+
+    /// The read steps fetching the metadata of the runs that hold region bytes `range` (whole
+    /// values: the cache's blocks are the values).
+    pub(crate) fn fetch_steps(&self, range: &std::ops::Range<usize>, steps: &mut Vec<ReadStep>) {
+        self.runs_steps(steps, self.runs_of(range));
+    }
+
+    /// The region bytes `range` from the results of [`OmapPacked::fetch_steps`] (zeros where
+    /// nothing is stored).
     pub(crate) fn fetched_bytes(
         &self,
-        result: Option<ReadResult>,
+        results: &mut dyn Iterator<Item = ReadResult>,
         range: &std::ops::Range<usize>,
     ) -> Result<Vec<u8>, String> {
         let mut out = vec![0u8; range.len()];
-        self.place_values(result, range.start, &mut out)?;
+        self.place_runs(results, self.runs_of(range), range.start, &mut out)?;
         Ok(out)
+    }
+
+    /// Copy the tail's slots of runs `runs` (the extents of the read
+    /// [`OmapPacked::runs_steps`] made) as full values into `out`, which holds region bytes
+    /// from `base` on. A slot of zeros (no tail, or an object shorter than it) is left alone:
+    /// its sectors are unwritten unless a value says otherwise.
+    fn place_tail(
+        &self,
+        result: Option<ReadResult>,
+        runs: std::ops::Range<u32>,
+        base: usize,
+        out: &mut [u8],
+    ) -> Result<(), String> {
+        let tail = self.tail_range(&runs);
+        let bytes = extent_bytes(result, tail.start, (tail.end - tail.start) as usize)?;
+        let mut at = 0;
+        for run in runs {
+            let slot = &bytes[at..at + self.slot_len_of(run)];
+            at += slot.len();
+            if slot.iter().all(|&b| b == 0) {
+                continue;
+            }
+            let mut expanded = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
+            let value = if self.compact_len_of(run).is_some() {
+                self.expand(run, slot, &mut expanded);
+                &expanded[..self.value_len_of(run)]
+            } else {
+                slot
+            };
+            copy_overlap(run as usize * self.value_len(), value, base, out);
+        }
+        Ok(())
     }
 
     /// Copy the values of an omap read into `out`, which holds region bytes from `base` on.
@@ -172,7 +289,11 @@ impl OmapPacked {
             }
             let expected = self.value_len_of(run);
             let mut expanded = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
-            let value = if value.len() == expected {
+            let value = if value.is_empty() {
+                // Every sector of the run unwritten (`omap-tail`'s discards: over the tail).
+                expanded[..expected].fill(0);
+                &expanded[..expected]
+            } else if value.len() == expected {
                 value
             } else if Some(value.len()) == self.compact_len_of(run) {
                 self.expand(run, value, &mut expanded);
@@ -187,14 +308,42 @@ impl OmapPacked {
                     value.len()
                 ));
             };
-            let start = run as usize * self.value_len();
-            let lo = start.max(base);
-            let hi = (start + value.len()).min(base + out.len());
-            if lo < hi {
-                out[lo - base..hi - base].copy_from_slice(&value[lo - start..hi - start]);
-            }
+            copy_overlap(run as usize * self.value_len(), value, base, out);
         }
         Ok(())
+    }
+
+    /// The tail of a write whose metadata steps are the whole values of every run of the
+    /// object, in order (what the cache leaves for a write covering the object), each in its
+    /// slot's form; `None` for any other write, or if a run that has a compact form is not
+    /// compact (its sectors were not sealed in one run), which then goes out as values.
+    fn whole_object_tail(&self, steps: &[WriteStep]) -> Option<Vec<u8>> {
+        let runs = self.all_runs();
+        // Each metadata step: `Some` for a write, `None` for anything else (never whole).
+        let mut values = steps.iter().filter_map(|step| match step {
+            WriteStep::Write { offset, data } if *offset >= VIRTUAL_REGION => {
+                Some(Some((*offset - VIRTUAL_REGION, data)))
+            }
+            WriteStep::Zero { offset, .. } if *offset >= VIRTUAL_REGION => Some(None),
+            _ => None,
+        });
+        let tail = self.tail_range(&runs);
+        let mut out = Vec::with_capacity((tail.end - tail.start) as usize);
+        let mut compact = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
+        for run in runs {
+            let (offset, data) = values.next()??;
+            if offset != run as u64 * self.value_len() as u64
+                || data.len() != self.value_len_of(run)
+            {
+                return None;
+            }
+            if self.compact_len_of(run).is_some() {
+                out.extend_from_slice(self.compact(run, data, &mut compact)?);
+            } else {
+                out.extend_from_slice(data);
+            }
+        }
+        values.next().is_none().then_some(out)
     }
 
     /// Turn the metadata steps the cache left (whole values, at [`VIRTUAL_REGION`]) into omap
@@ -203,6 +352,29 @@ impl OmapPacked {
     /// loads the values first, so this is a bug).
     pub(crate) fn lower(&self, steps: &mut Vec<WriteStep>) -> Result<(), String> {
         let removes_object = steps.iter().any(|s| matches!(s, WriteStep::Remove));
+        if self.1 == WholeObjects::AtTail && !removes_object {
+            if let Some(mut tail) = self.whole_object_tail(steps) {
+                let start = self.tail_range(&self.all_runs()).start;
+                let end = (start + tail.len() as u64).next_multiple_of(TAIL_ALIGN);
+                tail.resize((end - start) as usize, 0);
+                let is_metadata = |step: &WriteStep| matches!(step, WriteStep::Write { offset, .. } if *offset >= VIRTUAL_REGION);
+                let at = steps.iter().position(is_metadata).expect("metadata steps");
+                steps.retain(|step| !is_metadata(step));
+                let lowered = [
+                    // The object's values go, so none shadows the new tail. A clear, not a
+                    // removal of the key range, because RADOS skips a clear of an object
+                    // with no values (every whole-object write after the first), where a
+                    // range removal still searches RocksDB (docs/BENCHMARKS.md).
+                    WriteStep::OmapClear,
+                    WriteStep::Write {
+                        offset: start,
+                        data: tail,
+                    },
+                ];
+                steps.splice(at..at, lowered);
+                return Ok(());
+            }
+        }
         // Room for every value whole, so the pairs are allocated once.
         let (values, bytes) = steps.iter().fold((0, 0), |(n, b), step| match step {
             WriteStep::Write { offset, data } if *offset >= VIRTUAL_REGION => {
@@ -241,7 +413,12 @@ impl OmapPacked {
                     if let Some(compact) = self.compact(run, data, &mut compact) {
                         set.push(&key_digits(run), compact);
                     } else if data.iter().all(|&b| b == 0) {
-                        removed.push(key(run));
+                        if self.1 == WholeObjects::AtTail {
+                            // Unwritten, over whatever the tail holds for the run.
+                            set.push(&key_digits(run), &[]);
+                        } else {
+                            removed.push(key(run));
+                        }
                     } else {
                         set.push(&key_digits(run), data);
                     }
@@ -267,6 +444,16 @@ impl OmapPacked {
         }
         steps.splice(at..at, lowered);
         Ok(())
+    }
+}
+
+/// Copy `value`, region bytes from `start` on, where it overlaps `out` (region bytes from
+/// `base` on).
+fn copy_overlap(start: usize, value: &[u8], base: usize, out: &mut [u8]) {
+    let lo = start.max(base);
+    let hi = (start + value.len()).min(base + out.len());
+    if lo < hi {
+        out[lo - base..hi - base].copy_from_slice(&value[lo - start..hi - start]);
     }
 }
 
@@ -331,9 +518,7 @@ impl SectorLayout for OmapPacked {
             offset: first as u64 * ss,
             len: count as u64 * ss,
         });
-        steps.push(ReadStep::OmapGetByKeys(
-            Self::runs(first, count).map(key).collect(),
-        ));
+        self.runs_steps(steps, Self::runs(first, count));
     }
 
     fn decode(
@@ -351,7 +536,12 @@ impl SectorLayout for OmapPacked {
         )?;
         let ml = self.0.metadata_len;
         debug_assert_eq!(metadata.len(), count as usize * ml);
-        self.place_values(results.next(), first as usize * ml, metadata)?;
+        self.place_runs(
+            results,
+            Self::runs(first, count),
+            first as usize * ml,
+            metadata,
+        )?;
         Ok(taken.into())
     }
 
@@ -363,17 +553,22 @@ impl SectorLayout for OmapPacked {
         self.lower(steps)
     }
 
-    fn cached_fetch_step(&self, _region_offset: u64, range: &std::ops::Range<usize>) -> ReadStep {
-        self.fetch_step(range)
+    fn cached_fetch_steps(
+        &self,
+        _region_offset: u64,
+        range: &std::ops::Range<usize>,
+        steps: &mut Vec<ReadStep>,
+    ) {
+        self.fetch_steps(range, steps)
     }
 
     fn cached_fetched(
         &self,
-        result: Option<ReadResult>,
+        results: &mut dyn Iterator<Item = ReadResult>,
         _region_offset: u64,
         range: &std::ops::Range<usize>,
     ) -> Result<Vec<u8>, String> {
-        self.fetched_bytes(result, range)
+        self.fetched_bytes(results, range)
     }
 }
 
@@ -382,12 +577,15 @@ mod tests {
     use super::*;
 
     fn layout() -> OmapPacked {
-        OmapPacked(ObjectGeometry {
-            sector_size: 4096,
-            metadata_len: 32,
-            nonce_len: 16,
-            sectors_per_object: 40,
-        })
+        OmapPacked(
+            ObjectGeometry {
+                sector_size: 4096,
+                metadata_len: 32,
+                nonce_len: 16,
+                sectors_per_object: 40,
+            },
+            WholeObjects::AsValues,
+        )
     }
 
     #[test]
@@ -432,10 +630,15 @@ mod tests {
     /// Full metadata of `sectors` sectors sealed in one run: nonces counting up from one that
     /// carries into its second byte, tags that differ per sector.
     fn one_run(sectors: usize) -> Vec<u8> {
+        one_run_from(sectors, 0xf8)
+    }
+
+    /// [`one_run`] with the nonce's first byte `start`.
+    fn one_run_from(sectors: usize, start: u8) -> Vec<u8> {
         let mut value = Vec::new();
         for i in 0..sectors {
             let mut nonce = [0xf0u8; 16];
-            nonce[0] = 0xf8;
+            nonce[0] = start;
             nonce_add(&mut nonce, i as u64);
             value.extend_from_slice(&nonce);
             value.extend_from_slice(&[i as u8 + 1; 16]);
@@ -482,7 +685,11 @@ mod tests {
                 more: false,
             })
         };
-        assert_eq!(l.fetched_bytes(result(), &(512..1024)).unwrap(), full);
+        assert_eq!(
+            l.fetched_bytes(&mut result().into_iter(), &(512..1024))
+                .unwrap(),
+            full
+        );
         let mut part = vec![0u8; 3 * 32];
         l.place_values(result(), 512 + 5 * 32, &mut part).unwrap();
         assert_eq!(part, full[5 * 32..8 * 32]);
@@ -523,17 +730,23 @@ mod tests {
         l.lower(&mut steps).unwrap();
         assert_eq!(stored_values(&steps)[0].1, value);
         // Suites without a counted nonce never compact.
-        let xts = OmapPacked(ObjectGeometry {
-            metadata_len: 16,
-            nonce_len: 0,
-            ..l.0
-        });
+        let xts = OmapPacked(
+            ObjectGeometry {
+                metadata_len: 16,
+                nonce_len: 0,
+                ..l.0
+            },
+            WholeObjects::AsValues,
+        );
         assert_eq!(xts.compact_len_of(0), None);
         // A value of neither length is refused, naming both.
         let mut pairs = OmapPairs::new();
         pairs.push(b"00000000", &[1u8; 300]);
         let err = l
-            .fetched_bytes(Some(ReadResult::Omap { pairs, more: false }), &(0..512))
+            .fetched_bytes(
+                &mut Some(ReadResult::Omap { pairs, more: false }).into_iter(),
+                &(0..512),
+            )
             .unwrap_err();
         assert!(err.contains("300 bytes, not 512 (or 272 compact)"), "{err}");
     }
@@ -578,10 +791,11 @@ mod tests {
         assert!(l.place_values(result, 0, &mut metadata).is_err());
         assert_eq!(
             l.fetched_bytes(
-                Some(ReadResult::Omap {
+                &mut Some(ReadResult::Omap {
                     pairs: OmapPairs::new(),
                     more: false
-                }),
+                })
+                .into_iter(),
                 &(512..1024)
             )
             .expect("empty"),
@@ -620,5 +834,131 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn tail_layout() -> OmapPacked {
+        OmapPacked(layout().0, WholeObjects::AtTail)
+    }
+
+    /// The metadata steps the cache leaves for a write of every sector of the 40-sector
+    /// object, sealed in one run: one whole value per run (16, 16 and 8 sectors).
+    fn whole_object_steps() -> (Vec<WriteStep>, Vec<u8>) {
+        let mut region = one_run(16);
+        region.extend(one_run_from(16, 0x10));
+        region.extend(one_run_from(8, 0x20));
+        let mut steps = vec![WriteStep::Write {
+            offset: 0,
+            data: vec![1; 40 * 4096],
+        }];
+        for (run, value) in [(0, 0..512), (1, 512..1024), (2, 1024..1280)] {
+            steps.push(WriteStep::Write {
+                offset: VIRTUAL_REGION + run * 512,
+                data: region[value].to_vec(),
+            });
+        }
+        (steps, region)
+    }
+
+    #[test]
+    fn omap_tail_puts_a_whole_object_at_its_end_and_removes_every_value() {
+        let l = tail_layout();
+        let (mut steps, region) = whole_object_steps();
+        l.lower(&mut steps).expect("a whole object");
+        let [WriteStep::Write { offset: 0, .. }, WriteStep::OmapClear, WriteStep::Write { offset, data }] =
+            &steps[..]
+        else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(*offset, 40 * 4096, "right after the last sector");
+        // Two compact runs of 16 sectors, one of 8, padded with zeros to 4 KiB.
+        let slots = 2 * (32 + 15 * 16) + 32 + 7 * 16;
+        assert_eq!(data.len(), 4096);
+        assert!(
+            data[slots..].iter().all(|&b| b == 0),
+            "zeros after the slots"
+        );
+        let data = &data[..slots];
+        assert_eq!(l.tail_range(&(0..3)), 40 * 4096..40 * 4096 + slots as u64);
+        assert_eq!(l.tail_range(&(1..2)), 40 * 4096 + 272..40 * 4096 + 544);
+
+        // Read back: the tail alone gives the region; a value wins over it; an empty value
+        // is a run of unwritten sectors over it.
+        let tail = |from: u64| {
+            ReadResult::Extents(vec![ivdisk_store::Extent {
+                offset: from,
+                data: data[(from - 40 * 4096) as usize..].to_vec(),
+            }])
+        };
+        let omap = |pairs: OmapPairs| ReadResult::Omap { pairs, more: false };
+        let got = l
+            .fetched_bytes(
+                &mut [omap(OmapPairs::new()), tail(40 * 4096)].into_iter(),
+                &(0..1280),
+            )
+            .unwrap();
+        assert_eq!(got, region);
+        let mut pairs = OmapPairs::new();
+        pairs.push(b"00000001", &[9u8; 512]);
+        pairs.push(b"00000002", &[]);
+        let got = l
+            .fetched_bytes(
+                &mut [omap(pairs), tail(40 * 4096 + 272)].into_iter(),
+                &(512..1280),
+            )
+            .unwrap();
+        assert_eq!(&got[..512], &[9u8; 512][..]);
+        assert_eq!(&got[512..], &[0u8; 256][..]);
+        // No tail (an object never written whole, or a hole): zeros where no value is.
+        let hole = ReadResult::Extents(Vec::new());
+        let got = l
+            .fetched_bytes(&mut [omap(OmapPairs::new()), hole].into_iter(), &(0..512))
+            .unwrap();
+        assert_eq!(got, vec![0u8; 512]);
+    }
+
+    #[test]
+    fn omap_tail_keeps_values_for_anything_but_a_whole_sealed_object() {
+        let l = tail_layout();
+        // Not every run: values, as omap-packed; a run of zeros is an empty value.
+        let (mut steps, _) = whole_object_steps();
+        steps.pop();
+        steps.push(WriteStep::Write {
+            offset: VIRTUAL_REGION + 1024,
+            data: vec![0; 256],
+        });
+        let mut packed = steps.clone();
+        steps.remove(3);
+        l.lower(&mut steps).unwrap();
+        let [WriteStep::Write { offset: 0, .. }, WriteStep::OmapSet(set)] = &steps[..] else {
+            panic!("{steps:?}")
+        };
+        assert_eq!(set.len(), 2);
+        // Every run, but one of them all zeros (an unwritten run inside the write's object:
+        // the write is not one sealed run): values, the zeros an empty value.
+        l.lower(&mut packed).unwrap();
+        let [WriteStep::Write { offset: 0, .. }, WriteStep::OmapSet(set)] = &packed[..] else {
+            panic!("{packed:?}")
+        };
+        let set = set.to_vec();
+        assert_eq!(set.len(), 3);
+        assert_eq!(set[2], (b"00000002".to_vec(), Vec::new()));
+        // The same in omap-packed removes the key instead.
+        let (mut steps, _) = whole_object_steps();
+        if let WriteStep::Write { data, .. } = &mut steps[3] {
+            data.fill(0);
+        }
+        layout().lower(&mut steps).unwrap();
+        assert!(
+            matches!(&steps[2], WriteStep::OmapRemoveKeys(k) if k == &vec![b"00000002".to_vec()]),
+            "{steps:?}"
+        );
+        // A removed object takes everything along.
+        let (mut steps, _) = whole_object_steps();
+        steps.push(WriteStep::Remove);
+        l.lower(&mut steps).unwrap();
+        assert!(matches!(
+            steps[..],
+            [WriteStep::Write { offset: 0, .. }, WriteStep::Remove]
+        ));
     }
 }

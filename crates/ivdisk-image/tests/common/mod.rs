@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions};
-use ivdisk_store::{ObjectName, ReadOp, ReadResult, ReadStep, WriteOp};
+use ivdisk_store::{ObjectName, ReadOp, ReadResult, ReadStep, WriteOp, WriteStep};
 
 pub const PASS: &[u8] = b"correct horse battery staple";
 
@@ -294,8 +294,13 @@ pub enum MetadataPlace {
     /// The value of this omap key.
     OmapKey(Vec<u8>),
     /// Bytes `at..at + metadata length` of the value of this omap key (`omap-packed`: 16
-    /// sectors per value; no value reads as zeros).
-    OmapValuePart { key: Vec<u8>, at: usize },
+    /// sectors per value; no value, or an empty one, reads as zeros). `omap-tail`: where no
+    /// value is stored, the run's slot at `tail` in the object's bytes (zeros: none).
+    OmapValuePart {
+        key: Vec<u8>,
+        at: usize,
+        tail: Option<std::ops::Range<u64>>,
+    },
     /// No metadata (`none`).
     Nothing,
 }
@@ -315,11 +320,17 @@ pub fn sector_place(image: &Image, lba: u64) -> SectorPlace {
             index * ss,
             MetadataPlace::OmapKey(format!("{index:08x}").into_bytes()),
         ),
-        LayoutKind::OmapPacked => (
+        LayoutKind::OmapPacked | LayoutKind::OmapTail => (
             index * ss,
             MetadataPlace::OmapValuePart {
                 key: format!("{:08x}", index / 16).into_bytes(),
                 at: (index % 16 * ml) as usize,
+                tail: (image.layout() == LayoutKind::OmapTail).then(|| {
+                    let run = index / 16;
+                    let stride = packed_slot_len(image, spo.min(16) as usize) as u64;
+                    let start = spo * ss + run * stride;
+                    start..start + packed_slot_len(image, (spo - run * 16).min(16) as usize) as u64
+                }),
             },
         ),
         LayoutKind::None => (index * ss, MetadataPlace::Nothing),
@@ -365,6 +376,15 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
         }
         MetadataPlace::Nothing => op,
     };
+    if let MetadataPlace::OmapValuePart {
+        tail: Some(tail), ..
+    } = &place.metadata
+    {
+        op = op.step(ReadStep::Read {
+            offset: tail.start,
+            len: tail.end - tail.start,
+        });
+    }
     let mut results = image
         .store()
         .read_op(&place.object, op)
@@ -380,11 +400,21 @@ pub async fn raw_sector(image: &Image, lba: u64) -> (Vec<u8>, Vec<u8>) {
                 .map_or_else(|| vec![0u8; ml], |(_, v)| v.to_vec()),
             other => panic!("expected omap pairs, got {other:?}"),
         },
-        MetadataPlace::OmapValuePart { at, .. } => match results.next().unwrap() {
-            ReadResult::Omap { pairs, .. } => pairs.first().map_or_else(
-                || vec![0u8; ml],
-                |(_, v)| full_packed_value(image, lba, v)[*at..*at + ml].to_vec(),
-            ),
+        MetadataPlace::OmapValuePart { at, tail, .. } => match results.next().unwrap() {
+            ReadResult::Omap { pairs, .. } => {
+                let value = match pairs.first() {
+                    Some((_, v)) => v.to_vec(),
+                    None => match tail {
+                        Some(tail) => dense(
+                            results.next().unwrap(),
+                            tail.start,
+                            (tail.end - tail.start) as usize,
+                        ),
+                        None => Vec::new(),
+                    },
+                };
+                full_packed_value(image, lba, &value)[*at..*at + ml].to_vec()
+            }
             other => panic!("expected omap pairs, got {other:?}"),
         },
         MetadataPlace::Nothing => Vec::new(),
@@ -401,6 +431,10 @@ pub fn full_packed_value(image: &Image, lba: u64, stored: &[u8]) -> Vec<u8> {
     let spo = image.object_size() / image.sector_size() as u64;
     let run_start = lba % spo / 16 * 16;
     let sectors = (spo - run_start).min(16) as usize;
+    // No value, an empty one (`omap-tail`'s "unwritten") or a slot of zeros: unwritten.
+    if stored.iter().all(|&b| b == 0) {
+        return vec![0u8; sectors * ml];
+    }
     if stored.len() == sectors * ml {
         return stored.to_vec();
     }
@@ -419,6 +453,18 @@ pub fn full_packed_value(image: &Image, lba: u64, stored: &[u8]) -> Vec<u8> {
     full
 }
 
+/// Bytes of the stored form of a run of `sectors` sectors' metadata in an `omap-tail` tail:
+/// compact where the suite counts its nonces up and the run has two sectors or more.
+fn packed_slot_len(image: &Image, sectors: usize) -> usize {
+    let ml = image.suite().metadata_len();
+    let nl = image.suite().counted_nonce_len();
+    if nl > 0 && nl < ml && sectors >= 2 {
+        ml + (sectors - 1) * (ml - nl)
+    } else {
+        sectors * ml
+    }
+}
+
 /// Store `data` and `metadata` as sector `lba`'s, in one operation (as an attacker with
 /// access to the store can).
 pub async fn put_raw_sector(image: &Image, lba: u64, data: &[u8], metadata: &[u8]) {
@@ -427,18 +473,37 @@ pub async fn put_raw_sector(image: &Image, lba: u64, data: &[u8], metadata: &[u8
     op = match &place.metadata {
         MetadataPlace::Bytes(at) => op.write(*at, metadata),
         MetadataPlace::OmapKey(key) => op.omap_set(vec![(key.clone(), metadata.to_vec())]),
-        MetadataPlace::OmapValuePart { key, at } => {
-            // The rest of the value as stored (zeros if none: every sector of it unwritten).
-            let read = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![key.clone()]));
+        MetadataPlace::OmapValuePart { key, at, tail } => {
+            // The rest of the value as stored (zeros if none: every sector of it unwritten;
+            // `omap-tail`: the tail's slot where no value is stored). Stored back as a value,
+            // which wins over the tail.
+            let mut read = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![key.clone()]));
+            if let Some(tail) = tail {
+                read = read.step(ReadStep::Read {
+                    offset: tail.start,
+                    len: tail.end - tail.start,
+                });
+            }
             let stored = image.store().read_op(&place.object, read).await;
-            let value_len = 16 * metadata.len();
-            let mut value = match stored.as_deref() {
-                Ok([ReadResult::Omap { pairs, .. }]) => pairs.first().map_or_else(
-                    || vec![0u8; value_len],
-                    |(_, v)| full_packed_value(image, lba, v),
-                ),
-                _ => vec![0u8; value_len],
+            let stored = match stored {
+                Ok(mut results) => {
+                    let mut results = results.drain(..);
+                    let Some(ReadResult::Omap { pairs, .. }) = results.next() else {
+                        panic!("expected omap pairs")
+                    };
+                    match (pairs.first(), tail) {
+                        (Some((_, v)), _) => v.to_vec(),
+                        (None, Some(tail)) => dense(
+                            results.next().unwrap(),
+                            tail.start,
+                            (tail.end - tail.start) as usize,
+                        ),
+                        (None, None) => Vec::new(),
+                    }
+                }
+                Err(_) => Vec::new(),
             };
+            let mut value = full_packed_value(image, lba, &stored);
             // Stored back in full form, which every reader takes.
             value[*at..*at + metadata.len()].copy_from_slice(metadata);
             op.omap_set(vec![(key.clone(), value)])
@@ -490,25 +555,27 @@ pub async fn raw_object(image: &Image, object: &ObjectName) -> RawObject {
 }
 
 /// Make `object` of `image` hold exactly `raw`, in one operation that overwrites every extent
-/// and omap key: the object must already have the same shape (the same written extents and
-/// keys; true of fully written data objects of two images with the same parameters), so that
-/// the copy is one atomic write, as an attacker's would be.
+/// and replaces the omap: the object must already have the same extents (true of fully
+/// written data objects of two images with the same parameters), so that the copy is one
+/// atomic write, as an attacker's would be.
 pub async fn put_raw_object(image: &Image, object: &ObjectName, raw: &RawObject) {
     let target = raw_object(image, object).await;
     let shape = |r: &RawObject| {
-        (
-            r.extents
-                .iter()
-                .map(|e| (e.offset, e.data.len()))
-                .collect::<Vec<_>>(),
-            r.omap.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
-        )
+        r.extents
+            .iter()
+            .map(|e| (e.offset, e.data.len()))
+            .collect::<Vec<_>>()
     };
     assert_eq!(shape(&target), shape(raw), "{object} has another shape");
     let mut op = WriteOp::new();
     for e in &raw.extents {
         op = op.write(e.offset, e.data.clone());
     }
+    // Every key the layouts set is hex digits.
+    op.steps.push(WriteStep::OmapRemoveRange {
+        start: b"0".to_vec(),
+        end: b"g".to_vec(),
+    });
     if !raw.omap.is_empty() {
         op = op.omap_set(raw.omap.clone());
     }
@@ -978,6 +1045,17 @@ ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
                         object.to_string(),
                         format!("remove {}", key_list(keys.iter().map(|k| &k[..]))),
                     )),
+                    ivdisk_store::WriteStep::OmapRemoveRange { start, end } => omap.push((
+                        object.to_string(),
+                        format!(
+                            "remove {}..{}",
+                            String::from_utf8_lossy(start),
+                            String::from_utf8_lossy(end)
+                        ),
+                    )),
+                    ivdisk_store::WriteStep::OmapClear => {
+                        omap.push((object.to_string(), "clear".to_string()))
+                    }
                     _ => {}
                 }
             }
