@@ -362,7 +362,7 @@ impl OmapPacked {
                 steps.retain(|step| !is_metadata(step));
                 let lowered = [
                     // The object's values go, so none shadows the new tail. A clear, not a
-                    // removal of the key range, because RADOS skips a clear of an object
+                    // removal of the key range, because BlueStore skips a clear of an object
                     // with no values (every whole-object write after the first), where a
                     // range removal still searches RocksDB (docs/BENCHMARKS.md).
                     WriteStep::OmapClear,
