@@ -327,8 +327,14 @@ impl OmapPacked {
             WriteStep::Zero { offset, .. } if *offset >= VIRTUAL_REGION => Some(None),
             _ => None,
         });
+        // Most writes are smaller than an object: they leave without allocating.
+        if values.clone().count() != runs.len() {
+            return None;
+        }
         let tail = self.tail_range(&runs);
-        let mut out = Vec::with_capacity((tail.end - tail.start) as usize);
+        // Room for the padding `lower` adds, so that it does not copy the tail again.
+        let mut out =
+            Vec::with_capacity((tail.end.next_multiple_of(TAIL_ALIGN) - tail.start) as usize);
         let mut compact = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
         for run in runs {
             let (offset, data) = values.next()??;
