@@ -816,6 +816,18 @@ impl Image {
         Ok(out.into_owned())
     }
 
+    /// Spare capacity, in bytes, that a buffer handed to [`Image::write_owned`] for a write
+    /// of `len` bytes at `offset` should have so that it goes to the store without being
+    /// moved: in layout `omap-tail`, a write of a whole object carries its metadata after
+    /// its data, in the same buffer. 0 for every other write and layout.
+    pub fn write_headroom(&self, offset: u64, len: u64) -> usize {
+        let inner = &self.inner;
+        match inner.whole_sectors_in_one_object(offset, len) {
+            Some(piece) => inner.layout.data_headroom(piece.index, piece.count),
+            None => 0,
+        }
+    }
+
     /// [`Image::write`] of a buffer the caller hands over (the NBD server's write payload).
     /// Whole sectors inside one object, the usual case, are encrypted in place in `data`,
     /// which then goes to the store as the data of the object's operation: no second buffer

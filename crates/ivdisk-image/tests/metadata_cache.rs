@@ -281,11 +281,16 @@ async fn omap_tail_puts_whole_objects_at_their_end_and_values_win_over_it() {
     let mut content: Vec<u8> = (0..OBJECT_SIZE).map(|i| (i % 251) as u8).collect();
     store.clear();
     image.write(OBJECT_SIZE, &content).await.unwrap();
+    // One extent, the data and then the tail (one checksum pass on a replicating OSD).
     assert_eq!(
         writes_to(&store, &object),
-        vec![(0, OBJECT_SIZE as usize), (OBJECT_SIZE, tail_len)]
+        vec![(0, OBJECT_SIZE as usize + tail_len)]
     );
     assert_eq!(store.omap_of(&object), vec!["clear"]);
+    // The NBD server's payload buffer gets room for the tail, for a whole object only.
+    assert_eq!(image.write_headroom(OBJECT_SIZE, OBJECT_SIZE), tail_len);
+    assert_eq!(image.write_headroom(OBJECT_SIZE, OBJECT_SIZE - SS), 0);
+    assert_eq!(image.write_headroom(OBJECT_SIZE + SS, OBJECT_SIZE), 0);
 
     // A sector of run 2 rewritten: the writer knows the run's value from the whole write and
     // sets it whole; run 3 discarded whole: an empty value, so the tail does not show through.

@@ -98,6 +98,14 @@ pub trait BlockDevice: Send + Sync + 'static {
         self.write(offset, &data).await
     }
 
+    /// Spare capacity, in bytes, that the payload buffer of a `len`-byte write at `offset`
+    /// should have, so that the device can append to the buffer [`BlockDevice::write_owned`]
+    /// hands over without moving it (an ivdisk image in layout `omap-tail` appends a whole
+    /// object's metadata to its data). 0 by default.
+    fn write_headroom(&self, _offset: u64, _len: usize) -> usize {
+        0
+    }
+
     /// Refuses writes (the export is advertised read-only).
     fn read_only(&self) -> bool {
         false

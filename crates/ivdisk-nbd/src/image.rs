@@ -53,6 +53,10 @@ impl BlockDevice for Image {
             .map_err(device_error)
     }
 
+    fn write_headroom(&self, offset: u64, len: usize) -> usize {
+        Image::write_headroom(self, offset, len as u64)
+    }
+
     async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {
         Image::write_owned(self, offset, data)
             .await

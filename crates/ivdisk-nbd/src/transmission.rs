@@ -130,7 +130,11 @@ where
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-                read = read_payload(&mut reader, request.length as usize) => match read {
+                read = read_payload(
+                    &mut reader,
+                    request.length as usize,
+                    context.device.write_headroom(request.offset, request.length as usize),
+                ) => match read {
                     Ok(read) => payload = read,
                     Err(e) => break Err(io(e)),
                 },
@@ -183,12 +187,14 @@ where
 /// Read a write's `len`-byte payload into a buffer that is not zeroed first: the bytes read
 /// fill it. Why: zeroing a fresh 4 MiB buffer (and faulting in its pages) showed as 4-5% of
 /// the server's CPU under 4 MiB writes on RADOS (docs/BENCHMARKS.md, "Smaller metadata for
-/// large writes").
+/// large writes"). The buffer has `headroom` bytes of spare capacity for the device
+/// ([`BlockDevice::write_headroom`]).
 async fn read_payload<R: AsyncRead + Unpin>(
     reader: &mut R,
     len: usize,
+    headroom: usize,
 ) -> std::io::Result<Vec<u8>> {
-    let mut payload = Vec::with_capacity(len);
+    let mut payload = Vec::with_capacity(len + headroom);
     let mut limited = (&mut *reader).take(len as u64);
     while payload.len() < len {
         if limited.read_buf(&mut payload).await? == 0 {
@@ -579,6 +585,24 @@ mod tests {
             head: bytes(head, seed),
             body: bytes(body, seed.wrapping_add(1)),
         }
+    }
+
+    /// A write's payload is read whole, exactly its length (the next request's bytes stay in
+    /// the reader), into a buffer with the device's headroom as spare capacity.
+    #[tokio::test]
+    async fn payload_is_read_exactly_with_room_to_spare() {
+        let stream: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let mut reader = &stream[..];
+        let payload = read_payload(&mut reader, 8192, 4096).await.unwrap();
+        assert!(payload[..] == stream[..8192]);
+        assert!(payload.capacity() >= 8192 + 4096);
+        assert_eq!(
+            reader.len(),
+            10_000 - 8192,
+            "nothing past the payload was read"
+        );
+        let short = read_payload(&mut reader, 4096, 0).await.unwrap_err();
+        assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
     /// Replies arrive whole and in order however the socket splits its writes, and a large

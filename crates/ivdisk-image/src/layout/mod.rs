@@ -212,7 +212,8 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         plaintext: &[u8],
     ) -> Result<(), CryptoError> {
         let sectors = plaintext.len() / cipher.sector_size();
-        let mut ciphertext = Vec::with_capacity(plaintext.len());
+        let headroom = self.data_headroom(first, sectors as u32);
+        let mut ciphertext = Vec::with_capacity(plaintext.len() + headroom);
         let mut metadata = vec![0u8; sectors * cipher.metadata_len()];
         cipher.encrypt_sectors_append(first_sector, plaintext, &mut ciphertext, &mut metadata)?;
         self.write(steps, first, ciphertext, metadata);
@@ -236,6 +237,14 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
         cipher.encrypt_sectors(first_sector, &mut plaintext, &mut metadata)?;
         self.write(steps, first, plaintext, metadata);
         Ok(())
+    }
+
+    /// Spare capacity, in bytes, that the data buffer of a write of sectors `first..first +
+    /// count` should have, so that [`SectorLayout::lower_cached_steps`] can append to it
+    /// without moving it: `omap-tail` appends a whole object's metadata to its data. 0 for
+    /// the rest.
+    fn data_headroom(&self, _first: u32, _count: u32) -> usize {
+        0
     }
 
     /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no

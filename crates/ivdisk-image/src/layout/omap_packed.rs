@@ -366,18 +366,36 @@ impl OmapPacked {
                 let is_metadata = |step: &WriteStep| matches!(step, WriteStep::Write { offset, .. } if *offset >= VIRTUAL_REGION);
                 let at = steps.iter().position(is_metadata).expect("metadata steps");
                 steps.retain(|step| !is_metadata(step));
-                let lowered = [
-                    // The object's values go, so none shadows the new tail. A clear, not a
-                    // removal of the key range, because BlueStore skips a clear of an object
-                    // with no values (every whole-object write after the first), where a
-                    // range removal still searches RocksDB (docs/BENCHMARKS.md).
-                    WriteStep::OmapClear,
-                    WriteStep::Write {
-                        offset: start,
-                        data: tail,
-                    },
-                ];
-                steps.splice(at..at, lowered);
+                // The object's values go, so none shadows the new tail. A clear, not a
+                // removal of the key range, because BlueStore skips a clear of an object with
+                // no values (every whole-object write after the first), where a range removal
+                // still searches RocksDB (docs/BENCHMARKS.md).
+                steps.insert(at, WriteStep::OmapClear);
+                // The tail joins the data it follows, so the operation carries one extent.
+                // Why: an OSD checksums a message's data segment as it arrives and keeps that
+                // checksum with the buffer; a write whose bytes are the whole segment reuses
+                // it when the primary sends them on to the replicas, while a second extent (or
+                // omap values) in the segment makes it checksum the data once more
+                // (docs/BENCHMARKS.md). The data buffer has room for the tail
+                // (`data_headroom`), so this does not move it.
+                let data = steps.iter_mut().find_map(|step| match step {
+                    WriteStep::Write { offset, data }
+                        if *offset < VIRTUAL_REGION && *offset + data.len() as u64 == start =>
+                    {
+                        Some(data)
+                    }
+                    _ => None,
+                });
+                match data {
+                    Some(data) => data.extend_from_slice(&tail),
+                    None => steps.insert(
+                        at + 1,
+                        WriteStep::Write {
+                            offset: start,
+                            data: tail,
+                        },
+                    ),
+                }
                 return Ok(());
             }
         }
@@ -553,6 +571,14 @@ impl SectorLayout for OmapPacked {
 
     fn needs_metadata_cache(&self) -> bool {
         true
+    }
+
+    fn data_headroom(&self, first: u32, count: u32) -> usize {
+        if self.1 != WholeObjects::AtTail || first != 0 || count != self.0.sectors_per_object {
+            return 0;
+        }
+        let tail = self.tail_range(&self.all_runs());
+        (tail.end.next_multiple_of(TAIL_ALIGN) - tail.start) as usize
     }
 
     fn lower_cached_steps(&self, steps: &mut Vec<WriteStep>) -> Result<(), String> {
@@ -869,13 +895,34 @@ mod tests {
     fn omap_tail_puts_a_whole_object_at_its_end_and_removes_every_value() {
         let l = tail_layout();
         let (mut steps, region) = whole_object_steps();
+        // The data buffer as the engine makes it for a whole object: with the headroom.
+        assert_eq!(l.data_headroom(0, 40), 4096);
+        assert_eq!(l.data_headroom(0, 39), 0, "not the whole object");
+        assert_eq!(l.data_headroom(1, 39), 0, "not the whole object");
+        assert_eq!(
+            layout().data_headroom(0, 40),
+            0,
+            "omap-packed appends nothing"
+        );
+        let mut sent = Vec::with_capacity(40 * 4096 + l.data_headroom(0, 40));
+        sent.extend_from_slice(&[1; 40 * 4096]);
+        let at = sent.as_ptr();
+        steps[0] = WriteStep::Write {
+            offset: 0,
+            data: sent,
+        };
         l.lower(&mut steps).expect("a whole object");
-        let [WriteStep::Write { offset: 0, .. }, WriteStep::OmapClear, WriteStep::Write { offset, data }] =
-            &steps[..]
-        else {
+        // One extent: the data, then the tail right after the last sector.
+        let [WriteStep::Write { offset: 0, data }, WriteStep::OmapClear] = &steps[..] else {
             panic!("{steps:?}")
         };
-        assert_eq!(*offset, 40 * 4096, "right after the last sector");
+        assert_eq!(
+            data.as_ptr(),
+            at,
+            "the tail went into the headroom, not a new buffer"
+        );
+        assert!(data[..40 * 4096].iter().all(|&b| b == 1), "the data first");
+        let data = &data[40 * 4096..];
         // Two compact runs of 16 sectors, one of 8, padded with zeros to 4 KiB.
         let slots = 2 * (32 + 15 * 16) + 32 + 7 * 16;
         assert_eq!(data.len(), 4096);
@@ -920,6 +967,18 @@ mod tests {
             .fetched_bytes(&mut [omap(OmapPairs::new()), hole].into_iter(), &(0..512))
             .unwrap();
         assert_eq!(got, vec![0u8; 512]);
+    }
+
+    #[test]
+    fn omap_tail_without_the_data_before_it_sends_the_tail_as_its_own_extent() {
+        let l = tail_layout();
+        let (mut steps, _) = whole_object_steps();
+        steps.remove(0);
+        l.lower(&mut steps).expect("a whole object's metadata");
+        let [WriteStep::OmapClear, WriteStep::Write { offset, data }] = &steps[..] else {
+            panic!("{steps:?}")
+        };
+        assert_eq!((*offset, data.len()), (40 * 4096, 4096));
     }
 
     #[test]
