@@ -313,11 +313,18 @@ impl OmapPacked {
         Ok(())
     }
 
-    /// The tail of a write whose metadata steps are the whole values of every run of the
-    /// object, in order (what the cache leaves for a write covering the object), each in its
-    /// slot's form; `None` for any other write, or if a run that has a compact form is not
-    /// compact (its sectors were not sealed in one run), which then goes out as values.
-    fn whole_object_tail(&self, steps: &[WriteStep]) -> Option<Vec<u8>> {
+    /// The length of a whole object's tail as written: its slots, padded to [`TAIL_ALIGN`].
+    fn padded_tail_len(&self) -> usize {
+        let tail = self.tail_range(&self.all_runs());
+        (tail.end.next_multiple_of(TAIL_ALIGN) - tail.start) as usize
+    }
+
+    /// Append to `out` the padded tail of a write whose metadata steps are the whole values
+    /// of every run of the object, in order (what the cache leaves for a write covering the
+    /// object), each in its slot's form; `false` (and `out` as it was) for any other write,
+    /// or if a run that has a compact form is not compact (its sectors were not sealed in one
+    /// run), which then goes out as values.
+    fn append_whole_object_tail(&self, steps: &[WriteStep], out: &mut Vec<u8>) -> bool {
         let runs = self.all_runs();
         // Each metadata step: `Some` for a write, `None` for anything else (never whole).
         let mut values = steps.iter().filter_map(|step| match step {
@@ -327,77 +334,89 @@ impl OmapPacked {
             WriteStep::Zero { offset, .. } if *offset >= VIRTUAL_REGION => Some(None),
             _ => None,
         });
-        // Most writes are smaller than an object: they leave without allocating.
+        // Most writes are smaller than an object: they leave here.
         if values.clone().count() != runs.len() {
-            return None;
+            return false;
         }
-        let tail = self.tail_range(&runs);
-        // Room for the padding `lower` adds, so that it does not copy the tail again.
-        let mut out =
-            Vec::with_capacity((tail.end.next_multiple_of(TAIL_ALIGN) - tail.start) as usize);
+        let before = out.len();
+        out.reserve(self.padded_tail_len());
         let mut compact = [0u8; SECTORS_PER_VALUE as usize * MAX_METADATA_LEN];
         for run in runs {
-            let (offset, data) = values.next()??;
-            if offset != run as u64 * self.value_len() as u64
-                || data.len() != self.value_len_of(run)
-            {
-                return None;
-            }
-            if self.compact_len_of(run).is_some() {
-                out.extend_from_slice(self.compact(run, data, &mut compact)?);
-            } else {
-                out.extend_from_slice(data);
-            }
+            let slot = match values.next() {
+                Some(Some((offset, data)))
+                    if offset == run as u64 * self.value_len() as u64
+                        && data.len() == self.value_len_of(run) =>
+                {
+                    match self.compact_len_of(run) {
+                        Some(_) => self.compact(run, data, &mut compact),
+                        None => Some(&data[..]),
+                    }
+                }
+                _ => None,
+            };
+            let Some(slot) = slot else {
+                out.truncate(before);
+                return false;
+            };
+            out.extend_from_slice(slot);
         }
-        values.next().is_none().then_some(out)
+        out.resize(before + self.padded_tail_len(), 0);
+        true
+    }
+
+    /// `omap-tail`'s form of a write covering a whole object (see
+    /// [`OmapPacked::append_whole_object_tail`]): its tail appended to the data step's buffer
+    /// (or, without one, an extent of its own), its metadata steps replaced by a clear of the
+    /// object's values; `false` (and `steps` as they were) for any other write.
+    fn lower_whole_object(&self, steps: &mut Vec<WriteStep>) -> bool {
+        let start = self.tail_range(&self.all_runs()).start;
+        // The tail joins the data it follows, so the operation carries one extent. Why: an
+        // OSD checksums a message's data segment as it arrives and keeps that checksum with
+        // the buffer; a write whose bytes are the whole segment reuses it when the primary
+        // sends them on to the replicas, while a second extent (or omap values) in the
+        // segment makes it checksum the data once more (docs/BENCHMARKS.md). The data buffer
+        // has room for the tail (`data_headroom`), so appending does not move it.
+        let data_step = steps.iter().position(|step| {
+            matches!(step, WriteStep::Write { offset, data }
+                if *offset < VIRTUAL_REGION && *offset + data.len() as u64 == start)
+        });
+        let mut buffer = match data_step.map(|at| &mut steps[at]) {
+            Some(WriteStep::Write { data, .. }) => std::mem::take(data),
+            _ => Vec::new(),
+        };
+        let whole = self.append_whole_object_tail(steps, &mut buffer);
+        match data_step.map(|at| &mut steps[at]) {
+            Some(WriteStep::Write { data, .. }) => *data = buffer,
+            _ if whole => steps.push(WriteStep::Write {
+                offset: start,
+                data: buffer,
+            }),
+            _ => {}
+        }
+        if !whole {
+            return false;
+        }
+        let is_metadata = |step: &WriteStep| matches!(step, WriteStep::Write { offset, .. } if *offset >= VIRTUAL_REGION);
+        let at = steps.iter().position(is_metadata).expect("metadata steps");
+        steps.retain(|step| !is_metadata(step));
+        // The object's values go, so none shadows the new tail. A clear, not a removal of the
+        // key range, because BlueStore skips a clear of an object with no values (every
+        // whole-object write after the first), where a range removal still searches RocksDB
+        // (docs/BENCHMARKS.md).
+        steps.insert(at, WriteStep::OmapClear);
+        true
     }
 
     /// Turn the metadata steps the cache left (whole values, at [`VIRTUAL_REGION`]) into omap
-    /// steps: a value of all zeros becomes a key removal (every sector of its run unwritten).
+    /// steps: a value of all zeros becomes a key removal (every sector of its run unwritten;
+    /// in `omap-tail` an empty value), and in `omap-tail` a write covering a whole object
+    /// stores its tail instead ([`OmapPacked::lower_whole_object`]).
     /// A metadata step that is not a whole value cannot be stored: `Err` names it (the caller
     /// loads the values first, so this is a bug).
     pub(crate) fn lower(&self, steps: &mut Vec<WriteStep>) -> Result<(), String> {
         let removes_object = steps.iter().any(|s| matches!(s, WriteStep::Remove));
-        if self.1 == WholeObjects::AtTail && !removes_object {
-            if let Some(mut tail) = self.whole_object_tail(steps) {
-                let start = self.tail_range(&self.all_runs()).start;
-                let end = (start + tail.len() as u64).next_multiple_of(TAIL_ALIGN);
-                tail.resize((end - start) as usize, 0);
-                let is_metadata = |step: &WriteStep| matches!(step, WriteStep::Write { offset, .. } if *offset >= VIRTUAL_REGION);
-                let at = steps.iter().position(is_metadata).expect("metadata steps");
-                steps.retain(|step| !is_metadata(step));
-                // The object's values go, so none shadows the new tail. A clear, not a
-                // removal of the key range, because BlueStore skips a clear of an object with
-                // no values (every whole-object write after the first), where a range removal
-                // still searches RocksDB (docs/BENCHMARKS.md).
-                steps.insert(at, WriteStep::OmapClear);
-                // The tail joins the data it follows, so the operation carries one extent.
-                // Why: an OSD checksums a message's data segment as it arrives and keeps that
-                // checksum with the buffer; a write whose bytes are the whole segment reuses
-                // it when the primary sends them on to the replicas, while a second extent (or
-                // omap values) in the segment makes it checksum the data once more
-                // (docs/BENCHMARKS.md). The data buffer has room for the tail
-                // (`data_headroom`), so this does not move it.
-                let data = steps.iter_mut().find_map(|step| match step {
-                    WriteStep::Write { offset, data }
-                        if *offset < VIRTUAL_REGION && *offset + data.len() as u64 == start =>
-                    {
-                        Some(data)
-                    }
-                    _ => None,
-                });
-                match data {
-                    Some(data) => data.extend_from_slice(&tail),
-                    None => steps.insert(
-                        at + 1,
-                        WriteStep::Write {
-                            offset: start,
-                            data: tail,
-                        },
-                    ),
-                }
-                return Ok(());
-            }
+        if self.1 == WholeObjects::AtTail && !removes_object && self.lower_whole_object(steps) {
+            return Ok(());
         }
         // Room for every value whole, so the pairs are allocated once.
         let (values, bytes) = steps.iter().fold((0, 0), |(n, b), step| match step {
@@ -577,8 +596,7 @@ impl SectorLayout for OmapPacked {
         if self.1 != WholeObjects::AtTail || first != 0 || count != self.0.sectors_per_object {
             return 0;
         }
-        let tail = self.tail_range(&self.all_runs());
-        (tail.end.next_multiple_of(TAIL_ALIGN) - tail.start) as usize
+        self.padded_tail_len()
     }
 
     fn lower_cached_steps(&self, steps: &mut Vec<WriteStep>) -> Result<(), String> {
