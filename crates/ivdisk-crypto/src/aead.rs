@@ -18,8 +18,9 @@ use crate::ffi::aegis128l_one::OneMessage;
 use crate::io::Io;
 use crate::rng::{NonceSource, RunNonces};
 use crate::suite::{
-    append_by_zeroing, append_slots_piecewise, check_key_len, check_out_of_place, check_run,
-    check_sector_size, check_slots, check_whole_sectors, decrypt_slots_apart,
+    append_by_zeroing, append_from_slots_by_zeroing, append_slots_piecewise, check_key_len,
+    check_out_of_place, check_run, check_sector_size, check_slots, check_slots_append,
+    check_whole_sectors, decrypt_slots_apart,
 };
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
@@ -366,26 +367,26 @@ impl AeadSuite {
     /// AEGIS-128L straight from slots (`decrypt_sectors_from_slots`): groups of four sectors
     /// through the four-lane kernel with each lane's input at its slot, the rest one sector at
     /// a time through `open_run`; sectors whose tag does not verify are zeroed and named in the
-    /// error. The caller checked the run and that the four-lane kernel runs here.
-    fn open_slots(
+    /// error. `output` gives each sector's run, from its slot's ciphertext to where its
+    /// plaintext goes, in order. The caller checked the run and that the four-lane kernel runs
+    /// here.
+    fn open_slots<'o>(
         &self,
         key: &[u8; 16],
         first_sector: u64,
-        slots: &[u8],
-        plaintext: &mut [u8],
+        slots: &'o [u8],
+        mut output: impl FnMut(&'o [u8]) -> Io<'o>,
     ) -> Result<(), CryptoError> {
         use crate::ffi::aegis128l_vaes::LANES;
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-        let grouped = plaintext.len() / ss / LANES * LANES;
+        let grouped = slots.len() / (ss + md_len) / LANES * LANES;
         let mut failed = Vec::new();
         let mut inputs = slots.chunks_exact(ss + md_len);
-        let mut outputs = plaintext.chunks_exact_mut(ss);
         for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
             let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
                 let (data, meta) = inputs.next().expect("a slot per sector").split_at(ss);
-                let output = outputs.next().expect("a whole group of sectors");
-                (Io::copy(data, output), meta)
+                (output(data), meta)
             });
             let metas = [m0, m1, m2, m3];
             let nonces: [&[u8; 16]; LANES] =
@@ -402,10 +403,10 @@ impl AeadSuite {
                 &mut failed,
             );
         }
-        for (i, (slot, output)) in inputs.zip(outputs).enumerate() {
+        for (i, slot) in inputs.enumerate() {
             let number = first_sector + (grouped + i) as u64;
             let (data, meta) = slot.split_at(ss);
-            match self.open_run(number, Io::copy(data, output), meta) {
+            match self.open_run(number, output(data), meta) {
                 Ok(()) => {}
                 Err(CryptoError::Authentication { sectors }) => failed.extend(sectors),
                 Err(e) => return Err(e),
@@ -942,10 +943,45 @@ impl crate::SectorCipher for AeadSuite {
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
             if crate::ffi::aegis128l_vaes::available() {
-                return self.open_slots(key, first_sector, slots, plaintext);
+                let mut outputs = plaintext.chunks_exact_mut(self.sector_size);
+                return self.open_slots(key, first_sector, slots, |data| {
+                    Io::copy(data, outputs.next().expect("a sector per slot"))
+                });
             }
         }
         decrypt_slots_apart(self, first_sector, slots, plaintext)
+    }
+
+    fn decrypt_sectors_from_slots_append(
+        &self,
+        first_sector: u64,
+        slots: &[u8],
+        plaintext: &mut Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        #[cfg(target_arch = "x86_64")]
+        if let Engine::Aegis128L(key) = &self.engine {
+            if crate::ffi::aegis128l_vaes::available() {
+                let len = check_slots_append(self, first_sector, slots)? * self.sector_size;
+                let mut failed = None;
+                crate::ffi::spare::append_written(plaintext, len, |spare| {
+                    let mut outputs = spare.chunks_exact_mut(self.sector_size);
+                    let opened = self.open_slots(key, first_sector, slots, |data| {
+                        Io::fresh(data, outputs.next().expect("a sector per slot"))
+                    });
+                    match opened {
+                        // Every sector was written: its plaintext, or zeros where its tag
+                        // did not verify.
+                        Err(e @ CryptoError::Authentication { .. }) => {
+                            failed = Some(e);
+                            Ok(())
+                        }
+                        other => other,
+                    }
+                })?;
+                return failed.map_or(Ok(()), Err);
+            }
+        }
+        append_from_slots_by_zeroing(self, first_sector, slots, plaintext)
     }
 
     fn writes_used(&self) -> Option<u64> {

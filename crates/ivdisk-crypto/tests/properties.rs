@@ -618,17 +618,51 @@ fn long_appended_runs_equal_in_place() {
                 matches!(refused, Err(CryptoError::OutputLength { .. })),
                 "{config:?}: {refused:?}"
             );
+            // Appended from slots: the same plaintext after what the buffer held; a refused
+            // run leaves it alone.
+            for mut out in [Vec::new(), vec![9u8; 5]] {
+                let before = out.clone();
+                c.decrypt_sectors_from_slots_append(77, &slots, &mut out)
+                    .unwrap();
+                assert!(
+                    out[..before.len()] == before[..] && out[before.len()..] == plain[..],
+                    "{config:?}: {count} sectors appended from slots after {} bytes differ",
+                    before.len()
+                );
+                let len = out.len();
+                let refused = c.decrypt_sectors_from_slots_append(77, &slots[1..], &mut out);
+                assert!(
+                    matches!(refused, Err(CryptoError::OutputLength { .. })),
+                    "{config:?}: {refused:?}"
+                );
+                assert_eq!(
+                    out.len(),
+                    len,
+                    "{config:?}: a refused run changed the buffer"
+                );
+            }
             if config.suite.is_authenticated() {
                 let victim = count * 2 / 3;
                 let mut tampered = slots.clone();
                 tampered[victim * (ss + ml) + ss / 3] ^= 4;
                 let mut back = vec![0x11u8; plain.len()];
                 let result = c.decrypt_sectors_from_slots(77, &tampered, &mut back);
-                match result {
-                    Err(CryptoError::Authentication { sectors }) => {
-                        assert_eq!(sectors, vec![77 + victim as u64], "{config:?}")
+                // Appended, the run comes out the same: every sector, the victim as zeros.
+                let mut appended = vec![0x22u8; 3];
+                let appended_result =
+                    c.decrypt_sectors_from_slots_append(77, &tampered, &mut appended);
+                assert_eq!(appended[..3], [0x22; 3], "{config:?}");
+                assert!(
+                    appended[3..] == back[..],
+                    "{config:?}: appended from tampered slots differs"
+                );
+                for result in [result, appended_result] {
+                    match result {
+                        Err(CryptoError::Authentication { sectors }) => {
+                            assert_eq!(sectors, vec![77 + victim as u64], "{config:?}")
+                        }
+                        other => panic!("{config:?}: tampered slot {victim}: {other:?}"),
                     }
-                    other => panic!("{config:?}: tampered slot {victim}: {other:?}"),
                 }
                 for i in 0..count {
                     let sector = &back[i * ss..][..ss];

@@ -936,8 +936,15 @@ fn measure_io(
                                 front.timed(|| drop(reply));
                             }
                             Rw::NbdWrite => {
-                                // As the NBD server receives a payload: into a fresh buffer.
-                                let payload = front.timed(|| data[..size].to_vec());
+                                // As the NBD server receives a payload: into a fresh buffer,
+                                // with the room the image asks for (`omap-tail` appends a
+                                // whole object's metadata to it).
+                                let room = image.write_headroom(offset, size as u64);
+                                let payload = front.timed(|| {
+                                    let mut payload = Vec::with_capacity(size + room);
+                                    payload.extend_from_slice(&data[..size]);
+                                    payload
+                                });
                                 image
                                     .write_owned(offset, payload)
                                     .await

@@ -26,9 +26,14 @@ use std::mem::MaybeUninit;
 /// every output byte; the other code (the AVX-512 one-message code, OpenSSL's XTS) works on
 /// the region
 /// after `Io::settled` zeroed it, and the in-place fallback after `Io::into_in_place` copied
-/// the input into it. `tests/properties.rs` holds the appended
-/// bytes to `encrypt_sectors` byte for byte for every suite and shape of run, and CI runs it
-/// with each kernel width and with VAES off.
+/// the input into it. One caller decrypts: `decrypt_sectors_from_slots_append` of
+/// AEGIS-128L passes each slot's sector part and its output as an `Io::fresh` run to
+/// `open_slots`, whose four-lane kernel stores every block through `Io::as_ptrs`, whose
+/// one-message code for the last sectors works after `Io::settled`, and which zeroes every
+/// sector whose tag does not verify (`Io::clear_output`), so it returns `Ok` to this function
+/// for such a run too. `tests/properties.rs` holds the appended bytes to `encrypt_sectors`
+/// (and to `decrypt_sectors_from_slots`) byte for byte for every suite and shape of run, and
+/// CI runs it with each kernel width and with VAES off.
 pub(crate) fn append_written<E>(
     out: &mut Vec<u8>,
     len: usize,
