@@ -8,8 +8,8 @@ use std::time::Duration;
 use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
 use ivdisk_header::{FormatSpec, Header, ImageParams, PbkdfRequest, FORMAT_VERSION};
 use ivdisk_store::{
-    Locker, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep, SnapContext,
-    SnapId, StoreError, WriteOp, WriteStep,
+    Locker, NumberedNames, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep,
+    SnapContext, SnapId, StoreError, WriteOp, WriteStep,
 };
 
 use crate::header_object::HeaderRegion;
@@ -39,20 +39,6 @@ pub fn header_object_name(image_name: &str) -> String {
 /// Prefix of an image's data objects; object `n` is `{prefix}{n:016x}`.
 pub fn data_object_prefix(image_id: &ImageId) -> String {
     format!("ivdisk_data.{}.", hex::encode(image_id.0))
-}
-
-/// `{prefix}{n:016x}`, written out: through `format!` the padding machinery showed in the
-/// profile of 64 KiB writes.
-fn numbered_object(prefix: &str, n: u64) -> ObjectName {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut name = String::with_capacity(prefix.len() + 16);
-    name.push_str(prefix);
-    name.extend(
-        (0..16)
-            .rev()
-            .map(|i| HEX[(n >> (4 * i)) as usize & 15] as char),
-    );
-    ObjectName::new(name).expect("data object names are printable ASCII")
 }
 
 /// What a new image is.
@@ -161,7 +147,7 @@ pub(crate) struct Inner {
     pub(crate) name: String,
     pub(crate) store: Arc<dyn ObjectStore>,
     pub(crate) header_object: ObjectName,
-    pub(crate) data_prefix: String,
+    pub(crate) data_prefix: NumberedNames,
     pub(crate) sector_size: usize,
     pub(crate) object_size: u64,
     /// Bytes before the image's first sector in the object address space (0 for ivdisk
@@ -191,6 +177,10 @@ pub(crate) struct Inner {
     pub(crate) snapshot: Option<(String, SnapId)>,
     /// The snapshot context every data write carries (`None`: the image has no snapshots).
     pub(crate) snap_context: std::sync::RwLock<Option<SnapContext>>,
+    /// Whether `snap_context` is `Some`: writes read this first, so that an image without
+    /// snapshots (the usual case) takes no read lock per write (each one a write to a line
+    /// shared by the cores). Set with `snap_context`, under the whole range lock.
+    pub(crate) has_snap_context: AtomicBool,
     /// The `object-end` or `omap-packed` metadata in memory (writers only; used while the
     /// lock is held).
     pub(crate) metadata_cache: Option<MetadataCache>,
@@ -206,7 +196,7 @@ pub(crate) struct EngineSpec {
     /// The object holding the header and the writer lock.
     pub(crate) header_object: ObjectName,
     /// Data object `n` is `{data_prefix}{n:016x}`.
-    pub(crate) data_prefix: String,
+    pub(crate) data_prefix: NumberedNames,
     pub(crate) sector_size: usize,
     pub(crate) object_size: u64,
     pub(crate) data_offset: u64,
@@ -535,7 +525,8 @@ impl Image {
             .map_err(ImageError::crypto(&image))?;
         drop(volume_key);
         Ok(Image::from_spec(EngineSpec {
-            data_prefix: data_object_prefix(&parsed.params.image_id),
+            data_prefix: NumberedNames::new(data_object_prefix(&parsed.params.image_id))
+                .map_err(ImageError::store(&image))?,
             name: image,
             store,
             header_object,
@@ -603,7 +594,7 @@ impl Image {
             layout: spec.layout.build(geometry),
             cipher: spec.cipher,
             image_id: spec.image_id,
-            ranges: RangeLocks::default(),
+            ranges: RangeLocks::new(spec.object_size / spec.sector_size as u64),
             read_only: spec.read_only,
             writes_allowed: spec
                 .lock
@@ -615,6 +606,7 @@ impl Image {
             header_change: tokio::sync::Mutex::new(()),
             foreign: spec.foreign,
             snapshot: spec.snapshot,
+            has_snap_context: AtomicBool::new(spec.snap_context.is_some()),
             snap_context: std::sync::RwLock::new(spec.snap_context),
         };
         tracing::debug!(image = %inner.name, read_only = inner.read_only, "opened image");
@@ -920,11 +912,14 @@ async fn read_nonce_reservation(
 
 impl Inner {
     pub(crate) fn data_object(&self, n: u64) -> ObjectName {
-        numbered_object(&self.data_prefix, n)
+        self.data_prefix.name(n)
     }
 
     /// The snapshot context for a data write (a clone: writes own their operation).
     pub(crate) fn snap_context(&self) -> Option<SnapContext> {
+        if !self.has_snap_context.load(Ordering::Acquire) {
+            return None;
+        }
         self.snap_context
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -988,16 +983,5 @@ impl Inner {
             .map_err(ImageError::store(&self.name))?;
         self.nonces_reserved.store(new, Ordering::Release);
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn numbered_objects_are_the_prefix_and_sixteen_hex_digits() {
-        for n in [0, 1, 0xa, 0xff, 0x1234_5678_9abc_def0, u64::MAX] {
-            let name = super::numbered_object("rbd_data.ab12.", n);
-            assert_eq!(name.as_str(), format!("rbd_data.ab12.{n:016x}"));
-        }
     }
 }

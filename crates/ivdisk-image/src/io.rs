@@ -101,23 +101,29 @@ impl Inner {
         out
     }
 
+    /// The one piece of sectors `[first, end)` (not empty) when they lie inside one object:
+    /// what [`Inner::pieces`] returns then, without a `Vec`.
+    fn sectors_in_one_object(&self, first: u64, end: u64) -> Option<Piece> {
+        let per_object = self.sectors_per_object();
+        let global = self.data_offset / self.sector_size as u64 + first;
+        let index = global % per_object;
+        let count = end - first;
+        (count > 0 && index + count <= per_object).then_some(Piece {
+            object: global / per_object,
+            index: index as u32,
+            count: count as u32,
+            lba: first,
+        })
+    }
+
     /// The one piece of `[offset, offset + len)` when that is whole sectors inside one object
     /// (not empty).
     fn whole_sectors_in_one_object(&self, offset: u64, len: u64) -> Option<Piece> {
         let ss = self.sector_size as u64;
-        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
+        if !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
             return None;
         }
-        let per_object = self.sectors_per_object();
-        let (lba, count) = (offset / ss, len / ss);
-        let global = self.data_offset / ss + lba;
-        let index = global % per_object;
-        (index + count <= per_object).then_some(Piece {
-            object: global / per_object,
-            index: index as u32,
-            count: count as u32,
-            lba,
-        })
+        self.sectors_in_one_object(offset / ss, (offset + len) / ss)
     }
 
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<(), ImageError> {
@@ -146,11 +152,11 @@ impl Inner {
     async fn read_sectors(&self, first: u64, out: &mut [u8]) -> Result<Vec<u64>, ImageError> {
         let ss = self.sector_size;
         let end = first + (out.len() / ss) as u64;
-        let pieces = self.pieces(first, end);
-        if let [piece] = pieces[..] {
+        if let Some(piece) = self.sectors_in_one_object(first, end) {
             // A read inside one object, the usual case: awaited as it is.
             return self.read_piece(piece, &mut ReadOutput::Borrowed(out)).await;
         }
+        let pieces = self.pieces(first, end);
         let mut reads = Vec::with_capacity(pieces.len());
         let mut rest = out;
         for piece in pieces {
@@ -623,7 +629,6 @@ impl Inner {
             true => Some(self.old_sector(end - 1).await?),
             false => None,
         };
-        let pieces = self.pieces(first, end);
         // Sectors that are encrypted and written (all of them, unless discarding).
         let encrypted_sectors = match fill {
             Fill::Unwritten => head.is_some() as u64 + tail.is_some() as u64,
@@ -640,11 +645,11 @@ impl Inner {
                 (end - 1, &tail),
             )
         };
-        if let [piece] = pieces[..] {
+        if let Some(piece) = self.sectors_in_one_object(first, end) {
             // An IO inside one object, the usual case: its operation awaited as it is.
             return self.write_piece(piece, build(piece)?).await;
         }
-        for batch in pieces.chunks(OBJECTS_IN_FLIGHT) {
+        for batch in self.pieces(first, end).chunks(OBJECTS_IN_FLIGHT) {
             let mut ops = Vec::with_capacity(batch.len());
             for &piece in batch {
                 ops.push(self.write_piece(piece, build(piece)?));

@@ -33,6 +33,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use crossbeam_utils::CachePadded;
 use ivdisk_store::WriteStep;
 
 /// Bytes of an object's metadata region per cache block, for stores that state no write
@@ -66,7 +67,10 @@ pub(crate) struct MetadataCache {
     whole_blocks: bool,
     /// Known blocks per shard before one is evicted.
     shard_capacity: usize,
-    shards: Vec<Mutex<Shard>>,
+    /// Each on cache lines of its own: two writes on different objects take different
+    /// shards, and neighbours sharing a line made each take a miss when the other core had
+    /// just taken its neighbour.
+    shards: Vec<CachePadded<Mutex<Shard>>>,
     next_load: AtomicU64,
 }
 
@@ -169,7 +173,7 @@ impl MetadataCache {
             block,
             whole_blocks,
             shard_capacity,
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
             next_load: AtomicU64::new(1),
         })
     }

@@ -348,10 +348,13 @@ impl Image {
             inner.size.load(Ordering::Acquire),
         )
         .await?;
+        let context = table.context();
+        let has_context = context.is_some();
         *inner
             .snap_context
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = table.context();
+            .unwrap_or_else(|e| e.into_inner()) = context;
+        inner.has_snap_context.store(has_context, Ordering::Release);
         Ok(info)
     }
 

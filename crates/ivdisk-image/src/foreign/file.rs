@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use ivdisk_header::{Header, HeaderError};
 use ivdisk_store::{
-    Extent, LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, SnapId,
-    Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
+    Extent, LockRequest, Locker, NumberedNames, ObjectName, ObjectStore, ReadOp, ReadResult,
+    ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
 };
 
 use super::{check_segment, data_size, invalid, open_segment};
@@ -156,7 +156,7 @@ pub(crate) async fn open_file(
         name: image.to_owned(),
         store,
         header_object,
-        data_prefix: FILE_DATA_PREFIX.to_owned(),
+        data_prefix: NumberedNames::new(FILE_DATA_PREFIX).map_err(ImageError::store(image))?,
         sector_size: segment.sector_size as usize,
         object_size: FILE_OBJECT_SIZE,
         data_offset: segment.offset,

@@ -45,7 +45,9 @@
 use std::sync::Arc;
 
 use ivdisk_header::{Header, MemoryHeaderIo};
-use ivdisk_store::{ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError};
+use ivdisk_store::{
+    NumberedNames, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError,
+};
 
 use super::{check_segment, data_size, invalid, open_segment};
 use crate::image::{EngineSpec, Image};
@@ -552,7 +554,7 @@ pub(crate) async fn open_rbd(
         name: image.to_owned(),
         store,
         header_object: rbd.header_object,
-        data_prefix: rbd.data_prefix,
+        data_prefix: NumberedNames::new(rbd.data_prefix).map_err(ImageError::store(image))?,
         sector_size: segment.sector_size as usize,
         object_size: rbd.object_size,
         data_offset: segment.offset,
