@@ -719,7 +719,7 @@ impl Image {
             }
             // Stop IO past the new end first, then free what lies there.
             inner.size.store(new_size, Ordering::Release);
-            let _all = inner.ranges.lock(0, u64::MAX).await;
+            let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
             inner.discard_sectors(new_size / ss, old / ss).await?;
         }
         let (mut header, mut region) =

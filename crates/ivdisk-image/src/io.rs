@@ -16,7 +16,7 @@ use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutco
 use crate::image::{Image, Inner};
 use crate::layout::{extent_bytes, take_or_place_extents, Decoded, ReadOutput};
 use crate::metadata_cache::{MetadataCache, ReadPlan};
-use crate::range_lock::RangeGuard;
+use crate::range_lock::WriteHold;
 use crate::ImageError;
 
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
@@ -948,7 +948,7 @@ impl Image {
         &self,
         offset: u64,
         len: u64,
-    ) -> Result<Option<RangeGuard<'_>>, ImageError> {
+    ) -> Result<Option<WriteHold<'_>>, ImageError> {
         let inner = &self.inner;
         inner.check_writable()?;
         inner.check_range(offset, len)?;
@@ -956,10 +956,19 @@ impl Image {
             return Ok(None);
         }
         let ss = inner.sector_size as u64;
-        let held = inner
-            .ranges
-            .lock(offset / ss, (offset + len).div_ceil(ss))
-            .await;
+        let (start, end) = (offset / ss, (offset + len).div_ceil(ss));
+        let ranges = &inner.ranges;
+        let held = if !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
+            // Partial sectors are read, merged and written back: no other write of them may
+            // come in between.
+            ranges.lock_exclusive(start, end).await
+        } else if inner.whole_sectors_in_one_object(offset, len).is_some() {
+            ranges.hold_whole_sectors(start, end).await
+        } else {
+            WriteHold::Range {
+                _range: ranges.lock(start, end).await,
+            }
+        };
         // The image may have shrunk while we waited.
         inner.check_range(offset, len)?;
         Ok(Some(held))

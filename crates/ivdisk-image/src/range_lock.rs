@@ -2,7 +2,22 @@
 //! not interleave with another write of that sector, or one of the two is lost. Writes to
 //! disjoint sector ranges proceed in parallel; reads take no lock (each object operation is
 //! atomic, and a block device promises nothing more to concurrent overlapping IO).
+//!
+//! Three ways to hold sectors, by what the write is:
+//! - a write of whole sectors inside one object ([`RangeLocks::hold_whole_sectors`], the usual
+//!   write) takes no range lock while no exclusive holder is about: it only counts itself in
+//!   flight. Two such writes of the same sectors are one object operation each, which the
+//!   store (and the metadata cache) applies in some order: a serial order of the two;
+//! - other writes of whole sectors (over several objects) take the range lock, so two of them
+//!   never interleave object by object;
+//! - a read-modify-write, a snapshot and a shrink hold [`RangeLocks::lock_exclusive`]: they
+//!   announce themselves (from then on every write takes the range lock), wait until no write
+//!   without one is in flight, then take the range lock.
+//!
+//! Why the first: with a lock per write, taking and releasing it were cache misses on a VM
+//! whose cores are far apart, the largest part of the engine's own time in 64 KiB writes.
 
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering::SeqCst};
 use std::sync::Mutex;
 
 use crossbeam_utils::CachePadded;
@@ -13,11 +28,9 @@ use tokio::sync::Notify;
 /// objects), and granule `g`'s part of it is held in shard `g % SHARDS`.
 const SHARDS: u64 = 64;
 
-/// Why sharded: every write takes and releases a range, and with one lock for the image the
-/// other core had almost always touched it in between, so both were cache misses (the largest
-/// part of the engine's own time in 64 KiB writes on a VM whose cores are far apart). Now a
-/// write mostly finds its shard where it left it, and two writes on different objects do not
-/// meet at all.
+/// Why sharded: with one lock for the image, the other core had almost always touched it
+/// between a write's lock and its release, so both were cache misses. Now a write that takes
+/// a range mostly finds its shard where it left it, and two on different objects do not meet.
 ///
 /// Every locker takes its parts in the order of the shards, so two lockers never wait on
 /// each other. A range over fewer than `SHARDS` granules has one part per granule, each in a
@@ -29,6 +42,27 @@ pub(crate) struct RangeLocks {
     granule: u64,
     shards: Box<[CachePadded<Mutex<Held>>]>,
     released: Notify,
+    /// Writes in flight without a range lock, counted per slot: a thread counts in its own
+    /// slot ([`thread_slot`]), on a line other cores seldom touch. The sum is how many are in
+    /// flight; one slot may go below zero (a write may finish on another thread).
+    unlocked: Box<[CachePadded<AtomicI64>]>,
+    /// Exclusive holders waiting or holding: while there is one, writes take range locks.
+    exclusive: CachePadded<AtomicUsize>,
+    /// Woken when a write without a range lock finishes or backs off while an exclusive
+    /// holder is about.
+    drained: Notify,
+}
+
+/// Slots of [`RangeLocks::unlocked`].
+const UNLOCKED_SLOTS: usize = 16;
+
+/// This thread's slot of [`RangeLocks::unlocked`], dealt out in turn.
+fn thread_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % UNLOCKED_SLOTS;
+    }
+    SLOT.with(|slot| *slot)
 }
 
 #[derive(Debug, Default)]
@@ -84,6 +118,66 @@ impl RangeLocks {
             granule: granule.max(1),
             shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
             released: Notify::new(),
+            unlocked: (0..UNLOCKED_SLOTS)
+                .map(|_| CachePadded::default())
+                .collect(),
+            exclusive: CachePadded::default(),
+            drained: Notify::new(),
+        }
+    }
+
+    /// Hold `[start, end)` for a write of whole sectors inside one object: counted in flight
+    /// without a range lock, or, while an exclusive holder is about, the range lock.
+    pub(crate) async fn hold_whole_sectors(&self, start: u64, end: u64) -> WriteHold<'_> {
+        let slot = thread_slot();
+        // Counted first, then the check: an exclusive holder announces itself first, then
+        // sums the counts, so (all four sequentially consistent) either this write sees it
+        // and takes the range lock, or it sees this write and waits for it to finish.
+        self.unlocked[slot].fetch_add(1, SeqCst);
+        if self.exclusive.load(SeqCst) == 0 {
+            return WriteHold::Unlocked {
+                _counted: UnlockedWrite(self),
+            };
+        }
+        self.uncount_unlocked();
+        WriteHold::Range {
+            _range: self.lock(start, end).await,
+        }
+    }
+
+    /// Hold `[start, end)` for a write that must not overlap any other in flight (a
+    /// read-modify-write of partial sectors; a snapshot or shrink, over the whole image).
+    pub(crate) async fn lock_exclusive(&self, start: u64, end: u64) -> WriteHold<'_> {
+        self.exclusive.fetch_add(1, SeqCst);
+        // Uncounted also if this future is dropped while it waits.
+        let announced = Exclusive(self);
+        loop {
+            // Registered before the sum, so a write finishing after it wakes us.
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.unlocked_in_flight() == 0 {
+                break;
+            }
+            drained.await;
+        }
+        WriteHold::Exclusive {
+            _range: self.lock(start, end).await,
+            _announced: announced,
+        }
+    }
+
+    /// Writes in flight without a range lock. Never less than the true count while one is in
+    /// flight: a write counted after the sum began sees the exclusive holder and uncounts in
+    /// its own slot at once.
+    fn unlocked_in_flight(&self) -> i64 {
+        self.unlocked.iter().map(|count| count.load(SeqCst)).sum()
+    }
+
+    fn uncount_unlocked(&self) {
+        self.unlocked[thread_slot()].fetch_sub(1, SeqCst);
+        if self.exclusive.load(SeqCst) > 0 {
+            self.drained.notify_waiters();
         }
     }
 
@@ -181,6 +275,40 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
+/// A write's hold on its sectors, until dropped (what each variant holds is released then).
+#[derive(Debug)]
+pub(crate) enum WriteHold<'a> {
+    /// Counted in flight, no range lock.
+    Unlocked { _counted: UnlockedWrite<'a> },
+    /// The range lock.
+    Range { _range: RangeGuard<'a> },
+    /// The range lock of an exclusive holder (released before the announcement is).
+    Exclusive {
+        _range: RangeGuard<'a>,
+        _announced: Exclusive<'a>,
+    },
+}
+
+/// A write counted in flight without a range lock, uncounted when dropped.
+#[derive(Debug)]
+pub(crate) struct UnlockedWrite<'a>(&'a RangeLocks);
+
+impl Drop for UnlockedWrite<'_> {
+    fn drop(&mut self) {
+        self.0.uncount_unlocked();
+    }
+}
+
+/// An exclusive holder's announcement, withdrawn when dropped.
+#[derive(Debug)]
+pub(crate) struct Exclusive<'a>(&'a RangeLocks);
+
+impl Drop for Exclusive<'_> {
+    fn drop(&mut self) {
+        self.0.exclusive.fetch_sub(1, SeqCst);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,18 +366,120 @@ mod tests {
                 })
             })
             .collect();
-        for task in tasks {
-            tokio::time::timeout(Duration::from_secs(30), task)
-                .await
-                .expect("no locker is left waiting")
-                .unwrap();
-        }
+        all_finish(tasks, "no locker is left waiting").await;
         assert!(idle(&locks));
     }
 
     #[test]
     fn a_shard_with_one_range_fits_one_cache_line() {
         assert!(std::mem::size_of::<Mutex<Held>>() <= 64);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn whole_sector_writes_take_no_range_lock_until_an_exclusive_holder_comes() {
+        let locks = Arc::new(RangeLocks::new(8));
+        let wait = Duration::from_millis(50);
+        let first = locks.hold_whole_sectors(0, 8).await;
+        assert!(matches!(first, WriteHold::Unlocked { .. }));
+        // It holds no range: a range lock of the same sectors is taken at once.
+        let range = tokio::time::timeout(wait, locks.lock(0, 8)).await;
+        drop(range.expect("no range lock held by a whole-sector write"));
+        // An exclusive holder waits for it, and given up on, is forgotten.
+        let gave_up = tokio::time::timeout(wait, locks.lock_exclusive(40, 41)).await;
+        assert!(
+            gave_up.is_err(),
+            "an exclusive holder waits for writes in flight"
+        );
+        assert!(matches!(
+            locks.hold_whole_sectors(16, 24).await,
+            WriteHold::Unlocked { .. }
+        ));
+        // While one waits, writes take the range lock; it gets its range once the first
+        // write is done, even though a later one holds a range elsewhere.
+        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let exclusive = {
+            let locks = locks.clone();
+            tokio::spawn(async move {
+                let _held = locks.lock_exclusive(0, 4).await;
+                held_tx.send(()).unwrap();
+                release_rx.await.unwrap();
+            })
+        };
+        tokio::time::sleep(wait).await;
+        let elsewhere = locks.hold_whole_sectors(100, 108).await;
+        assert!(matches!(elsewhere, WriteHold::Range { .. }));
+        assert!(!exclusive.is_finished(), "waits for the write in flight");
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(5), held_rx)
+            .await
+            .expect("the exclusive holder goes on once the write is done")
+            .unwrap();
+        let overlapping = tokio::time::timeout(wait, locks.hold_whole_sectors(0, 8)).await;
+        assert!(
+            overlapping.is_err(),
+            "a write waits for the exclusive holder's range"
+        );
+        release_tx.send(()).unwrap();
+        exclusive.await.unwrap();
+        drop(elsewhere);
+        assert!(matches!(
+            locks.hold_whole_sectors(0, 8).await,
+            WriteHold::Unlocked { .. }
+        ));
+        assert!(idle(&locks));
+        assert_eq!(locks.unlocked_in_flight(), 0);
+        assert_eq!(locks.exclusive.load(SeqCst), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exclusive_holder_is_never_inside_with_another_writer_of_its_sectors() {
+        use std::sync::atomic::AtomicUsize;
+        let locks = Arc::new(RangeLocks::new(8));
+        // Per slot of 4 sectors: writers inside, and exclusive holders inside.
+        let inside = Arc::new([(); 4].map(|_| (AtomicUsize::new(0), AtomicUsize::new(0))));
+        let tasks: Vec<_> = (0..16u64)
+            .map(|i| {
+                let (locks, inside) = (locks.clone(), inside.clone());
+                tokio::spawn(async move {
+                    for round in 0..300u64 {
+                        let slot = ((i * 7 + round) % 4) as usize;
+                        let start = slot as u64 * 4;
+                        let exclusive = (i + round) % 5 == 0;
+                        let _held = match exclusive {
+                            true => locks.lock_exclusive(start, start + 4).await,
+                            false => locks.hold_whole_sectors(start, start + 4).await,
+                        };
+                        let (writers, holders) = &inside[slot];
+                        let others = writers.fetch_add(1, SeqCst);
+                        if exclusive {
+                            assert_eq!(others, 0, "an exclusive holder with another writer");
+                            holders.fetch_add(1, SeqCst);
+                        } else {
+                            assert_eq!(holders.load(SeqCst), 0, "a writer beside an exclusive one");
+                        }
+                        tokio::task::yield_now().await;
+                        if exclusive {
+                            holders.fetch_sub(1, SeqCst);
+                        }
+                        writers.fetch_sub(1, SeqCst);
+                    }
+                })
+            })
+            .collect();
+        all_finish(tasks, "nobody waits forever").await;
+        assert!(idle(&locks));
+        assert_eq!(locks.unlocked_in_flight(), 0);
+    }
+
+    /// Wait for every task, 30 s at most each (`what` says what a timeout means).
+    async fn all_finish(tasks: Vec<tokio::task::JoinHandle<()>>, what: &str) {
+        for task in tasks {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect(what)
+                .unwrap();
+        }
     }
 
     /// Nothing held and nobody waiting, in any shard.
@@ -325,12 +555,7 @@ mod tests {
                 })
             })
             .collect();
-        for task in tasks {
-            tokio::time::timeout(Duration::from_secs(30), task)
-                .await
-                .expect("no locker deadlocks")
-                .unwrap();
-        }
+        all_finish(tasks, "no locker deadlocks").await;
         assert!(idle(&locks));
     }
 }

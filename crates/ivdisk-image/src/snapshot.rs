@@ -338,7 +338,7 @@ impl Image {
         }
         let _change = inner.header_change.lock().await;
         // No write may straddle the snapshot: wait for all IO to finish, hold new IO off.
-        let _all = inner.ranges.lock(0, u64::MAX).await;
+        let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
         self.flush().await?;
         let (info, table) = record_new(
             inner.store.as_ref(),
