@@ -883,7 +883,9 @@ impl Image {
     /// Spare capacity, in bytes, that a buffer handed to [`Image::write_owned`] for a write
     /// of `len` bytes at `offset` should have so that it goes to the store without being
     /// moved: in layout `omap-tail`, a write of a whole object carries its metadata after
-    /// its data, in the same buffer. 0 for every other write and layout.
+    /// its data, in the same buffer; in layout `unaligned`, a large write's sectors are
+    /// spread into their slots, each sector's metadata after it, in that buffer. 0 for every
+    /// other write and layout.
     pub fn write_headroom(&self, offset: u64, len: u64) -> usize {
         let inner = &self.inner;
         match inner.whole_sectors_in_one_object(offset, len) {

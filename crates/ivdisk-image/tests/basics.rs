@@ -69,6 +69,54 @@ async fn write_read_partial_discard_roundtrip() {
     image.close().await.unwrap();
 }
 
+/// Large whole-sector writes handed over with the image's headroom, as the NBD server hands
+/// them, in every layout and suite with metadata (`unaligned` spreads them into slots in that
+/// buffer, `omap-tail` appends a whole object's tail): what reads back is what was written,
+/// the sectors around stay as they were, and the same data handed over without headroom
+/// reads back too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_owned_writes_with_headroom_read_back() {
+    const OBJECT: u64 = 4 << 20;
+    for suite in Suite::ALL.into_iter().filter(|s| s.metadata_len() > 0) {
+        for layout in LayoutKind::ALL
+            .into_iter()
+            .filter(|l| *l != LayoutKind::None)
+        {
+            let case = format!("{suite}, {layout}");
+            let uri = unique("owned");
+            let opts = CreateOptions {
+                object_size: OBJECT,
+                ..options(2 * OBJECT, suite, layout)
+            };
+            let image = Image::create(&uri, &opts, PASS).await.unwrap();
+            let mut model = vec![0u8; 2 * OBJECT as usize];
+            // Inside object 0, the whole of object 1, then object 0 again without headroom.
+            for (i, (offset, len, with_room)) in [
+                (8192u64, 1usize << 20, true),
+                (OBJECT, OBJECT as usize, true),
+                (OBJECT - (768 << 10), 512 << 10, false),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let data: Vec<u8> = (0..len).map(|b| ((b * 7 + i * 13) % 253) as u8).collect();
+                let room = image.write_headroom(offset, len as u64);
+                if layout == LayoutKind::Unaligned && with_room {
+                    assert_eq!(room, len / 4096 * suite.metadata_len(), "{case}");
+                }
+                let mut handed = Vec::with_capacity(len + if with_room { room } else { 0 });
+                handed.extend_from_slice(&data);
+                image.write_owned(offset, handed).await.unwrap();
+                model[offset as usize..offset as usize + len].copy_from_slice(&data);
+                let mut back = vec![0u8; model.len()];
+                image.read(0, &mut back).await.unwrap();
+                assert!(back == model, "{case}: write {i} did not read back");
+            }
+            image.close().await.unwrap();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_writer_is_refused_and_readers_are_not() {
     let uri = unique("lock");

@@ -240,9 +240,10 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     }
 
     /// Spare capacity, in bytes, that the data buffer of a write of sectors `first..first +
-    /// count` should have, so that [`SectorLayout::lower_cached_steps`] can append to it
-    /// without moving it: `omap-tail` appends a whole object's metadata to its data. 0 for
-    /// the rest.
+    /// count` should have, so that it goes to the store without being moved: `omap-tail`
+    /// appends a whole object's metadata to its data ([`SectorLayout::lower_cached_steps`]),
+    /// `unaligned` spreads a large run into slots in the caller's buffer
+    /// ([`SectorLayout::write_encrypted_owned`]). 0 for the rest.
     fn data_headroom(&self, _first: u32, _count: u32) -> usize {
         0
     }

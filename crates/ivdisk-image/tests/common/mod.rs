@@ -823,7 +823,9 @@ pub async fn run(case: &Case, uri: &ImageUri, seed: u64) -> Result<(), String> {
                 r
             }
             Op::WriteOwned(offset, len) => {
-                let data = rng.bytes(len as usize);
+                // As the NBD server hands a payload over: with the room the image asks for.
+                let mut data = Vec::with_capacity(len as usize + image.write_headroom(offset, len));
+                data.extend_from_slice(&rng.bytes(len as usize));
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                 image.write_owned(offset, data).await
             }
