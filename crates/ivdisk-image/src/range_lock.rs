@@ -11,8 +11,11 @@
 //! - other writes of whole sectors (over several objects) take the range lock, so two of them
 //!   never interleave object by object;
 //! - a read-modify-write, a snapshot and a shrink hold [`RangeLocks::lock_exclusive`]: they
-//!   announce themselves (from then on every write takes the range lock), wait until no write
-//!   without one is in flight, then take the range lock.
+//!   announce themselves in the shards of the objects they touch (from then on every write
+//!   in those shards takes the range lock), wait until no write without one is in flight
+//!   there, then take the range lock. Per shard, so that a read-modify-write waits only for
+//!   writes to its own objects (and those sharing their shard), not for every write of the
+//!   image, which on RADOS is a round trip to the OSDs.
 //!
 //! Why the first: with a lock per write, taking and releasing it were cache misses on a VM
 //! whose cores are far apart, the largest part of the engine's own time in 64 KiB writes.
@@ -42,14 +45,17 @@ pub(crate) struct RangeLocks {
     granule: u64,
     shards: Box<[CachePadded<Mutex<Held>>]>,
     released: Notify,
-    /// Writes in flight without a range lock, counted per slot: a thread counts in its own
-    /// slot ([`thread_slot`]), on a line other cores seldom touch. The sum is how many are in
-    /// flight; one slot may go below zero (a write may finish on another thread).
-    unlocked: Box<[CachePadded<AtomicI64>]>,
-    /// Exclusive holders waiting or holding: while there is one, writes take range locks.
-    exclusive: CachePadded<AtomicUsize>,
+    /// Writes in flight without a range lock, counted per slot and shard: a thread counts in
+    /// its own slot ([`thread_slot`]), lines other cores seldom touch. The sum over the slots
+    /// is how many are in flight in a shard; one slot may go below zero (a write may finish
+    /// on another thread).
+    unlocked: Box<[CachePadded<[AtomicI64; SHARDS as usize]>]>,
+    /// Exclusive holders waiting or holding, per shard: while there is one, writes in the
+    /// shard take range locks. Read by every write and written only by exclusive holders,
+    /// so the lines stay shared between the cores.
+    exclusive: Box<[AtomicUsize]>,
     /// Woken when a write without a range lock finishes or backs off while an exclusive
-    /// holder is about.
+    /// holder is about in its shard.
     drained: Notify,
 }
 
@@ -119,9 +125,9 @@ impl RangeLocks {
             shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
             released: Notify::new(),
             unlocked: (0..UNLOCKED_SLOTS)
-                .map(|_| CachePadded::default())
+                .map(|_| CachePadded::new(std::array::from_fn(|_| AtomicI64::new(0))))
                 .collect(),
-            exclusive: CachePadded::default(),
+            exclusive: (0..SHARDS).map(|_| AtomicUsize::new(0)).collect(),
             drained: Notify::new(),
         }
     }
@@ -129,17 +135,17 @@ impl RangeLocks {
     /// Hold `[start, end)` for a write of whole sectors inside one object: counted in flight
     /// without a range lock, or, while an exclusive holder is about, the range lock.
     pub(crate) async fn hold_whole_sectors(&self, start: u64, end: u64) -> WriteHold<'_> {
-        let slot = thread_slot();
+        let shard = self.shard_of(start);
         // Counted first, then the check: an exclusive holder announces itself first, then
         // sums the counts, so (all four sequentially consistent) either this write sees it
         // and takes the range lock, or it sees this write and waits for it to finish.
-        self.unlocked[slot].fetch_add(1, SeqCst);
-        if self.exclusive.load(SeqCst) == 0 {
+        self.unlocked[thread_slot()][shard].fetch_add(1, SeqCst);
+        if self.exclusive[shard].load(SeqCst) == 0 {
             return WriteHold::Unlocked {
-                _counted: UnlockedWrite(self),
+                _counted: UnlockedWrite(self, shard),
             };
         }
-        self.uncount_unlocked();
+        self.uncount_unlocked(shard);
         WriteHold::Range {
             _range: self.lock(start, end).await,
         }
@@ -148,15 +154,21 @@ impl RangeLocks {
     /// Hold `[start, end)` for a write that must not overlap any other in flight (a
     /// read-modify-write of partial sectors; a snapshot or shrink, over the whole image).
     pub(crate) async fn lock_exclusive(&self, start: u64, end: u64) -> WriteHold<'_> {
-        self.exclusive.fetch_add(1, SeqCst);
-        // Uncounted also if this future is dropped while it waits.
-        let announced = Exclusive(self);
+        let shards = self.shards_of(start, end);
+        for shard in shards.clone() {
+            self.exclusive[shard].fetch_add(1, SeqCst);
+        }
+        // Withdrawn also if this future is dropped while it waits.
+        let announced = Exclusive(self, shards.clone());
         loop {
-            // Registered before the sum, so a write finishing after it wakes us.
+            // Registered before the sums, so a write finishing after them wakes us.
             let drained = self.drained.notified();
             tokio::pin!(drained);
             drained.as_mut().enable();
-            if self.unlocked_in_flight() == 0 {
+            if shards
+                .clone()
+                .all(|shard| self.unlocked_in_flight(shard) == 0)
+            {
                 break;
             }
             drained.await;
@@ -167,17 +179,38 @@ impl RangeLocks {
         }
     }
 
-    /// Writes in flight without a range lock. Never less than the true count while one is in
-    /// flight: a write counted after the sum began sees the exclusive holder and uncounts in
-    /// its own slot at once.
-    fn unlocked_in_flight(&self) -> i64 {
-        self.unlocked.iter().map(|count| count.load(SeqCst)).sum()
+    /// Writes in flight without a range lock in `shard`. Never less than the true count while
+    /// one is in flight: a write counted after the sum began sees the exclusive holder and
+    /// uncounts at once.
+    fn unlocked_in_flight(&self, shard: usize) -> i64 {
+        self.unlocked
+            .iter()
+            .map(|counts| counts[shard].load(SeqCst))
+            .sum()
     }
 
-    fn uncount_unlocked(&self) {
-        self.unlocked[thread_slot()].fetch_sub(1, SeqCst);
-        if self.exclusive.load(SeqCst) > 0 {
+    fn uncount_unlocked(&self, shard: usize) {
+        self.unlocked[thread_slot()][shard].fetch_sub(1, SeqCst);
+        if self.exclusive[shard].load(SeqCst) > 0 {
             self.drained.notify_waiters();
+        }
+    }
+
+    /// The shard of the granule holding sector `sector`.
+    fn shard_of(&self, sector: u64) -> usize {
+        (sector / self.granule % SHARDS) as usize
+    }
+
+    /// The shards of the granules `[start, end)` touches: consecutive, wrapping around, or
+    /// every shard.
+    fn shards_of(&self, start: u64, end: u64) -> ShardSpan {
+        let granules = match end > start {
+            true => (end - 1) / self.granule - start / self.granule + 1,
+            false => 0,
+        };
+        ShardSpan {
+            first: self.shard_of(start),
+            count: granules.min(SHARDS) as usize,
         }
     }
 
@@ -289,23 +322,45 @@ pub(crate) enum WriteHold<'a> {
     },
 }
 
-/// A write counted in flight without a range lock, uncounted when dropped.
+/// A write counted in flight without a range lock in a shard, uncounted when dropped.
 #[derive(Debug)]
-pub(crate) struct UnlockedWrite<'a>(&'a RangeLocks);
+pub(crate) struct UnlockedWrite<'a>(&'a RangeLocks, usize);
 
 impl Drop for UnlockedWrite<'_> {
     fn drop(&mut self) {
-        self.0.uncount_unlocked();
+        self.0.uncount_unlocked(self.1);
     }
 }
 
-/// An exclusive holder's announcement, withdrawn when dropped.
+/// An exclusive holder's announcement in its shards, withdrawn when dropped.
 #[derive(Debug)]
-pub(crate) struct Exclusive<'a>(&'a RangeLocks);
+pub(crate) struct Exclusive<'a>(&'a RangeLocks, ShardSpan);
 
 impl Drop for Exclusive<'_> {
     fn drop(&mut self) {
-        self.0.exclusive.fetch_sub(1, SeqCst);
+        for shard in self.1.clone() {
+            self.0.exclusive[shard].fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// `count` shards from `first` on, wrapping around.
+#[derive(Debug, Clone)]
+pub(crate) struct ShardSpan {
+    first: usize,
+    count: usize,
+}
+
+impl Iterator for ShardSpan {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        if self.count == 0 {
+            return None;
+        }
+        let shard = self.first;
+        self.first = (self.first + 1) % SHARDS as usize;
+        self.count -= 1;
+        Some(shard)
     }
 }
 
@@ -377,6 +432,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn whole_sector_writes_take_no_range_lock_until_an_exclusive_holder_comes() {
+        // Granules of 8 sectors: sectors 0..8 in shard 0, 40..48 in shard 5, and 512..520
+        // (granule 64) in shard 0 again.
         let locks = Arc::new(RangeLocks::new(8));
         let wait = Duration::from_millis(50);
         let first = locks.hold_whole_sectors(0, 8).await;
@@ -384,18 +441,22 @@ mod tests {
         // It holds no range: a range lock of the same sectors is taken at once.
         let range = tokio::time::timeout(wait, locks.lock(0, 8)).await;
         drop(range.expect("no range lock held by a whole-sector write"));
-        // An exclusive holder waits for it, and given up on, is forgotten.
-        let gave_up = tokio::time::timeout(wait, locks.lock_exclusive(40, 41)).await;
+        // An exclusive holder in another shard does not wait for it.
+        let other_shard = tokio::time::timeout(wait, locks.lock_exclusive(40, 41)).await;
+        drop(other_shard.expect("an exclusive holder waits only for writes in its shards"));
+        // One in its shard (another object) waits for it, and given up on, is forgotten.
+        let gave_up = tokio::time::timeout(wait, locks.lock_exclusive(512, 513)).await;
         assert!(
             gave_up.is_err(),
-            "an exclusive holder waits for writes in flight"
+            "an exclusive holder waits for writes in flight in its shard"
         );
         assert!(matches!(
             locks.hold_whole_sectors(16, 24).await,
             WriteHold::Unlocked { .. }
         ));
-        // While one waits, writes take the range lock; it gets its range once the first
-        // write is done, even though a later one holds a range elsewhere.
+        // While one waits, writes in its shard take the range lock, the others do not; it
+        // gets its range once the first write is done, even though a later one holds a
+        // range elsewhere in the shard.
         let (held_tx, held_rx) = tokio::sync::oneshot::channel();
         let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
         let exclusive = {
@@ -407,8 +468,10 @@ mod tests {
             })
         };
         tokio::time::sleep(wait).await;
-        let elsewhere = locks.hold_whole_sectors(100, 108).await;
-        assert!(matches!(elsewhere, WriteHold::Range { .. }));
+        let same_shard = locks.hold_whole_sectors(512, 520).await;
+        assert!(matches!(same_shard, WriteHold::Range { .. }));
+        let other_shard = locks.hold_whole_sectors(40, 48).await;
+        assert!(matches!(other_shard, WriteHold::Unlocked { .. }));
         assert!(!exclusive.is_finished(), "waits for the write in flight");
         drop(first);
         tokio::time::timeout(Duration::from_secs(5), held_rx)
@@ -422,14 +485,44 @@ mod tests {
         );
         release_tx.send(()).unwrap();
         exclusive.await.unwrap();
-        drop(elsewhere);
+        drop((same_shard, other_shard));
         assert!(matches!(
             locks.hold_whole_sectors(0, 8).await,
             WriteHold::Unlocked { .. }
         ));
         assert!(idle(&locks));
-        assert_eq!(locks.unlocked_in_flight(), 0);
-        assert_eq!(locks.exclusive.load(SeqCst), 0);
+    }
+
+    /// The shards an exclusive holder announces itself in: those of the granules it touches,
+    /// wrapping around, and all of them for a range over as many granules as there are
+    /// shards; every write in them sees it, no other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exclusive_holder_announces_itself_in_the_shards_it_touches() {
+        let locks = RangeLocks::new(8);
+        let shards = |start, end| locks.shards_of(start, end).collect::<Vec<_>>();
+        assert_eq!(shards(0, 1), [0]);
+        assert_eq!(shards(7, 9), [0, 1]);
+        assert_eq!(shards(62 * 8, 66 * 8), [62, 63, 0, 1]);
+        assert_eq!(
+            shards(8, 8 + 64 * 8),
+            (1..64).chain([0]).collect::<Vec<_>>()
+        );
+        assert_eq!(shards(0, u64::MAX), (0..64).collect::<Vec<_>>());
+        assert!(shards(5, 5).is_empty());
+        let held = locks.lock_exclusive(62 * 8, 66 * 8).await;
+        for shard in 0..64u64 {
+            // Granule `shard + 128`: in that shard, outside the holder's range.
+            let at = (shard + 128) * 8;
+            let write = locks.hold_whole_sectors(at, at + 8).await;
+            let announced = [62, 63, 0, 1].contains(&shard);
+            assert_eq!(
+                matches!(write, WriteHold::Range { .. }),
+                announced,
+                "shard {shard}"
+            );
+        }
+        drop(held);
+        assert!(idle(&locks));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -469,7 +562,6 @@ mod tests {
             .collect();
         all_finish(tasks, "nobody waits forever").await;
         assert!(idle(&locks));
-        assert_eq!(locks.unlocked_in_flight(), 0);
     }
 
     /// Wait for every task, 30 s at most each (`what` says what a timeout means).
@@ -483,10 +575,15 @@ mod tests {
     }
 
     /// Nothing held and nobody waiting, in any shard.
+    /// Nothing held, waited for, counted in flight or announced.
     fn idle(locks: &RangeLocks) -> bool {
         (0..SHARDS).all(|g| {
             let held = locks.held(g);
-            held.ranges.is_empty() && held.waiting == 0
+            let shard = g as usize;
+            held.ranges.is_empty()
+                && held.waiting == 0
+                && locks.unlocked_in_flight(shard) == 0
+                && locks.exclusive[shard].load(SeqCst) == 0
         })
     }
 
