@@ -79,7 +79,7 @@ impl SectorLayout for Unaligned {
     /// no group's move reaches plaintext not yet encrypted (sector `i` moves up by `i * M`
     /// bytes, onto bytes of its own and of sectors already moved). The slots in a second
     /// buffer of the run's size, as for smaller runs, made a 4 MiB write through the server
-    /// cost 3-5 times the cipher: two buffers of that size per write no longer stay in the
+    /// cost 4-6 times the cipher: two buffers of that size per write no longer stay in the
     /// cache (docs/BENCHMARKS.md, "`unaligned` writes spread into slots in the payload").
     fn write_encrypted_owned(
         &self,
