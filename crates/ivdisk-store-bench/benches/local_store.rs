@@ -31,9 +31,12 @@
 //! `target/bench-local-store.json`. Files live in a temporary directory under `target/` (on the
 //! disk, not a tmpfs `/tmp`), fresh per measurement.
 //!
+//! The store is built as the `ivdisk` binary builds it (this package's `Cargo.toml` says why
+//! the bench is not in `ivdisk-store`), and the process runs on the binary's allocator.
+//!
 //! ```text
-//! cargo bench -p ivdisk-store --bench local_store
-//! IVDISK_BENCH_SIZES=4,1024 IVDISK_BENCH_ONLY=store cargo bench -p ivdisk-store --bench local_store
+//! cargo bench -p ivdisk-store-bench --bench local_store
+//! IVDISK_BENCH_SIZES=4,1024 IVDISK_BENCH_ONLY=store cargo bench -p ivdisk-store-bench --bench local_store
 //! ```
 //!
 //! `IVDISK_BENCH_SIZES` picks sizes (KiB, comma-separated), `IVDISK_BENCH_ONLY` one side
@@ -52,6 +55,11 @@ use ivdisk_bench_support::{
     sizes_from_env, target_dir, Rng, Run,
 };
 use ivdisk_store::{LocalStore, LocalStoreOptions, ObjectName, ObjectStore, WriteOp, WriteStep};
+
+/// The product's allocator (`crates/ivdisk/src/main.rs`): the store is measured with the
+/// buffers its callers hand it as they are allocated in `ivdisk serve`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
 const QUEUE_DEPTH: usize = 32;
