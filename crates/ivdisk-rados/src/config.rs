@@ -23,6 +23,13 @@ pub struct RadosConfig {
     /// The size objects are expected to grow to (an image's object size): passed to
     /// BlueStore as an allocation hint with every data write, as librbd does. `None`: no hint.
     pub expected_object_size: Option<u64>,
+    /// Widen librados' budget of bytes in flight (`objecter_inflight_op_bytes`, as configured:
+    /// 100 MiB by default) by this many thousandths of itself. The budget counts every byte an
+    /// operation carries; an ivdisk write carries its sectors' metadata next to the data, so
+    /// at the default budget 4 MiB writes would keep 24 operations in flight where librbd's
+    /// keep 25 (docs/BENCHMARKS.md, "the client's budget of bytes in flight"). `0` (the
+    /// default): the budget as configured.
+    pub inflight_bytes_headroom_permille: u32,
 }
 
 impl RadosConfig {
@@ -36,6 +43,7 @@ impl RadosConfig {
             connect_timeout: Duration::from_secs(30),
             op_timeout: None,
             expected_object_size: None,
+            inflight_bytes_headroom_permille: 0,
         }
     }
 }

@@ -60,7 +60,7 @@ pub struct RadosStore {
     client: String,
     pool: String,
     expected_object_size: Option<u64>,
-    _cluster: Arc<Cluster>,
+    cluster: Arc<Cluster>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,6 +160,21 @@ impl RadosStore {
         if let Some(op_timeout) = config.op_timeout {
             set("rados_osd_op_timeout", secs(op_timeout))?;
         }
+        if config.inflight_bytes_headroom_permille > 0 {
+            // Read back what the config file (or librados' default) gave, so a budget the user
+            // set is widened, not replaced. Objecter reads it once, at connect.
+            let option = "objecter_inflight_op_bytes";
+            let budget = cluster
+                .get_conf(option)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    RadosError::Invalid(format!("librados' {option} is not a byte count"))
+                })?;
+            let widened = budget
+                .saturating_add(budget / 1000 * u64::from(config.inflight_bytes_headroom_permille));
+            set(option, widened.to_string())?;
+        }
         let started = std::time::Instant::now();
         cluster.connect().map_err(|e| match e.0 {
             libc::ETIMEDOUT | libc::ECONNREFUSED | libc::EHOSTUNREACH => RadosError::Unreachable {
@@ -208,7 +223,7 @@ impl RadosStore {
             client,
             pool: config.pool.clone(),
             expected_object_size: config.expected_object_size,
-            _cluster: cluster,
+            cluster,
         })
     }
 
@@ -219,6 +234,13 @@ impl RadosStore {
         RawIoContext {
             io: self.control.clone(),
         }
+    }
+
+    /// This connection's budget of bytes in flight (librados' `objecter_inflight_op_bytes`,
+    /// widened by [`RadosConfig::inflight_bytes_headroom_permille`]).
+    pub fn inflight_bytes_budget(&self) -> Option<u64> {
+        let value = self.cluster.get_conf("objecter_inflight_op_bytes").ok()?;
+        value.trim().parse().ok()
     }
 
     /// An error of a failed operation on `object`, by errno.

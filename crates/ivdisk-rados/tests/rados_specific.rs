@@ -232,3 +232,46 @@ async fn allocation_hint_changes_no_data() {
         .unwrap();
     assert_eq!(store.read(&object, 4096, 65536).await.unwrap(), data);
 }
+
+/// The budget of bytes in flight is widened from what the config gives, by the headroom asked
+/// for, and left as configured without one.
+#[tokio::test]
+async fn inflight_bytes_budget_widened_from_the_config() {
+    skip_without_ceph!();
+    let budget = |config: RadosConfig| async move {
+        let store = ivdisk_rados::RadosStore::open(&config).await.unwrap();
+        store.inflight_bytes_budget().expect("a byte count")
+    };
+    let with = |permille, config: RadosConfig| RadosConfig {
+        inflight_bytes_headroom_permille: permille,
+        ..config
+    };
+    let configured = budget(common::config()).await;
+    assert!(configured > 0);
+    assert_eq!(
+        budget(with(20, common::config())).await,
+        configured + configured / 1000 * 20
+    );
+
+    // A budget set in the config file is widened, not replaced by librados' default.
+    let dir = tempfile::tempdir().unwrap();
+    let conf = std::fs::read_to_string(common::config().conf.unwrap()).unwrap();
+    assert!(
+        conf.contains("[global]\n"),
+        "the test cluster's config has a [global] section"
+    );
+    let small = 50 << 20;
+    let conf = conf.replacen(
+        "[global]\n",
+        &format!("[global]\nobjecter inflight op bytes = {small}\n"),
+        1,
+    );
+    let path = dir.path().join("ceph.conf");
+    std::fs::write(&path, conf).unwrap();
+    let own = || RadosConfig {
+        conf: Some(path.clone()),
+        ..common::config()
+    };
+    assert_eq!(budget(own()).await, small);
+    assert_eq!(budget(with(20, own())).await, small + small / 1000 * 20);
+}
