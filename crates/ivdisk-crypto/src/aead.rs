@@ -20,7 +20,7 @@ use crate::rng::{NonceSource, RunNonces};
 use crate::suite::{
     append_by_zeroing, append_from_slots_by_zeroing, append_slots_piecewise, check_key_len,
     check_out_of_place, check_run, check_sector_size, check_slots, check_slots_append,
-    check_whole_sectors, decrypt_slots_apart,
+    check_whole_sectors, decrypt_slots_apart, slots_one_by_one,
 };
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
@@ -301,6 +301,51 @@ impl AeadSuite {
             done += 1;
         }
         (done, rest)
+    }
+}
+
+impl AeadSuite {
+    /// Whether [`AeadSuite::seal_into_slots`] writes this suite's slots: AES-GCM, AEGIS-256,
+    /// and AEGIS-128L where its four-lane kernel runs.
+    fn seals_slots_directly(&self) -> bool {
+        match &self.engine {
+            Engine::Gcm(_) | Engine::Aegis256(_) => true,
+            #[cfg(target_arch = "x86_64")]
+            Engine::Aegis128L(_) => crate::ffi::aegis128l_vaes::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Engine::Aegis128L(_) => false,
+        }
+    }
+
+    /// Each sector's ciphertext and then its metadata written into `spare`, exactly the
+    /// run's slots (the run checked), for a suite [`AeadSuite::seals_slots_directly`].
+    fn seal_into_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        spare: &mut [std::mem::MaybeUninit<u8>],
+    ) -> Result<(), CryptoError> {
+        match &self.engine {
+            Engine::Gcm(gcm) => {
+                self.reserve_writes((plaintext.len() / self.sector_size) as u64)?;
+                let nonces = self.nonces.run(first_sector, self.nonce_len())?;
+                gcm.encrypt.with(|ctx| {
+                    self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
+                        self.gcm_seal_sector(gcm, ctx, &nonces, number, sector, md)
+                    })
+                })
+            }
+            Engine::Aegis256(key) => {
+                let nonces = self.nonces.run(first_sector, self.nonce_len())?;
+                self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
+                    self.aegis256_seal_sector(key, &nonces, number, sector, md)
+                })
+            }
+            #[cfg(target_arch = "x86_64")]
+            Engine::Aegis128L(key) => self.seal_slots(key, first_sector, plaintext, spare),
+            #[cfg(not(target_arch = "x86_64"))]
+            Engine::Aegis128L(_) => unreachable!("AEGIS-128L seals slots only on x86_64"),
+        }
     }
 }
 
@@ -883,38 +928,29 @@ impl crate::SectorCipher for AeadSuite {
         plaintext: &[u8],
         slots: &mut Vec<u8>,
     ) -> Result<(), CryptoError> {
-        let slot = self.sector_size + self.suite.metadata_len();
-        if let Engine::Gcm(gcm) = &self.engine {
+        if self.seals_slots_directly() {
+            let slot = self.sector_size + self.suite.metadata_len();
             let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
-            self.reserve_writes((plaintext.len() / self.sector_size) as u64)?;
-            let nonces = self.nonces.run(first_sector, self.nonce_len())?;
             return crate::ffi::spare::append_written(slots, len, |spare| {
-                gcm.encrypt.with(|ctx| {
-                    self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
-                        self.gcm_seal_sector(gcm, ctx, &nonces, number, sector, md)
-                    })
-                })
+                self.seal_into_slots(first_sector, plaintext, spare)
             });
-        }
-        if let Engine::Aegis256(key) = &self.engine {
-            let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
-            let nonces = self.nonces.run(first_sector, self.nonce_len())?;
-            return crate::ffi::spare::append_written(slots, len, |spare| {
-                self.seal_each_slot(first_sector, plaintext, spare, |number, sector, md| {
-                    self.aegis256_seal_sector(key, &nonces, number, sector, md)
-                })
-            });
-        }
-        #[cfg(target_arch = "x86_64")]
-        if let Engine::Aegis128L(key) = &self.engine {
-            if crate::ffi::aegis128l_vaes::available() {
-                let len = check_whole_sectors(self, first_sector, plaintext)? * slot;
-                return crate::ffi::spare::append_written(slots, len, |spare| {
-                    self.seal_slots(key, first_sector, plaintext, spare)
-                });
-            }
         }
         append_slots_piecewise(self, first_sector, plaintext, slots)
+    }
+
+    fn encrypt_sectors_to_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        if self.seals_slots_directly() {
+            return crate::ffi::spare::write_over(slots, |spare| {
+                self.seal_into_slots(first_sector, plaintext, spare)
+            });
+        }
+        slots_one_by_one(self, first_sector, plaintext, slots)
     }
 
     fn decrypt_sectors_from_slots(

@@ -272,6 +272,25 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         append_slots_piecewise(self, first_sector, plaintext, slots)
     }
 
+    /// Encrypt `plaintext` into `slots`, a buffer of exactly the run's slots (as
+    /// [`SectorCipher::encrypt_sectors_append_slots`] lays them out), wherever the caller has
+    /// it.
+    ///
+    /// Why: the `unaligned` layout spreads a large run into slots in the run's own buffer.
+    /// Where a group of sectors' slots lie wholly past that group's plaintext it encrypts
+    /// them there directly; moving each sector after encrypting it in place cost AEGIS-128L a
+    /// quarter to a third of a 4 MiB write through the server. The suites that write slots
+    /// directly do so here too; the default encrypts one sector at a time into its slot.
+    fn encrypt_sectors_to_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        slots_one_by_one(self, first_sector, plaintext, slots)
+    }
+
     /// Decrypt slots (what [`SectorCipher::encrypt_sectors_append_slots`] writes: each
     /// sector's ciphertext, then its metadata) into `plaintext`, `slots.len()` being
     /// `plaintext.len()` plus the sectors' metadata; on [`CryptoError::Authentication`] the
@@ -395,6 +414,25 @@ pub(crate) fn append_slots_piecewise<C: SectorCipher + ?Sized>(
             slots.extend_from_slice(sector);
             slots.extend_from_slice(meta);
         }
+    }
+    Ok(())
+}
+
+/// [`SectorCipher::encrypt_sectors_to_slots`] a sector at a time, each out of place into its
+/// slot; the run was checked ([`check_slots`]).
+pub(crate) fn slots_one_by_one<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    plaintext: &[u8],
+    slots: &mut [u8],
+) -> Result<(), CryptoError> {
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    let sectors = plaintext
+        .chunks_exact(ss)
+        .zip(slots.chunks_exact_mut(ss + ml));
+    for (number, (sector, slot)) in (first_sector..).zip(sectors) {
+        let (ciphertext, metadata) = slot.split_at_mut(ss);
+        cipher.encrypt_sectors_to(number, sector, ciphertext, metadata)?;
     }
     Ok(())
 }

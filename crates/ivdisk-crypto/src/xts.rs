@@ -471,6 +471,22 @@ impl crate::SectorCipher for AesXts {
         })
     }
 
+    fn encrypt_sectors_to_slots(
+        &self,
+        first_sector: u64,
+        plaintext: &[u8],
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        check_slots(self, first_sector, slots, plaintext)?;
+        if self.tweak_key.is_none() {
+            // No metadata: a slot is the sector.
+            return self.encrypt_sectors_to(first_sector, plaintext, slots, &mut []);
+        }
+        crate::ffi::spare::write_over(slots, |spare| {
+            self.encrypt_slots(first_sector, plaintext, spare)
+        })
+    }
+
     fn decrypt_sectors_from_slots(
         &self,
         first_sector: u64,

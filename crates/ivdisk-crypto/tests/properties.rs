@@ -606,6 +606,19 @@ fn long_appended_runs_equal_in_place() {
                     "{config:?}: a refused run changed the buffer"
                 );
             }
+            // Into slots the caller has (`encrypt_sectors_to_slots`): the same bytes over
+            // what the buffer held; a buffer of another length is refused.
+            let mut over = vec![0x5au8; slots.len()];
+            c.encrypt_sectors_to_slots(77, &plain, &mut over).unwrap();
+            assert!(
+                over == slots,
+                "{config:?}: {count} sectors encrypted into slots differ"
+            );
+            let refused = c.encrypt_sectors_to_slots(77, &plain, &mut over[1..]);
+            assert!(
+                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                "{config:?}: {refused:?}"
+            );
             // And back from slots; a tampered slot fails alone and reads as zeros.
             let mut back = vec![0x11u8; plain.len()];
             c.decrypt_sectors_from_slots(77, &slots, &mut back).unwrap();

@@ -14,7 +14,9 @@ use ivdisk_crypto::CryptoError;
 use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutcome, WriteStep};
 
 use crate::image::{Image, Inner};
-use crate::layout::{extent_bytes, take_or_place_extents, Decoded, ReadOutput};
+use crate::layout::{
+    extent_bytes, take_or_place_extents, Decoded, ReadOutput, UNALIGNED_DIRECT_GROUP,
+};
 use crate::metadata_cache::{MetadataCache, ReadPlan};
 use crate::range_lock::WriteHold;
 use crate::ImageError;
@@ -22,6 +24,9 @@ use crate::ImageError;
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
 /// discard and resize can span thousands of objects).
 const OBJECTS_IN_FLIGHT: usize = 16;
+/// `unaligned` runs smaller than this read into a buffer the read returns are decrypted into
+/// a fresh buffer, which the allocator hands out warm at these sizes ([`Inner::slots_down_pays`]).
+const SLOTS_DOWN_MIN_BYTES: usize = 512 << 10;
 
 /// The sectors of one object touched by a request.
 #[derive(Debug, Clone, Copy)]
@@ -234,7 +239,11 @@ impl Inner {
                     len,
                     buf: buf @ None,
                 } => {
-                    let (plaintext, failed) = self.decrypt_slots_owned(piece.lba, &slots, *len)?;
+                    let (plaintext, failed) = if self.slots_down_pays(*len) {
+                        self.decrypt_slots_down(piece.lba, slots, *len)?
+                    } else {
+                        self.decrypt_slots_owned(piece.lba, &slots, *len)?
+                    };
                     *buf = Some(plaintext);
                     Ok(failed)
                 }
@@ -530,6 +539,101 @@ impl Inner {
                 ),
             }
         })
+    }
+
+    /// Whether an `unaligned` run of `len` bytes read into a buffer the read returns is
+    /// decrypted in the store's buffer ([`Inner::decrypt_slots_down`]): from 512 KiB, when at
+    /// least half its sectors can be decrypted straight down (from a 4 MiB run of 4 KiB
+    /// sectors, a 64 KiB run of 512-byte ones). Runs of 512 KiB to 2 MiB of 4 KiB sectors,
+    /// moved down and decrypted in place all through, cost AEGIS-128L 30 points more than a
+    /// fresh buffer (docs/BENCHMARKS.md, "`unaligned` writes straight into their slots").
+    fn slots_down_pays(&self, len: usize) -> bool {
+        let (ss, ml) = (self.sector_size, self.cipher.metadata_len());
+        len >= SLOTS_DOWN_MIN_BYTES && len / ss * ml >= 2 * UNALIGNED_DIRECT_GROUP * ss
+    }
+
+    /// [`Inner::decrypt_slots_owned`] in the store's buffer itself, which the read then returns:
+    /// from the first sector to the last, each sector's plaintext goes down to `i * S`, onto
+    /// its own slot and lower ones only, never onto a slot not yet read. A group of four or
+    /// more sectors whose plaintext lies wholly below its slots (from sector 512 on, with 32
+    /// bytes of metadata per 4 KiB sector) is decrypted straight there; below that, each
+    /// group's metadata is set aside, its ciphertext moved down and decrypted in place. Why:
+    /// a fresh buffer of a 4 MiB run missed the cache on every store (docs/BENCHMARKS.md,
+    /// "`unaligned` writes straight into their slots").
+    fn decrypt_slots_down(
+        &self,
+        lba: u64,
+        mut buf: Vec<u8>,
+        len: usize,
+    ) -> Result<(Vec<u8>, Vec<u64>), ImageError> {
+        /// Sectors moved down and decrypted at once: small enough to stay in the core's cache
+        /// between the two.
+        const GROUP_BYTES: usize = 32 << 10;
+        let ss = self.sector_size;
+        let ml = self.cipher.metadata_len();
+        let slot = ss + ml;
+        let group = (GROUP_BYTES / ss).max(1);
+        let mut metadata = vec![0u8; group * ml];
+        let written = |buf: &Vec<u8>, i: usize| !all_zero(&buf[i * slot..(i + 1) * slot]);
+        let failed = self.decrypt_runs(
+            lba,
+            len / ss,
+            &mut buf,
+            written,
+            |buf, run, is_written, first| {
+                if !is_written {
+                    buf[run.start * ss..run.end * ss].fill(0);
+                    return Ok(());
+                }
+                let mut failed = Vec::new();
+                let mut start = run.start;
+                while start < run.end {
+                    let number = first + (start - run.start) as u64;
+                    let direct = ((start * slot / ss).min(run.end) - start)
+                        / UNALIGNED_DIRECT_GROUP
+                        * UNALIGNED_DIRECT_GROUP;
+                    let direct_end = start + direct;
+                    let done = if direct > 0 {
+                        let (plaintext, slots) = buf.split_at_mut(start * slot);
+                        let result = self.cipher.decrypt_sectors_from_slots(
+                            number,
+                            &slots[..(direct_end - start) * slot],
+                            &mut plaintext[start * ss..direct_end * ss],
+                        );
+                        (direct_end, result)
+                    } else {
+                        let end = (start + group).min(run.end);
+                        let metadata = &mut metadata[..(end - start) * ml];
+                        for (i, m) in (start..end).zip(metadata.chunks_exact_mut(ml)) {
+                            m.copy_from_slice(&buf[i * slot + ss..(i + 1) * slot]);
+                        }
+                        for i in start..end {
+                            buf.copy_within(i * slot..i * slot + ss, i * ss);
+                        }
+                        let result = self.cipher.decrypt_sectors(
+                            number,
+                            &mut buf[start * ss..end * ss],
+                            metadata,
+                        );
+                        (end, result)
+                    };
+                    match done {
+                        (end, Ok(())) => start = end,
+                        (end, Err(CryptoError::Authentication { sectors })) => {
+                            failed.extend(sectors);
+                            start = end;
+                        }
+                        (_, Err(e)) => return Err(e),
+                    }
+                }
+                match failed.is_empty() {
+                    true => Ok(()),
+                    false => Err(CryptoError::Authentication { sectors: failed }),
+                }
+            },
+        )?;
+        buf.truncate(len);
+        Ok((buf, failed))
     }
 
     /// [`Inner::decrypt_written`] from slots into a new buffer of `len` bytes, appended run by

@@ -508,3 +508,76 @@ async fn a_writer_does_not_read_the_metadata_it_holds() {
     )
     .await;
 }
+
+/// `unaligned` reads of 512 KiB and more into a buffer the image returns (as the NBD server
+/// reads) are decrypted in the store's buffer, the first sectors of a run moved down and
+/// decrypted in place, the rest decrypted straight down (`Inner::decrypt_slots_down`). A
+/// read over a whole 4 MiB object with unwritten sectors in both parts returns what `read`
+/// does; with a sector tampered in each part (AEAD suites), exactly those two fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_unaligned_reads_fail_exactly_the_sectors_touched() {
+    const BIG_OBJECT: u64 = 4 << 20;
+    let (seed, _guard) = common::seed("large_unaligned_reads_fail_exactly_the_sectors_touched");
+    for suite in Suite::ALL.into_iter().filter(|s| s.metadata_len() > 0) {
+        for sector_size in [4096u32, 512] {
+            let case = Case {
+                backend: Backend::Memory,
+                suite,
+                layout: LayoutKind::Unaligned,
+                sector_size,
+            };
+            let (ss, per_object) = (case.ss(), BIG_OBJECT / case.ss());
+            let place = common::place(case.backend, "tamper-large");
+            let size = 2 * BIG_OBJECT;
+            let options = common::options(size, suite, case.layout, sector_size, BIG_OBJECT);
+            let image = Image::create(&place.uri, &options, common::PASS)
+                .await
+                .unwrap_or_else(|e| panic!("{case:?}: create: {e}"));
+            let mut content = Rng::derive(seed, &format!("{case:?}")).bytes(size as usize);
+            // Unwritten sectors of the second object: at its start, in the part moved down
+            // (the first 128 sectors of 4 KiB, 16 of 512 bytes) and in the part decrypted
+            // straight down, next to each other and alone, and its last.
+            let holes: Vec<u64> = [0, 3, 4, per_object / 2, per_object / 2 + 1, per_object - 1]
+                .into_iter()
+                .map(|i| per_object + i)
+                .collect();
+            for &lba in &holes {
+                content[(lba * ss) as usize..((lba + 1) * ss) as usize].fill(0);
+            }
+            let mut start = 0;
+            for end in holes.iter().copied().chain([size / ss]) {
+                if end > start {
+                    let bytes = &content[(start * ss) as usize..(end * ss) as usize];
+                    image.write(start * ss, bytes).await.unwrap();
+                }
+                start = end + 1;
+            }
+            // The whole object (one piece: the store's buffer is returned), its first 1 MiB,
+            // and a read that starts in the first object (two pieces, into one new buffer).
+            let reads = [
+                (BIG_OBJECT, BIG_OBJECT),
+                (BIG_OBJECT, 1 << 20),
+                (BIG_OBJECT - 3 * ss, BIG_OBJECT + 3 * ss),
+            ];
+            for (offset, len) in reads {
+                expect_read(&case, &image, &content, offset, len, &[]).await;
+            }
+            if suite.is_authenticated() {
+                let victims = [per_object + 6, per_object + per_object * 3 / 4];
+                for &lba in &victims {
+                    let (mut data, metadata) = raw_sector(&image, lba).await;
+                    flip(&mut data, ss as usize / 3);
+                    put_raw_sector(&image, lba, &data, &metadata).await;
+                }
+                for (offset, len) in reads {
+                    let failed: Vec<u64> = victims
+                        .into_iter()
+                        .filter(|&lba| lba * ss < offset + len)
+                        .collect();
+                    expect_read(&case, &image, &content, offset, len, &failed).await;
+                }
+            }
+            image.close().await.unwrap();
+        }
+    }
+}

@@ -48,6 +48,21 @@ pub(crate) fn append_written<E>(
     Ok(())
 }
 
+/// Let `write`, one of the writers `append_written` lists, fill `buf`, memory that is already
+/// initialised (`encrypt_sectors_to_slots` of the same suites, into slots the caller has).
+/// On an error `buf` holds some mix of its old bytes and what was written.
+pub(crate) fn write_over<E>(
+    buf: &mut [u8],
+    write: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<(), E>,
+) -> Result<(), E> {
+    // SAFETY: `MaybeUninit<u8>` has the size and alignment of `u8`, so this is the same memory
+    // at the same length. `buf` stays initialised because `write` is one of the writers
+    // `append_written` lists, which store only initialised bytes (through `Io::as_ptrs`,
+    // `MaybeUninit::write` and `write_copy`), never `MaybeUninit::uninit()`.
+    let spare = unsafe { &mut *(buf as *mut [u8] as *mut [MaybeUninit<u8>]) };
+    write(spare)
+}
+
 /// Write `src` into `dst` (same length): `<[MaybeUninit<u8>]>::write_copy_of_slice`, which
 /// is newer than this workspace's minimum Rust.
 pub(crate) fn write_copy(dst: &mut [MaybeUninit<u8>], src: &[u8]) {

@@ -15,6 +15,8 @@ mod omap;
 mod omap_packed;
 mod unaligned;
 
+pub(crate) use unaligned::DIRECT_GROUP as UNALIGNED_DIRECT_GROUP;
+
 use omap_packed::WholeObjects;
 
 use std::fmt;

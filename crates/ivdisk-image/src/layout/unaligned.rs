@@ -17,6 +17,11 @@ const IN_PLACE_MIN_BYTES: usize = 512 << 10;
 /// Sectors encrypted at once before they move up to their slots: small enough to stay in the
 /// core's cache between the two.
 const IN_PLACE_GROUP_BYTES: usize = 32 << 10;
+/// Sectors encrypted straight into their slots at once are a multiple of this: AEGIS-128L's
+/// four-lane kernel takes four; fewer went through its one-message code, which made 1 MiB
+/// writes slower than encrypting in place and moving (docs/BENCHMARKS.md, "`unaligned`
+/// writes straight into their slots").
+pub(crate) const DIRECT_GROUP: usize = 4;
 
 impl Unaligned {
     fn slot(&self) -> usize {
@@ -74,13 +79,17 @@ impl SectorLayout for Unaligned {
 
     /// A large run is encrypted in the caller's buffer and spread into slots there, when the
     /// buffer has the room ([`SectorLayout::data_headroom`], which the NBD server asks for
-    /// before it reads a payload): from the last sectors to the first, a few at a time, each
-    /// group encrypted in place and then moved up to its slots while it is in the cache, so
-    /// no group's move reaches plaintext not yet encrypted (sector `i` moves up by `i * M`
-    /// bytes, onto bytes of its own and of sectors already moved). The slots in a second
-    /// buffer of the run's size, as for smaller runs, made a 4 MiB write through the server
-    /// cost 4-6 times the cipher: two buffers of that size per write no longer stay in the
-    /// cache (docs/BENCHMARKS.md, "`unaligned` writes spread into slots in the payload").
+    /// before it reads a payload): from the last sectors to the first, a few at a time. A
+    /// group of four sectors whose slots lie wholly past its plaintext (the upper half of a
+    /// 4 MiB run of 4 KiB sectors) is encrypted straight into them (`encrypt_sectors_to_slots`);
+    /// below that, each group is encrypted in place and then moved up to its slots while it
+    /// is in the cache. Either way nothing written reaches plaintext not yet encrypted
+    /// (sector `i` moves up by `i * M` bytes, onto bytes of its own and of sectors already
+    /// moved). The move had cost AEGIS-128L 25-33 points of the cipher's cost from 512 KiB
+    /// up (docs/BENCHMARKS.md, "`unaligned` writes straight into their slots"). The slots in
+    /// a second buffer of the run's size, as for smaller runs, made a 4 MiB write through the
+    /// server cost 4-6 times the cipher: two buffers of that size per write no longer stay in
+    /// the cache (docs/BENCHMARKS.md, "`unaligned` writes spread into slots in the payload").
     fn write_encrypted_owned(
         &self,
         steps: &mut Vec<WriteStep>,
@@ -100,6 +109,22 @@ impl SectorLayout for Unaligned {
         let mut metadata = vec![0u8; group * ml];
         let mut end = sectors;
         while end > 0 {
+            // The sectors from `start` to `end` have their slots wholly past their plaintext
+            // once `start * slot >= end * ss`: those are encrypted straight into their slots,
+            // no move, four at a time or more (with 32 bytes of metadata per 4 KiB sector, from
+            // sector 512 on).
+            let direct = (end - (end * ss).div_ceil(slot)) / DIRECT_GROUP * DIRECT_GROUP;
+            if direct > 0 {
+                let start = end - direct;
+                let (plaintext, slots) = buf.split_at_mut(start * slot);
+                cipher.encrypt_sectors_to_slots(
+                    first_sector + start as u64,
+                    &plaintext[start * ss..end * ss],
+                    &mut slots[..(end - start) * slot],
+                )?;
+                end = start;
+                continue;
+            }
             let start = end.saturating_sub(group);
             let meta = &mut metadata[..(end - start) * ml];
             cipher.encrypt_sectors(
@@ -234,7 +259,8 @@ mod tests {
                     cipher_and_layout(suite, sector_size, (4 << 20) / sector_size as u32);
                 let min = IN_PLACE_MIN_BYTES / sector_size;
                 let group = IN_PLACE_GROUP_BYTES / sector_size;
-                for sectors in [1, min - 1, min, min + 3, min + group * 2 + 5] {
+                let object = (4 << 20) / sector_size;
+                for sectors in [1, min - 1, min, min + 3, min + group * 2 + 5, object] {
                     let case = format!("{suite}, {sector_size}-byte sectors, {sectors} sectors");
                     let plaintext: Vec<u8> = (0..sectors * sector_size)
                         .map(|i| (i * 31 % 251) as u8)
