@@ -20,7 +20,7 @@ use crate::rng::{NonceSource, RunNonces};
 use crate::suite::{
     append_by_zeroing, append_from_slots_by_zeroing, append_slots_piecewise, check_key_len,
     check_out_of_place, check_run, check_sector_size, check_slots, check_slots_append,
-    check_whole_sectors, decrypt_slots_apart, slots_one_by_one,
+    check_whole_sectors, decrypt_slots_apart, decrypt_slots_one_by_one, slots_one_by_one,
 };
 use crate::{CipherParams, CryptoError, ImageId, Suite};
 
@@ -409,30 +409,25 @@ impl AeadSuite {
 
 #[cfg(target_arch = "x86_64")]
 impl AeadSuite {
-    /// AEGIS-128L straight from slots (`decrypt_sectors_from_slots`): groups of four sectors
-    /// through the four-lane kernel with each lane's input at its slot, the rest one sector at
-    /// a time through `open_run`; sectors whose tag does not verify are zeroed and named in the
-    /// error. `output` gives each sector's run, from its slot's ciphertext to where its
-    /// plaintext goes, in order. The caller checked the run and that the four-lane kernel runs
-    /// here.
+    /// AEGIS-128L from slots (`decrypt_sectors_from_slots`, `decrypt_sectors_in_slots`):
+    /// groups of four sectors through the four-lane kernel with each lane's input at its slot,
+    /// the rest one sector at a time through `open_run`; sectors whose tag does not verify are
+    /// zeroed and named in the error. `next_slot` gives each of the `sectors` slots in order:
+    /// the run from its ciphertext to where its plaintext goes (in place, or elsewhere), and
+    /// its metadata. The caller checked the run and that the four-lane kernel runs here.
     fn open_slots<'o>(
         &self,
         key: &[u8; 16],
         first_sector: u64,
-        slots: &'o [u8],
-        mut output: impl FnMut(&'o [u8]) -> Io<'o>,
+        sectors: usize,
+        mut next_slot: impl FnMut() -> (Io<'o>, &'o [u8]),
     ) -> Result<(), CryptoError> {
         use crate::ffi::aegis128l_vaes::LANES;
-        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
-        let grouped = slots.len() / (ss + md_len) / LANES * LANES;
+        let grouped = sectors / LANES * LANES;
         let mut failed = Vec::new();
-        let mut inputs = slots.chunks_exact(ss + md_len);
         for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
-            let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
-                let (data, meta) = inputs.next().expect("a slot per sector").split_at(ss);
-                (output(data), meta)
-            });
+            let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| next_slot());
             let metas = [m0, m1, m2, m3];
             let nonces: [&[u8; 16]; LANES] =
                 std::array::from_fn(|i| metas[i][..16].try_into().expect("16-byte nonce"));
@@ -448,10 +443,10 @@ impl AeadSuite {
                 &mut failed,
             );
         }
-        for (i, slot) in inputs.enumerate() {
-            let number = first_sector + (grouped + i) as u64;
-            let (data, meta) = slot.split_at(ss);
-            match self.open_run(number, output(data), meta) {
+        for i in grouped..sectors {
+            let number = first_sector + i as u64;
+            let (data, meta) = next_slot();
+            match self.open_run(number, data, meta) {
                 Ok(()) => {}
                 Err(CryptoError::Authentication { sectors }) => failed.extend(sectors),
                 Err(e) => return Err(e),
@@ -979,9 +974,16 @@ impl crate::SectorCipher for AeadSuite {
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
             if crate::ffi::aegis128l_vaes::available() {
-                let mut outputs = plaintext.chunks_exact_mut(self.sector_size);
-                return self.open_slots(key, first_sector, slots, |data| {
-                    Io::copy(data, outputs.next().expect("a sector per slot"))
+                let ss = self.sector_size;
+                let mut inputs = slots.chunks_exact(ss + self.suite.metadata_len());
+                let mut outputs = plaintext.chunks_exact_mut(ss);
+                let sectors = inputs.len();
+                return self.open_slots(key, first_sector, sectors, || {
+                    let (data, meta) = inputs.next().expect("a slot per sector").split_at(ss);
+                    (
+                        Io::copy(data, outputs.next().expect("a sector per slot")),
+                        meta,
+                    )
                 });
             }
         }
@@ -1000,9 +1002,16 @@ impl crate::SectorCipher for AeadSuite {
                 let len = check_slots_append(self, first_sector, slots)? * self.sector_size;
                 let mut failed = None;
                 crate::ffi::spare::append_written(plaintext, len, |spare| {
-                    let mut outputs = spare.chunks_exact_mut(self.sector_size);
-                    let opened = self.open_slots(key, first_sector, slots, |data| {
-                        Io::fresh(data, outputs.next().expect("a sector per slot"))
+                    let ss = self.sector_size;
+                    let mut inputs = slots.chunks_exact(ss + self.suite.metadata_len());
+                    let mut outputs = spare.chunks_exact_mut(ss);
+                    let sectors = inputs.len();
+                    let opened = self.open_slots(key, first_sector, sectors, || {
+                        let (data, meta) = inputs.next().expect("a slot per sector").split_at(ss);
+                        (
+                            Io::fresh(data, outputs.next().expect("a sector per slot")),
+                            meta,
+                        )
                     });
                     match opened {
                         // Every sector was written: its plaintext, or zeros where its tag
@@ -1018,6 +1027,26 @@ impl crate::SectorCipher for AeadSuite {
             }
         }
         append_from_slots_by_zeroing(self, first_sector, slots, plaintext)
+    }
+
+    fn decrypt_sectors_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        #[cfg(target_arch = "x86_64")]
+        if let Engine::Aegis128L(key) = &self.engine {
+            if crate::ffi::aegis128l_vaes::available() {
+                let sectors = check_slots_append(self, first_sector, slots)?;
+                let ss = self.sector_size;
+                let mut slots = slots.chunks_exact_mut(ss + self.suite.metadata_len());
+                return self.open_slots(key, first_sector, sectors, || {
+                    let (data, meta) = slots.next().expect("a slot per sector").split_at_mut(ss);
+                    (Io::in_place(data), &*meta)
+                });
+            }
+        }
+        decrypt_slots_one_by_one(self, first_sector, slots)
     }
 
     fn writes_used(&self) -> Option<u64> {

@@ -327,6 +327,23 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         append_from_slots_by_zeroing(self, first_sector, slots, plaintext)
     }
 
+    /// Decrypt slots (what [`SectorCipher::encrypt_sectors_append_slots`] writes) in place:
+    /// each sector's ciphertext becomes its plaintext where it lies, its metadata stays after
+    /// it. On [`CryptoError::Authentication`] the failed sectors' plaintext is zeros, every
+    /// other sector's is correct.
+    ///
+    /// Why: the NBD server sends an `unaligned` read's reply from the store's buffer, each
+    /// sector's plaintext in its slot (`Image::read_reply`), with no second buffer and no move
+    /// of every sector down over the metadata below it. AEGIS-128L's four-lane kernel takes
+    /// each lane in place at its slot; the default decrypts one sector at a time.
+    fn decrypt_sectors_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        decrypt_slots_one_by_one(self, first_sector, slots)
+    }
+
     /// Bytes of metadata per sector.
     fn metadata_len(&self) -> usize {
         self.suite().metadata_len()
@@ -453,6 +470,30 @@ pub(crate) fn check_slots_append<C: SectorCipher + ?Sized>(
         });
     }
     check_run(cipher.suite(), ss, first_sector, sectors * ss, sectors * ml)
+}
+
+/// [`SectorCipher::decrypt_sectors_in_slots`] one sector at a time, each with the metadata in
+/// its slot; the sectors that fail authentication are collected and named together.
+pub(crate) fn decrypt_slots_one_by_one<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    slots: &mut [u8],
+) -> Result<(), CryptoError> {
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    check_slots_append(cipher, first_sector, slots)?;
+    let mut failed = Vec::new();
+    for (number, slot) in (first_sector..).zip(slots.chunks_exact_mut(ss + ml)) {
+        let (data, metadata) = slot.split_at_mut(ss);
+        match cipher.decrypt_sectors(number, data, metadata) {
+            Ok(()) => {}
+            Err(CryptoError::Authentication { sectors }) => failed.extend(sectors),
+            Err(e) => return Err(e),
+        }
+    }
+    match failed.is_empty() {
+        true => Ok(()),
+        false => Err(CryptoError::Authentication { sectors: failed }),
+    }
 }
 
 /// [`SectorCipher::decrypt_sectors_from_slots_append`] for suites that write only initialised

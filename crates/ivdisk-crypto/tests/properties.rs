@@ -631,6 +631,24 @@ fn long_appended_runs_equal_in_place() {
                 matches!(refused, Err(CryptoError::OutputLength { .. })),
                 "{config:?}: {refused:?}"
             );
+            // In place in the slots: each sector's plaintext where its ciphertext was, its
+            // metadata left as it was; a run of another length is refused.
+            let mut in_slots = slots.clone();
+            c.decrypt_sectors_in_slots(77, &mut in_slots).unwrap();
+            let expected_in_slots: Vec<u8> = (0..count)
+                .flat_map(|i| plain[i * ss..][..ss].iter().chain(&md[i * ml..][..ml]))
+                .copied()
+                .collect();
+            assert!(
+                in_slots == expected_in_slots,
+                "{config:?}: {count} sectors decrypted in their slots differ"
+            );
+            let mut short = slots[1..].to_vec();
+            let refused = c.decrypt_sectors_in_slots(77, &mut short);
+            assert!(
+                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                "{config:?}: {refused:?}"
+            );
             // Appended from slots: the same plaintext after what the buffer held; a refused
             // run leaves it alone.
             for mut out in [Vec::new(), vec![9u8; 5]] {
@@ -669,7 +687,16 @@ fn long_appended_runs_equal_in_place() {
                     appended[3..] == back[..],
                     "{config:?}: appended from tampered slots differs"
                 );
-                for result in [result, appended_result] {
+                // In place: the same, the victim's plaintext zeros in its slot.
+                let mut in_slots = tampered.clone();
+                let in_slots_result = c.decrypt_sectors_in_slots(77, &mut in_slots);
+                for i in 0..count {
+                    assert!(
+                        in_slots[i * (ss + ml)..][..ss] == back[i * ss..][..ss],
+                        "{config:?}: sector {i} decrypted in its tampered slot"
+                    );
+                }
+                for result in [result, appended_result, in_slots_result] {
                     match result {
                         Err(CryptoError::Authentication { sectors }) => {
                             assert_eq!(sectors, vec![77 + victim as u64], "{config:?}")

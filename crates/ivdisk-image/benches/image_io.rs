@@ -12,7 +12,7 @@
 //!   offset. `read` is `Image::read` into the task's buffer, reused from IO to IO; `write` is
 //!   `Image::write` of a borrowed buffer (which the engine must encrypt into a new one).
 //!   `nbd-read` and `nbd-write` make the same IO as `ivdisk serve` does: a read into a buffer
-//!   the image returns (`Image::read_owned`: the store's, decrypted in place), a write of a
+//!   the image returns (`Image::read_reply`: the store's, decrypted in place), a write of a
 //!   payload received into a fresh buffer (a copy here) and handed over
 //!   (`Image::write_owned`, encrypted in place). The front end's part (freeing the read's
 //!   buffer; the payload's allocation and copy) is timed in the IO threads and taken out of
@@ -615,7 +615,7 @@ enum Rw {
     Read,
     /// `Image::write` of a borrowed buffer (encrypted into a new one).
     Write,
-    /// A read as `ivdisk serve` makes it: `Image::read_owned`, the buffer it returns freed
+    /// A read as `ivdisk serve` makes it: `Image::read_reply`, the buffer it returns freed
     /// once sent (the front end's work, timed and taken out).
     NbdRead,
     /// A write as `ivdisk serve` makes it: the payload received into a fresh buffer (a copy
@@ -932,7 +932,7 @@ fn measure_io(
                                 // As the NBD server reads: into a buffer the image returns,
                                 // which the server frees once it sent it.
                                 let reply =
-                                    image.read_owned(offset, size).await.expect("image read");
+                                    image.read_reply(offset, size).await.expect("image read");
                                 front.timed(|| drop(reply));
                             }
                             Rw::NbdWrite => {

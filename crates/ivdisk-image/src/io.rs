@@ -15,11 +15,11 @@ use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutco
 
 use crate::image::{Image, Inner};
 use crate::layout::{
-    extent_bytes, take_or_place_extents, Decoded, ReadOutput, UNALIGNED_DIRECT_GROUP,
+    extent_bytes, take_or_place_extents, Decoded, ReadOutput, SlotReply, UNALIGNED_DIRECT_GROUP,
 };
 use crate::metadata_cache::{MetadataCache, ReadPlan};
 use crate::range_lock::WriteHold;
-use crate::ImageError;
+use crate::{ImageError, ReadReply};
 
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
 /// discard and resize can span thousands of objects).
@@ -234,10 +234,21 @@ impl Inner {
             })?;
         match taken {
             Decoded::Taken(ciphertext) => self.decrypt_taken(piece.lba, ciphertext, &metadata, out),
-            Decoded::Slots(slots) => match out {
+            Decoded::Slots(mut slots) => match out {
                 ReadOutput::Owned {
                     len,
                     buf: buf @ None,
+                    slots: reply @ SlotReply::Allowed,
+                } => {
+                    let failed = self.decrypt_in_slots(piece.lba, &mut slots, *len)?;
+                    *buf = Some(slots);
+                    *reply = SlotReply::Returned(self.sector_size + self.cipher.metadata_len());
+                    Ok(failed)
+                }
+                ReadOutput::Owned {
+                    len,
+                    buf: buf @ None,
+                    ..
                 } => {
                     let (plaintext, failed) = if self.slots_down_pays(*len) {
                         self.decrypt_slots_down(piece.lba, slots, *len)?
@@ -550,6 +561,31 @@ impl Inner {
     fn slots_down_pays(&self, len: usize) -> bool {
         let (ss, ml) = (self.sector_size, self.cipher.metadata_len());
         len >= SLOTS_DOWN_MIN_BYTES && len / ss * ml >= 2 * UNALIGNED_DIRECT_GROUP * ss
+    }
+
+    /// The `unaligned` run of `len` bytes in `slots` (the store's buffer), each written
+    /// sector decrypted in its slot, for a reply sent from the slots ([`crate::ReadReply`]).
+    /// An unwritten sector's slot is all zeros already, its plaintext included.
+    fn decrypt_in_slots(
+        &self,
+        lba: u64,
+        slots: &mut Vec<u8>,
+        len: usize,
+    ) -> Result<Vec<u64>, ImageError> {
+        let slot = self.sector_size + self.cipher.metadata_len();
+        let written = |slots: &Vec<u8>, i: usize| !all_zero(&slots[i * slot..(i + 1) * slot]);
+        self.decrypt_runs(
+            lba,
+            len / self.sector_size,
+            slots,
+            written,
+            |slots, run, is_written, first| match is_written {
+                true => self
+                    .cipher
+                    .decrypt_sectors_in_slots(first, &mut slots[run.start * slot..run.end * slot]),
+                false => Ok(()),
+            },
+        )
     }
 
     /// [`Inner::decrypt_slots_owned`] in the store's buffer itself, which the read then returns:
@@ -969,19 +1005,42 @@ impl Image {
     /// with no buffer of the caller's to allocate and zero. On [`ImageError::Integrity`] the
     /// buffer is dropped; [`Image::read`] keeps the sectors that did authenticate.
     pub async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, ImageError> {
+        Ok(self
+            .read_returning(offset, len, SlotReply::Refused)
+            .await?
+            .into_vec())
+    }
+
+    /// [`Image::read_owned`] for a reply that goes out in pieces (the NBD server's, one
+    /// vectored write): an `unaligned` run inside one object comes back as the store's buffer
+    /// with each sector decrypted in its slot; anything else as one buffer.
+    pub async fn read_reply(&self, offset: u64, len: usize) -> Result<ReadReply, ImageError> {
+        self.read_returning(offset, len, SlotReply::Allowed).await
+    }
+
+    async fn read_returning(
+        &self,
+        offset: u64,
+        len: usize,
+        slots: SlotReply,
+    ) -> Result<ReadReply, ImageError> {
         let inner = &self.inner;
         inner.check_range(offset, len as u64)?;
         let Some(piece) = inner.whole_sectors_in_one_object(offset, len as u64) else {
             let mut buf = vec![0u8; len];
             self.read(offset, &mut buf).await?;
-            return Ok(buf);
+            return Ok(ReadReply::contiguous(buf));
         };
-        let mut out = ReadOutput::Owned { len, buf: None };
+        let mut out = ReadOutput::Owned {
+            len,
+            buf: None,
+            slots,
+        };
         let failed = inner.read_piece(piece, &mut out).await?;
         if !failed.is_empty() {
             return Err(inner.integrity(failed));
         }
-        Ok(out.into_owned())
+        Ok(out.into_reply(inner.sector_size))
     }
 
     /// Spare capacity, in bytes, that a buffer handed to [`Image::write_owned`] for a write

@@ -33,6 +33,7 @@ mod layout;
 mod metadata_cache;
 mod on_store;
 mod range_lock;
+mod read_reply;
 mod snapshot;
 mod uri;
 mod writer_lock;
@@ -50,6 +51,7 @@ pub use image::{
 };
 pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
+pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};

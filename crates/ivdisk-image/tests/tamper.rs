@@ -106,24 +106,33 @@ async fn expect_read(
             expect[i]
         );
     }
-    // The same range read into a buffer the image returns (as the NBD server reads): the same
-    // sectors fail, or it returns the content.
-    match (
-        image.read_owned(offset, len as usize).await,
-        failed.is_empty(),
-    ) {
-        (Ok(owned), true) => assert!(
-            owned == expect,
-            "{case:?}: read_owned [{offset}, +{len}) returned other bytes than read"
-        ),
-        (Err(ImageError::Integrity { lbas, .. }), false) => assert_eq!(
-            lbas, failed,
-            "{case:?}: read_owned [{offset}, +{len}) names the wrong sectors"
-        ),
-        (other, _) => panic!(
-            "{case:?}: read_owned [{offset}, +{len}) expected failures {failed:?}, got {:?}",
-            other.map(|b| b.len())
-        ),
+    // The same range read into a buffer the image returns, as export reads (`read_owned`) and
+    // as the NBD server does (`read_reply`, which may keep each sector in its slot: its pieces
+    // in order): the same sectors fail, or it returns the content.
+    let owned = image.read_owned(offset, len as usize).await;
+    let reply = image.read_reply(offset, len as usize).await.map(|reply| {
+        let sent: Vec<u8> = reply.pieces().flatten().copied().collect();
+        assert!(
+            reply.into_vec() == sent,
+            "{case:?}: read_reply [{offset}, +{len}) gathered differs from its pieces"
+        );
+        sent
+    });
+    for (what, result) in [("read_owned", owned), ("read_reply", reply)] {
+        match (result, failed.is_empty()) {
+            (Ok(returned), true) => assert!(
+                returned == expect,
+                "{case:?}: {what} [{offset}, +{len}) returned other bytes than read"
+            ),
+            (Err(ImageError::Integrity { lbas, .. }), false) => assert_eq!(
+                lbas, failed,
+                "{case:?}: {what} [{offset}, +{len}) names the wrong sectors"
+            ),
+            (other, _) => panic!(
+                "{case:?}: {what} [{offset}, +{len}) expected failures {failed:?}, got {:?}",
+                other.map(|b| b.len())
+            ),
+        }
     }
 }
 

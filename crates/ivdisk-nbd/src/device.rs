@@ -4,6 +4,7 @@
 //! all (`image.rs`).
 
 use async_trait::async_trait;
+use ivdisk_image::ReadReply;
 
 use crate::proto::Errno;
 
@@ -85,11 +86,12 @@ pub trait BlockDevice: Send + Sync + 'static {
 
     /// [`BlockDevice::read`] into a buffer the device returns (a read reply's data), which it
     /// may take from below instead of filling the server's (an ivdisk image decrypts the
-    /// store's buffer in place). It must hold `len` bytes.
-    async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, DeviceError> {
+    /// store's buffer in place, and may leave each sector in its slot there: the reply goes out
+    /// in pieces). It must hold `len` bytes.
+    async fn read_reply(&self, offset: u64, len: usize) -> Result<ReadReply, DeviceError> {
         let mut buf = vec![0u8; len];
         self.read(offset, &mut buf).await?;
-        Ok(buf)
+        Ok(ReadReply::contiguous(buf))
     }
 
     /// [`BlockDevice::write`] of a buffer the server hands over (a write's payload), which the

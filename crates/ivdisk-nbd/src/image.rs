@@ -2,7 +2,7 @@
 //! length, so this is error mapping and the allocation query.
 
 use async_trait::async_trait;
-use ivdisk_image::{Image, ImageError};
+use ivdisk_image::{Image, ImageError, ReadReply};
 
 use crate::device::{BlockDevice, DeviceError, DeviceErrorKind, Extent};
 
@@ -47,8 +47,8 @@ impl BlockDevice for Image {
         Image::flush(self).await.map_err(device_error)
     }
 
-    async fn read_owned(&self, offset: u64, len: usize) -> Result<Vec<u8>, DeviceError> {
-        Image::read_owned(self, offset, len)
+    async fn read_reply(&self, offset: u64, len: usize) -> Result<ReadReply, DeviceError> {
+        Image::read_reply(self, offset, len)
             .await
             .map_err(device_error)
     }

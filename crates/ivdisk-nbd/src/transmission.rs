@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use ivdisk_image::ReadReply;
+
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
@@ -36,14 +38,14 @@ struct Reply {
 /// A complete reply: its header (all of it, for a reply without data) and its data.
 struct Frame {
     head: Vec<u8>,
-    body: Vec<u8>,
+    body: ReadReply,
 }
 
 impl From<Vec<u8>> for Frame {
     fn from(head: Vec<u8>) -> Frame {
         Frame {
             head,
-            body: Vec::new(),
+            body: ReadReply::contiguous(Vec::new()),
         }
     }
 }
@@ -220,29 +222,46 @@ async fn read_header<R: AsyncRead + Unpin>(
 /// Bytes of replies gathered before they go to the socket together.
 const REPLY_BUFFER: usize = 64 * 1024;
 
-/// Queue one reply on `writer`. A reply that does not fit the buffer (a read of 64 KiB or
-/// more) goes out as one vectored write of its header and data, after whatever the buffer
-/// held. Why: written one after the other, the header went into the buffer and was flushed
-/// alone before the data, two system calls per large read instead of one.
+/// Buffers one vectored write takes at most (`IOV_MAX` on Linux).
+const MAX_WRITE_PIECES: usize = 1024;
+
+/// Queue one reply on `writer`: its header and its data's pieces (one, or one per sector when
+/// the data is still in its slots) in vectored writes, so that a reply that does not fit the
+/// buffer (a read of 64 KiB or more) goes out after whatever the buffer held with one system
+/// call for its header and data. Why: written one after the other, the header went into the
+/// buffer and was flushed alone before the data, two system calls per large read instead of
+/// one.
 async fn write_frame<W: AsyncWrite + Unpin>(
     writer: &mut BufWriter<W>,
     frame: &Frame,
 ) -> std::io::Result<()> {
-    let (mut head, mut body) = (&frame.head[..], &frame.body[..]);
-    while !head.is_empty() {
-        let slices = [std::io::IoSlice::new(head), std::io::IoSlice::new(body)];
-        let n = writer.write_vectored(&slices).await?;
+    let mut pieces: Vec<&[u8]> = std::iter::once(&frame.head[..])
+        .chain(frame.body.pieces())
+        .filter(|piece| !piece.is_empty())
+        .collect();
+    let mut at = 0;
+    while at < pieces.len() {
+        let slices: Vec<std::io::IoSlice<'_>> = pieces[at..]
+            .iter()
+            .take(MAX_WRITE_PIECES)
+            .map(|piece| std::io::IoSlice::new(piece))
+            .collect();
+        let mut n = writer.write_vectored(&slices).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        if n < head.len() {
-            head = &head[n..];
-        } else {
-            body = &body[n - head.len()..];
-            head = &[];
+        while n > 0 {
+            let piece = pieces[at];
+            if n >= piece.len() {
+                n -= piece.len();
+                at += 1;
+            } else {
+                pieces[at] = &piece[n..];
+                n = 0;
+            }
         }
     }
-    writer.write_all(body).await
+    Ok(())
 }
 
 async fn write_replies<W: AsyncWrite + Unpin>(
@@ -380,7 +399,7 @@ impl Context {
                 let len = request.length as usize;
                 // The data goes out in the device's own buffer (an ivdisk image decrypts the
                 // store's in place), after a header of its own.
-                let body = device.read_owned(request.offset, len).await?;
+                let body = device.read_reply(request.offset, len).await?;
                 if body.len() != len {
                     return Err(refuse(
                         DeviceErrorKind::Io,
@@ -579,12 +598,41 @@ mod tests {
         }
     }
 
+    fn bytes(n: usize, s: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31) ^ s).collect()
+    }
+
     fn frame(head: usize, body: usize, seed: u8) -> Frame {
-        let bytes = |n: usize, s: u8| (0..n).map(|i| (i as u8).wrapping_mul(31) ^ s).collect();
         Frame {
             head: bytes(head, seed),
-            body: bytes(body, seed.wrapping_add(1)),
+            body: ReadReply::contiguous(bytes(body, seed.wrapping_add(1))),
         }
+    }
+
+    /// A frame whose data is `sectors` sectors of `sector` bytes in slots `meta` bytes longer.
+    fn slotted_frame(sectors: usize, sector: usize, meta: usize, seed: u8) -> Frame {
+        let slots = bytes(sectors * (sector + meta), seed.wrapping_add(1));
+        Frame {
+            head: bytes(16, seed),
+            body: ReadReply::in_slots(slots, sectors * sector, sector, sector + meta),
+        }
+    }
+
+    /// `frames` written through a reply buffer onto a socket that takes at most `max` bytes
+    /// per call: what arrived, and in how many calls.
+    async fn send_through(frames: &[Frame], max: usize) -> (Vec<u8>, usize) {
+        let socket = Trickle {
+            max,
+            got: Vec::new(),
+            calls: 0,
+        };
+        let mut writer = BufWriter::with_capacity(REPLY_BUFFER, socket);
+        for f in frames {
+            write_frame(&mut writer, f).await.unwrap();
+        }
+        writer.flush().await.unwrap();
+        let socket = writer.into_inner();
+        (socket.got, socket.calls)
     }
 
     /// A write's payload is read whole, exactly its length (the next request's bytes stay in
@@ -615,44 +663,44 @@ mod tests {
             frame(16, REPLY_BUFFER + 4096, 3),
             frame(32, 0, 4),
             frame(16, 3 * REPLY_BUFFER, 5),
+            slotted_frame(3, 512, 32, 6),
+            slotted_frame(40, 4096, 32, 7),
         ];
-        let expected: Vec<u8> = frames
-            .iter()
-            .flat_map(|f| f.head.iter().chain(&f.body))
-            .copied()
-            .collect();
-        for max in [1, 7, 4097, usize::MAX] {
-            let mut writer = BufWriter::with_capacity(
-                REPLY_BUFFER,
-                Trickle {
-                    max,
-                    got: Vec::new(),
-                    calls: 0,
-                },
-            );
-            for f in &frames {
-                write_frame(&mut writer, f).await.unwrap();
-            }
-            writer.flush().await.unwrap();
-            assert!(
-                writer.get_ref().got == expected,
-                "socket taking {max} bytes per call"
-            );
-        }
-        let mut writer = BufWriter::with_capacity(
-            REPLY_BUFFER,
-            Trickle {
-                max: usize::MAX,
-                got: Vec::new(),
-                calls: 0,
-            },
-        );
-        write_frame(&mut writer, &frames[2]).await.unwrap();
-        writer.flush().await.unwrap();
+        let sent = |frames: &[Frame]| -> Vec<u8> {
+            frames
+                .iter()
+                .flat_map(|f| {
+                    f.head
+                        .iter()
+                        .copied()
+                        .chain(f.body.pieces().flatten().copied())
+                })
+                .collect()
+        };
+        let expected = sent(&frames);
         assert_eq!(
-            writer.get_ref().calls,
-            1,
-            "header and data of a large reply in one call"
+            expected.len(),
+            frames
+                .iter()
+                .map(|f| f.head.len() + f.body.len())
+                .sum::<usize>(),
+            "only the sectors of slotted replies are sent, not their metadata"
         );
+        for max in [1, 7, 4097, usize::MAX] {
+            let (got, _) = send_through(&frames, max).await;
+            assert!(got == expected, "socket taking {max} bytes per call");
+        }
+        let (_, calls) = send_through(&frames[2..3], usize::MAX).await;
+        assert_eq!(calls, 1, "header and data of a large reply in one call");
+        // Slots: a reply of 1500 sectors takes two calls of at most `MAX_WRITE_PIECES`
+        // buffers, and arrives whole however the socket splits it.
+        let large = [slotted_frame(1500, 512, 32, 8)];
+        for max in [4097, 100_000, usize::MAX] {
+            let (got, calls) = send_through(&large, max).await;
+            assert!(got == sent(&large), "socket taking {max} bytes per call");
+            if max == usize::MAX {
+                assert_eq!(calls, 2, "1501 buffers in two calls");
+            }
+        }
     }
 }

@@ -868,6 +868,21 @@ fn qemu_img_round_trip_with_512_byte_sectors_over_tcp() {
     );
 }
 
+/// Layout `unaligned`: the server sends each read's sectors from their slots in the store's
+/// buffer (one vectored write; with 512-byte sectors a read of 512 KiB or more is over a
+/// thousand pieces, more than one `writev` takes).
+#[test]
+fn qemu_img_round_trip_in_layout_unaligned_with_512_byte_sectors() {
+    let f = Fixture::new();
+    qemu_img_round_trip(
+        &f,
+        "unaligned512",
+        &["--sector-size", "512", "--layout", "unaligned"],
+        false,
+        3,
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. nbdcopy and the allocation map
 

@@ -367,7 +367,24 @@ pub(crate) enum ReadOutput<'a> {
     /// Into a buffer the read returns (`Image::read_owned`): the store's own, decrypted in
     /// place, when it hands one over for the whole run (no second buffer, and the cipher works
     /// in place, as in its raw cost); else a new one of `len` bytes, made on first use.
-    Owned { len: usize, buf: Option<Vec<u8>> },
+    /// `slots`: whether the read may return an `unaligned` run's slots as they are, each
+    /// sector decrypted in its slot (`Image::read_reply`), and then the slot's size.
+    Owned {
+        len: usize,
+        buf: Option<Vec<u8>>,
+        slots: SlotReply,
+    },
+}
+
+/// Whether an owned read's buffer may hold, or holds, slots (`ReadOutput::Owned`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SlotReply {
+    /// The caller takes the plaintext together only.
+    Refused,
+    /// The caller takes slots too.
+    Allowed,
+    /// The buffer holds slots of this many bytes, each sector's plaintext at its start.
+    Returned(usize),
 }
 
 impl ReadOutput<'_> {
@@ -375,7 +392,7 @@ impl ReadOutput<'_> {
     pub(crate) fn slice(&mut self) -> &mut [u8] {
         match self {
             ReadOutput::Borrowed(out) => out,
-            ReadOutput::Owned { len, buf } => buf.get_or_insert_with(|| vec![0u8; *len]),
+            ReadOutput::Owned { len, buf, .. } => buf.get_or_insert_with(|| vec![0u8; *len]),
         }
     }
 
@@ -386,11 +403,19 @@ impl ReadOutput<'_> {
         }
     }
 
-    /// An owned output's buffer (made if nothing was read into it).
-    pub(crate) fn into_owned(self) -> Vec<u8> {
+    /// An owned output's plaintext (a buffer of zeros if nothing was read into it), as the
+    /// slots it was decrypted in where the read returned them.
+    pub(crate) fn into_reply(self, sector_size: usize) -> crate::ReadReply {
         match self {
-            ReadOutput::Borrowed(out) => out.to_vec(),
-            ReadOutput::Owned { len, buf } => buf.unwrap_or_else(|| vec![0u8; len]),
+            ReadOutput::Borrowed(out) => crate::ReadReply::contiguous(out.to_vec()),
+            ReadOutput::Owned {
+                len,
+                buf: Some(buf),
+                slots: SlotReply::Returned(slot),
+            } => crate::ReadReply::in_slots(buf, len, sector_size, slot),
+            ReadOutput::Owned { len, buf, .. } => {
+                crate::ReadReply::contiguous(buf.unwrap_or_else(|| vec![0u8; len]))
+            }
         }
     }
 }

@@ -737,7 +737,8 @@ fn pick_op(rng: &mut Rng, size: u64, ss: u64, os: u64) -> Op {
 
 /// Read all of `[offset, offset + len)` and compare with the model: into a buffer of ours
 /// (`Image::read`) or, for about half of the ranges, into one the image returns
-/// (`Image::read_owned`, as the NBD server reads).
+/// (`Image::read_owned`, as export reads, or `Image::read_reply`, as the NBD server reads:
+/// its pieces in order).
 async fn check(
     image: &Image,
     model: &[u8],
@@ -746,7 +747,22 @@ async fn check(
     what: &str,
 ) -> Result<(), String> {
     let failed = |e: ImageError| format!("{what}: read [{offset}, +{len}) failed: {e}");
-    let buf = if (offset / 512 + len / 512).is_multiple_of(2) {
+    let buf = if (offset / 512 + len / 512).is_multiple_of(4) {
+        let reply = image
+            .read_reply(offset, len as usize)
+            .await
+            .map_err(failed)?;
+        let buf: Vec<u8> = reply.pieces().flatten().copied().collect();
+        if buf.len() as u64 != len || reply.len() as u64 != len {
+            return Err(format!(
+                "{what}: read_reply [{offset}, +{len}) returned {} bytes in its pieces, \
+                 says {}",
+                buf.len(),
+                reply.len()
+            ));
+        }
+        buf
+    } else if (offset / 512 + len / 512).is_multiple_of(2) {
         let buf = image
             .read_owned(offset, len as usize)
             .await
