@@ -10,12 +10,21 @@
 /// it lies and sending the sectors from there (one `writev`) spares a second buffer or the
 /// move of every sector down over the metadata below it, which cost AEGIS-128L a third to a
 /// half of a 1-4 MiB read (docs/BENCHMARKS.md).
-#[derive(Debug)]
 pub struct ReadReply {
     buf: Vec<u8>,
     len: usize,
     /// Bytes of plaintext per slot and bytes per slot, when `buf` holds slots.
     slots: Option<(usize, usize)>,
+}
+
+/// The shape only: a reply holds plaintext, which has no place in logs.
+impl std::fmt::Debug for ReadReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadReply")
+            .field("len", &self.len)
+            .field("slots", &self.slots)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ReadReply {

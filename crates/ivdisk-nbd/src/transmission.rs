@@ -235,18 +235,40 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     writer: &mut BufWriter<W>,
     frame: &Frame,
 ) -> std::io::Result<()> {
-    let mut pieces: Vec<&[u8]> = std::iter::once(&frame.head[..])
-        .chain(frame.body.pieces())
-        .filter(|piece| !piece.is_empty())
-        .collect();
+    let mut body = frame.body.pieces();
+    if body.len() <= 1 {
+        // Every reply but a slotted read's: no list of pieces to allocate.
+        let body = body.next().unwrap_or_default();
+        return write_pieces(writer, &mut [&frame.head[..], body]).await;
+    }
+    let mut pieces: Vec<&[u8]> = std::iter::once(&frame.head[..]).chain(body).collect();
+    write_pieces(writer, &mut pieces).await
+}
+
+/// Write `pieces` in order, in vectored writes of at most [`MAX_WRITE_PIECES`] buffers.
+async fn write_pieces<W: AsyncWrite + Unpin>(
+    writer: &mut BufWriter<W>,
+    pieces: &mut [&[u8]],
+) -> std::io::Result<()> {
     let mut at = 0;
     while at < pieces.len() {
-        let slices: Vec<std::io::IoSlice<'_>> = pieces[at..]
-            .iter()
-            .take(MAX_WRITE_PIECES)
-            .map(|piece| std::io::IoSlice::new(piece))
-            .collect();
-        let mut n = writer.write_vectored(&slices).await?;
+        if pieces[at].is_empty() {
+            at += 1;
+            continue;
+        }
+        let rest = &pieces[at..];
+        let mut n = if rest.len() <= 2 {
+            let next = rest.get(1).copied().unwrap_or_default();
+            let slices = [std::io::IoSlice::new(rest[0]), std::io::IoSlice::new(next)];
+            writer.write_vectored(&slices).await?
+        } else {
+            let slices: Vec<std::io::IoSlice<'_>> = rest
+                .iter()
+                .take(MAX_WRITE_PIECES)
+                .map(|piece| std::io::IoSlice::new(piece))
+                .collect();
+            writer.write_vectored(&slices).await?
+        };
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
