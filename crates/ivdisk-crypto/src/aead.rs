@@ -153,7 +153,7 @@ impl AeadSuite {
         data: Io<'a>,
         metadata: &mut [u8],
     ) -> (usize, Io<'a>) {
-        use crate::ffi::aegis128l_vaes::{available, crypt4, LANES};
+        use crate::ffi::aegis128l_vaes::{available, LANES};
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         // A shift: sector sizes are powers of two (`check_run`).
         let grouped = (data.len() >> ss.trailing_zeros()) / LANES * LANES;
@@ -166,16 +166,7 @@ impl AeadSuite {
             .zip(metadata.chunks_exact_mut(LANES * md_len));
         for (g, (group, metas)) in groups.enumerate() {
             let base = first_sector + (g * LANES) as u64;
-            let aads = self.group_aads(base);
-            let nonces = group_nonces(nonces, base);
-            let tags = crypt4(
-                key,
-                nonces.each_ref(),
-                aads.each_ref().map(|a| &a[..]),
-                &mut split_lanes(group, ss),
-                true,
-            )
-            .expect("VAES is available and sectors are multiples of 64 bytes");
+            let (nonces, tags) = self.seal_group(key, nonces, base, split_lanes(group, ss));
             for ((md, nonce), tag) in metas.chunks_exact_mut(md_len).zip(&nonces).zip(&tags) {
                 md[..16].copy_from_slice(nonce);
                 md[16..16 + TAG_LEN].copy_from_slice(tag);
@@ -363,7 +354,7 @@ impl AeadSuite {
         slots: &mut [std::mem::MaybeUninit<u8>],
     ) -> Result<(), CryptoError> {
         let nonces = self.nonces.run(first_sector, self.nonce_len())?;
-        use crate::ffi::aegis128l_vaes::{crypt4, LANES};
+        use crate::ffi::aegis128l_vaes::LANES;
         use crate::ffi::spare::write_copy;
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let sectors = plaintext.len() / ss;
@@ -372,21 +363,12 @@ impl AeadSuite {
         let mut outputs = slots.chunks_exact_mut(ss + md_len);
         for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
-            let aads = self.group_aads(base);
-            let nonces = group_nonces(&nonces, base);
             let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
                 let input = inputs.next().expect("a whole group of sectors");
                 let (data, meta) = outputs.next().expect("a slot per sector").split_at_mut(ss);
                 (Io::fresh(input, data), meta)
             });
-            let tags = crypt4(
-                key,
-                nonces.each_ref(),
-                aads.each_ref().map(|a| &a[..]),
-                &mut [l0, l1, l2, l3],
-                true,
-            )
-            .expect("VAES is available and sectors are multiples of 64 bytes");
+            let (nonces, tags) = self.seal_group(key, &nonces, base, [l0, l1, l2, l3]);
             for ((meta, nonce), tag) in [m0, m1, m2, m3].into_iter().zip(&nonces).zip(&tags) {
                 write_copy(&mut meta[..16], nonce);
                 write_copy(&mut meta[16..16 + TAG_LEN], tag);
@@ -404,6 +386,75 @@ impl AeadSuite {
             write_copy(meta, md);
         }
         Ok(())
+    }
+}
+
+/// The nonces and tags of a group of four sectors the four-lane AEGIS-128L sealed.
+#[cfg(target_arch = "x86_64")]
+type GroupSealed = (
+    [[u8; 16]; crate::ffi::aegis128l_vaes::LANES],
+    [[u8; 16]; crate::ffi::aegis128l_vaes::LANES],
+);
+
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// Seal the group of four sectors from `base` (each lane its sector's run) with the
+    /// four-lane AEGIS-128L; returns their nonces and tags for the caller to store.
+    #[inline]
+    fn seal_group(
+        &self,
+        key: &[u8; 16],
+        nonces: &RunNonces,
+        base: u64,
+        mut lanes: [Io<'_>; crate::ffi::aegis128l_vaes::LANES],
+    ) -> GroupSealed {
+        use crate::ffi::aegis128l_vaes::crypt4;
+        let aads = self.group_aads(base);
+        let nonces = group_nonces(nonces, base);
+        let tags = crypt4(
+            key,
+            nonces.each_ref(),
+            aads.each_ref().map(|a| &a[..]),
+            &mut lanes,
+            true,
+        )
+        .expect("VAES is available and sectors are multiples of 64 bytes");
+        (nonces, tags)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AeadSuite {
+    /// AEGIS-128L in place in slots (`encrypt_sectors_in_slots`): the leading groups of four
+    /// of the run's `sectors` through the four-lane kernel, each lane in place at its slot,
+    /// the metadata after it. Returns how many sectors it sealed; the caller seals the rest,
+    /// and checked the run and that the four-lane kernel runs here.
+    fn seal_lanes_in_slots(
+        &self,
+        key: &[u8; 16],
+        nonces: &RunNonces,
+        first_sector: u64,
+        sectors: usize,
+        slots: &mut [u8],
+    ) -> usize {
+        use crate::ffi::aegis128l_vaes::LANES;
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        let grouped = sectors / LANES * LANES;
+        let mut each = slots.chunks_exact_mut(ss + md_len);
+        for g in 0..grouped / LANES {
+            let base = first_sector + (g * LANES) as u64;
+            let [(l0, m0), (l1, m1), (l2, m2), (l3, m3)] = std::array::from_fn(|_| {
+                let (data, meta) = each.next().expect("a slot per sector").split_at_mut(ss);
+                (Io::in_place(data), meta)
+            });
+            let (nonces, tags) = self.seal_group(key, nonces, base, [l0, l1, l2, l3]);
+            for ((meta, nonce), tag) in [m0, m1, m2, m3].into_iter().zip(&nonces).zip(&tags) {
+                meta[..16].copy_from_slice(nonce);
+                meta[16..16 + TAG_LEN].copy_from_slice(tag);
+                meta[16 + TAG_LEN..].fill(0);
+            }
+        }
+        grouped
     }
 }
 
@@ -626,6 +677,23 @@ impl AeadSuite {
             let md = &mut md[..md_len];
             seal(first_sector + i as u64, &mut Io::fresh(input, data), md)?;
             crate::ffi::spare::write_copy(meta, md);
+        }
+        Ok(())
+    }
+
+    /// [`AeadSuite::seal_each`] in place in slots (`encrypt_sectors_in_slots`): each sector
+    /// sealed where it lies, its metadata written after it. The caller checked the run.
+    fn seal_each_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+        mut seal: impl FnMut(u64, Io<'_>, &mut [u8]) -> Result<(), CryptoError>,
+    ) -> Result<(), CryptoError> {
+        let ss = self.sector_size;
+        let slots = slots.chunks_exact_mut(ss + self.suite.metadata_len());
+        for (i, slot) in slots.enumerate() {
+            let (data, metadata) = slot.split_at_mut(ss);
+            seal(first_sector + i as u64, Io::in_place(data), metadata)?;
         }
         Ok(())
     }
@@ -1027,6 +1095,44 @@ impl crate::SectorCipher for AeadSuite {
             }
         }
         append_from_slots_by_zeroing(self, first_sector, slots, plaintext)
+    }
+
+    fn encrypt_sectors_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let sectors = check_slots_append(self, first_sector, slots)?;
+        self.reserve_writes(sectors as u64)?;
+        // One draw of nonces for the run, as `seal_run` makes for a contiguous one.
+        let nonces = self.nonces.run(first_sector, self.nonce_len())?;
+        let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
+        match &self.engine {
+            // One OpenSSL context for the run, as `seal_run` takes.
+            Engine::Gcm(gcm) => gcm.encrypt.with(|ctx| {
+                self.seal_each_in_slots(first_sector, slots, |number, mut sector, md| {
+                    self.gcm_seal_sector(gcm, ctx, &nonces, number, &mut sector, md)
+                })
+            }),
+            Engine::Aegis256(key) => {
+                self.seal_each_in_slots(first_sector, slots, |number, mut sector, md| {
+                    self.aegis256_seal_sector(key, &nonces, number, &mut sector, md)
+                })
+            }
+            Engine::Aegis128L(_key) => {
+                #[allow(unused_mut)]
+                let mut done = 0;
+                #[cfg(target_arch = "x86_64")]
+                if crate::ffi::aegis128l_vaes::available() {
+                    done = self.seal_lanes_in_slots(_key, &nonces, first_sector, sectors, slots);
+                }
+                let rest = first_sector + done as u64;
+                let slots = &mut slots[done * (ss + md_len)..];
+                self.seal_each_in_slots(rest, slots, |number, sector, md| {
+                    self.seal_run_with(&nonces, number, sector, md)
+                })
+            }
+        }
     }
 
     fn decrypt_sectors_in_slots(

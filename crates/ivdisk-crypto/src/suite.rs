@@ -291,6 +291,24 @@ pub trait SectorCipher: Send + Sync + fmt::Debug {
         slots_one_by_one(self, first_sector, plaintext, slots)
     }
 
+    /// Encrypt slots in place: `slots` holds each sector's plaintext at the start of its slot
+    /// (as [`SectorCipher::encrypt_sectors_append_slots`] lays slots out); each becomes its
+    /// ciphertext where it lies and its metadata is written after it, over whatever the
+    /// slot's tail held. A run of another length is refused and left as it was.
+    ///
+    /// Why: the NBD server receives an `unaligned` write's payload straight into its slots
+    /// (`ivdisk_image::WritePayload`), so no sector has to move up over the metadata of the
+    /// sectors below it after it is encrypted; that move cost AEGIS-128L a quarter to a third
+    /// of its cipher's time per 1 MiB write. AEGIS-128L's four-lane kernel takes each lane in
+    /// place at its slot; the default encrypts one sector at a time.
+    fn encrypt_sectors_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        encrypt_slots_one_by_one(self, first_sector, slots)
+    }
+
     /// Decrypt slots (what [`SectorCipher::encrypt_sectors_append_slots`] writes: each
     /// sector's ciphertext, then its metadata) into `plaintext`, `slots.len()` being
     /// `plaintext.len()` plus the sectors' metadata; on [`CryptoError::Authentication`] the
@@ -470,6 +488,22 @@ pub(crate) fn check_slots_append<C: SectorCipher + ?Sized>(
         });
     }
     check_run(cipher.suite(), ss, first_sector, sectors * ss, sectors * ml)
+}
+
+/// [`SectorCipher::encrypt_sectors_in_slots`] one sector at a time, each in place with its
+/// metadata written into its slot.
+pub(crate) fn encrypt_slots_one_by_one<C: SectorCipher + ?Sized>(
+    cipher: &C,
+    first_sector: u64,
+    slots: &mut [u8],
+) -> Result<(), CryptoError> {
+    let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+    check_slots_append(cipher, first_sector, slots)?;
+    for (number, slot) in (first_sector..).zip(slots.chunks_exact_mut(ss + ml)) {
+        let (data, metadata) = slot.split_at_mut(ss);
+        cipher.encrypt_sectors(number, data, metadata)?;
+    }
+    Ok(())
 }
 
 /// [`SectorCipher::decrypt_sectors_in_slots`] one sector at a time, each with the metadata in

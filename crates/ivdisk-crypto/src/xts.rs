@@ -35,7 +35,7 @@ use crate::key::derive_subkey;
 use crate::rng::NonceSource;
 use crate::suite::{
     append_slots_piecewise, check_key_len, check_out_of_place, check_run, check_sector_size,
-    check_slots, check_whole_sectors, decrypt_slots_apart, plain64_iv,
+    check_slots, check_slots_append, check_whole_sectors, decrypt_slots_apart, plain64_iv,
 };
 use crate::{CipherParams, CryptoError, Suite};
 
@@ -366,6 +366,29 @@ impl AesXts {
         Ok(())
     }
 
+    /// `aes-xts-random` in place in slots (`encrypt_sectors_in_slots`): values drawn for
+    /// [`SLOT_PIECE`] sectors at a time on the stack, each sector encrypted where it lies and
+    /// its stored value R written after it. The caller checked the run.
+    fn encrypt_in_slots(&self, first_sector: u64, slots: &mut [u8]) -> Result<(), CryptoError> {
+        let ss = self.sector_size;
+        let slot = ss + 16;
+        let mut values = [0u8; SLOT_PIECE * 16];
+        for (k, piece) in slots.chunks_mut(SLOT_PIECE * slot).enumerate() {
+            let n = piece.len() / slot;
+            let number = first_sector + (k * SLOT_PIECE) as u64;
+            let values = &mut values[..n * 16];
+            self.nonces.fill_each(number, values, 16)?;
+            let units = piece
+                .chunks_exact_mut(slot)
+                .map(|s| Io::in_place(&mut s[..ss]));
+            self.crypt_units(number, n, units, Tweaks::Drawn(values), true)?;
+            for (s, r) in piece.chunks_exact_mut(slot).zip(values.chunks_exact(16)) {
+                s[ss..].copy_from_slice(r);
+            }
+        }
+        Ok(())
+    }
+
     /// `aes-xts-random` straight from slots (`decrypt_sectors_from_slots`): the stored values
     /// of [`SLOT_PIECE`] sectors gathered on the stack, each sector decrypted from its slot.
     /// The caller checked the run.
@@ -485,6 +508,19 @@ impl crate::SectorCipher for AesXts {
         crate::ffi::spare::write_over(slots, |spare| {
             self.encrypt_slots(first_sector, plaintext, spare)
         })
+    }
+
+    fn encrypt_sectors_in_slots(
+        &self,
+        first_sector: u64,
+        slots: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        if self.tweak_key.is_none() {
+            // No metadata: a slot is the sector.
+            return self.encrypt_sectors(first_sector, slots, &mut []);
+        }
+        check_slots_append(self, first_sector, slots)?;
+        self.encrypt_in_slots(first_sector, slots)
     }
 
     fn decrypt_sectors_from_slots(

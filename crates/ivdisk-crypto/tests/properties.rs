@@ -649,6 +649,34 @@ fn long_appended_runs_equal_in_place() {
                 matches!(refused, Err(CryptoError::OutputLength { .. })),
                 "{config:?}: {refused:?}"
             );
+            // Encrypted in place in slots (`encrypt_sectors_in_slots`): each sector's
+            // plaintext at the start of its slot and anything in the slot's tail give the same
+            // slots; a run of another length is refused and left as it was.
+            let mut received: Vec<u8> = (0..count)
+                .flat_map(|i| {
+                    let tail = std::iter::repeat_n(0xa5u8, ml);
+                    plain[i * ss..][..ss].iter().copied().chain(tail)
+                })
+                .collect();
+            c.encrypt_sectors_in_slots(77, &mut received).unwrap();
+            assert!(
+                received == slots,
+                "{config:?}: {count} sectors encrypted in their slots differ"
+            );
+            let mut short = received[1..].to_vec();
+            let before = short.clone();
+            let refused = c.encrypt_sectors_in_slots(77, &mut short);
+            assert!(
+                matches!(
+                    refused,
+                    Err(CryptoError::OutputLength { .. } | CryptoError::BufferLength { .. })
+                ),
+                "{config:?}: {refused:?}"
+            );
+            assert!(
+                short == before,
+                "{config:?}: a refused run changed the slots"
+            );
             // Appended from slots: the same plaintext after what the buffer held; a refused
             // run leaves it alone.
             for mut out in [Vec::new(), vec![9u8; 5]] {

@@ -13,8 +13,9 @@
 //!   `Image::write` of a borrowed buffer (which the engine must encrypt into a new one).
 //!   `nbd-read` and `nbd-write` make the same IO as `ivdisk serve` does: a read into a buffer
 //!   the image returns (`Image::read_reply`: the store's, decrypted in place), a write of a
-//!   payload received into a fresh buffer (a copy here) and handed over
-//!   (`Image::write_owned`, encrypted in place). The front end's part (freeing the read's
+//!   payload received into a fresh buffer placed as the image asks (`Image::write_placement`:
+//!   in slots for `unaligned`; a copy here) and handed over (`Image::write_payload`,
+//!   encrypted in place). The front end's part (freeing the read's
 //!   buffer; the payload's allocation and copy) is timed in the IO threads and taken out of
 //!   the engine's figure, as the store's is. Task
 //!   `t` only uses the slots `t, t + 32, ...`, so no two IOs in flight overlap (no waits on
@@ -90,7 +91,9 @@ use ivdisk_bench_support::{
 };
 use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, VolumeKey};
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
-use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind, DEFAULT_OBJECT_SIZE};
+use ivdisk_image::{
+    CreateOptions, Image, ImageUri, LayoutKind, PayloadPlacement, WritePayload, DEFAULT_OBJECT_SIZE,
+};
 use ivdisk_store::{
     check_range, Extent, LockRequest, Locker, MemoryStore, ObjectName, ObjectStore, OmapPairs,
     ReadOp, ReadResult, ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
@@ -937,16 +940,12 @@ fn measure_io(
                             }
                             Rw::NbdWrite => {
                                 // As the NBD server receives a payload: into a fresh buffer,
-                                // with the room the image asks for (`omap-tail` appends a
-                                // whole object's metadata to it).
-                                let room = image.write_headroom(offset, size as u64);
-                                let payload = front.timed(|| {
-                                    let mut payload = Vec::with_capacity(size + room);
-                                    payload.extend_from_slice(&data[..size]);
-                                    payload
-                                });
+                                // placed as the image asks (with room for `omap-tail`'s
+                                // metadata after it; in slots for `unaligned`).
+                                let placement = image.write_placement(offset, size as u64);
+                                let payload = front.timed(|| received(&data[..size], placement));
                                 image
-                                    .write_owned(offset, payload)
+                                    .write_payload(offset, payload)
                                     .await
                                     .expect("image write");
                             }
@@ -978,6 +977,26 @@ fn measure_io(
         between();
     }
     windows
+}
+
+/// `data` as the NBD server receives a write's payload into a fresh buffer placed as the
+/// image asked (its socket reads copy the bytes in, a sector to each slot for slots).
+fn received(data: &[u8], placement: PayloadPlacement) -> WritePayload {
+    match placement {
+        PayloadPlacement::Contiguous { spare } => {
+            let mut payload = Vec::with_capacity(data.len() + spare);
+            payload.extend_from_slice(data);
+            WritePayload::contiguous(payload)
+        }
+        PayloadPlacement::Slots { sector, slot } => {
+            let mut slots = Vec::with_capacity(data.len() / sector * slot);
+            for piece in data.chunks_exact(sector) {
+                slots.extend_from_slice(piece);
+                slots.resize(slots.len() + slot - sector, 0);
+            }
+            WritePayload::in_slots(slots, sector, slot)
+        }
+    }
 }
 
 /// Write the whole image once, in `FILL_IO` writes at queue depth 32. Returns GB/s.

@@ -10,16 +10,17 @@
 use std::sync::atomic::Ordering;
 
 use futures_util::future::{join, join_all, Either};
-use ivdisk_crypto::CryptoError;
+use ivdisk_crypto::{CryptoError, SectorCipher};
 use ivdisk_store::{ObjectName, ReadOp, ReadStep, StoreError, WriteOp, WriteOutcome, WriteStep};
 
 use crate::image::{Image, Inner};
 use crate::layout::{
-    extent_bytes, take_or_place_extents, Decoded, ReadOutput, SlotReply, UNALIGNED_DIRECT_GROUP,
+    extent_bytes, take_or_place_extents, Decoded, ReadOutput, SectorLayout, SlotReply,
+    UNALIGNED_DIRECT_GROUP,
 };
 use crate::metadata_cache::{MetadataCache, ReadPlan};
 use crate::range_lock::WriteHold;
-use crate::{ImageError, ReadReply};
+use crate::{ImageError, PayloadPlacement, ReadReply, WritePayload};
 
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
 /// discard and resize can span thousands of objects).
@@ -1057,29 +1058,102 @@ impl Image {
         }
     }
 
-    /// [`Image::write`] of a buffer the caller hands over (the NBD server's write payload).
+    /// [`Image::write`] of a buffer the caller hands over (an import's chunk; the NBD
+    /// server's payload, through [`Image::write_payload`]).
     /// Whole sectors inside one object, the usual case, are encrypted in place in `data`,
     /// which then goes to the store as the data of the object's operation: no second buffer
     /// of the write's size. Anything else is written as [`Image::write`] writes it.
     pub async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), ImageError> {
-        let inner = &self.inner;
-        let ss = inner.sector_size as u64;
         let len = data.len() as u64;
-        let Some(piece) = inner.whole_sectors_in_one_object(offset, len) else {
+        if self
+            .inner
+            .whole_sectors_in_one_object(offset, len)
+            .is_none()
+        {
             return self.write(offset, &data).await;
+        }
+        self.write_in_one_object(offset, len, |layout, steps, index, cipher, first| {
+            layout.write_encrypted_owned(steps, index, cipher, first, data)
+        })
+        .await
+    }
+
+    /// Write whole sectors inside one object: hold them, reserve their nonces and store the
+    /// steps `encrypt` adds (given the layout, the steps, the sectors' index in the object,
+    /// the cipher and the first sector's number for it) in one operation.
+    async fn write_in_one_object(
+        &self,
+        offset: u64,
+        len: u64,
+        encrypt: impl FnOnce(
+            &dyn SectorLayout,
+            &mut Vec<WriteStep>,
+            u32,
+            &dyn SectorCipher,
+            u64,
+        ) -> Result<(), CryptoError>,
+    ) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let Some(piece) = inner.whole_sectors_in_one_object(offset, len) else {
+            unreachable!("the caller checked that the range is whole sectors in one object");
         };
         let Some(_held) = self.lock_for_write(offset, len).await? else {
             return Ok(());
         };
-        inner.reserve_nonces(len / ss).await?;
+        inner.reserve_nonces(len / inner.sector_size as u64).await?;
         let mut op = WriteOp::new();
         op.snap_context = inner.snap_context();
         let first = piece.lba + inner.iv_sector_base;
-        inner
-            .layout
-            .write_encrypted_owned(&mut op.steps, piece.index, &*inner.cipher, first, data)
-            .map_err(ImageError::crypto(&inner.name))?;
+        encrypt(
+            &*inner.layout,
+            &mut op.steps,
+            piece.index,
+            &*inner.cipher,
+            first,
+        )
+        .map_err(ImageError::crypto(&inner.name))?;
         inner.write_piece(piece, op).await
+    }
+
+    /// Where a receiver should put the plaintext of a write of `len` bytes at `offset` that
+    /// it will hand to [`Image::write_payload`] (the NBD server, before it reads a payload
+    /// off the socket): together, with [`Image::write_headroom`] to spare; or, for whole
+    /// sectors inside one object in layout `unaligned`, each sector at the start of its slot
+    /// (sector and metadata), where it is then encrypted in place.
+    pub fn write_placement(&self, offset: u64, len: u64) -> PayloadPlacement {
+        let inner = &self.inner;
+        match inner.whole_sectors_in_one_object(offset, len) {
+            Some(piece) => inner.layout.payload_placement(piece.index, piece.count),
+            None => PayloadPlacement::Contiguous { spare: 0 },
+        }
+    }
+
+    /// [`Image::write_owned`] of a payload placed as [`Image::write_placement`] said: slots
+    /// are encrypted where they lie and go to the store as the object's extent. A payload
+    /// in slots that the image did not ask for (another shape, or a range it does not place
+    /// in slots) is gathered and written as [`Image::write`] writes it.
+    pub async fn write_payload(
+        &self,
+        offset: u64,
+        payload: WritePayload,
+    ) -> Result<(), ImageError> {
+        let Some(shape) = payload.slots() else {
+            return self.write_owned(offset, payload.into_buf()).await;
+        };
+        let len = payload.len() as u64;
+        let asked = PayloadPlacement::Slots {
+            sector: shape.0,
+            slot: shape.1,
+        };
+        if len == 0 || self.write_placement(offset, len) != asked {
+            return self.write(offset, &payload.into_contiguous()).await;
+        }
+        // Placed in slots: whole sectors inside one object.
+        let slots = payload.into_buf();
+        self.write_in_one_object(offset, len, |layout, steps, index, cipher, first| {
+            layout.write_encrypted_in_slots(steps, index, cipher, first, slots)
+        })
+        .await
     }
 
     /// Make `[offset, offset + len)` read as zeros and free its space where the store can

@@ -36,6 +36,7 @@ mod range_lock;
 mod read_reply;
 mod snapshot;
 mod uri;
+mod write_payload;
 mod writer_lock;
 
 pub use allocation::AllocationExtent;
@@ -54,4 +55,5 @@ pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
 pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
+pub use write_payload::{PayloadPlacement, WritePayload};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};

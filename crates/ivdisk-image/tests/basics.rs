@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
-use ivdisk_image::{CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions};
+use ivdisk_image::{
+    CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions, PayloadPlacement,
+    WritePayload,
+};
 
 const PASS: &[u8] = b"correct horse";
 
@@ -69,11 +72,11 @@ async fn write_read_partial_discard_roundtrip() {
     image.close().await.unwrap();
 }
 
-/// Large whole-sector writes handed over with the image's headroom, as the NBD server hands
-/// them, in every layout and suite with metadata (`unaligned` spreads them into slots in that
-/// buffer, `omap-tail` appends a whole object's tail): what reads back is what was written,
-/// the sectors around stay as they were, and the same data handed over without headroom
-/// reads back too.
+/// Large whole-sector writes handed over with the image's headroom (`omap-tail` appends a
+/// whole object's tail) and payloads placed as the image asks, as the NBD server hands them
+/// (`unaligned` in slots), in every layout and suite with metadata: what reads back is what
+/// was written, the sectors around stay as they were, and the same data handed over without
+/// headroom, or in slots the image did not ask for, reads back too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_owned_writes_with_headroom_read_back() {
     const OBJECT: u64 = 4 << 20;
@@ -101,9 +104,6 @@ async fn large_owned_writes_with_headroom_read_back() {
             {
                 let data: Vec<u8> = (0..len).map(|b| ((b * 7 + i * 13) % 253) as u8).collect();
                 let room = image.write_headroom(offset, len as u64);
-                if layout == LayoutKind::Unaligned && with_room {
-                    assert_eq!(room, len / 4096 * suite.metadata_len(), "{case}");
-                }
                 let mut handed = Vec::with_capacity(len + if with_room { room } else { 0 });
                 handed.extend_from_slice(&data);
                 image.write_owned(offset, handed).await.unwrap();
@@ -112,6 +112,56 @@ async fn large_owned_writes_with_headroom_read_back() {
                 image.read(0, &mut back).await.unwrap();
                 assert!(back == model, "{case}: write {i} did not read back");
             }
+            // As the NBD server hands payloads over: placed as the image asks (in slots for
+            // `unaligned`, each slot's tail holding junk), and a payload in slots the image
+            // did not ask for (across two objects), which it gathers.
+            let ml = suite.metadata_len();
+            let in_slots = |data: &[u8]| {
+                let slots = data
+                    .chunks_exact(4096)
+                    .flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(0x5a, ml)))
+                    .collect();
+                WritePayload::in_slots(slots, 4096, 4096 + ml)
+            };
+            for (i, (offset, len)) in [(8192u64, 1usize << 20), (OBJECT, OBJECT as usize)]
+                .into_iter()
+                .enumerate()
+            {
+                let data: Vec<u8> = (0..len).map(|b| ((b * 11 + i * 3) % 251) as u8).collect();
+                let payload = match image.write_placement(offset, len as u64) {
+                    PayloadPlacement::Slots { sector, slot } => {
+                        assert_eq!(layout, LayoutKind::Unaligned, "{case}");
+                        assert_eq!((sector, slot), (4096, 4096 + ml), "{case}");
+                        in_slots(&data)
+                    }
+                    PayloadPlacement::Contiguous { spare } => {
+                        assert_ne!(layout, LayoutKind::Unaligned, "{case}");
+                        let mut handed = Vec::with_capacity(len + spare);
+                        handed.extend_from_slice(&data);
+                        WritePayload::contiguous(handed)
+                    }
+                };
+                image.write_payload(offset, payload).await.unwrap();
+                model[offset as usize..offset as usize + len].copy_from_slice(&data);
+                let mut back = vec![0u8; model.len()];
+                image.read(0, &mut back).await.unwrap();
+                assert!(back == model, "{case}: payload {i} did not read back");
+            }
+            let (offset, len) = (OBJECT - 3 * 4096, 6 * 4096);
+            assert_eq!(
+                image.write_placement(offset, len as u64),
+                PayloadPlacement::Contiguous { spare: 0 },
+                "{case}"
+            );
+            let data: Vec<u8> = (0..len).map(|b| (b % 249) as u8 ^ 0x33).collect();
+            image.write_payload(offset, in_slots(&data)).await.unwrap();
+            model[offset as usize..offset as usize + len].copy_from_slice(&data);
+            let mut back = vec![0u8; model.len()];
+            image.read(0, &mut back).await.unwrap();
+            assert!(
+                back == model,
+                "{case}: slots not asked for did not read back"
+            );
             image.close().await.unwrap();
         }
     }

@@ -4,7 +4,7 @@
 //! all (`image.rs`).
 
 use async_trait::async_trait;
-use ivdisk_image::ReadReply;
+use ivdisk_image::{PayloadPlacement, ReadReply, WritePayload};
 
 use crate::proto::Errno;
 
@@ -94,18 +94,21 @@ pub trait BlockDevice: Send + Sync + 'static {
         Ok(ReadReply::contiguous(buf))
     }
 
-    /// [`BlockDevice::write`] of a buffer the server hands over (a write's payload), which the
-    /// device may use as its own instead of copying it (an ivdisk image encrypts it in place).
-    async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {
-        self.write(offset, &data).await
+    /// Where the server should put the payload of a `len`-byte write at `offset` in the
+    /// buffer it hands to [`BlockDevice::write_payload`]: together, with spare capacity the
+    /// device appends to without moving the buffer (an ivdisk image in layout `omap-tail`
+    /// appends a whole object's metadata), or in slots (an ivdisk image in layout
+    /// `unaligned` encrypts each sector where its slot lies). Together with nothing to spare
+    /// by default.
+    fn write_placement(&self, _offset: u64, _len: usize) -> PayloadPlacement {
+        PayloadPlacement::Contiguous { spare: 0 }
     }
 
-    /// Spare capacity, in bytes, that the payload buffer of a `len`-byte write at `offset`
-    /// should have, so that the device can append to the buffer [`BlockDevice::write_owned`]
-    /// hands over without moving it (an ivdisk image in layout `omap-tail` appends a whole
-    /// object's metadata to its data). 0 by default.
-    fn write_headroom(&self, _offset: u64, _len: usize) -> usize {
-        0
+    /// [`BlockDevice::write`] of a payload the server hands over, placed as
+    /// [`BlockDevice::write_placement`] asked, which the device may use as its own instead of
+    /// copying it (an ivdisk image encrypts it in place).
+    async fn write_payload(&self, offset: u64, payload: WritePayload) -> Result<(), DeviceError> {
+        self.write(offset, &payload.into_contiguous()).await
     }
 
     /// Refuses writes (the export is advertised read-only).

@@ -2,7 +2,7 @@
 //! length, so this is error mapping and the allocation query.
 
 use async_trait::async_trait;
-use ivdisk_image::{Image, ImageError, ReadReply};
+use ivdisk_image::{Image, ImageError, PayloadPlacement, ReadReply, WritePayload};
 
 use crate::device::{BlockDevice, DeviceError, DeviceErrorKind, Extent};
 
@@ -53,12 +53,12 @@ impl BlockDevice for Image {
             .map_err(device_error)
     }
 
-    fn write_headroom(&self, offset: u64, len: usize) -> usize {
-        Image::write_headroom(self, offset, len as u64)
+    fn write_placement(&self, offset: u64, len: usize) -> PayloadPlacement {
+        Image::write_placement(self, offset, len as u64)
     }
 
-    async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), DeviceError> {
-        Image::write_owned(self, offset, data)
+    async fn write_payload(&self, offset: u64, payload: WritePayload) -> Result<(), DeviceError> {
+        Image::write_payload(self, offset, payload)
             .await
             .map_err(device_error)
     }

@@ -16,6 +16,7 @@
 
 mod device;
 mod error;
+mod ffi;
 mod handshake;
 mod image;
 pub mod proto;

@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 
 use crate::device::BlockDevice;
 use crate::handshake::negotiate;
-use crate::transmission::{transmit, Ending};
+use crate::transmission::{transmit, Ending, PayloadSource};
 use crate::NbdError;
 
 /// A client must pick an export within this time after connecting.
@@ -251,15 +251,37 @@ async fn accept(listener: &Listener) -> std::io::Result<(Stream, String)> {
     }
 }
 
-async fn connection<S>(
+/// A client's socket, which the transmission phase takes apart into halves of its own: the
+/// read half stays a socket, so a write's payload can be read straight into the slots a
+/// device asks for ([`PayloadSource`]).
+trait ClientSocket: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    type Reader: PayloadSource;
+    type Writer: AsyncWrite + Unpin + Send + 'static;
+    fn into_halves(self) -> (Self::Reader, Self::Writer);
+}
+
+impl ClientSocket for UnixStream {
+    type Reader = tokio::net::unix::OwnedReadHalf;
+    type Writer = tokio::net::unix::OwnedWriteHalf;
+    fn into_halves(self) -> (Self::Reader, Self::Writer) {
+        self.into_split()
+    }
+}
+
+impl ClientSocket for tokio::net::TcpStream {
+    type Reader = tokio::net::tcp::OwnedReadHalf;
+    type Writer = tokio::net::tcp::OwnedWriteHalf;
+    fn into_halves(self) -> (Self::Reader, Self::Writer) {
+        self.into_split()
+    }
+}
+
+async fn connection<S: ClientSocket>(
     mut stream: S,
     peer: &str,
     exports: &[Arc<Export>],
     mut stopped: watch::Receiver<bool>,
-) -> Result<(), NbdError>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
+) -> Result<(), NbdError> {
     tracing::debug!(peer, "client connected");
     let negotiated = tokio::select! {
         _ = stopped.wait_for(|stop| *stop) => return Ok(()),
@@ -282,7 +304,7 @@ where
         structured = negotiated.structured,
         "client attached"
     );
-    let (reader, writer) = tokio::io::split(stream);
+    let (reader, writer) = stream.into_halves();
     match transmit(reader, writer, peer, negotiated, stopped).await? {
         Ending::Disconnect | Ending::Shutdown => Ok(()),
     }

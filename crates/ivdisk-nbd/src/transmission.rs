@@ -4,14 +4,20 @@
 //! A budget bounds the requests and payload bytes in flight per connection: a reply keeps its
 //! share until it is on the wire, so a client that stops reading replies stops being read.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 
-use ivdisk_image::ReadReply;
+use ivdisk_image::{PayloadPlacement, ReadReply, WritePayload};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{
+    AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter,
+    Interest,
+};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::device::{BlockDevice, DeviceError, DeviceErrorKind};
+use crate::ffi::SlotBuffer;
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::proto::*;
 use crate::NbdError;
@@ -69,7 +75,7 @@ pub(crate) async fn transmit<R, W>(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<Ending, NbdError>
 where
-    R: AsyncRead + Unpin + Send + 'static,
+    R: PayloadSource,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let (replies, queue) = mpsc::unbounded_channel::<Reply>();
@@ -127,15 +133,16 @@ where
                 permit.expect("the budget semaphore is never closed")
             }
         };
-        let mut payload = Vec::new();
+        let mut payload = WritePayload::contiguous(Vec::new());
         if request.command == CMD_WRITE {
+            let len = request.length as usize;
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-                read = read_payload(
+                read = receive_payload(
                     &mut reader,
-                    request.length as usize,
-                    context.device.write_headroom(request.offset, request.length as usize),
+                    len,
+                    context.device.write_placement(request.offset, len),
                 ) => match read {
                     Ok(read) => payload = read,
                     Err(e) => break Err(io(e)),
@@ -186,11 +193,100 @@ where
     ending
 }
 
+/// A connection's read half: bytes through [`AsyncRead`], and for a socket, vectored reads
+/// of a write's payload straight into the slots a device asks for
+/// ([`PayloadPlacement::Slots`]).
+pub(crate) trait PayloadSource: AsyncRead + Unpin + Send + 'static {
+    /// Read the next bytes of `slots`' payload from the socket once it is readable; `Ok(0)`
+    /// at the end of the stream.
+    fn poll_read_slots(
+        &self,
+        cx: &mut TaskContext<'_>,
+        slots: &mut SlotBuffer,
+    ) -> Poll<std::io::Result<usize>>;
+}
+
+/// [`PayloadSource`] for the read half of a tokio socket (`as_ref` gives the socket).
+macro_rules! socket_payload_source {
+    ($half:ty) => {
+        impl PayloadSource for $half {
+            fn poll_read_slots(
+                &self,
+                cx: &mut TaskContext<'_>,
+                slots: &mut SlotBuffer,
+            ) -> Poll<std::io::Result<usize>> {
+                let socket = self.as_ref();
+                loop {
+                    std::task::ready!(socket.poll_read_ready(cx))?;
+                    let fd = socket.as_raw_fd();
+                    // `try_io` clears the readiness on `WouldBlock`, so the next poll waits.
+                    match socket.try_io(Interest::READABLE, || slots.read_from(fd)) {
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                            ) => {}
+                        done => return Poll::Ready(done),
+                    }
+                }
+            }
+        }
+    };
+}
+
+socket_payload_source!(tokio::net::tcp::OwnedReadHalf);
+socket_payload_source!(tokio::net::unix::OwnedReadHalf);
+
+/// Read a write's `len`-byte payload where the device asked for it: together (with spare
+/// capacity), or in slots. A placement in slots that `len` does not fill (not whole sectors:
+/// the device would refuse the request anyway) is read together.
+async fn receive_payload<R: PayloadSource>(
+    reader: &mut BufReader<R>,
+    len: usize,
+    placement: PayloadPlacement,
+) -> std::io::Result<WritePayload> {
+    match placement {
+        PayloadPlacement::Slots { sector, slot }
+            if sector > 0 && sector <= slot && len.is_multiple_of(sector) =>
+        {
+            let slots = read_payload_in_slots(reader, len, sector, slot).await?;
+            Ok(WritePayload::in_slots(slots, sector, slot))
+        }
+        PayloadPlacement::Contiguous { spare } => Ok(WritePayload::contiguous(
+            read_payload(reader, len, spare).await?,
+        )),
+        PayloadPlacement::Slots { .. } => Ok(WritePayload::contiguous(
+            read_payload(reader, len, 0).await?,
+        )),
+    }
+}
+
+/// Read a write's `len`-byte payload into slots of `slot` bytes, `sector` bytes in each:
+/// what the reader already holds is copied there, the rest read from the socket straight
+/// into the slots (vectored reads), with no buffer in between.
+async fn read_payload_in_slots<R: PayloadSource>(
+    reader: &mut BufReader<R>,
+    len: usize,
+    sector: usize,
+    slot: usize,
+) -> std::io::Result<Vec<u8>> {
+    let mut slots = SlotBuffer::new(len, sector, slot);
+    let took = slots.fill_from(reader.buffer());
+    reader.consume(took);
+    while slots.missing() > 0 {
+        let read = std::future::poll_fn(|cx| reader.get_ref().poll_read_slots(cx, &mut slots));
+        if read.await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(slots.finish())
+}
+
 /// Read a write's `len`-byte payload into a buffer that is not zeroed first: the bytes read
 /// fill it. Why: zeroing a fresh 4 MiB buffer (and faulting in its pages) showed as 4-5% of
 /// the server's CPU under 4 MiB writes on RADOS (docs/BENCHMARKS.md, "Smaller metadata for
 /// large writes"). The buffer has `headroom` bytes of spare capacity for the device
-/// ([`BlockDevice::write_headroom`]).
+/// ([`PayloadPlacement::Contiguous`]).
 async fn read_payload<R: AsyncRead + Unpin>(
     reader: &mut R,
     len: usize,
@@ -318,7 +414,7 @@ fn refuse(kind: DeviceErrorKind, message: impl Into<String>) -> DeviceError {
 
 impl Context {
     /// Run one request and build its complete reply.
-    async fn handle(&self, request: Request, payload: Vec<u8>) -> Frame {
+    async fn handle(&self, request: Request, payload: WritePayload) -> Frame {
         let write = matches!(request.command, CMD_WRITE | CMD_WRITE_ZEROES);
         match self.run(&request, payload).await {
             Ok(frame) => frame,
@@ -402,7 +498,7 @@ impl Context {
         frame
     }
 
-    async fn run(&self, request: &Request, payload: Vec<u8>) -> Result<Frame, DeviceError> {
+    async fn run(&self, request: &Request, payload: WritePayload) -> Result<Frame, DeviceError> {
         let device = self.device.as_ref();
         let fua = request.flags & CMD_FLAG_FUA != 0;
         match request.command {
@@ -457,7 +553,7 @@ impl Context {
                 self.check_writable()?;
                 self.check_range(request)?;
                 // Handed over: an ivdisk image encrypts the payload in place.
-                device.write_owned(request.offset, payload).await?;
+                device.write_payload(request.offset, payload).await?;
                 if fua {
                     device.flush().await?;
                 }
@@ -570,7 +666,6 @@ mod tests {
     use super::*;
     use std::io::IoSlice;
     use std::pin::Pin;
-    use std::task::{Context as TaskContext, Poll};
 
     /// A socket that takes at most `max` bytes per call, vectored or not, and keeps them.
     struct Trickle {
@@ -672,6 +767,68 @@ mod tests {
             "nothing past the payload was read"
         );
         let short = read_payload(&mut reader, 4096, 0).await.unwrap_err();
+        assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    /// A payload placed in slots comes off a real socket into them: the part the reader had
+    /// buffered (the request header's read took it) and the rest read straight into the
+    /// slots, however the client's writes split it; the next request's bytes stay in the
+    /// reader; a stream that ends early is an error; slots that `len` does not fill are read
+    /// together.
+    #[tokio::test]
+    async fn payload_is_received_into_slots() {
+        let (sector, slot, sectors) = (4096, 4128, 300);
+        let len = sector * sectors;
+        let stream: Vec<u8> = (0..len + 100).map(|i| (i * 7 % 253) as u8).collect();
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let (read_half, _write_half) = server.into_split();
+        let mut reader = BufReader::with_capacity(64 * 1024, read_half);
+        let sent = stream.clone();
+        let sender = tokio::spawn(async move {
+            let mut client = client;
+            for piece in sent.chunks(50_001) {
+                client.write_all(piece).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            client
+        });
+        // As the request loop does: a read through the buffer first.
+        let mut first = [0u8; 16];
+        reader.read_exact(&mut first).await.unwrap();
+        assert!(first[..] == stream[..16]);
+        let placement = PayloadPlacement::Slots { sector, slot };
+        let payload = receive_payload(&mut reader, len - sector, placement)
+            .await
+            .unwrap();
+        assert_eq!(payload.slots(), Some((sector, slot)));
+        let slots = payload.into_buf();
+        assert_eq!(slots.len(), (sectors - 1) * slot);
+        for (i, s) in slots.chunks_exact(slot).enumerate() {
+            assert!(
+                s[..sector] == stream[16 + i * sector..][..sector],
+                "sector {i}"
+            );
+            assert!(s[sector..].iter().all(|&b| b == 0), "slot {i}'s tail");
+        }
+        let mut rest = vec![0u8; sector - 16 + 100];
+        reader.read_exact(&mut rest).await.unwrap();
+        assert!(
+            rest[..] == stream[len - sector + 16..],
+            "the bytes after the payload"
+        );
+        // Not whole sectors: read together.
+        let client = sender.await.unwrap();
+        let mut client = client;
+        client.write_all(&stream[..1000]).await.unwrap();
+        let payload = receive_payload(&mut reader, 1000, placement).await.unwrap();
+        assert_eq!(payload.slots(), None);
+        assert!(payload.into_buf() == stream[..1000]);
+        // Cut short.
+        client.write_all(&stream[..5000]).await.unwrap();
+        drop(client);
+        let short = receive_payload(&mut reader, 2 * sector, placement)
+            .await
+            .unwrap_err();
         assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 

@@ -25,6 +25,8 @@ use std::str::FromStr;
 use ivdisk_crypto::{CryptoError, SectorCipher};
 use ivdisk_store::{Extent, ReadResult, ReadStep, WriteStep};
 
+use crate::{PayloadPlacement, WritePayload};
+
 /// The layout of an image, chosen at create time and recorded in its header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LayoutKind {
@@ -243,11 +245,37 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
 
     /// Spare capacity, in bytes, that the data buffer of a write of sectors `first..first +
     /// count` should have, so that it goes to the store without being moved: `omap-tail`
-    /// appends a whole object's metadata to its data ([`SectorLayout::lower_cached_steps`]),
-    /// `unaligned` spreads a large run into slots in the caller's buffer
-    /// ([`SectorLayout::write_encrypted_owned`]). 0 for the rest.
+    /// appends a whole object's metadata to its data ([`SectorLayout::lower_cached_steps`]).
+    /// 0 for the rest.
     fn data_headroom(&self, _first: u32, _count: u32) -> usize {
         0
+    }
+
+    /// Where a receiver should put the plaintext of a write of sectors `first..first +
+    /// count` that it hands over: together with [`SectorLayout::data_headroom`] to spare, or
+    /// (`unaligned`) in the slots the layout stores, for
+    /// [`SectorLayout::write_encrypted_in_slots`].
+    fn payload_placement(&self, first: u32, count: u32) -> PayloadPlacement {
+        PayloadPlacement::Contiguous {
+            spare: self.data_headroom(first, count),
+        }
+    }
+
+    /// [`SectorLayout::write_encrypted_owned`] of a plaintext handed over in slots of
+    /// `sector_size + metadata_len` bytes, each sector at the start of its slot, as
+    /// [`SectorLayout::payload_placement`] asked for. By default (a layout that does not
+    /// ask for slots) the sectors are gathered into one buffer first.
+    fn write_encrypted_in_slots(
+        &self,
+        steps: &mut Vec<WriteStep>,
+        first: u32,
+        cipher: &dyn SectorCipher,
+        first_sector: u64,
+        slots: Vec<u8>,
+    ) -> Result<(), CryptoError> {
+        let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
+        let plaintext = WritePayload::in_slots(slots, ss, ss + ml).into_contiguous();
+        self.write_encrypted_owned(steps, first, cipher, first_sector, plaintext)
     }
 
     /// Steps returning sectors to the unwritten state (zeros in data and metadata, or no

@@ -15,7 +15,10 @@ use std::sync::OnceLock;
 
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
-use ivdisk_image::{CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions};
+use ivdisk_image::{
+    CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions, PayloadPlacement,
+    WritePayload,
+};
 use ivdisk_store::{ObjectName, ReadOp, ReadResult, ReadStep, WriteOp, WriteStep};
 
 pub const PASS: &[u8] = b"correct horse battery staple";
@@ -665,8 +668,8 @@ impl Case {
 enum Op {
     Read(u64, u64),
     Write(u64, u64),
-    /// `Image::write_owned`: the buffer handed over (encrypted in place when it is whole
-    /// sectors of one object).
+    /// `Image::write_owned` or `Image::write_payload`: the buffer handed over (encrypted in
+    /// place when it is whole sectors of one object; in slots where the image asks for them).
     WriteOwned(u64, u64),
     Discard(u64, u64),
     WriteZeroes(u64, u64, bool),
@@ -839,11 +842,37 @@ pub async fn run(case: &Case, uri: &ImageUri, seed: u64) -> Result<(), String> {
                 r
             }
             Op::WriteOwned(offset, len) => {
-                // As the NBD server hands a payload over: with the room the image asks for.
-                let mut data = Vec::with_capacity(len as usize + image.write_headroom(offset, len));
-                data.extend_from_slice(&rng.bytes(len as usize));
+                let data = rng.bytes(len as usize);
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
-                image.write_owned(offset, data).await
+                if rng.below(2) == 0 {
+                    // As an import hands a chunk over: with the room the image asks for.
+                    let mut owned =
+                        Vec::with_capacity(len as usize + image.write_headroom(offset, len));
+                    owned.extend_from_slice(&data);
+                    image.write_owned(offset, owned).await
+                } else {
+                    // As the NBD server receives a payload: placed as the image asks, the
+                    // slots' tails (metadata to be) holding whatever was in the memory.
+                    let payload = match image.write_placement(offset, len) {
+                        PayloadPlacement::Contiguous { spare } => {
+                            let mut owned = Vec::with_capacity(len as usize + spare);
+                            owned.extend_from_slice(&data);
+                            WritePayload::contiguous(owned)
+                        }
+                        PayloadPlacement::Slots { sector, slot } => {
+                            let slots = data
+                                .chunks_exact(sector)
+                                .flat_map(|s| {
+                                    s.iter()
+                                        .copied()
+                                        .chain(std::iter::repeat_n(0xa5, slot - sector))
+                                })
+                                .collect();
+                            WritePayload::in_slots(slots, sector, slot)
+                        }
+                    };
+                    image.write_payload(offset, payload).await
+                }
             }
             Op::Discard(offset, len) => {
                 let r = image.discard(offset, len).await;
