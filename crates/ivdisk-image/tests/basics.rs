@@ -208,6 +208,51 @@ async fn second_writer_is_refused_and_readers_are_not() {
     let _ = Duration::ZERO;
 }
 
+/// Payloads the NBD server hands over for ranges a client got wrong (past the end, across
+/// it, where `offset + len` overflows), placed as the image asks and in slots it did not ask
+/// for: refused as out of range, no panic (the server asks for the placement before it checks
+/// the range), nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_for_bad_ranges_are_refused() {
+    let uri = unique("bad-payload");
+    let suite = Suite::DEFAULT;
+    let image = Image::create(&uri, &options(1 << 20, suite, LayoutKind::Unaligned), PASS)
+        .await
+        .unwrap();
+    let slot = 4096 + suite.metadata_len();
+    let in_slots =
+        |len: u64| WritePayload::in_slots(vec![1u8; len as usize / 4096 * slot], 4096, slot);
+    for (offset, len) in [
+        (1u64 << 20, 4096u64),
+        ((1 << 20) - 4096, 8192),
+        (u64::MAX - 4095, 8192),
+        (!4095, 4096),
+        (!4095, 1 << 20),
+    ] {
+        let case = format!("{offset:#x} + {len}");
+        let asked = match image.write_placement(offset, len) {
+            PayloadPlacement::Slots { .. } => in_slots(len),
+            PayloadPlacement::Contiguous { .. } => {
+                WritePayload::contiguous(vec![1u8; len as usize])
+            }
+        };
+        for payload in [asked, in_slots(len)] {
+            let err = image.write_payload(offset, payload).await.unwrap_err();
+            assert!(
+                matches!(err, ImageError::OutOfRange { .. }),
+                "{case}: {err}"
+            );
+        }
+    }
+    let mut back = vec![9u8; 1 << 20];
+    image.read(0, &mut back).await.unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "a refused payload left bytes behind"
+    );
+    image.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input() {
     let uri = unique("bad");
