@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use ivdisk_header::{PbkdfKind, PbkdfRequest};
+use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind};
 use ivdisk_nbd::proto::*;
 use ivdisk_nbd::{
     serve, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress, Listener,
@@ -110,7 +112,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(device: Arc<MemoryDevice>) -> Server {
+    async fn start(device: Arc<dyn BlockDevice>) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
         let listener = Listener::bind(&ListenAddress::Unix(path.clone()))
@@ -737,4 +739,75 @@ async fn a_live_socket_is_not_taken_over_and_a_stale_one_is() {
     };
     assert!(err.contains("not a socket"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}
+
+/// An ivdisk image in layout `unaligned` behind the server, which receives its writes of
+/// whole sectors inside one object straight into slots: writes of a whole object, inside one,
+/// across two and of partial sectors, sent back to back, read back as written; writes past the
+/// end or past 2^64 (whose placement the server asks for before it checks the range) are
+/// refused and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unaligned_image_receives_payloads_in_slots() {
+    const OBJECT: u64 = 256 << 10;
+    let uri = ImageUri::parse("mem:protocol-unaligned").unwrap();
+    let options = CreateOptions {
+        layout: Some(LayoutKind::Unaligned),
+        object_size: OBJECT,
+        pbkdf: PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2),
+        ..CreateOptions::new(SIZE)
+    };
+    let image = Image::create(&uri, &options, b"pw").await.unwrap();
+    let server = Server::start(Arc::new(image.clone())).await;
+    let mut client = Client::attach(&server, false).await;
+    let mut model = vec![0u8; SIZE as usize];
+    let writes = [
+        (0, OBJECT as usize),
+        (OBJECT + 4096, 64 << 10),
+        (OBJECT - 8192, 16384),
+        (3 * 4096 + 100, 5000),
+        (2 * OBJECT, 4096),
+        (3 * OBJECT, OBJECT as usize),
+    ];
+    for (i, &(offset, len)) in writes.iter().enumerate() {
+        let data = pattern(len, i as u8 + 1);
+        model[offset as usize..offset as usize + len].copy_from_slice(&data);
+        client.write(i as u64 + 1, offset, &data, 0).await;
+    }
+    let mut done = HashSet::new();
+    for _ in 0..writes.len() {
+        let (cookie, error) = client.status().await;
+        assert_eq!(error, 0, "write {cookie}");
+        done.insert(cookie);
+    }
+    assert_eq!(done.len(), writes.len());
+    let mut back = Vec::new();
+    for k in 0..SIZE / OBJECT {
+        client
+            .send(CMD_READ, 0, 100 + k, k * OBJECT, OBJECT as u32)
+            .await;
+        let (chunk, data) = client.reply(OBJECT as usize).await;
+        assert!(matches!(chunk, Chunk::Simple { error: 0, .. }), "{chunk:?}");
+        back.extend_from_slice(&data);
+    }
+    assert!(back == model, "the image does not read back as written");
+
+    client.write(200, SIZE - 4096, &[7u8; 8192], 0).await;
+    assert_eq!(client.status().await, (200, Errno::NoSpc as u32));
+    for (cookie, offset) in [(201, !4095u64), (202, u64::MAX - 4096 * 3 + 1)] {
+        client.write(cookie, offset, &[7u8; 8192], 0).await;
+        let (got, error) = client.status().await;
+        assert_eq!(got, cookie);
+        assert!(
+            error == Errno::NoSpc as u32 || error == Errno::Inval as u32,
+            "write at {offset:#x}: error {error}"
+        );
+    }
+    client.send(CMD_FLUSH, 0, 203, 0, 0).await;
+    assert_eq!(client.status().await, (203, 0));
+    let mut back = vec![0u8; SIZE as usize];
+    image.read(0, &mut back).await.unwrap();
+    assert!(back == model, "a refused write changed the image");
+    client.send(CMD_DISC, 0, 204, 0, 0).await;
+    assert!(client.closed().await);
+    server.stop().await;
 }
