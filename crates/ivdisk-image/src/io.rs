@@ -1068,24 +1068,22 @@ impl Image {
     /// of the write's size. Anything else is written as [`Image::write`] writes it.
     pub async fn write_owned(&self, offset: u64, data: Vec<u8>) -> Result<(), ImageError> {
         let len = data.len() as u64;
-        if self
-            .inner
-            .whole_sectors_in_one_object(offset, len)
-            .is_none()
-        {
+        let Some(piece) = self.inner.whole_sectors_in_one_object(offset, len) else {
             return self.write(offset, &data).await;
-        }
-        self.write_in_one_object(offset, len, |layout, steps, index, cipher, first| {
+        };
+        self.write_in_one_object(piece, offset, len, |layout, steps, index, cipher, first| {
             layout.write_encrypted_owned(steps, index, cipher, first, data)
         })
         .await
     }
 
-    /// Write whole sectors inside one object: hold them, reserve their nonces and store the
-    /// steps `encrypt` adds (given the layout, the steps, the sectors' index in the object,
-    /// the cipher and the first sector's number for it) in one operation.
+    /// Write `piece`, the whole sectors `[offset, offset + len)` inside one object: hold them,
+    /// reserve their nonces and store the steps `encrypt` adds (given the layout, the steps,
+    /// the sectors' index in the object, the cipher and the first sector's number for it) in
+    /// one operation.
     async fn write_in_one_object(
         &self,
+        piece: Piece,
         offset: u64,
         len: u64,
         encrypt: impl FnOnce(
@@ -1097,9 +1095,6 @@ impl Image {
         ) -> Result<(), CryptoError>,
     ) -> Result<(), ImageError> {
         let inner = &self.inner;
-        let Some(piece) = inner.whole_sectors_in_one_object(offset, len) else {
-            unreachable!("the caller checked that the range is whole sectors in one object");
-        };
         let Some(_held) = self.lock_for_write(offset, len).await? else {
             return Ok(());
         };
@@ -1140,20 +1135,20 @@ impl Image {
         offset: u64,
         payload: WritePayload,
     ) -> Result<(), ImageError> {
-        let Some(shape) = payload.slots() else {
+        let Some((sector, slot)) = payload.slots() else {
             return self.write_owned(offset, payload.into_buf()).await;
         };
+        let inner = &self.inner;
         let len = payload.len() as u64;
-        let asked = PayloadPlacement::Slots {
-            sector: shape.0,
-            slot: shape.1,
-        };
-        if len == 0 || self.write_placement(offset, len) != asked {
+        let asked = PayloadPlacement::Slots { sector, slot };
+        let piece = inner
+            .whole_sectors_in_one_object(offset, len)
+            .filter(|p| inner.layout.payload_placement(p.index, p.count) == asked);
+        let Some(piece) = piece else {
             return self.write(offset, &payload.into_contiguous()).await;
-        }
-        // Placed in slots: whole sectors inside one object.
+        };
         let slots = payload.into_buf();
-        self.write_in_one_object(offset, len, |layout, steps, index, cipher, first| {
+        self.write_in_one_object(piece, offset, len, |layout, steps, index, cipher, first| {
             layout.write_encrypted_in_slots(steps, index, cipher, first, slots)
         })
         .await
