@@ -140,8 +140,9 @@ impl Durability for WalFile {
     fn sync_wal(&mut self) -> Result<(), StoreError> {
         match std::fs::File::open(&self.wal) {
             Ok(f) => {
-                f.sync_data()
-                    .map_err(StoreError::io(format!("syncing {}", self.wal.display())))?;
+                f.sync_data().map_err(StoreError::io_with(|| {
+                    format!("syncing {}", self.wal.display())
+                }))?;
                 crate::fault_io::synced(&self.wal);
                 Ok(())
             }

@@ -96,6 +96,16 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// As [`StoreError::io`], with the context built only if there is an error. For the
+    /// calls every operation makes (a segment's append, read or sync): formatting a segment's
+    /// path up front cost a path join, a `format!` and two allocations per call, all thrown
+    /// away on success.
+    pub(crate) fn io_with(
+        context: impl FnOnce() -> String,
+    ) -> impl FnOnce(io::Error) -> StoreError {
+        move |source| StoreError::io(context())(source)
+    }
+
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
         let context = context.into();
         move |source| {

@@ -202,7 +202,9 @@ fn open_read_write(path: &Path) -> Result<File, StoreError> {
         .create(true)
         .truncate(false)
         .open(path)
-        .map_err(StoreError::io(format!("opening {}", path.display())))
+        .map_err(StoreError::io_with(|| {
+            format!("opening {}", path.display())
+        }))
 }
 
 fn segment_path(dir: &Path, n: u32) -> PathBuf {
@@ -213,10 +215,11 @@ impl FileSegments {
     /// Open the segments. After an unclean stop (`reclaim`), dead data whose punch was still
     /// pending when the process died is found (bytes no extent references) and punched.
     fn open(dir: PathBuf, db: &Connection, reclaim: bool) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(&dir)
-            .map_err(StoreError::io(format!("creating {}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(StoreError::io_with(|| {
+            format!("creating {}", dir.display())
+        }))?;
         let mut numbers: Vec<u32> = std::fs::read_dir(&dir)
-            .map_err(StoreError::io(format!("listing {}", dir.display())))?
+            .map_err(StoreError::io_with(|| format!("listing {}", dir.display())))?
             .filter_map(|e| e.ok())
             .filter_map(|e| {
                 e.file_name()
@@ -335,12 +338,16 @@ impl FileSegments {
             .create(true)
             .truncate(true)
             .open(&path)
-            .map_err(StoreError::io(format!("creating {}", path.display())))?;
+            .map_err(StoreError::io_with(|| {
+                format!("creating {}", path.display())
+            }))?;
         // The new file's directory entry must survive a power cut before data in it is
         // referenced by a commit.
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
-            .map_err(StoreError::io(format!("syncing {}", self.dir.display())))?;
+            .map_err(StoreError::io_with(|| {
+                format!("syncing {}", self.dir.display())
+            }))?;
         self.files.insert(next, Arc::new(file));
         self.active = next;
         self.len = 0;
@@ -656,10 +663,9 @@ impl Segments for FileSegments {
             self.len = self.len.next_multiple_of(BLOCK as u64);
         }
         let at = self.len;
-        write_in_pieces(&self.files[&self.active], data, at).map_err(StoreError::io(format!(
-            "writing {}",
-            segment_path(&self.dir, self.active).display()
-        )))?;
+        write_in_pieces(&self.files[&self.active], data, at).map_err(StoreError::io_with(
+            || format!("writing {}", segment_path(&self.dir, self.active).display()),
+        ))?;
         crate::fault_io::write(|| segment_path(&self.dir, self.active), at, data);
         self.len += data.len() as u64;
         self.unsynced += data.len() as u64;
@@ -684,18 +690,16 @@ impl Segments for FileSegments {
             StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
         })?;
         file.read_exact_at(buf, offset)
-            .map_err(StoreError::io(format!(
-                "reading {}",
-                segment_path(&self.dir, segment).display()
-            )))
+            .map_err(StoreError::io_with(|| {
+                format!("reading {}", segment_path(&self.dir, segment).display())
+            }))
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
         for n in std::mem::take(&mut self.dirty) {
-            self.files[&n].sync_data().map_err(StoreError::io(format!(
-                "syncing {}",
-                segment_path(&self.dir, n).display()
-            )))?;
+            self.files[&n].sync_data().map_err(StoreError::io_with(|| {
+                format!("syncing {}", segment_path(&self.dir, n).display())
+            }))?;
             crate::fault_io::synced(&segment_path(&self.dir, n));
         }
         self.unsynced = 0;
@@ -916,8 +920,9 @@ impl LocalStore {
                     source: std::io::ErrorKind::NotFound.into(),
                 });
             }
-            std::fs::create_dir_all(dir)
-                .map_err(StoreError::io(format!("creating {}", dir.display())))?;
+            std::fs::create_dir_all(dir).map_err(StoreError::io_with(|| {
+                format!("creating {}", dir.display())
+            }))?;
         }
         let lock = lock_directory(dir)?;
         // Read-only stores of this directory in this process let go of their connections
@@ -926,8 +931,10 @@ impl LocalStore {
         let paused = pause_readers(&meta);
         let mut report = RecoveryReport::default();
         let wal_path = dir.join("meta.sqlite-wal");
-        if let Some(scan) = crate::wal_check::scan_file(&wal_path)
-            .map_err(StoreError::io(format!("reading {}", wal_path.display())))?
+        if let Some(scan) =
+            crate::wal_check::scan_file(&wal_path).map_err(StoreError::io_with(|| {
+                format!("reading {}", wal_path.display())
+            }))?
         {
             report.replayed_commits = scan.valid_commits;
             report.discarded_log_bytes = scan.discarded_bytes;
@@ -967,7 +974,7 @@ impl LocalStore {
                 // space freed (but not yet punched) by this run.
                 File::open(dir)
                     .and_then(|d| d.sync_all())
-                    .map_err(StoreError::io(format!("syncing {}", dir.display())))?;
+                    .map_err(StoreError::io_with(|| format!("syncing {}", dir.display())))?;
                 true
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -1240,7 +1247,9 @@ impl Segments for ReadOnlySegments {
             },
         };
         file.read_exact_at(buf, offset)
-            .map_err(StoreError::io(format!("reading {}", path.display())))
+            .map_err(StoreError::io_with(|| {
+                format!("reading {}", path.display())
+            }))
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
