@@ -63,10 +63,18 @@ stop_cluster() {
   return 1
 }
 
+# The background build of the fuzz target while it runs (see the tests below).
+FUZZ_BUILD_PID=
+
 on_exit() {
   local rc=$?
   # no second Ctrl-C in the middle of the cleanup (stop is bounded: SIGKILL after 20 s)
   trap '' INT TERM HUP
+  if [[ -n $FUZZ_BUILD_PID ]]; then
+    # A run that failed before the fuzz step: its build is not wanted any more.
+    pkill -TERM -P "$FUZZ_BUILD_PID" 2>/dev/null || true
+    kill -TERM "$FUZZ_BUILD_PID" 2>/dev/null || true
+  fi
   stop_cluster || ((rc)) || rc=1
   ((rc == 0)) || printf '\ntest-all.sh: FAILED (exit %d)\n' "$rc" >&2
   exit "$rc"
@@ -169,6 +177,14 @@ log "cargo test"
 cargo test --workspace --all-targets
 cargo test --workspace --doc
 
+# The fuzz target's build (cargo-fuzz and a nightly build with sanitizers: 5 minutes on a
+# fresh clone of this 2-core machine kind) runs in the background from here, beside the steps
+# below, which mostly wait for fio, Ceph and the quickstart's server; the fuzz step waits for
+# it. Its own target directory (fuzz/target), so no lock is shared with the builds below.
+FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
+scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 &
+FUZZ_BUILD_PID=$!
+
 if [[ -n $CEPH_CLUSTER_DIR ]]; then
   log "scripts/bench-ceph --quick: ivdisk vs librbd LUKS2 on the test cluster (smoke run)"
   # One round (~2 minutes) on the debug build the tests just made (a release build costs ~6
@@ -218,6 +234,12 @@ fi
 log "fuzz the header parser for ${IVDISK_FUZZ_SECONDS:-60} s (cargo-fuzz, nightly)"
 # Installs the nightly toolchain and cargo-fuzz when missing; a crash fails the run and leaves
 # the input in fuzz/artifacts/header_parse/.
+if ! wait "$FUZZ_BUILD_PID"; then
+  FUZZ_BUILD_PID=
+  sed 's/^/  fuzz build: /' "$FUZZ_BUILD_LOG" >&2
+  die "building the fuzz target failed (log above, and in $FUZZ_BUILD_LOG)"
+fi
+FUZZ_BUILD_PID=
 scripts/fuzz-header
 
 if [[ ${IVDISK_NO_CEPH:-} == 1 ]]; then
