@@ -177,13 +177,19 @@ log "cargo test"
 cargo test --workspace --all-targets
 cargo test --workspace --doc
 
+log "the README's main job: scripts/quickstart.sh serving a disk to nbdinfo and qemu-img"
+# Before the fuzz build starts below: its own build of `ivdisk` must finish within the
+# smoke test's limit.
+scripts/smoke-quickstart
+
 # The fuzz target's build (cargo-fuzz and a nightly build with sanitizers: 5 minutes on a
 # fresh clone of this 2-core machine kind) runs in the background from here, beside the steps
-# below, which mostly wait for fio, Ceph and the quickstart's server; the fuzz step waits for
-# it. Its own target directory (fuzz/target), so no lock is shared with the builds below.
+# below, which mostly wait for fio and Ceph; the fuzz step waits for it. Its own target
+# directory (fuzz/target), so no lock is shared with the builds below.
 FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 &
 FUZZ_BUILD_PID=$!
+
 
 if [[ -n $CEPH_CLUSTER_DIR ]]; then
   log "scripts/bench-ceph --quick: ivdisk vs librbd LUKS2 on the test cluster (smoke run)"
@@ -220,8 +226,6 @@ if grep -qw avx512f /proc/cpuinfo; then
   crypto_tests_with IVDISK_CRYPTO_VAES=ymm
 fi
 
-log "the README's main job: scripts/quickstart.sh serving a disk to nbdinfo and qemu-img"
-scripts/smoke-quickstart
 
 if [[ -n $CEPH_CLUSTER_DIR ]]; then
   log "RADOS fault tests: kill and restart the OSDs of the cluster in $IVDISK_CEPH_DIR"
