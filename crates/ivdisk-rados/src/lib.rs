@@ -13,6 +13,8 @@
 
 mod config;
 mod error;
+// Only the librados store decodes lock info (its unit tests run in the default build).
+#[cfg(feature = "librados")]
 mod lock_info;
 
 #[cfg(feature = "librados")]
