@@ -201,8 +201,8 @@ linted_cargo test --workspace --all-targets --no-run
 
 # The fuzz target's build (cargo-fuzz and a nightly build with sanitizers: 5 minutes of both
 # cores on a fresh clone of this 2-core machine kind) runs in the background from here, at
-# the lowest priority: the steps below leave a core idle much of the time (the tests wait for
-# Ceph, child processes and fsync; fio; OSD restarts), and it takes only what they leave.
+# the lowest priority: the steps below wait part of the time (for Ceph, child processes,
+# fsync, fio, OSD restarts), and it takes only the CPU they leave idle.
 # Its own target directory (fuzz/target), so no lock is shared with the builds below; the
 # fuzz step waits for it.
 FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
@@ -222,20 +222,22 @@ else
   start_cluster
 fi
 
-# test_executables: "PACKAGE_DIR<TAB>EXECUTABLE" for every test binary of the build above (unit
-# tests, integration tests, benches in test mode), one a line, in cargo's order.
+# test_executables: "PACKAGE_DIR<TAB>EXECUTABLE<TAB>KIND" for every test binary of the build
+# above, one a line, in cargo's order. KIND is the target's: lib or bin (unit tests), test, or
+# bench (run once in test mode).
 test_executables() {
   # "test":true in "profile": a test harness (a binary target also comes built plainly, for
   # the tests that run it).
   linted_cargo test --workspace --all-targets --no-run --message-format=json 2>/dev/null |
     grep -E '"profile":\{[^}]*"test":true\}' |
-    sed -n 's/.*"manifest_path":"\([^"]*\)\/Cargo.toml".*"executable":"\([^"]*\)".*/\1\t\2/p'
+    sed -n 's/.*"manifest_path":"\([^"]*\)\/Cargo.toml","target":{"kind":\["\([a-z-]*\)"\].*"executable":"\([^"]*\)".*/\1\t\3\t\2/p'
 }
 
-# run_test_binary "PACKAGE_DIR<TAB>EXECUTABLE": one test binary as `cargo test` runs it (in its
-# package's directory), its output in $IVDISK_TEST_LOGS; a failure is noted there too.
+# run_test_binary "PACKAGE_DIR<TAB>EXECUTABLE<TAB>KIND": one test binary as `cargo test` runs it
+# (in its package's directory), its output in $IVDISK_TEST_LOGS; a failure is noted there too.
 run_test_binary() {
-  local dir=${1%%$'\t'*} exe=${1#*$'\t'} name log start rc=0
+  local dir exe name log start rc=0
+  IFS=$'\t' read -r dir exe _ <<<"$1"
   name=${dir##*/}/${exe##*/}
   log=$IVDISK_TEST_LOGS/${name//\//_}.log
   start=$SECONDS
@@ -267,7 +269,7 @@ run_test_binaries() {
   first=""
   for name in model crash foreign_rbd luks power_loss snapshots cli_convert concurrency \
     nbd_clients tamper lifecycle; do
-    first+=$(grep -E "/${name}-[0-9a-f]+\$" <<<"$all")$'\n' || true
+    first+=$(grep -E "/${name}-[0-9a-f]+"$'\t' <<<"$all")$'\n' || true
   done
   export -f run_test_binary
   if ! { printf '%s' "$first"; grep -vxF -f <(printf '%s' "$first" | sed '/^$/d') <<<"$all" || true; } |
@@ -305,9 +307,7 @@ fi
 # first rebuild its dependencies with that one package's features (2 minutes on a fresh clone).
 crypto_tests_with() {
   local bins bin
-  bins=$(linted_cargo test --workspace --all-targets --no-run --message-format=json 2>/dev/null |
-    grep '"reason":"compiler-artifact"' | grep 'ivdisk-crypto' | grep -v '"kind":\["bench"\]' |
-    grep -o '"executable":"[^"]*"' | cut -d'"' -f4)
+  bins=$(test_executables | awk -F'\t' '$1 ~ /\/ivdisk-crypto$/ && $3 != "bench" { print $2 }')
   if [[ -z $bins ]]; then
     echo "test-all: found no ivdisk-crypto test binaries to run with $*" >&2
     return 1
