@@ -30,9 +30,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     socket: Option<PathBuf>,
     /// Listen on TCP HOST:PORT (default 127.0.0.1:10809 when --socket is not given). There is
-    /// no TLS or authentication: anyone who can connect reads the plaintext.
+    /// no TLS or authentication: anyone who can connect reads the plaintext. A HOST other
+    /// machines can reach (0.0.0.0, a LAN address) is refused without --allow-remote.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
+    /// Let --listen take an address other machines can reach. NBD carries the disk's
+    /// plaintext with no TLS and no authentication, so anyone who reaches the port reads and
+    /// writes it: only on a network you trust. Safer: --socket, or 127.0.0.1 through an SSH
+    /// or WireGuard tunnel.
+    #[arg(long, requires = "listen")]
+    allow_remote: bool,
     /// Export read-only: no writer lock is taken, writes are refused (rbd://: opened with
     /// librbd's read-only open, no watch or exclusive lock).
     #[arg(long)]
@@ -66,7 +73,7 @@ pub fn after_help() -> String {
          without asking; encryption=none serves the raw bytes.\n\nExample:\n  ivdisk serve \
          disk.ivd --socket /tmp/disk.sock --passphrase-file pw.txt\n  nbdinfo \
          'nbd+unix:///?socket=/tmp/disk.sock'\n  ivdisk serve 'rados://rbd/vm1?id=admin' --listen \
-         0.0.0.0:10809 --export-name vm1\n  ivdisk serve 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' \
+         0.0.0.0:10809 --allow-remote --export-name vm1   # a trusted network only\n  ivdisk serve 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' \
          --socket /tmp/vm2.sock --passphrase-file pw.txt   # librbd, LUKS detected"
     )
 }
@@ -120,12 +127,56 @@ fn nbd_uri(address: &ListenAddress, export: &str) -> String {
     }
 }
 
-fn listen_address(args: &ServeArgs) -> ListenAddress {
-    match (&args.socket, &args.listen) {
-        (Some(path), _) => ListenAddress::Unix(path.clone()),
-        (None, Some(addr)) => ListenAddress::Tcp(addr.clone()),
-        (None, None) => ListenAddress::Tcp(DEFAULT_LISTEN.to_owned()),
+/// Where to listen. A TCP address other machines can reach is refused unless
+/// `--allow-remote` says so (then it is logged as a warning): the point of ivdisk is that the
+/// plaintext never leaves the client machine, and NBD here has no TLS or authentication.
+fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
+    let address = match (&args.socket, &args.listen) {
+        (Some(path), _) => return Ok(ListenAddress::Unix(path.clone())),
+        (None, Some(addr)) => addr.clone(),
+        (None, None) => DEFAULT_LISTEN.to_owned(),
+    };
+    let exposed = reachable_from_elsewhere(&address);
+    if !exposed.is_empty() {
+        let ips = exposed
+            .iter()
+            .map(|ip| ip.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        if !args.allow_remote {
+            return Err(anyhow!(
+                "refusing to serve image {} on {address}: other machines can reach it ({ips}), \
+                 and NBD here has no TLS or authentication, so anyone who reaches it reads and \
+                 writes the disk's plaintext. Listen on a Unix socket (--socket PATH) or on \
+                 127.0.0.1 and reach that through an SSH or WireGuard tunnel; on a network you \
+                 trust, add --allow-remote",
+                args.image
+            ));
+        }
+        tracing::warn!(
+            "serving image {} on {address} ({ips}) with --allow-remote: anyone who reaches \
+             it reads and writes the disk's plaintext (NBD here has no TLS or authentication)",
+            args.image
+        );
     }
+    Ok(ListenAddress::Tcp(address))
+}
+
+/// The addresses `HOST:PORT` resolves to that are not loopback addresses (the unspecified
+/// 0.0.0.0 and :: among them: they listen on every interface). Empty when it does not
+/// resolve: the bind then fails with its own error.
+fn reachable_from_elsewhere(address: &str) -> Vec<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let Ok(resolved) = address.to_socket_addrs() else {
+        return Vec::new();
+    };
+    let mut ips: Vec<_> = resolved
+        .map(|a| a.ip().to_canonical())
+        .filter(|ip| !ip.is_loopback())
+        .collect();
+    ips.sort();
+    ips.dedup();
+    ips
 }
 
 pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
@@ -135,7 +186,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
     // Bind before asking for the passphrase: a busy address should not cost an unlock.
     let listener = rt
-        .block_on(Listener::bind(&listen_address(&args)))
+        .block_on(Listener::bind(&listen_address(&args)?))
         .with_context(|| format!("serving image {uri}"))?;
     let address = listener.local_address();
     let passphrase = args.passphrase.existing()?;
@@ -327,7 +378,7 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
     // Bind before asking for a passphrase: a busy address should not cost an unlock.
     let listener = rt
-        .block_on(Listener::bind(&listen_address(&args)))
+        .block_on(Listener::bind(&listen_address(&args)?))
         .with_context(|| format!("serving rbd image {}", uri.spec()))?;
     let address = listener.local_address();
     let image = Arc::new(open_rbd(&args, &uri, rt)?);
@@ -392,5 +443,30 @@ mod tests {
             nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), ""),
             "nbd+unix:///?socket=/tmp/x.sock"
         );
+    }
+
+    #[test]
+    fn only_loopback_addresses_stay_on_this_machine() {
+        for local in [
+            "127.0.0.1:10809",
+            "127.1.2.3:0",
+            "[::1]:10809",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(reachable_from_elsewhere(local).is_empty(), "{local}");
+        }
+        let any4: std::net::IpAddr = "0.0.0.0".parse().unwrap();
+        let any6: std::net::IpAddr = "::".parse().unwrap();
+        let lan: std::net::IpAddr = "192.168.1.20".parse().unwrap();
+        assert_eq!(reachable_from_elsewhere("0.0.0.0:10809"), vec![any4]);
+        assert_eq!(reachable_from_elsewhere("[::]:10809"), vec![any6]);
+        assert_eq!(reachable_from_elsewhere("192.168.1.20:0"), vec![lan]);
+        assert_eq!(
+            reachable_from_elsewhere("[::ffff:192.168.1.20]:0"),
+            vec![lan],
+            "an IPv4-mapped address is its IPv4 address"
+        );
+        // Not an address: nothing to refuse here, the bind reports it.
+        assert!(reachable_from_elsewhere("no port").is_empty());
     }
 }

@@ -786,6 +786,35 @@ fn nbdinfo_shows_the_export_its_size_block_sizes_and_allocation_context() {
     server.stop();
 }
 
+/// A TCP address other machines can reach (here 0.0.0.0, every interface) is refused, with
+/// the ways out named and nothing listening; with `--allow-remote` the server listens there,
+/// warns, and serves (reached here through 127.0.0.1).
+#[test]
+fn an_address_other_machines_reach_needs_allow_remote() {
+    let f = Fixture::new();
+    let image = f.create("remote", "16M", &[]);
+    let err = f.serve_fails(&image, &["--listen", "0.0.0.0:0"], &[]);
+    for needed in ["refusing to serve", "0.0.0.0", "--socket", "--allow-remote"] {
+        assert!(err.contains(needed), "{needed:?} missing: {err}");
+    }
+    assert_lock_free(&f.ivdisk_path(), &image);
+
+    let server = f.start_server(&image, &["--listen", "0.0.0.0:0", "--allow-remote"], &[]);
+    let address = server.ready["address"].as_str().unwrap().to_owned();
+    let port = address
+        .strip_prefix("tcp:0.0.0.0:")
+        .unwrap_or_else(|| panic!("bound on every interface: {address}"));
+    let stderr = server.stderr();
+    assert!(
+        stderr.contains("WARN") && stderr.contains("plaintext"),
+        "the exposure is logged as a warning: {stderr}"
+    );
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &format!("nbd://127.0.0.1:{port}/")]);
+    assert_eq!(run(command).ok().stdout.trim(), (16 * MIB).to_string());
+    server.stop();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. qemu-img
 
