@@ -75,12 +75,14 @@ impl Drop for Listener {
 
 impl Listener {
     /// Bind. A Unix socket path left behind by a server that died is reused; one that a live
-    /// server answers on, or a path that is not a socket, is refused.
+    /// server answers on, or a path that is not a socket, is refused. A Unix socket is made
+    /// with mode 0600 whatever the umask: only its owner (and root) can connect, as an export
+    /// carries the disk's plaintext; loosen it with `set_permissions` after the bind.
     pub async fn bind(address: &ListenAddress) -> Result<Listener, NbdError> {
         match address {
             ListenAddress::Unix(path) => {
                 clear_stale_socket(path).await?;
-                let listener = UnixListener::bind(path).map_err(|source| NbdError::Bind {
+                let listener = bind_private_unix(path).map_err(|source| NbdError::Bind {
                     address: address.to_string(),
                     source,
                 })?;
@@ -113,6 +115,49 @@ impl Listener {
             ),
         }
     }
+}
+
+/// Bind a Unix socket at `path` with mode 0600, whatever the umask (connecting needs write
+/// permission on the socket file). It is bound in a fresh directory of mode 0700 beside
+/// `path`, given its mode there and then linked into place, so no other user can connect in
+/// between: a `chmod` after binding at `path` would leave a moment in which another user's
+/// connection is queued, to be served later. Linking fails if `path` exists (a server that
+/// bound it meanwhile keeps it). Where the staged path would be too long for a socket
+/// address, the socket is bound at `path` and its mode set at once.
+fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static STAGING: AtomicU32 = AtomicU32::new(0);
+    const SUN_PATH_MAX: usize = 107;
+    let private = || std::fs::Permissions::from_mode(0o600);
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let dir = parent.join(format!(
+        ".ivdisk-{}-{}",
+        std::process::id(),
+        STAGING.fetch_add(1, Ordering::Relaxed)
+    ));
+    let staged = dir.join("s");
+    if staged.as_os_str().as_bytes().len() > SUN_PATH_MAX {
+        let listener = UnixListener::bind(path)?;
+        if let Err(e) = std::fs::set_permissions(path, private()) {
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
+        return Ok(listener);
+    }
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    let bound = UnixListener::bind(&staged).and_then(|listener| {
+        std::fs::set_permissions(&staged, private())?;
+        std::fs::hard_link(&staged, path)?;
+        Ok(listener)
+    });
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&dir);
+    bound
 }
 
 async fn clear_stale_socket(path: &Path) -> Result<(), NbdError> {

@@ -713,6 +713,30 @@ async fn shutdown_finishes_requests_in_flight() {
     assert!(!path.exists(), "the socket file is removed");
 }
 
+/// The socket file lets only its owner connect (mode 0600 under the usual umask 022, which
+/// would give 0755), and binding leaves nothing else beside it.
+#[tokio::test]
+async fn the_socket_is_private_to_its_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let mode = std::fs::metadata(&server.path)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+    let dir = server.path.parent().unwrap();
+    let names: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["nbd.sock"], "the staging directory is gone");
+    let mut client = Client::attach(&server, false).await;
+    client.send(CMD_FLUSH, 0, 1, 0, 0).await;
+    assert_eq!(client.status().await, (1, 0));
+    client.send(CMD_DISC, 0, 2, 0, 0).await;
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_live_socket_is_not_taken_over_and_a_stale_one_is() {
     let server = Server::start(MemoryDevice::new(false)).await;

@@ -27,8 +27,14 @@ pub struct ServeArgs {
     #[arg(help = image_or_rbd_help())]
     image: String,
     /// Listen on this Unix socket (created; a stale one left by a dead server is replaced).
+    /// Only you (and root) can connect to it unless --socket-mode says otherwise.
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     socket: Option<PathBuf>,
+    /// Permissions of the --socket file, in octal (default 600). Connecting needs write
+    /// permission on it: 660 lets the file's group attach too (a hypervisor's user, say,
+    /// after `chgrp`). Whoever can connect reads and writes the disk's plaintext.
+    #[arg(long, value_name = "OCTAL", value_parser = parse_socket_mode, requires = "socket")]
+    socket_mode: Option<u32>,
     /// Listen on TCP HOST:PORT (default 127.0.0.1:10809 when --socket is not given). There is
     /// no TLS or authentication: anyone who can connect reads the plaintext. A HOST other
     /// machines can reach (0.0.0.0, a LAN address) is refused without --allow-remote.
@@ -145,12 +151,11 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
             .join(", ");
         if !args.allow_remote {
             return Err(anyhow!(
-                "refusing to serve image {} on {address}: other machines can reach it ({ips}), \
-                 and NBD here has no TLS or authentication, so anyone who reaches it reads and \
-                 writes the disk's plaintext. Listen on a Unix socket (--socket PATH) or on \
-                 127.0.0.1 and reach that through an SSH or WireGuard tunnel; on a network you \
-                 trust, add --allow-remote",
-                args.image
+                "refusing to listen on {address}: other machines can reach it ({ips}), and NBD \
+                 here has no TLS or authentication, so anyone who reaches it reads and writes \
+                 the disk's plaintext. Listen on a Unix socket (--socket PATH) or on 127.0.0.1 \
+                 and reach that through an SSH or WireGuard tunnel; on a network you trust, add \
+                 --allow-remote"
             ));
         }
         tracing::warn!(
@@ -160,6 +165,27 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
         );
     }
     Ok(ListenAddress::Tcp(address))
+}
+
+/// `--socket-mode`: octal permission bits, at most 777.
+fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
+    u32::from_str_radix(text, 8)
+        .ok()
+        .filter(|mode| *mode <= 0o777)
+        .ok_or_else(|| format!("{text:?} is not an octal mode from 0 to 777 (for example 660)"))
+}
+
+/// Bind where the arguments say (before any passphrase is asked for: a busy or refused address
+/// should not cost an unlock), and give a Unix socket the mode `--socket-mode` asks for.
+fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Listener> {
+    let address = listen_address(args)?;
+    let listener = rt.block_on(Listener::bind(&address))?;
+    if let (Some(mode), ListenAddress::Unix(path)) = (args.socket_mode, &address) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("setting mode {mode:o} on socket {}", path.display()))?;
+    }
+    Ok(listener)
 }
 
 /// The addresses `HOST:PORT` resolves to that are not loopback addresses (the unspecified
@@ -184,10 +210,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         return run_rbd(args, rt);
     }
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
-    // Bind before asking for the passphrase: a busy address should not cost an unlock.
-    let listener = rt
-        .block_on(Listener::bind(&listen_address(&args)?))
-        .with_context(|| format!("serving image {uri}"))?;
+    let listener = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
     let address = listener.local_address();
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.
@@ -376,10 +399,7 @@ fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
 
 fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
-    // Bind before asking for a passphrase: a busy address should not cost an unlock.
-    let listener = rt
-        .block_on(Listener::bind(&listen_address(&args)?))
-        .with_context(|| format!("serving rbd image {}", uri.spec()))?;
+    let listener = bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
     let address = listener.local_address();
     let image = Arc::new(open_rbd(&args, &uri, rt)?);
     let encryption = image.encryption().map_or("none", |f| f.name());
@@ -468,5 +488,15 @@ mod tests {
         );
         // Not an address: nothing to refuse here, the bind reports it.
         assert!(reachable_from_elsewhere("no port").is_empty());
+    }
+
+    #[test]
+    fn socket_modes_are_octal_permission_bits() {
+        assert_eq!(parse_socket_mode("600"), Ok(0o600));
+        assert_eq!(parse_socket_mode("0660"), Ok(0o660));
+        assert_eq!(parse_socket_mode("777"), Ok(0o777));
+        for bad in ["1000", "8", "rw", "", "-1"] {
+            assert!(parse_socket_mode(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -415,8 +415,13 @@ impl Fixture {
     /// Start `ivdisk serve --json` and wait for its ready line (it is printed once the
     /// socket listens and the image is open).
     fn start_server(&self, image: &Path, listen: &[&str], extra: &[&str]) -> Server {
+        self.start_server_as(self.serve_command(image, listen, extra), image, listen)
+    }
+
+    /// [`Fixture::start_server`] of a command built by the caller from
+    /// [`Fixture::serve_command`] (run through a shell that sets its umask first, say).
+    fn start_server_as(&self, mut command: Command, image: &Path, listen: &[&str]) -> Server {
         let stderr_path = self.unique("serve", ".stderr");
-        let mut command = self.serve_command(image, listen, extra);
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -794,7 +799,12 @@ fn an_address_other_machines_reach_needs_allow_remote() {
     let f = Fixture::new();
     let image = f.create("remote", "16M", &[]);
     let err = f.serve_fails(&image, &["--listen", "0.0.0.0:0"], &[]);
-    for needed in ["refusing to serve", "0.0.0.0", "--socket", "--allow-remote"] {
+    for needed in [
+        "serving image",
+        "refusing to listen on 0.0.0.0:0",
+        "--socket",
+        "--allow-remote",
+    ] {
         assert!(err.contains(needed), "{needed:?} missing: {err}");
     }
     assert_lock_free(&f.ivdisk_path(), &image);
@@ -813,6 +823,40 @@ fn an_address_other_machines_reach_needs_allow_remote() {
     command.args(["--size", &format!("nbd://127.0.0.1:{port}/")]);
     assert_eq!(run(command).ok().stdout.trim(), (16 * MIB).to_string());
     server.stop();
+}
+
+/// The Unix socket lets only its owner connect (mode 0600, whatever the umask: the server
+/// runs here under umask 000); `--socket-mode 660` opens it to the file's group, and a mode
+/// that is not octal permission bits is refused.
+#[test]
+fn the_socket_is_private_unless_socket_mode_says_otherwise() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = Fixture::new();
+    let image = f.create("private", "16M", &[]);
+    let mode =
+        |server: &Server| fs::metadata(server.socket()).unwrap().permissions().mode() & 0o777;
+    let socket = f.unique("nbd", ".sock");
+    let listen = ["--socket", s(&socket)];
+    let serve = f.serve_command(&image, &listen, &[]);
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", "umask 000 && exec \"$0\" \"$@\""])
+        .arg(serve.get_program())
+        .args(serve.get_args())
+        .current_dir(f.dir.path());
+    let server = f.start_server_as(command, &image, &listen);
+    assert_eq!(mode(&server), 0o600);
+    f.qemu_io(&server.uri, &["write -P 0x21 0 4k"]).ok();
+    server.stop();
+
+    let server = f.serve(&image, &["--socket-mode", "660"]);
+    assert_eq!(mode(&server), 0o660);
+    f.qemu_io(&server.uri, &["read -P 0x21 0 4k"]).ok();
+    server.stop();
+
+    let ran = run(f.serve_command(&image, &["--socket", "x.sock"], &["--socket-mode", "rw"]));
+    assert_eq!(ran.status.code(), Some(2), "a usage error: {}", ran.stderr);
+    assert!(ran.stderr.contains("octal"), "{}", ran.stderr);
 }
 
 // ---------------------------------------------------------------------------------------------
