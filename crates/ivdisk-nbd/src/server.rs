@@ -123,7 +123,8 @@ impl Listener {
 /// between: a `chmod` after binding at `path` would leave a moment in which another user's
 /// connection is queued, to be served later. Linking fails if `path` exists (a server that
 /// bound it meanwhile keeps it). Where the staged path would be too long for a socket
-/// address, the socket is bound at `path` and its mode set at once.
+/// address, or the file system refuses the link, the socket is bound at `path` and its mode
+/// set at once.
 fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -141,23 +142,41 @@ fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
         STAGING.fetch_add(1, Ordering::Relaxed)
     ));
     let staged = dir.join("s");
-    if staged.as_os_str().as_bytes().len() > SUN_PATH_MAX {
+    let bind_in_place = || {
         let listener = UnixListener::bind(path)?;
         if let Err(e) = std::fs::set_permissions(path, private()) {
             let _ = std::fs::remove_file(path);
             return Err(e);
         }
-        return Ok(listener);
+        Ok(listener)
+    };
+    if staged.as_os_str().as_bytes().len() > SUN_PATH_MAX {
+        return bind_in_place();
     }
     std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
-    let bound = UnixListener::bind(&staged).and_then(|listener| {
-        std::fs::set_permissions(&staged, private())?;
-        std::fs::hard_link(&staged, path)?;
-        Ok(listener)
-    });
-    let _ = std::fs::remove_file(&staged);
-    let _ = std::fs::remove_dir(&dir);
-    bound
+    let clean_up = || {
+        let _ = std::fs::remove_file(&staged);
+        let _ = std::fs::remove_dir(&dir);
+    };
+    let listener = match UnixListener::bind(&staged)
+        .and_then(|listener| std::fs::set_permissions(&staged, private()).map(|()| listener))
+    {
+        Ok(listener) => listener,
+        Err(e) => {
+            clean_up();
+            return Err(e);
+        }
+    };
+    let linked = std::fs::hard_link(&staged, path);
+    clean_up();
+    match linked {
+        Ok(()) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(e),
+        Err(_) => {
+            drop(listener);
+            bind_in_place()
+        }
+    }
 }
 
 async fn clear_stale_socket(path: &Path) -> Result<(), NbdError> {
@@ -352,5 +371,47 @@ async fn connection<S: ClientSocket>(
     let (reader, writer) = stream.into_halves();
     match transmit(reader, writer, peer, negotiated, stopped).await? {
         Ending::Disconnect | Ending::Shutdown => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// A path that leaves no room for the staging directory is bound in place, still 0600;
+    /// a path that exists is refused and left as it was; nothing is left beside either.
+    #[tokio::test]
+    async fn long_paths_are_bound_in_place_and_existing_ones_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory whose path is 100 bytes long: `long` fits a socket address (102 bytes
+        // of the 107), the staging directory's socket beside it would not.
+        let room = 100 - dir.path().as_os_str().as_bytes().len() - 1;
+        let deep = dir.path().join("d".repeat(room));
+        std::fs::create_dir(&deep).unwrap();
+        let long = deep.join("s");
+        let listener = bind_private_unix(&long).unwrap();
+        assert_eq!(mode(&long), 0o600);
+        UnixStream::connect(&long).await.unwrap();
+        drop(listener);
+
+        let taken = dir.path().join("taken");
+        std::fs::write(&taken, b"mine").unwrap();
+        let err = bind_private_unix(&taken).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists, "{err}");
+        assert_eq!(std::fs::read(&taken).unwrap(), b"mine");
+        let beside: Vec<_> = std::fs::read_dir(&deep).unwrap().collect();
+        assert_eq!(beside.len(), 1, "only the socket: {beside:?}");
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["d".repeat(room), "taken".into()]);
     }
 }
