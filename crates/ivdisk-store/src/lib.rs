@@ -24,6 +24,7 @@ mod ffi_writeback;
 mod free_space;
 mod local;
 mod memory;
+pub mod process_flock;
 mod types;
 mod wal_check;
 

@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -25,13 +25,14 @@ use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags};
-use rustix::fs::{fallocate, flock, FallocateFlags, FlockOperation};
+use rustix::fs::{fallocate, FallocateFlags};
 
 use crate::engine::{
     delegate_object_store, random_client_id, Client, Engine, EngineHandle, Lifetime, MetaSource,
     Request, SegmentMark, Segments, WalFile,
 };
 use crate::free_space::FreeSpace;
+use crate::process_flock::{lock_exclusive, FlockRefused, HeldFlock};
 use crate::StoreError;
 
 /// A data segment is closed and a new one started past this size.
@@ -838,12 +839,12 @@ impl Segments for FileSegments {
 
 /// The exclusive hold on a store directory, released when the store is closed.
 struct DirectoryLock {
-    _file: File,
+    _lock: HeldFlock,
 }
 
 fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
     let path = dir.join("LOCK");
-    let mut file = OpenOptions::new()
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
@@ -857,19 +858,41 @@ fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
             },
             _ => StoreError::io(format!("opening {}", path.display()))(e),
         })?;
-    if flock(&file, FlockOperation::NonBlockingLockExclusive).is_err() {
-        let mut pid = String::new();
-        let _ = file.read_to_string(&mut pid);
-        return Err(StoreError::AlreadyOpen {
-            path: dir.display().to_string(),
-            pid: pid.trim().to_owned(),
-        });
-    }
+    let ours = std::process::id().to_string();
+    let mut holder = String::new();
+    // The file holds the pid of the last process that took the lock.
+    let read_holder = |file: &mut File, holder: &mut String| {
+        holder.clear();
+        let _ = file.rewind();
+        let _ = file.read_to_string(holder);
+        *holder = holder.trim().to_owned();
+    };
+    let lock = match lock_exclusive(file, |file| {
+        read_holder(file, &mut holder);
+        holder == ours
+    }) {
+        Ok(lock) => lock,
+        Err((_, FlockRefused::HeldHere)) => {
+            return Err(StoreError::AlreadyOpen {
+                path: dir.display().to_string(),
+                pid: ours,
+            })
+        }
+        Err((mut file, FlockRefused::HeldElsewhere)) => {
+            read_holder(&mut file, &mut holder);
+            return Err(StoreError::AlreadyOpen {
+                path: dir.display().to_string(),
+                pid: holder,
+            });
+        }
+        Err((_, FlockRefused::Io(e))) => {
+            return Err(StoreError::io(format!("locking {}", path.display()))(e))
+        }
+    };
     // Overwrite, then cut: a second opener reading concurrently never sees an empty file.
-    let pid = std::process::id().to_string();
-    let _ = file.write_all_at(pid.as_bytes(), 0);
-    let _ = file.set_len(pid.len() as u64);
-    Ok(DirectoryLock { _file: file })
+    let _ = lock.file().write_all_at(ours.as_bytes(), 0);
+    let _ = lock.file().set_len(ours.len() as u64);
+    Ok(DirectoryLock { _lock: lock })
 }
 
 /// What opening a store found and repaired after an unclean stop.
@@ -913,7 +936,8 @@ impl LocalStore {
     ) -> Result<Self, StoreError> {
         let dir = dir.as_ref();
         let meta = dir.join("meta.sqlite");
-        if !meta.exists() {
+        let creating = !meta.exists();
+        if creating {
             if !options.create {
                 return Err(StoreError::Io {
                     context: format!("{} holds no ivdisk store", dir.display()),
@@ -986,6 +1010,22 @@ impl LocalStore {
             }
         };
         let segments = FileSegments::open(dir.join("data"), &db, !was_clean)?;
+        if creating {
+            // A store that `open_with` returned survives a power cut: its schema is moved into
+            // `meta.sqlite` and synced, and so are the directory entries down to the store.
+            db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+            for d in [
+                Some(dir),
+                dir.parent().filter(|p| !p.as_os_str().is_empty()),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                File::open(d)
+                    .and_then(|d| d.sync_all())
+                    .map_err(StoreError::io_with(|| format!("syncing {}", d.display())))?;
+            }
+        }
         report.dropped_data_bytes = segments.dropped_at_open;
         report.reclaimed_bytes = segments.reclaimed_at_open;
         let wal = WalFile {

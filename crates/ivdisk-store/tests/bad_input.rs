@@ -327,8 +327,15 @@ async fn second_opener_in_this_process_gets_already_open() {
     let store = LocalStore::open_with(&path, &CREATE).unwrap();
     store.write(&name("o"), 0, b"first").await.unwrap();
     for options in [LocalStoreOptions { create: false }, CREATE] {
+        let started = std::time::Instant::now();
         match LocalStore::open_with(&path, &options) {
             Err(e @ StoreError::AlreadyOpen { .. }) => {
+                // Not the wait for a lock a forked child shares (see the next test).
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(4),
+                    "the refusal took {:?}",
+                    started.elapsed()
+                );
                 let StoreError::AlreadyOpen { path: p, pid } = &e else {
                     unreachable!()
                 };
@@ -721,6 +728,51 @@ async fn full_disk_during_metadata_updates() {
     drop(store);
     drop(fs);
     assert!(problems.is_empty(), "problems:\n{}", problems.join("\n"));
+}
+
+/// A child process forked by any thread shares the open file description of the store's
+/// `LOCK`, and with it the `flock`, until it `exec`s. A store closed and reopened in that
+/// window must wait for it, not report that the store is open: the test holds the lock on
+/// another description of the file, as such a child does, and lets it go after a while.
+#[tokio::test]
+async fn a_lock_only_a_forking_child_shares_is_waited_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    store.write(&name("o"), 0, b"kept").await.unwrap();
+    drop(store);
+
+    let hold = |for_how_long: std::time::Duration| {
+        let lock = std::fs::File::open(path.join("LOCK")).unwrap();
+        lock.try_lock()
+            .expect("the store's lock is free once it is closed");
+        std::thread::spawn(move || {
+            std::thread::sleep(for_how_long);
+            drop(lock);
+        })
+    };
+    let child = hold(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let store = LocalStore::open(&path).expect("the reopen waits for the child's exec");
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(250),
+        "the lock was held by another description, the open cannot have had it at once"
+    );
+    assert_eq!(store.read(&name("o"), 0, 10).await.unwrap(), b"kept");
+    drop(store);
+    child.join().unwrap();
+
+    // A holder that never lets go (a child that does not exec) is reported, naming our pid.
+    let child = hold(std::time::Duration::from_secs(8));
+    match LocalStore::open(&path) {
+        Err(StoreError::AlreadyOpen { pid, .. }) => {
+            assert_eq!(pid, std::process::id().to_string())
+        }
+        Err(e) => panic!("expected AlreadyOpen, got {e}"),
+        Ok(_) => panic!("opened a store whose lock another description holds"),
+    }
+    child.join().unwrap();
+    LocalStore::open(&path).expect("the lock is free again");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -223,6 +223,8 @@ struct Shared {
     watermark: Mutex<[u64; OBJECTS]>,
     /// Set right after the cut: the writers stop.
     stop: AtomicBool,
+    /// Set once the store's open (or creation) has returned.
+    opened: AtomicBool,
 }
 
 fn snapshot(values: &[AtomicU64]) -> [u64; OBJECTS] {
@@ -231,6 +233,8 @@ fn snapshot(values: &[AtomicU64]) -> [u64; OBJECTS] {
 
 /// What the cut thread saw.
 struct CutRecord {
+    /// The store's open had returned before the cut: a store created in this round exists.
+    opened: bool,
     watermark: [u64; OBJECTS],
     submitted: [u64; OBJECTS],
     acked: [u64; OBJECTS],
@@ -248,7 +252,8 @@ struct Expect {
 /// How a round runs.
 #[derive(Clone, Copy)]
 struct Plan {
-    /// Create the store (the first round).
+    /// Create the store: the first round, and the next ones until a cut lands after the
+    /// creation returned (a cut before that may leave no store, or a partial one).
     create: bool,
     /// Seed of the writers' and flusher's choices.
     seed: u64,
@@ -274,6 +279,7 @@ async fn run_round(
         },
     )
     .map_err(|e| format!("reopening the store after the cut: {e}"))?;
+    shared.opened.store(true, Ordering::SeqCst);
     let report = store.recovery_report();
     let mut gens = [0u64; OBJECTS];
     for k in 0..OBJECTS {
@@ -373,6 +379,8 @@ fn variant(round: u64) -> usize {
 struct Totals {
     cuts: [u64; 2],
     early: u64,
+    /// Cuts before the store's creation had returned.
+    cut_while_creating: u64,
     long: u64,
     rare_flushes: u64,
     checkpoints: u64,
@@ -418,6 +426,30 @@ fn power_loss_consistency() {
         .build()
         .unwrap();
 
+    // A store survives a cut right after its creation returned, before anything was written
+    // or flushed (what `ivdisk create` and any other creator count on).
+    {
+        let (live, disk) = (root.join("created-live"), root.join("created-disk"));
+        std::fs::create_dir_all(&disk).unwrap();
+        fault_io::start(&live, &disk);
+        let store = LocalStore::open_with(&live, &LocalStoreOptions { create: true })
+            .expect("creating a store");
+        let cut = fault_io::cut().expect("the cut right after creating the store");
+        drop(store);
+        assert!(
+            cut.syncs
+                .get(Path::new("meta.sqlite"))
+                .is_some_and(|&n| n > 0),
+            "creating the store synced its metadata: {:?}",
+            cut.syncs
+        );
+        let after = LocalStore::open(&disk)
+            .unwrap_or_else(|e| panic!("the store created before the cut is gone: {e}"));
+        runtime.block_on(async {
+            assert_eq!(after.list("").await.unwrap(), Vec::new());
+        });
+    }
+
     let started = Instant::now();
     let mut models: Vec<Model> = (0..OBJECTS).map(|_| Model::new()).collect();
     let mut expect = Expect {
@@ -427,6 +459,7 @@ fn power_loss_consistency() {
     let mut totals = Totals::default();
     let mut failure: Option<String> = None;
     let mut final_acked = [0u64; OBJECTS];
+    let mut created = false;
 
     for round in 0..=rounds {
         let last = round == rounds;
@@ -436,6 +469,7 @@ fn power_loss_consistency() {
             acked: expect.at_least.iter().map(|&g| AtomicU64::new(g)).collect(),
             watermark: Mutex::new(expect.at_least),
             stop: AtomicBool::new(false),
+            opened: AtomicBool::new(false),
         });
         let (ready_tx, ready_rx) = mpsc::channel();
         // One cut in eight lands early, while the store opens and recovers. One round in ten
@@ -465,14 +499,17 @@ fn power_loss_consistency() {
                 } else if early || ready_rx.recv().is_ok() {
                     std::thread::sleep(delay);
                 }
-                // Read before the cut: a flush counts only if it had completed.
+                // Read before the cut: a flush counts only if it had completed, a creation
+                // only if it had returned.
                 let watermark = *shared.watermark.lock().unwrap();
+                let opened = shared.opened.load(Ordering::SeqCst);
                 let cut = if last {
                     Err("no cut".into())
                 } else {
                     fault_io::cut()
                 };
                 let record = CutRecord {
+                    opened,
                     watermark,
                     // Read after the cut: every operation the image can hold was submitted.
                     submitted: snapshot(&shared.submitted),
@@ -491,7 +528,7 @@ fn power_loss_consistency() {
             shared.clone(),
             ready_tx,
             Plan {
-                create: round == 0,
+                create: !created,
                 seed: rng.next(),
                 rare_flushes,
             },
@@ -525,6 +562,8 @@ fn power_loss_consistency() {
             final_acked = snapshot(&shared.acked);
             break;
         }
+        created |= record.opened;
+        totals.cut_while_creating += !created as u64;
         let cut = match record.cut {
             Ok(cut) => cut,
             Err(e) => {
@@ -578,12 +617,13 @@ fn power_loss_consistency() {
     let elapsed = started.elapsed();
     println!(
         "power-loss test: {} cuts keeping synced writes only, {} also keeping a random subset of \
-         the unsynced ones ({} early, in opening/recovery; {} after a long run; {} with rare \
+         the unsynced ones ({} early, in opening/recovery, {} of them while creating the store; {} after a long run; {} with rare \
          flushes) in {:.1} s ({:.1} s opening, checking and writing, {:.1} s closing and building disk images); final \
          generations {:?}",
         totals.cuts[0],
         totals.cuts[1],
         totals.early,
+        totals.cut_while_creating,
         totals.long,
         totals.rare_flushes,
         elapsed.as_secs_f64(),

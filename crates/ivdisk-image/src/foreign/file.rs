@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use ivdisk_header::{Header, HeaderError};
+use ivdisk_store::process_flock::{lock_exclusive, FlockRefused, HeldFlock};
 use ivdisk_store::{
     Extent, LockRequest, Locker, NumberedNames, ObjectName, ObjectStore, ReadOp, ReadResult,
     ReadStep, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
@@ -179,7 +180,7 @@ pub(crate) async fn open_file(
 /// The held flock: its own descriptor (dropping it releases the lock) and the cookie of the
 /// writer lock it stands for.
 struct HeldLock {
-    _file: File,
+    _file: HeldFlock,
     name: String,
     cookie: String,
     description: String,
@@ -306,6 +307,11 @@ impl LuksFileStore {
 
     /// Who holds the flock on the file, from /proc/locks (best effort).
     fn flock_holder(&self) -> Option<String> {
+        self.flock_holder_pid().map(|pid| format!("process {pid}"))
+    }
+
+    /// The process that took the flock held on the file, from /proc/locks (best effort).
+    fn flock_holder_pid(&self) -> Option<u32> {
         let meta = std::fs::metadata(&self.path).ok()?;
         let dev = meta.dev();
         let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
@@ -315,11 +321,11 @@ impl LuksFileStore {
         locks.lines().find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
             // "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"
-            let pid = *fields.get(4)?;
+            let pid = fields.get(4)?.parse().ok()?;
             (fields.get(1) == Some(&"FLOCK")
                 && fields.get(3) == Some(&"WRITE")
                 && fields.get(5) == Some(&wanted.as_str()))
-            .then(|| format!("process {pid}"))
+            .then_some(pid)
         })
     }
 }
@@ -453,9 +459,19 @@ impl ObjectStore for LuksFileStore {
             });
         }
         let file = File::open(&self.path).map_err(self.io("opening (to lock)"))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
+        // A flock last taken by this process and held by no open of it: a child forked by
+        // one of our threads shares it until its exec (see `process_flock`).
+        let ours = std::process::id();
+        let file = match lock_exclusive(file, |_| self.flock_holder_pid() == Some(ours)) {
+            Ok(lock) => lock,
+            Err((_, FlockRefused::HeldHere)) => {
+                return Err(StoreError::Busy {
+                    object: object.to_string(),
+                    lock: request.name,
+                    holder: format!("another open of the file in this process ({ours})"),
+                })
+            }
+            Err((_, FlockRefused::HeldElsewhere)) => {
                 return Err(StoreError::Busy {
                     object: object.to_string(),
                     lock: request.name,
@@ -464,8 +480,8 @@ impl ObjectStore for LuksFileStore {
                     }),
                 })
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(self.io("locking")(e)),
-        }
+            Err((_, FlockRefused::Io(e))) => return Err(self.io("locking")(e)),
+        };
         *held = Some(HeldLock {
             _file: file,
             name: request.name,
