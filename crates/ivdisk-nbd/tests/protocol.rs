@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,12 +25,17 @@ const SIZE: u64 = 1 << 20;
 const SLOW_OFFSET: u64 = 0x8000;
 const BAD_OFFSET: u64 = 0x4000;
 
-/// Memory with a slow spot (reads at SLOW_OFFSET take 300 ms), a bad sector (reads touching
-/// [BAD_OFFSET, +4096) fail authentication) and a flush counter.
+/// Memory with a slow spot (a read at SLOW_OFFSET waits until another read was served, 5 s
+/// at most; a write there takes 300 ms), a bad sector (reads touching [BAD_OFFSET, +4096) fail
+/// authentication) and a flush counter.
 #[derive(Default)]
 struct MemoryDevice {
     bytes: Mutex<Vec<u8>>,
     flushes: AtomicU64,
+    /// Reads served (the slow read waits for one).
+    served: AtomicU64,
+    /// A write at SLOW_OFFSET has reached the device.
+    slow_write_entered: AtomicBool,
     read_only: bool,
     /// 4 KiB blocks ever written, for block status.
     written: Mutex<HashSet<u64>>,
@@ -56,7 +61,17 @@ impl BlockDevice for MemoryDevice {
     }
     async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         if offset == SLOW_OFFSET {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Overtaken for sure, however slow the machine: only a server that answers in
+            // order waits here the whole time (and then fails the test that relies on this).
+            let before = self.served.load(Ordering::SeqCst);
+            let started = std::time::Instant::now();
+            while self.served.load(Ordering::SeqCst) == before
+                && started.elapsed() < Duration::from_secs(5)
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            // (And for its reply to be sent.)
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let end = offset + buf.len() as u64;
         if offset < BAD_OFFSET + 4096 && end > BAD_OFFSET {
@@ -66,10 +81,12 @@ impl BlockDevice for MemoryDevice {
             ));
         }
         buf.copy_from_slice(&self.bytes.lock().unwrap()[offset as usize..end as usize]);
+        self.served.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
     async fn write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         if offset == SLOW_OFFSET {
+            self.slow_write_entered.store(true, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
         self.bytes.lock().unwrap()[offset as usize..offset as usize + data.len()]
@@ -696,7 +713,9 @@ async fn shutdown_finishes_requests_in_flight() {
     let data = pattern(4096, 5);
     client.write(1, SLOW_OFFSET, &data, 0).await;
     // Let the request reach the device, then stop the server while it sleeps there.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    while !device.slow_write_entered.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let path = server.path.clone();
     let stats = server.stop().await;
     assert_eq!(stats.connections, 1);
