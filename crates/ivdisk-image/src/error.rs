@@ -200,4 +200,17 @@ impl ImageError {
     pub fn is_integrity(&self) -> bool {
         matches!(self, ImageError::Integrity { .. })
     }
+
+    /// Whether the store behind the image is out of space (a full file system, a disk quota,
+    /// `ENOSPC`/`EDQUOT` from Ceph): nothing of the request was applied, and it can be retried
+    /// once space is freed.
+    pub fn is_no_space(&self) -> bool {
+        matches!(
+            self,
+            ImageError::Store {
+                source: StoreError::NoSpace { .. },
+                ..
+            }
+        )
+    }
 }

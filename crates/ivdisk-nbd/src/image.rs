@@ -16,6 +16,9 @@ fn device_error(error: ImageError) -> DeviceError {
         ImageError::ReadOnly { .. } => DeviceErrorKind::ReadOnly,
         ImageError::OutOfRange { .. } => DeviceErrorKind::OutOfRange,
         ImageError::InvalidParameter { .. } => DeviceErrorKind::Invalid,
+        // ENOSPC, not EIO: qemu's default (`werror=enospc`) then pauses the guest until space
+        // is freed, where EIO would fail the guest's write.
+        _ if error.is_no_space() => DeviceErrorKind::NoSpace,
         _ => DeviceErrorKind::Io,
     };
     DeviceError::new(kind, error.to_string())

@@ -508,6 +508,11 @@ impl Context {
                     DeviceErrorKind::Io => {
                         tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed")
                     }
+                    // The client sees ENOSPC (qemu pauses its guest); whoever must free space
+                    // learns it here.
+                    DeviceErrorKind::NoSpace => {
+                        tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed: the storage is full")
+                    }
                     _ => {
                         tracing::debug!(cookie = request.cookie, command = request.command, error = %error.message, "request refused")
                     }

@@ -108,12 +108,17 @@ impl StoreError {
 
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
         let context = context.into();
-        move |source| {
-            if source.raw_os_error() == Some(libc::ENOSPC) {
-                StoreError::NoSpace { context }
-            } else {
-                StoreError::Io { context, source }
-            }
+        move |source| StoreError::from_io(context, source)
+    }
+
+    /// `source`, met while `context`, as the store reports it: a full file system or an
+    /// exhausted disk quota is [`StoreError::NoSpace`] (what the user must do is the same, and
+    /// the NBD server answers it with ENOSPC, on which qemu pauses the guest by default instead
+    /// of failing its IO); anything else is [`StoreError::Io`].
+    pub fn from_io(context: String, source: io::Error) -> StoreError {
+        match source.raw_os_error() {
+            Some(libc::ENOSPC | libc::EDQUOT) => StoreError::NoSpace { context },
+            _ => StoreError::Io { context, source },
         }
     }
 }
@@ -128,5 +133,30 @@ impl From<rusqlite::Error> for StoreError {
             }
         }
         StoreError::Database(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_file_system_or_quota_is_no_space_and_other_errors_stay_io() {
+        for errno in [libc::ENOSPC, libc::EDQUOT] {
+            let e = StoreError::from_io("writing seg".into(), io::Error::from_raw_os_error(errno));
+            assert!(
+                matches!(&e, StoreError::NoSpace { context } if context == "writing seg"),
+                "errno {errno}: {e:?}"
+            );
+            assert!(e.to_string().contains("free space and retry"), "{e}");
+        }
+        let e = StoreError::from_io(
+            "reading seg".into(),
+            io::Error::from_raw_os_error(libc::EIO),
+        );
+        assert!(
+            matches!(&e, StoreError::Io { source, .. } if source.raw_os_error() == Some(libc::EIO)),
+            "{e:?}"
+        );
     }
 }

@@ -10,8 +10,9 @@
 //! Debian package to install (scripts/install-deps.sh installs them all).
 //!
 //! The tests at the end of the file were bug reports first: a LUKS file zeroed over NBD must
-//! read as zeros in qemu too, SIGTERM must not wait for a stalled client, and `info`/`lock
-//! status` work on LUKS files.
+//! read as zeros in qemu too, SIGTERM must not wait for a stalled client, `info`/`lock
+//! status` work on LUKS files, and a full file system is ENOSPC to the client, not EIO (on a
+//! tmpfs the test mounts: it needs root).
 
 mod common;
 
@@ -1826,4 +1827,193 @@ fn a_snapshot_is_served_read_only_and_keeps_its_content() {
     let missing = f.ivdisk(&["snap", "rm", &at]).failed().text();
     assert!(missing.contains("no snapshot named `monday`"), "{missing}");
     f.ivdisk(&["delete", s(&image), "--yes"]).ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. A full file system (a bug report first: a full disk reached clients as EIO)
+
+/// A tmpfs of `size` mounted at `at` (a fresh directory) until dropped: a file system that
+/// fills up. Lazily unmounted on drop, also when a test fails.
+struct SmallFileSystem {
+    at: PathBuf,
+}
+
+impl SmallFileSystem {
+    fn mount(at: &Path, size: &str) -> SmallFileSystem {
+        fs::create_dir_all(at).unwrap();
+        let mut command = Command::new(program("mount"));
+        command
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at);
+        let ran = run(command);
+        assert!(
+            ran.status.success(),
+            "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs that fills up: {}",
+            ran.text()
+        );
+        SmallFileSystem { at: at.to_owned() }
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let _ = Command::new(program("umount"))
+            .arg("-l")
+            .arg(&self.at)
+            .status();
+    }
+}
+
+/// qemu-io writes of 8 MiB (byte pattern `i + 1` at `8 MiB * i`), each followed by a flush,
+/// from `first` on until one fails. Returns the writes that were flushed and the failure's
+/// output. Panics if `limit` writes all succeed.
+fn fill_until_full(f: &Fixture, uri: &str, first: u64, limit: u64) -> (Vec<u64>, String) {
+    let mut flushed = Vec::new();
+    for i in first..first + limit {
+        let ran = f.qemu_io(
+            uri,
+            &[&format!("write -P {} {}M 8M", i + 1, i * 8), "flush"],
+        );
+        if !ran.status.success() {
+            return (flushed, ran.text());
+        }
+        flushed.push(i);
+    }
+    panic!("{limit} writes of 8 MiB fit on a file system that should have filled up");
+}
+
+/// qemu-io reads checking that every flushed 8 MiB write reads back with its pattern.
+fn check_flushed(f: &Fixture, uri: &str, flushed: &[u64]) {
+    let reads: Vec<String> = flushed
+        .iter()
+        .map(|i| format!("read -P {} {}M 8M", i + 1, i * 8))
+        .collect();
+    let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+    let ran = f.qemu_io(uri, &reads).ok();
+    assert!(
+        !ran.text().contains("Pattern verification failed"),
+        "a write flushed before the disk filled up reads back wrong: {}",
+        ran.text()
+    );
+}
+
+/// What a full disk must look like from outside: the write that did not fit failed with
+/// ENOSPC, the server still runs, and reads (on the still full disk) return every write
+/// flushed before.
+fn assert_refused_for_space_only(f: &Fixture, server: &mut Server, failure: &str, flushed: &[u64]) {
+    assert!(
+        failure.contains("No space left on device"),
+        "the write that did not fit must fail with ENOSPC: {failure}"
+    );
+    assert!(
+        wait_limited(&mut server.child, Duration::ZERO).is_none(),
+        "the server exited on a full disk: {}",
+        server.stderr()
+    );
+    check_flushed(f, &server.uri, flushed);
+}
+
+/// An ivdisk image on a file system that fills up: the write that does not fit fails with
+/// ENOSPC (on which qemu pauses a guest by default, where EIO would fail the guest's IO), the
+/// server keeps serving, nothing flushed before is lost, and once the client frees space (a
+/// discard) the same write goes through.
+#[test]
+fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
+    let f = Fixture::new();
+    let small = SmallFileSystem::mount(&f.path("small"), "48m");
+    let image = f.create("small/disk.ivd", "256M", &[]);
+    let mut server = f.serve(&image, &[]);
+    let uri = server.uri.clone();
+
+    let (flushed, failure) = fill_until_full(&f, &uri, 0, 32);
+    println!(
+        "{} writes of 8 MiB fit in 48 MiB, then: {}",
+        flushed.len(),
+        failure.trim()
+    );
+    assert!(
+        flushed.len() >= 3,
+        "only {} MiB fit in 48 MiB",
+        8 * flushed.len()
+    );
+    assert_refused_for_space_only(&f, &mut server, &failure, &flushed);
+
+    // Free 16 MiB by discarding the first two writes; the store gives their space back at its
+    // next durable commit (the flush), so the write that failed goes through. Retried, as a
+    // paused guest would be resumed, in case the space comes back a moment after the flush.
+    f.qemu_io(&uri, &["discard 0 16M", "flush"]).ok();
+    let retry = *flushed.last().unwrap() + 1;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ran = f.qemu_io(
+            &uri,
+            &[
+                &format!("write -P {} {}M 8M", retry + 1, retry * 8),
+                "flush",
+            ],
+        );
+        if ran.status.success() {
+            break;
+        }
+        assert!(
+            ran.text().contains("No space left on device") && Instant::now() < deadline,
+            "the write after 16 MiB were discarded: {}",
+            ran.text()
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    let kept: Vec<u64> = flushed.iter().copied().filter(|&i| i >= 2).collect();
+    check_flushed(&f, &uri, &[kept.as_slice(), &[retry]].concat());
+    f.qemu_io(&uri, &["read -P 0 0 16M"]).ok();
+    let log = server.stop();
+    assert!(
+        log.contains(&format!("image {}: no space left", image.display()))
+            && log.contains("free space and retry"),
+        "the server's log names the image and says what to do: {log}"
+    );
+
+    // What the full disk left behind authenticates, sector by sector.
+    f.ivdisk(&["verify", s(&image), "--key-file", s(&f.key)])
+        .ok();
+    drop(small);
+}
+
+/// A cryptsetup LUKS2 file, sparse, on a file system that fills up: ENOSPC as for images, and
+/// the write goes through once space is freed next to it.
+#[test]
+fn a_luks_file_on_a_full_file_system_is_enospc_until_space_is_freed() {
+    let f = Fixture::new();
+    let small = SmallFileSystem::mount(&f.path("small"), "48m");
+    let filler = f.path("small/filler");
+    fs::write(&filler, vec![1u8; 16 * MIB as usize]).unwrap();
+    let luks = f.luks_format("small/luks2.img", Luks::V2 { sector: 4096 }, 128 * MIB);
+    let mut server = f.serve(&luks, &[]);
+    let uri = server.uri.clone();
+
+    let (flushed, failure) = fill_until_full(&f, &uri, 0, 16);
+    println!(
+        "{} writes of 8 MiB fit next to a 16 MiB file, then: {}",
+        flushed.len(),
+        failure.trim()
+    );
+    assert!(!flushed.is_empty(), "not even 8 MiB fit");
+    assert_refused_for_space_only(&f, &mut server, &failure, &flushed);
+
+    fs::remove_file(&filler).unwrap();
+    let retry = *flushed.last().unwrap() + 1;
+    f.qemu_io(
+        &uri,
+        &[
+            &format!("write -P {} {}M 8M", retry + 1, retry * 8),
+            "flush",
+        ],
+    )
+    .ok();
+    check_flushed(&f, &uri, &[flushed.as_slice(), &[retry]].concat());
+    let log = server.stop();
+    assert!(
+        log.contains("no space left") && log.contains("free space and retry"),
+        "the server's log says what to do: {log}"
+    );
+    drop(small);
 }

@@ -48,7 +48,7 @@ pub(crate) fn luks_file_path(uri: &ImageUri) -> Option<&Path> {
 fn io_error(image: &str, context: String) -> impl FnOnce(io::Error) -> ImageError + '_ {
     move |source| ImageError::Store {
         image: image.to_owned(),
-        source: StoreError::Io { context, source },
+        source: StoreError::from_io(context, source),
     }
 }
 
@@ -241,7 +241,7 @@ impl LuksFileStore {
 
     fn io(&self, what: &str) -> impl FnOnce(io::Error) -> StoreError {
         let context = format!("{what} LUKS file {}", self.path.display());
-        move |source| StoreError::Io { context, source }
+        move |source| StoreError::from_io(context, source)
     }
 
     /// The file offset of object `object`'s first byte.
