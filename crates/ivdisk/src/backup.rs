@@ -205,9 +205,20 @@ fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
 pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
     let mut bar = Bar::new(args.json);
+    // A failed full restore removes what it wrote; a local store directory made for it goes too.
+    let made_dir = crate::transfer::store_dir_to_make(&uri);
     let result = rt.block_on(Image::restore_backup(&args.file, &uri, |p| bar.update(p)));
     bar.bar.finish_and_clear();
-    let summary = result.map_err(flat)?;
+    let summary =
+        result.map_err(
+            |e| match crate::transfer::remove_made_dir(made_dir.as_deref()) {
+                removed if removed.is_empty() => flat(e),
+                removed => flat(e).context(format!(
+                    "restoring {} into {uri} failed; what it wrote was removed{removed}",
+                    args.file.display()
+                )),
+            },
+        )?;
     let mut value = summary_json(&summary);
     value["image"] = json!(uri.to_string());
     value["file"] = json!(args.file);

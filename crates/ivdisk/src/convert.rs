@@ -41,7 +41,8 @@ use zeroize::Zeroizing;
 use crate::images::{flat, human_size, parse_image_at, parse_uri, FormatArgs};
 use crate::secrets::{prompt_twice, with_spinner, NewPassphraseArgs, PassphraseArgs};
 use crate::transfer::{
-    all_zero, chunk_size, delete_half_made, progress, source_len, unlock_read_only, IN_FLIGHT,
+    all_zero, chunk_size, delete_half_made, progress, source_len, store_dir_to_make,
+    unlock_read_only, IN_FLIGHT,
 };
 
 /// The body of `ivdisk convert --help` (main.rs adds the suites and layouts).
@@ -870,6 +871,7 @@ fn convert_open(
         })
         .context("--force: deleting the existing DST failed")?;
     }
+    let made_dir = store_dir_to_make(dst);
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(dst, &options, &secret)),
@@ -917,6 +919,7 @@ fn convert_open(
             return Err(delete_half_made(
                 rt,
                 dst,
+                made_dir.as_deref(),
                 e,
                 &format!("converting {} into {dst}", source.name),
             ))

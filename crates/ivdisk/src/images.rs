@@ -372,6 +372,7 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     refuse_existing(rt, &uri)?;
     let passphrase = args.passphrase.new_passphrase()?;
     tracing::debug!(image = %uri, suite = %options.suite, layout = ?options.layout, size = args.size, "creating image");
+    let made_dir = crate::transfer::store_dir_to_make(&uri);
     with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || {
@@ -381,7 +382,12 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
             })
         },
     )
-    .map_err(flat)?;
+    .map_err(
+        |e| match crate::transfer::remove_made_dir(made_dir.as_deref()) {
+            removed if removed.is_empty() => flat(e),
+            removed => flat(e).context(format!("creating {uri} failed{removed}")),
+        },
+    )?;
     drop(passphrase);
     let info = info_of(rt, &uri)?;
     print(

@@ -185,6 +185,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
             size - bytes
         );
     }
+    let made_dir = store_dir_to_make(&uri);
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(&uri, &options, &passphrase)),
@@ -193,7 +194,12 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     drop(passphrase);
     let bar = progress(bytes, "importing", args.json);
     let started = Instant::now();
-    let written = fill_or_delete(rt, &uri, image, &args.file, file, bytes, &bar)?;
+    let target = NewImage {
+        uri: &uri,
+        made_dir: made_dir.as_deref(),
+        image,
+    };
+    let written = fill_or_delete(rt, target, &args.file, file, bytes, &bar)?;
     let seconds = started.elapsed().as_secs_f64();
     crate::secrets::print(
         args.json,
@@ -214,13 +220,17 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
 /// if that fails, delete the image again (a half-imported image must not pass for a copy).
 fn fill_or_delete(
     rt: &Runtime,
-    uri: &ImageUri,
-    image: Image,
+    target: NewImage<'_>,
     path: &Path,
     file: File,
     len: u64,
     bar: &ProgressBar,
 ) -> Result<u64> {
+    let NewImage {
+        uri,
+        made_dir,
+        image,
+    } = target;
     let copied = rt.block_on(copy_in(&image, Arc::new(file), len, bar));
     bar.finish_and_clear();
     // Closing flushes (only then is the import durable) and releases the writer lock, which
@@ -231,28 +241,66 @@ fn fill_or_delete(
         Err(e) => Err(delete_half_made(
             rt,
             uri,
+            made_dir,
             e,
             &format!("importing {} into {uri}", path.display()),
         )),
     }
 }
 
+/// An image an import just created, open, and what to remove if the import fails.
+struct NewImage<'a> {
+    uri: &'a ImageUri,
+    /// The local store directory made for it ([`store_dir_to_make`]).
+    made_dir: Option<&'a Path>,
+    image: Image,
+}
+
+/// The local store directory that creating an image at `uri` will make, if there is none yet:
+/// a command that creates an image there and fails removes it again ([`remove_made_dir`]), so
+/// a failed import leaves nothing behind.
+pub(crate) fn store_dir_to_make(uri: &ImageUri) -> Option<PathBuf> {
+    match uri {
+        ImageUri::Local { dir } if std::fs::symlink_metadata(dir).is_err() => Some(dir.clone()),
+        _ => None,
+    }
+}
+
 /// `e` (what made `what` fail) after deleting the half-made image `uri`, which must be closed
-/// (the delete takes its writer lock): a half-made image must not pass for a copy.
+/// (the delete takes its writer lock): a half-made image must not pass for a copy. `made_dir`:
+/// the local store directory the command made for it ([`store_dir_to_make`]), removed too.
 pub(crate) fn delete_half_made(
     rt: &Runtime,
     uri: &ImageUri,
+    made_dir: Option<&Path>,
     e: anyhow::Error,
     what: &str,
 ) -> anyhow::Error {
     match rt.block_on(Image::delete(uri, |_, _| {})) {
         Ok(()) => e.context(format!(
-            "{what} failed; the half-made image {uri} was deleted"
+            "{what} failed; the half-made image {uri} was deleted{}",
+            remove_made_dir(made_dir)
         )),
         Err(d) => e.context(format!(
             "{what} failed, and deleting the half-made image failed too ({d}); delete it with \
              `ivdisk delete {uri} --yes`"
         )),
+    }
+}
+
+/// Remove `made_dir`, the local store directory a failed command made for its new image
+/// ([`store_dir_to_make`]), once the image in it is gone; what happened, as the end of a
+/// sentence ("" if the command failed before the directory was made).
+pub(crate) fn remove_made_dir(made_dir: Option<&Path>) -> String {
+    let Some(dir) = made_dir.filter(|d| std::fs::symlink_metadata(d).is_ok()) else {
+        return String::new();
+    };
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => format!(", and the directory {} made for it removed", dir.display()),
+        Err(r) => format!(
+            ", but removing the directory {} made for it failed ({r}); remove it with rm -r",
+            dir.display()
+        ),
     }
 }
 
@@ -715,16 +763,13 @@ mod tests {
         options.pbkdf = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
         let image = rt.block_on(Image::create(&uri, &options, b"pw")).unwrap();
         let file = File::open(&path).unwrap();
-        let err = fill_or_delete(
-            &rt,
-            &uri,
+        let target = NewImage {
+            uri: &uri,
+            made_dir: None,
             image,
-            &path,
-            file,
-            1 << 20,
-            &ProgressBar::hidden(),
-        )
-        .unwrap_err();
+        };
+        let err =
+            fill_or_delete(&rt, target, &path, file, 1 << 20, &ProgressBar::hidden()).unwrap_err();
         let text = format!("{err:#}");
         assert!(text.contains("was deleted"), "{text}");
         assert!(text.contains("reading bytes"), "{text}");

@@ -627,3 +627,89 @@ fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
     assert!(err.contains("last one"), "{err}");
     assert!(test(&added));
 }
+
+/// Commands that create an image and fail on a full file system say so, with what to do, and
+/// leave nothing behind: not the half-made image, and not the local store directory they
+/// made for it. A directory that was there before stays.
+#[test]
+fn commands_that_fail_on_a_full_disk_leave_nothing_behind() {
+    let f = Fixture::new();
+    let raw = f.file("disk.raw", &random(24 << 20, 11));
+    let image = f.path("source.ivd");
+    let pw = p(&f.pw);
+    let mut import_args = vec!["import", p(&raw), p(&image), "--passphrase-file", pw];
+    import_args.extend(FAST);
+    ok_bytes(&import_args);
+    let backup = f.path("source.ivbk");
+    ok_bytes(&["backup", p(&image), p(&backup)]);
+
+    let small = common::SmallFileSystem::mount(&f.path("small"), "16m");
+    let target = small.path().join("new.ivd");
+    let t = p(&target);
+    let mut commands = vec![
+        vec!["import", p(&raw), t, "--passphrase-file", pw],
+        vec![
+            "convert",
+            p(&raw),
+            t,
+            "--source-format",
+            "raw",
+            "--passphrase-file",
+            pw,
+        ],
+        vec!["restore", p(&backup), t],
+    ];
+    commands[0].extend(FAST);
+    commands[1].extend(FAST);
+    let everything_in = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    for args in &commands {
+        let err = fails(args);
+        assert!(
+            err.contains("no space left") && err.contains("free space and retry"),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains("made for it removed"), "{args:?}: {err}");
+        assert!(
+            everything_in(small.path()).is_empty(),
+            "{args:?} left {:?} behind: {err}",
+            everything_in(small.path())
+        );
+    }
+
+    // `create` on a disk with almost no room left: filled to the last byte, then 96 KiB freed.
+    let filler = small.path().join("filler");
+    {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&filler).unwrap();
+        while file.write_all(&[7u8; 64 << 10]).is_ok() {}
+        let len = file.metadata().unwrap().len();
+        file.set_len(len - (96 << 10)).unwrap();
+    }
+    let mut create_args = vec!["create", t, "--size", "64M", "--passphrase-file", pw];
+    create_args.extend(FAST);
+    let err = fails(&create_args);
+    assert!(err.contains("no space left"), "{err}");
+    assert!(err.contains("made for it removed"), "{err}");
+    assert_eq!(
+        everything_in(small.path()),
+        vec!["filler".to_owned()],
+        "{err}"
+    );
+
+    // A directory the user made stays (without an image in it).
+    std::fs::remove_file(&filler).unwrap();
+    std::fs::create_dir(&target).unwrap();
+    let err = fails(&commands[0]);
+    assert!(err.contains("was deleted"), "{err}");
+    assert!(!err.contains("made for it"), "{err}");
+    assert!(target.is_dir(), "the user's directory was removed: {err}");
+    let gone = fails(&["info", t]);
+    assert!(gone.contains("does not exist"), "{gone}");
+}

@@ -1832,38 +1832,6 @@ fn a_snapshot_is_served_read_only_and_keeps_its_content() {
 // ---------------------------------------------------------------------------------------------
 // 10. A full file system (a bug report first: a full disk reached clients as EIO)
 
-/// A tmpfs of `size` mounted at `at` (a fresh directory) until dropped: a file system that
-/// fills up. Lazily unmounted on drop, also when a test fails.
-struct SmallFileSystem {
-    at: PathBuf,
-}
-
-impl SmallFileSystem {
-    fn mount(at: &Path, size: &str) -> SmallFileSystem {
-        fs::create_dir_all(at).unwrap();
-        let mut command = Command::new(program("mount"));
-        command
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(at);
-        let ran = run(command);
-        assert!(
-            ran.status.success(),
-            "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs that fills up: {}",
-            ran.text()
-        );
-        SmallFileSystem { at: at.to_owned() }
-    }
-}
-
-impl Drop for SmallFileSystem {
-    fn drop(&mut self) {
-        let _ = Command::new(program("umount"))
-            .arg("-l")
-            .arg(&self.at)
-            .status();
-    }
-}
-
 /// qemu-io writes of 8 MiB (byte pattern `i + 1` at `8 MiB * i`), each followed by a flush,
 /// from `first` on until one fails. Returns the writes that were flushed and the failure's
 /// output. Panics if `limit` writes all succeed.
@@ -1920,7 +1888,7 @@ fn assert_refused_for_space_only(f: &Fixture, server: &mut Server, failure: &str
 #[test]
 fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
     let f = Fixture::new();
-    let small = SmallFileSystem::mount(&f.path("small"), "48m");
+    let small = common::SmallFileSystem::mount(&f.path("small"), "48m");
     let image = f.create("small/disk.ivd", "256M", &[]);
     let mut server = f.serve(&image, &[]);
     let uri = server.uri.clone();
@@ -1983,7 +1951,7 @@ fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
 #[test]
 fn a_luks_file_on_a_full_file_system_is_enospc_until_space_is_freed() {
     let f = Fixture::new();
-    let small = SmallFileSystem::mount(&f.path("small"), "48m");
+    let small = common::SmallFileSystem::mount(&f.path("small"), "48m");
     let filler = f.path("small/filler");
     fs::write(&filler, vec![1u8; 16 * MIB as usize]).unwrap();
     let luks = f.luks_format("small/luks2.img", Luks::V2 { sector: 4096 }, 128 * MIB);

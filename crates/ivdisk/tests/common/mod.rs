@@ -146,3 +146,41 @@ pub fn raw_nbd_attach(socket: &Path) -> std::os::unix::net::UnixStream {
         }
     }
 }
+
+/// A tmpfs of `size` mounted at `at` (made if missing) until dropped: a file system that fills
+/// up. Lazily unmounted on drop, also when a test fails. Needs root (CAP_SYS_ADMIN).
+pub struct SmallFileSystem {
+    at: PathBuf,
+}
+
+impl SmallFileSystem {
+    pub fn mount(at: &Path, size: &str) -> SmallFileSystem {
+        std::fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output();
+        match out {
+            Ok(out) if out.status.success() => SmallFileSystem { at: at.to_owned() },
+            Ok(out) => panic!(
+                "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs that fills up: \
+                 `mount -t tmpfs` failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => panic!(
+                "this test needs root (CAP_SYS_ADMIN) and mount(8) to mount a {size} tmpfs that \
+                 fills up: {e}"
+            ),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.at
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+    }
+}
