@@ -307,7 +307,7 @@ impl Inner {
         let wanted = piece.index as usize * ml..(piece.index + piece.count) as usize * ml;
         let store = &self.store;
         let (plan, result) = cache
-            .submit(piece.object, |shard| {
+            .submit(piece.object, store.lost_transactions(), |shard| {
                 let plan = cache.plan_read(shard, piece.object, wanted.clone());
                 let mut op = ReadOp::new().step(ReadStep::Read {
                     offset: data_offset,
@@ -385,8 +385,10 @@ impl Inner {
     ) -> Result<(), StoreError> {
         let store = &self.store;
         let (load, (written, loaded)) = cache
-            .submit(n, |shard| {
+            .submit(n, store.lost_transactions(), |shard| {
                 let load = cache.prepare_write(shard, n, &mut op.steps);
+                // Built on the shard's blocks: refused if the store lost what they hold.
+                op.unless_lost_since = shard.lost_seen;
                 let write = store.write_op(object, op);
                 let read = load.as_ref().map(|(range, _)| {
                     let op = ReadOp::new().step(ReadStep::Read {
@@ -439,7 +441,7 @@ impl Inner {
         let layout = &*self.layout;
         for attempt in 0.. {
             let (step, outcome) = cache
-                .submit(n, |shard| {
+                .submit(n, store.lost_transactions(), |shard| {
                     let take_over = attempt >= 2;
                     if let Some((range, loads)) =
                         cache.loads_before_write(shard, n, &op.steps, take_over)
@@ -451,6 +453,8 @@ impl Inner {
                         return (step, Either::Left(async move { Err(read.await) }));
                     }
                     let mut op = std::mem::take(&mut op);
+                    // Built on the shard's blocks: refused if the store lost what they hold.
+                    op.unless_lost_since = shard.lost_seen;
                     // Only here do the cache's blocks change: every block this write needs
                     // whole is known, so what comes back are whole blocks (and nothing to load).
                     let load = cache.prepare_write(shard, n, &mut op.steps);

@@ -78,6 +78,10 @@ pub(crate) struct MetadataCache {
 pub(crate) struct Shard {
     blocks: HashMap<(u64, u32), Block, BuildHasherDefault<KeyHasher>>,
     known: usize,
+    /// The store's count of lost transactions (`ObjectStore::lost_transactions`) when this
+    /// shard's blocks were last known to hold nothing that a loss took back: operations
+    /// built from them carry it, and the store refuses them if it changed since.
+    pub(crate) lost_seen: Option<u64>,
 }
 
 /// Hashes the cache's keys (object number, block number) with a multiply per word, as
@@ -202,9 +206,14 @@ impl MetadataCache {
     /// poll) before the lock is released, so the cache and the store see operations on one
     /// object in the same order. Returns what `build` returned beside the future, and the
     /// future's output.
+    ///
+    /// `lost`: the store's count of lost transactions, read just before. If it changed since
+    /// the shard last saw it, the store took back acknowledged operations whose metadata the
+    /// shard may hold: the shard forgets every block first (they are loaded again).
     pub(crate) async fn submit<X, F: Future>(
         &self,
         object: u64,
+        lost: Option<u64>,
         build: impl FnOnce(&mut Shard) -> (X, F),
     ) -> (X, F::Output) {
         let mut build = Some(build);
@@ -215,6 +224,17 @@ impl MetadataCache {
         let output = std::future::poll_fn(|cx| {
             if let Some(build) = build.take() {
                 let mut shard = self.shard(object);
+                if shard.lost_seen != lost {
+                    if shard.lost_seen.is_some() {
+                        tracing::warn!(
+                            blocks = shard.blocks.len(),
+                            "the store lost acknowledged operations: forgetting cached metadata"
+                        );
+                    }
+                    shard.blocks.clear();
+                    shard.known = 0;
+                    shard.lost_seen = lost;
+                }
                 let (x, built) = build(&mut shard);
                 extra = Some(x);
                 future.set(Some(built));

@@ -239,6 +239,7 @@ impl<S: ObjectStore> CoalescingStore<S> {
                     let Some(op) = &next.op else { break };
                     if !mergeable(op)
                         || op.snap_context != own.snap_context
+                        || op.unless_lost_since != own.unless_lost_since
                         || followers.len() + 1 >= MAX_MERGED_OPS
                         || bytes + write_bytes(op) > MAX_MERGED_BYTES
                     {
@@ -544,6 +545,7 @@ fn merge(first: &WriteOp, rest: &[WriteOp]) -> WriteOp {
     WriteOp {
         steps,
         snap_context: first.snap_context.clone(),
+        unless_lost_since: first.unless_lost_since,
     }
 }
 

@@ -18,7 +18,8 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_channel::oneshot;
@@ -403,6 +404,11 @@ pub(crate) struct Engine {
     /// A commit failed: operations acknowledged since the last flush are lost; the next flush
     /// reports it (whether it was for lack of space, and the cause).
     lost: Option<(bool, String)>,
+    /// How many transactions were lost after their operations were acknowledged
+    /// (`ObjectStore::lost_transactions`, read by the clients' threads), and whether the last
+    /// loss was for lack of space.
+    losses: Arc<AtomicU64>,
+    last_loss_no_space: bool,
     /// Some node is a snapshot's preserved state (a clone), so segment ranges may be shared
     /// between nodes. Until then a range cut from an extent is dead for sure and `note_dead`
     /// skips its query (a fifth of a small write's CPU). Set, never cleared while open.
@@ -562,6 +568,8 @@ impl Engine {
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
             lost: None,
+            losses: Arc::default(),
+            last_loss_no_space: false,
             read_only: None,
             answers: Vec::new(),
             space_short: false,
@@ -593,6 +601,8 @@ impl Engine {
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
             lost: None,
+            losses: Arc::default(),
+            last_loss_no_space: false,
             answers: Vec::new(),
             space_short: false,
             heads: Default::default(),
@@ -722,6 +732,32 @@ impl Engine {
         let no_space = matches!(e, StoreError::NoSpace { .. });
         self.space_short |= no_space;
         self.lost = Some((no_space, e.to_string()));
+    }
+
+    /// The open transaction was rolled back after its operations were acknowledged: count it,
+    /// so that operations built on what those wrote are refused (`WriteOp::unless_lost_since`).
+    fn count_lost_transaction(&mut self, e: &StoreError) {
+        self.last_loss_no_space = matches!(e, StoreError::NoSpace { .. });
+        self.losses.fetch_add(1, Ordering::Release);
+    }
+
+    /// Why `op` must not be applied, if it was built before the last loss of acknowledged
+    /// operations: what it was built on may be gone (an image's metadata cache had blocks
+    /// that held the lost writes' metadata).
+    fn built_before_a_loss(&self, object: &ObjectName, op: &WriteOp) -> Option<StoreError> {
+        let seen = op.unless_lost_since?;
+        if seen == self.losses.load(Ordering::Acquire) {
+            return None;
+        }
+        let context = format!(
+            "object `{object}`: a failed commit lost the operations acknowledged since the \
+             commit before, and this write was built on what they wrote; it was not applied: \
+             retry it"
+        );
+        Some(match self.last_loss_no_space {
+            true => StoreError::NoSpace { context },
+            false => StoreError::Database(context),
+        })
     }
 
     fn send_answers(&mut self) {
@@ -1027,6 +1063,9 @@ impl Engine {
         object: &ObjectName,
         op: &WriteOp,
     ) -> Result<WriteOutcome, StoreError> {
+        if let Some(refused) = self.built_before_a_loss(object, op) {
+            return Err(refused);
+        }
         if op.steps.iter().any(|s| matches!(s, WriteStep::Rollback(_))) {
             return self.in_operation(|e| {
                 let head = e.head(object)?;
@@ -1079,6 +1118,7 @@ impl Engine {
         self.in_txn = false;
         self.frees_pending.truncate(self.txn_frees);
         self.note_lost(e);
+        self.count_lost_transaction(e);
         if let Err(rewind) = self.segments.rewind(self.txn_mark) {
             tracing::warn!("could not take back the lost operations' data: {rewind}");
         }
@@ -1121,6 +1161,7 @@ impl Engine {
                     self.in_txn = false;
                     self.frees_pending.truncate(self.txn_frees);
                     self.note_lost(&e);
+                    self.count_lost_transaction(&e);
                     self.txn_mark
                 } else {
                     self.frees_pending.truncate(frees);
@@ -1138,6 +1179,9 @@ impl Engine {
     /// Commit the open transaction after syncing the data it references; with `durable`, also
     /// sync the database log and return the space of data that is now dead for good.
     fn commit(&mut self, durable: bool) {
+        // Whether the transaction's operations are in the database (a failure after its
+        // COMMIT loses none of them).
+        let mut committed = !self.in_txn;
         let result = (|| -> Result<(), StoreError> {
             if self.in_txn {
                 if self.segments.unsynced() > 0 {
@@ -1151,6 +1195,7 @@ impl Engine {
                 }
                 self.in_txn = false;
                 self.db.execute_batch("COMMIT")?;
+                committed = true;
                 self.version_stored = self.version;
             }
             if durable {
@@ -1211,9 +1256,17 @@ impl Engine {
             if !self.db.is_autocommit() {
                 let _ = self.db.execute_batch("ROLLBACK");
             }
-            if self.in_txn {
-                // The failed transaction's frees never happened; earlier ones are durable.
+            if !committed {
+                // The transaction is gone (SQLite rolls back a COMMIT that fails for lack of
+                // space), so its frees never happened: the ranges it found dead are live
+                // again, and punching them at the next durable commit would zero data.
+                // Earlier transactions' frees stay pending. Its appends are referenced by
+                // nothing: taken back, as when an operation takes its transaction with it.
                 self.frees_pending.truncate(self.txn_frees);
+                if let Err(rewind) = self.segments.rewind(self.txn_mark) {
+                    tracing::warn!("could not take back the lost operations' data: {rewind}");
+                }
+                self.count_lost_transaction(&e);
             }
             self.in_txn = false;
             self.note_lost(&e);
@@ -2262,6 +2315,8 @@ impl Engine {
 #[derive(Clone)]
 pub(crate) struct EngineHandle {
     sender: mpsc::Sender<Request>,
+    /// The engine's count of lost transactions.
+    losses: Arc<AtomicU64>,
 }
 
 impl EngineHandle {
@@ -2271,11 +2326,12 @@ impl EngineHandle {
         name: &str,
     ) -> Result<(Self, std::thread::JoinHandle<()>), StoreError> {
         let (sender, receiver) = mpsc::channel();
+        let losses = engine.losses.clone();
         let worker = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || engine.run(receiver))
             .map_err(StoreError::io("starting the store worker thread"))?;
-        Ok((EngineHandle { sender }, worker))
+        Ok((EngineHandle { sender, losses }, worker))
     }
 
     /// Send a request without awaiting a reply (false if the worker is gone).
@@ -2381,6 +2437,10 @@ impl crate::ObjectStore for Client {
         self.handle
             .call(|reply| Request::SnapCreate { reply })
             .await
+    }
+
+    fn lost_transactions(&self) -> Option<u64> {
+        Some(self.handle.losses.load(Ordering::Acquire))
     }
 
     async fn snap_remove(&self, snap: SnapId) -> Result<(), StoreError> {

@@ -30,6 +30,8 @@ mod wal_check;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "conformance")]
+pub mod small_fs;
 
 pub use coalesce::CoalescingStore;
 pub use error::StoreError;
@@ -122,6 +124,16 @@ pub trait ObjectStore: Send + Sync {
     fn merges_operations(&self) -> bool {
         false
     }
+
+    /// How many times this store has lost operations it had acknowledged, while open (the
+    /// local and memory backends: a group commit that failed, on a full disk say, takes every
+    /// operation since the commit before with it; the next flush reports it). Callers that
+    /// build operations from what earlier ones wrote put the count into
+    /// [`WriteOp::unless_lost_since`] and drop what they remember when it changes. `None`: the
+    /// store never loses an acknowledged operation while it runs (RADOS).
+    fn lost_transactions(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Implements [`ObjectStore`] for a wrapper around another store held in a field `inner`: the
@@ -130,7 +142,7 @@ pub trait ObjectStore: Send + Sync {
 /// changes. Generic wrappers put their parameters first: `impl[S: ObjectStore] Wrapper<S> {
 /// ... }`; a store in another field names it after the type: `impl[] Newtype, 0 { ... }`.
 /// The provided methods (`distinguishes_holes`, `write_unit`, `merges_operations`)
-/// keep their defaults unless the braces define them.
+/// keep their defaults unless the braces define them; `lost_transactions` is passed on.
 // `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
 // whole impl (the wrapper's own methods first, then the forwarded ones) under the attribute.
 #[macro_export]
@@ -194,6 +206,9 @@ macro_rules! object_store_forwarding_to_inner {
         }
         fn client_id(&self) -> &str {
             self.$inner.client_id()
+        }
+        fn lost_transactions(&self) -> Option<u64> {
+            self.$inner.lost_transactions()
         }
         }
     };

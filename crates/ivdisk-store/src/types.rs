@@ -329,6 +329,12 @@ pub struct WriteOp {
     pub steps: Vec<WriteStep>,
     /// The snapshot context the write runs under (`None`: no snapshots to preserve).
     pub snap_context: Option<SnapContext>,
+    /// Refuse the operation (not applied) unless the store's
+    /// [`ObjectStore::lost_transactions`](crate::ObjectStore::lost_transactions) still has
+    /// this value: for an operation built from what earlier acknowledged operations wrote (the
+    /// image layer's metadata cache), which are gone if the store lost them meanwhile.
+    /// `None`: applied whatever the store lost.
+    pub unless_lost_since: Option<u64>,
 }
 
 impl WriteOp {

@@ -8,6 +8,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use ivdisk_store::small_fs::SmallFileSystem;
 use ivdisk_store::{
     Extent, LocalStore, LocalStoreOptions, ObjectName, ObjectStore, ObjectStoreExt, ReadOp,
     ReadResult, ReadStep, SnapContext, Stat, StoreError, WriteOp, WriteStep, MAX_NAME_LEN,
@@ -441,48 +442,32 @@ async fn second_opener_process_gets_already_open() {
 // ---------------------------------------------------------------------------------------------
 // A full disk.
 
-/// A tmpfs mounted on a fresh directory, lazily unmounted on drop (also when a test fails).
+/// A small tmpfs on a fresh directory ([`SmallFileSystem`]), unmounted on drop.
 struct Tmpfs {
-    dir: tempfile::TempDir,
+    fs: SmallFileSystem,
+    _dir: tempfile::TempDir,
 }
 
 impl Tmpfs {
     fn mount(size: &str) -> Tmpfs {
         let dir = tempfile::tempdir().unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(out) if out.status.success() => Tmpfs { dir },
-            Ok(out) => panic!(
-                "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs for a full disk: \
-                 `mount -t tmpfs` failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            Err(e) => panic!(
-                "this test needs root (CAP_SYS_ADMIN) and mount(8) to mount a {size} tmpfs for \
-                 a full disk: {e}"
-            ),
+        Tmpfs {
+            fs: SmallFileSystem::mount(dir.path(), size),
+            _dir: dir,
         }
     }
 
     fn path(&self) -> &Path {
-        self.dir.path()
+        self.fs.path()
+    }
+
+    fn fill(&self, name: &str) -> PathBuf {
+        self.fs.fill(name)
     }
 
     fn free_bytes(&self) -> u64 {
         let s = rustix::fs::statvfs(self.path()).unwrap();
         s.f_bavail * s.f_frsize
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(self.dir.path())
-            .status();
     }
 }
 
@@ -728,6 +713,76 @@ async fn full_disk_during_metadata_updates() {
     drop(store);
     drop(fs);
     assert!(problems.is_empty(), "problems:\n{}", problems.join("\n"));
+}
+
+/// A commit that fails for lack of space loses its transaction (SQLite rolls it back): the
+/// ranges its overwrites had found dead are live again and must not be punched at the next
+/// durable commit (they were, zeroing the old data); the loss is counted
+/// (`lost_transactions`), and a write built before it (`unless_lost_since`) is refused.
+#[tokio::test]
+async fn a_commit_lost_for_lack_of_space_frees_nothing_and_is_counted() {
+    let fs = Tmpfs::mount("16m");
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let (a, b) = (name("lost/a"), name("lost/b"));
+    let old = pattern(1, 256 << 10);
+    store.write(&a, 0, &old).await.unwrap();
+    store.flush().await.unwrap();
+    let before = store.lost_transactions();
+    assert_eq!(before, Some(0));
+
+    // Overwritten in the open transaction (the old extent is now dead in it), then the disk
+    // fills up and the commit fails.
+    store.write(&a, 0, &pattern(2, 256 << 10)).await.unwrap();
+    let filler = fs.fill("filler");
+    let flushed = store.flush().await;
+    println!("the flush on the full disk: {flushed:?}");
+    assert!(
+        matches!(&flushed, Err(StoreError::NoSpace { context }) if context.contains("lost")),
+        "{flushed:?}"
+    );
+    assert_eq!(store.lost_transactions(), Some(1), "the loss is counted");
+    assert_eq!(
+        store.read(&a, 0, old.len() as u64).await.unwrap(),
+        old,
+        "the overwrite was lost: the old data is back"
+    );
+
+    // A write built before the loss is refused, not applied; one built after it goes in.
+    std::fs::remove_file(&filler).unwrap();
+    let stale = WriteOp {
+        unless_lost_since: before,
+        ..WriteOp::new().write(0, b"stale".to_vec())
+    };
+    let refused = store.write_op(&b, stale).await;
+    assert!(
+        matches!(&refused, Err(StoreError::NoSpace { context }) if context.contains("built on")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        store.stat(&b).await.unwrap(),
+        None,
+        "the refused write was applied"
+    );
+    let fresh = WriteOp {
+        unless_lost_since: store.lost_transactions(),
+        ..WriteOp::new().write(0, b"fresh".to_vec())
+    };
+    store.write_op(&b, fresh).await.unwrap();
+
+    // A durable commit with space again: what the lost transaction found dead stays.
+    store.flush().await.unwrap();
+    assert_eq!(store.read(&a, 0, old.len() as u64).await.unwrap(), old);
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(
+        store.read(&a, 0, old.len() as u64).await.unwrap(),
+        old,
+        "after a reopen"
+    );
+    assert_eq!(store.read(&b, 0, 5).await.unwrap(), b"fresh");
+    drop(store);
+    drop(fs);
 }
 
 /// A child process forked by any thread shares the open file description of the store's

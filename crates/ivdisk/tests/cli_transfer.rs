@@ -643,7 +643,7 @@ fn commands_that_fail_on_a_full_disk_leave_nothing_behind() {
     let backup = f.path("source.ivbk");
     ok_bytes(&["backup", p(&image), p(&backup)]);
 
-    let small = common::SmallFileSystem::mount(&f.path("small"), "16m");
+    let small = ivdisk_store::small_fs::SmallFileSystem::mount(&f.path("small"), "16m");
     let target = small.path().join("new.ivd");
     let t = p(&target);
     let mut commands = vec![

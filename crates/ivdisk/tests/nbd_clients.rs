@@ -1888,7 +1888,7 @@ fn assert_refused_for_space_only(f: &Fixture, server: &mut Server, failure: &str
 #[test]
 fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
     let f = Fixture::new();
-    let small = common::SmallFileSystem::mount(&f.path("small"), "48m");
+    let small = ivdisk_store::small_fs::SmallFileSystem::mount(&f.path("small"), "48m");
     let image = f.create("small/disk.ivd", "256M", &[]);
     let mut server = f.serve(&image, &[]);
     let uri = server.uri.clone();
@@ -1951,7 +1951,7 @@ fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
 #[test]
 fn a_luks_file_on_a_full_file_system_is_enospc_until_space_is_freed() {
     let f = Fixture::new();
-    let small = common::SmallFileSystem::mount(&f.path("small"), "48m");
+    let small = ivdisk_store::small_fs::SmallFileSystem::mount(&f.path("small"), "48m");
     let filler = f.path("small/filler");
     fs::write(&filler, vec![1u8; 16 * MIB as usize]).unwrap();
     let luks = f.luks_format("small/luks2.img", Luks::V2 { sector: 4096 }, 128 * MIB);
@@ -1982,6 +1982,72 @@ fn a_luks_file_on_a_full_file_system_is_enospc_until_space_is_freed() {
     assert!(
         log.contains("no space left") && log.contains("free space and retry"),
         "the server's log says what to do: {log}"
+    );
+    drop(small);
+}
+
+/// fio's random 4 KiB writes on a full disk, in rounds: writes fail with ENOSPC, and commits
+/// of the local store fail too (their log cannot grow) and lose what they held. Whatever was
+/// lost, every sector of the image must authenticate afterwards: before the fixes of
+/// `tests/lost_commit.rs` (ivdisk-image) and `bad_input.rs` (ivdisk-store), this left
+/// thousands of sectors failing `ivdisk verify`.
+#[test]
+fn random_writes_on_a_full_file_system_leave_every_sector_authentic() {
+    let f = Fixture::new();
+    let small = ivdisk_store::small_fs::SmallFileSystem::mount(&f.path("small"), "48m");
+    let image = f.create("small/disk.ivd", "256M", &[]);
+    let server = f.serve(&image, &[]);
+    let (flushed, _) = fill_until_full(&f, &server.uri, 0, 32);
+    let span = format!("--size={}M", 8 * flushed.len());
+    let mut enospc = 0;
+    for round in 0..4 {
+        let mut fio = f.tool("fio");
+        fio.args([
+            "--name=full",
+            "--ioengine=nbd",
+            &format!("--uri={}", server.uri),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            &span,
+            "--time_based",
+            "--runtime=1",
+            &format!("--randseed={round}"),
+        ]);
+        let ran = run(fio);
+        if ran.text().contains("No space left on device") {
+            enospc += 1;
+        } else {
+            assert!(ran.status.success(), "fio round {round}: {}", ran.text());
+        }
+        if round == 1 {
+            // Some space back (the first write's two objects), as a user would free it. The
+            // flush may report what a failed commit lost.
+            let ran = f.qemu_io(&server.uri, &["discard 0 8M", "flush"]);
+            assert!(
+                ran.stdout.contains("discard 8388608/8388608"),
+                "{}",
+                ran.text()
+            );
+        }
+    }
+    assert!(enospc > 0, "no fio round met the full disk");
+    // The server's last flush may report a loss (exit 1); the image must be whole either way.
+    server.sigterm();
+    let mut server = server;
+    server
+        .wait_exit(STOP_LIMIT)
+        .expect("the server exits on SIGTERM");
+    let log = server.stderr();
+    println!(
+        "fio rounds with ENOSPC: {enospc} of 4; commits lost: {}",
+        log.matches("store commit failed").count()
+    );
+    let verified = f.ivdisk(&["verify", s(&image), "--key-file", s(&f.key)]);
+    assert!(
+        verified.status.success() && verified.text().contains("all authentic"),
+        "sectors fail authentication after a full disk: {}",
+        verified.text()
     );
     drop(small);
 }

@@ -151,7 +151,7 @@ pub fn object_op(k: usize, g: u64) -> WriteOp {
     }
     WriteOp {
         steps,
-        snap_context: None,
+        ..WriteOp::default()
     }
 }
 
