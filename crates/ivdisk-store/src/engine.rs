@@ -729,9 +729,19 @@ impl Engine {
 
     /// Operations since the last flush are lost (the next flush says so).
     fn note_lost(&mut self, e: &StoreError) {
+        self.note_flush_error(
+            e,
+            format!(
+                "a commit failed, so operations completed since the previous flush were lost: {e}"
+            ),
+        );
+    }
+
+    /// What the next flush reports (whether it was for lack of space, and what happened).
+    fn note_flush_error(&mut self, e: &StoreError, what: String) {
         let no_space = matches!(e, StoreError::NoSpace { .. });
         self.space_short |= no_space;
-        self.lost = Some((no_space, e.to_string()));
+        self.lost = Some((no_space, what));
     }
 
     /// The open transaction was rolled back after its operations were acknowledged: count it,
@@ -822,16 +832,8 @@ impl Engine {
                 self.send_answers();
                 self.commit(true);
                 let result = match self.lost.take() {
-                    Some((true, e)) => Err(StoreError::NoSpace {
-                        context: format!(
-                            "a commit failed, so operations completed since the previous flush \
-                             were lost: {e}"
-                        ),
-                    }),
-                    Some((false, e)) => Err(StoreError::Database(format!(
-                        "a commit failed, so operations completed since the previous flush were \
-                         lost: {e}"
-                    ))),
+                    Some((true, context)) => Err(StoreError::NoSpace { context }),
+                    Some((false, what)) => Err(StoreError::Database(what)),
                     None => Ok(()),
                 };
                 // Dead data is punched in the background (on a file system mounted with
@@ -1269,7 +1271,19 @@ impl Engine {
                 self.count_lost_transaction(&e);
             }
             self.in_txn = false;
-            self.note_lost(&e);
+            if committed {
+                // Only making it durable failed (syncing the log, punching dead ranges).
+                self.note_flush_error(
+                    &e,
+                    format!(
+                        "a durable commit failed after its transaction was committed: what was \
+                         written since the previous flush is in the store but may not survive \
+                         a power cut: {e}"
+                    ),
+                );
+            } else {
+                self.note_lost(&e);
+            }
         }
     }
 
