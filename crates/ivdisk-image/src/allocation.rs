@@ -2,6 +2,11 @@
 //! what `export` and `verify` skip. The granularity is the data object: an object that does
 //! not exist is a hole that reads as zeros; an object that exists is reported as data even
 //! where some of its sectors are unwritten (always a safe answer: "data" only means "read it").
+//!
+//! A range of a few objects (an NBD request) is answered with one stat per object. A whole
+//! image is answered from a listing of its data objects, at the head or at the snapshot the
+//! image is open at, when the store can list: a stat per object made `verify` of an empty
+//! 1 TiB image take 8 s on the local store and 12 s on RADOS, and of an 8 EiB one never end.
 
 use futures_util::future::join_all;
 use ivdisk_store::{ReadOp, ReadStep, StoreError};
@@ -19,7 +24,32 @@ pub struct AllocationExtent {
 }
 
 /// Objects stat'ed at once.
-const STATS_IN_FLIGHT: usize = 32;
+const STATS_IN_FLIGHT: u64 = 32;
+
+/// Ranges over more objects than this are answered from a listing of the image's data
+/// objects, where the store can list: one listing then costs less than the stats, even of a
+/// fully written image.
+const LIST_ABOVE_OBJECTS: u64 = 1024;
+
+/// Consecutive extents, adjacent ones of the same state merged.
+#[derive(Default)]
+struct Extents(Vec<AllocationExtent>);
+
+impl Extents {
+    fn push(&mut self, offset: u64, len: u64, allocated: bool) {
+        if len == 0 {
+            return;
+        }
+        match self.0.last_mut() {
+            Some(last) if last.allocated == allocated => last.len += len,
+            _ => self.0.push(AllocationExtent {
+                offset,
+                len,
+                allocated,
+            }),
+        }
+    }
+}
 
 impl Image {
     /// The allocation state of `[offset, offset + len)`, as consecutive extents that cover the
@@ -29,56 +59,104 @@ impl Image {
         offset: u64,
         len: u64,
     ) -> Result<Vec<AllocationExtent>, ImageError> {
+        self.inner.check_range(offset, len)?;
+        self.allocation_unchecked(offset, len).await
+    }
+
+    /// [`Image::allocation`] of a range not checked against the image's size (a shrink maps
+    /// what lies past the new end).
+    pub(crate) async fn allocation_unchecked(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<AllocationExtent>, ImageError> {
         let inner = &self.inner;
-        inner.check_range(offset, len)?;
-        let mut out: Vec<AllocationExtent> = Vec::new();
         if len == 0 {
-            return Ok(out);
+            return Ok(Vec::new());
         }
         let object_size = inner.object_size;
         let base = inner.data_offset;
         let end = offset + len;
-        // Image byte ranges per object, in order.
-        let mut spans = Vec::new();
-        let mut at = offset;
-        while at < end {
-            let object = (base + at) / object_size;
-            let object_end = (object + 1) * object_size - base;
-            let stop = object_end.min(end);
-            spans.push((object, at, stop - at));
-            at = stop;
+        let first = (base + offset) / object_size;
+        let last = (base + end - 1) / object_size;
+        // The image bytes of object `n` within the range.
+        let span = |n: u64| {
+            let from = (n * object_size).saturating_sub(base).max(offset);
+            let to = ((n + 1) * object_size - base).min(end);
+            (from, to - from)
+        };
+        let mut out = Extents::default();
+        if last - first >= LIST_ABOVE_OBJECTS {
+            if let Some(existing) = self.listed_data_objects(first, last).await? {
+                let mut at = offset;
+                for n in existing {
+                    let (from, n_len) = span(n);
+                    out.push(at, from - at, false);
+                    out.push(from, n_len, true);
+                    at = from + n_len;
+                }
+                out.push(at, end - at, false);
+                return Ok(out.0);
+            }
         }
-        for batch in spans.chunks(STATS_IN_FLIGHT) {
-            let stats = batch.iter().map(|&(object, _, _)| {
-                let name = inner.data_object(object);
+        // One stat per object, a batch at a time (the range may span more objects than
+        // would fit in memory as a list).
+        let mut batch_first = first;
+        while batch_first <= last {
+            let batch_last = last.min(batch_first.saturating_add(STATS_IN_FLIGHT - 1));
+            let stats = (batch_first..=batch_last).map(|n| {
+                let name = inner.data_object(n);
                 async move {
-                    match inner
-                        .store
-                        .read_op(&name, {
-                            let mut op = ReadOp::new().step(ReadStep::Stat);
-                            op.snap = inner.read_snap();
-                            op
-                        })
-                        .await
-                    {
+                    let mut op = ReadOp::new().step(ReadStep::Stat);
+                    op.snap = inner.read_snap();
+                    match inner.store.read_op(&name, op).await {
                         Ok(_) => Ok(true),
                         Err(StoreError::NotFound { .. }) => Ok(false),
                         Err(e) => Err(ImageError::store(&inner.name)(e)),
                     }
                 }
             });
-            for (result, &(_, at, len)) in join_all(stats).await.into_iter().zip(batch) {
-                let allocated = result?;
-                match out.last_mut() {
-                    Some(last) if last.allocated == allocated => last.len += len,
-                    _ => out.push(AllocationExtent {
-                        offset: at,
-                        len,
-                        allocated,
-                    }),
-                }
+            for (result, n) in join_all(stats).await.into_iter().zip(batch_first..) {
+                let (from, n_len) = span(n);
+                out.push(from, n_len, result?);
             }
+            batch_first = batch_last + 1;
         }
-        Ok(out)
+        Ok(out.0)
+    }
+
+    /// The numbers in `first..=last` of the data objects that exist where the image reads (the
+    /// head or its snapshot), sorted, or `None` if the store cannot list there (a LUKS file,
+    /// whose objects are slices of it).
+    async fn listed_data_objects(
+        &self,
+        first: u64,
+        last: u64,
+    ) -> Result<Option<Vec<u64>>, ImageError> {
+        let inner = &self.inner;
+        let prefix = inner.data_prefix.prefix();
+        let listed = match inner.read_snap() {
+            None => inner.store.list(prefix).await,
+            Some(snap) => inner.store.list_at(prefix, snap).await,
+        };
+        let names = match listed {
+            Ok(names) => names,
+            Err(StoreError::InvalidOperation { .. }) => return Ok(None),
+            Err(e) => return Err(ImageError::store(&inner.name)(e)),
+        };
+        let mut numbers: Vec<u64> = names
+            .iter()
+            .filter_map(|name| {
+                let digits = &name.as_str()[prefix.len()..];
+                // Anything else under the prefix is not a data object of this image.
+                (digits.len() == 16)
+                    .then(|| u64::from_str_radix(digits, 16).ok())
+                    .flatten()
+            })
+            .filter(|n| (first..=last).contains(n))
+            .collect();
+        numbers.sort_unstable();
+        numbers.dedup();
+        Ok(Some(numbers))
     }
 }

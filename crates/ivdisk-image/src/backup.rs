@@ -849,33 +849,36 @@ async fn write_backup<W: Write>(
         .map_err(io("writing it"))?;
     drop(header_state);
 
-    // The data objects: every index for a snapshot (objects removed since exist only in it,
-    // listings show the head), the listing for the head.
-    let indices: Vec<u64> = match (&snap, &base) {
-        (None, None) => {
-            let prefix = data_object_prefix(&parsed.params.image_id);
-            let mut indices = Vec::new();
-            for name in store
-                .list(&prefix)
-                .await
-                .map_err(ImageError::store(image))?
-            {
-                match u64::from_str_radix(&name.as_str()[prefix.len()..], 16) {
-                    Ok(n) if name.as_str().len() == prefix.len() + 16 && n < size.div_ceil(os) => {
-                        indices.push(n)
-                    }
-                    _ => {
-                        tracing::warn!(image = %image, object = %name, "not a data object name; left out of the backup")
-                    }
+    // The data objects: those listed where the backup reads (the head or its snapshot) and,
+    // for an increment, at its base (an object removed since is a change too). A store that
+    // cannot list at a snapshot: every index.
+    let objects = size.max(base.as_ref().map_or(0, |b| b.size)).div_ceil(os);
+    let prefix = data_object_prefix(&parsed.params.image_id);
+    let mut indices: Vec<u64> = Vec::new();
+    for at in std::iter::once(read_snap).chain(base.as_ref().map(|b| Some(b.id))) {
+        let listed = match at {
+            None => store.list(&prefix).await,
+            Some(id) => store.list_at(&prefix, id).await,
+        };
+        let names = match listed {
+            Ok(names) => names,
+            Err(StoreError::InvalidOperation { .. }) if at.is_some() => {
+                indices = (0..objects).collect();
+                break;
+            }
+            Err(e) => return Err(ImageError::store(image)(e)),
+        };
+        for name in names {
+            match u64::from_str_radix(&name.as_str()[prefix.len()..], 16) {
+                Ok(n) if name.as_str().len() == prefix.len() + 16 && n < objects => indices.push(n),
+                _ => {
+                    tracing::warn!(image = %image, object = %name, "not a data object name; left out of the backup")
                 }
             }
-            indices
         }
-        _ => {
-            let objects = size.max(base.as_ref().map_or(0, |b| b.size)).div_ceil(os);
-            (0..objects).collect()
-        }
-    };
+    }
+    indices.sort_unstable();
+    indices.dedup();
     let total = indices.len() as u64;
     let bound = source.object_bound();
     let in_flight = (BYTES_IN_FLIGHT / bound.max(1)).clamp(2, IN_FLIGHT as u64) as usize;

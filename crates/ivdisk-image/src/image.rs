@@ -25,6 +25,9 @@ pub const DEFAULT_OBJECT_SIZE: u64 = 4 << 20;
 /// Largest object size: the stored object (data plus metadata) must stay under the stores'
 /// 128 MiB object limit.
 pub const MAX_OBJECT_SIZE: u64 = 64 << 20;
+/// The largest image: NBD clients (qemu, libnbd) and file offsets (`off_t`) hold sizes as
+/// signed 64-bit numbers; qemu refuses a larger export ("File too large").
+pub const MAX_IMAGE_SIZE: u64 = i64::MAX as u64;
 /// Nonces reserved in the header object at a time for suites with a write limit
 /// (`aes-gcm-random`): a crash loses at most this many from the budget.
 pub const NONCE_RESERVATION: u64 = 1 << 16;
@@ -275,6 +278,10 @@ pub(crate) fn parse_header(image: &str, header: &Header) -> Result<Parsed, Image
     })
 }
 
+fn too_large(size: u64) -> String {
+    format!("size {size} is larger than the largest image, {MAX_IMAGE_SIZE} bytes (2^63 - 1)")
+}
+
 pub(crate) async fn read_header(
     store: &dyn ObjectStore,
     object: &ObjectName,
@@ -362,6 +369,9 @@ impl Image {
                     options.size, options.sector_size
                 ),
             ));
+        }
+        if options.size > MAX_IMAGE_SIZE {
+            return Err(invalid(&image, too_large(options.size)));
         }
         let store = open_store().await?;
         let header_object = object_name(&image, header_object_name(image_name))?;
@@ -706,6 +716,9 @@ impl Image {
                 ),
             ));
         }
+        if new_size > MAX_IMAGE_SIZE {
+            return Err(invalid(&inner.name, too_large(new_size)));
+        }
         let _change = inner.header_change.lock().await;
         let old = self.size();
         if new_size < old {
@@ -720,7 +733,14 @@ impl Image {
             // Stop IO past the new end first, then free what lies there.
             inner.size.store(new_size, Ordering::Release);
             let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
-            inner.discard_sectors(new_size / ss, old / ss).await?;
+            // Only what holds data: a shrink of a sparse 8 EiB image must not visit 2^41
+            // objects.
+            for extent in self.allocation_unchecked(new_size, old - new_size).await? {
+                if extent.allocated {
+                    let end = extent.offset + extent.len;
+                    inner.discard_sectors(extent.offset / ss, end / ss).await?;
+                }
+            }
         }
         let (mut header, mut region) =
             read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;

@@ -48,7 +48,7 @@ pub use error::ImageError;
 pub use header_backup::{HeaderBackupInfo, HeaderRestore, ReplacedHeader};
 pub use image::{
     data_object_prefix, header_object_name, CreateOptions, Image, ImageInfo, OpenOptions,
-    DEFAULT_OBJECT_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
+    DEFAULT_OBJECT_SIZE, MAX_IMAGE_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
 };
 pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;

@@ -661,3 +661,26 @@ async fn resize_and_out_of_range_are_refused() {
     assert!(matches!(err, ImageError::ReadOnly { .. }), "{err}");
     image.close().await.unwrap();
 }
+
+/// A LUKS file's objects are slices of it, which cannot be listed: a range over more objects
+/// than an NBD request covers (where images use a listing) is mapped by stats, all data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_luks_file_is_mapped_as_data() {
+    let scratch = Scratch::new();
+    let data = 5 << 30;
+    let path = scratch.luks_format("vol.img", Kind::Luks2 { sector: 4096 }, data, &[]);
+    let image = Image::open(&scratch.uri(&path), PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert_eq!(image.size(), data);
+    let extents = image.allocation(0, data).await.unwrap();
+    assert_eq!(
+        extents,
+        [ivdisk_image::AllocationExtent {
+            offset: 0,
+            len: data,
+            allocated: true
+        }]
+    );
+    image.close().await.unwrap();
+}

@@ -352,6 +352,65 @@ enum Plan {
     },
 }
 
+impl RadosStore {
+    /// The objects under `prefix` that exist at `snap` (`None`: the head), sorted. RADOS lists
+    /// every object with a head or a preserved state (a pool has no per-snapshot listing), so
+    /// each candidate is stat'ed where it is asked for, all stats in flight at once.
+    async fn list_existing(
+        &self,
+        prefix: &str,
+        snap: Option<SnapId>,
+    ) -> Result<Vec<ObjectName>, StoreError> {
+        let io = self.control.clone();
+        let names = blocking("listing objects", move || io.list_objects())
+            .await?
+            .map_err(|e| StoreError::Io {
+                context: format!("listing the objects of pool `{}`", self.pool),
+                source: e.io_error(),
+            })?;
+        let mut candidates: Vec<ObjectName> = names
+            .into_iter()
+            .filter(|n| n.starts_with(prefix.as_bytes()))
+            .filter_map(|n| String::from_utf8(n).ok())
+            .filter_map(|n| ObjectName::new(n).ok())
+            .collect();
+        candidates.sort();
+        candidates.dedup();
+        let mut pending = Vec::with_capacity(candidates.len());
+        {
+            // At a snapshot: the reads' io context, pointed at it for these submissions.
+            let mut reads = snap.map(|_| lock(&self.reads));
+            if let Some((io, current)) = reads.as_deref_mut() {
+                if *current != snap {
+                    io.set_read_snap(snap);
+                    *current = snap;
+                }
+            }
+            for name in &candidates {
+                let mut op = ffi::ReadOp::new().map_err(|e| self.error(name, "listing", e))?;
+                op.stat();
+                let io = match reads.as_deref() {
+                    Some((io, _)) => io,
+                    None => &self.control,
+                };
+                pending.push(
+                    io.submit_read(&cstring(name), op)
+                        .map_err(|e| self.error(name, "listing", e))?,
+                );
+            }
+        }
+        let mut out = Vec::with_capacity(candidates.len());
+        for (name, pending) in candidates.into_iter().zip(pending) {
+            match pending.await.map_err(closed)?.rval {
+                r if r >= 0 => out.push(name),
+                r if r == -libc::ENOENT => {}
+                r => return Err(self.error(&name, "listing", Errno(-r))),
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[async_trait::async_trait]
 impl ObjectStore for RadosStore {
     async fn write_op(&self, object: &ObjectName, op: WriteOp) -> Result<WriteOutcome, StoreError> {
@@ -624,41 +683,11 @@ impl ObjectStore for RadosStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
-        let io = self.control.clone();
-        let names = blocking("listing objects", move || io.list_objects())
-            .await?
-            .map_err(|e| StoreError::Io {
-                context: format!("listing the objects of pool `{}`", self.pool),
-                source: e.io_error(),
-            })?;
-        let mut candidates: Vec<ObjectName> = names
-            .into_iter()
-            .filter(|n| n.starts_with(prefix.as_bytes()))
-            .filter_map(|n| String::from_utf8(n).ok())
-            .filter_map(|n| ObjectName::new(n).ok())
-            .collect();
-        candidates.sort();
-        // RADOS also lists objects removed at the head that live on in snapshots: keep those
-        // that exist (one stat each, all in flight at once).
-        let mut pending = Vec::with_capacity(candidates.len());
-        for name in &candidates {
-            let mut op = ffi::ReadOp::new().map_err(|e| self.error(name, "listing", e))?;
-            op.stat();
-            pending.push(
-                self.control
-                    .submit_read(&cstring(name), op)
-                    .map_err(|e| self.error(name, "listing", e))?,
-            );
-        }
-        let mut out = Vec::with_capacity(candidates.len());
-        for (name, pending) in candidates.into_iter().zip(pending) {
-            match pending.await.map_err(closed)?.rval {
-                r if r >= 0 => out.push(name),
-                r if r == -libc::ENOENT => {}
-                r => return Err(self.error(&name, "listing", Errno(-r))),
-            }
-        }
-        Ok(out)
+        self.list_existing(prefix, None).await
+    }
+
+    async fn list_at(&self, prefix: &str, snap: SnapId) -> Result<Vec<ObjectName>, StoreError> {
+        self.list_existing(prefix, Some(snap)).await
     }
 
     async fn snap_create(&self) -> Result<SnapId, StoreError> {

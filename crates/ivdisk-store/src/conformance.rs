@@ -95,6 +95,7 @@ macro_rules! conformance_tests {
             snapshot_rollback,
             snapshot_remove,
             snapshot_without_context,
+            list_at_snapshot,
             locks,
             lock_expiry,
             flush,
@@ -1781,6 +1782,76 @@ pub async fn snapshot_without_context<S: ObjectStore>(c: Clients<S>) {
         State::new(b"old", vec![])
     );
     assert_eq!(s.read(&preserved, 0, 10).await.unwrap(), b"new");
+}
+
+/// `list_at(prefix, s)` lists exactly the objects a read at s finds: those that existed at s,
+/// removed ones included, not those created since under a context naming s (one written
+/// without a context reads its head at s, and is listed); under the prefix only, sorted. A
+/// removed snapshot is `NoSuchSnapshot`, or (RADOS, which cannot tell) listed as reads at it
+/// answer.
+pub async fn list_at_snapshot<S: ObjectStore>(c: Clients<S>) {
+    let p = case_prefix("list_at_snapshot");
+    let s = &c.a;
+    let [changed, created, kept, late, removed] =
+        ["changed", "created", "kept", "late", "removed"].map(|n| name(&p, n));
+    // Not under the prefix, though its name starts with the prefix' letters.
+    let other = name(p.trim_end_matches('/'), "-other");
+    for o in [&changed, &kept, &removed, &other] {
+        s.write(o, 0, b"old").await.unwrap();
+    }
+    let s1 = s.snap_create().await.unwrap();
+    let ctx1 = SnapContext {
+        seq: s1,
+        snaps: vec![s1],
+    };
+    let under = |op: WriteOp| op.with_snap_context(ctx1.clone());
+    s.write_op(&changed, under(WriteOp::new().write(0, b"new")))
+        .await
+        .unwrap();
+    s.write_op(&created, under(WriteOp::new().write(0, b"born")))
+        .await
+        .unwrap();
+    s.write_op(&removed, under(WriteOp::new().step(WriteStep::Remove)))
+        .await
+        .unwrap();
+    s.write(&late, 0, b"late").await.unwrap();
+
+    let prefix = p;
+    let at_s1 = s.list_at(&prefix, s1).await.unwrap();
+    assert_eq!(at_s1, [&changed, &kept, &late, &removed].map(|o| o.clone()));
+    assert_eq!(
+        s.list(&prefix).await.unwrap(),
+        [&changed, &created, &kept, &late].map(|o| o.clone())
+    );
+    for o in [&changed, &created, &kept, &late, &removed] {
+        let found = read_state(s, o, Some(s1)).await.is_ok();
+        assert_eq!(
+            found,
+            at_s1.contains(o),
+            "{o}: read at s1 and list_at disagree"
+        );
+    }
+    // The other client sees the same.
+    assert_eq!(c.b.list_at(&prefix, s1).await.unwrap(), at_s1);
+
+    // A newer snapshot lists the head as it is.
+    let s2 = s.snap_create().await.unwrap();
+    assert_eq!(
+        s.list_at(&prefix, s2).await.unwrap(),
+        [&changed, &created, &kept, &late].map(|o| o.clone())
+    );
+    // One that does not exist: refused, or (RADOS) listed as reads at it answer.
+    s.snap_remove(s1).await.unwrap();
+    match s.list_at(&prefix, s1).await {
+        Err(StoreError::NoSuchSnapshot(id)) => assert_eq!(id, s1),
+        Ok(names) => {
+            for o in [&changed, &created, &kept, &late, &removed] {
+                let found = read_state(s, o, Some(s1)).await.is_ok();
+                assert_eq!(found, names.contains(o), "{o}: removed snapshot");
+            }
+        }
+        Err(e) => panic!("list_at a removed snapshot: {e}"),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -169,6 +169,8 @@ pub(crate) enum Request {
     },
     List {
         prefix: String,
+        /// `None`: the head.
+        snap: Option<SnapId>,
         reply: Reply<Vec<ObjectName>>,
     },
     SnapCreate {
@@ -789,8 +791,12 @@ impl Engine {
                 let result = self.read(&object, &op);
                 self.answer(reply, result);
             }
-            Request::List { prefix, reply } => {
-                let result = self.list(&prefix);
+            Request::List {
+                prefix,
+                snap,
+                reply,
+            } => {
+                let result = self.list(&prefix, snap);
                 self.answer(reply, result);
             }
             Request::SnapCreate { reply } => {
@@ -878,8 +884,12 @@ impl Engine {
                 });
                 let _ = reply.send(result);
             }
-            Request::List { prefix, reply } => {
-                let _ = reply.send(self.consistent(|e| Ok((e.list(&prefix)?, None))));
+            Request::List {
+                prefix,
+                snap,
+                reply,
+            } => {
+                let _ = reply.send(self.consistent(|e| Ok((e.list(&prefix, snap)?, None))));
             }
             Request::ListLockers {
                 object,
@@ -1436,16 +1446,7 @@ impl Engine {
 
     /// The node holding an object's state as of snapshot `snap`, if it existed then.
     fn node_at(&self, object: &ObjectName, snap: SnapId) -> Result<Option<Node>, StoreError> {
-        let live: bool = self
-            .db
-            .query_row("SELECT 1 FROM snaps WHERE id = ?1", [snap as i64], |_| {
-                Ok(())
-            })
-            .optional()?
-            .is_some();
-        if !live {
-            return Err(StoreError::NoSuchSnapshot(snap));
-        }
+        self.check_snap_live(snap)?;
         let clone = self
             .db
             .query_row(
@@ -1470,6 +1471,19 @@ impl Engine {
         Ok(self
             .head(object)?
             .filter(|h| h.birth_seq < snap && h.snap_seq < snap))
+    }
+
+    fn check_snap_live(&self, snap: SnapId) -> Result<(), StoreError> {
+        let live: bool = self
+            .db
+            .prepare_cached("SELECT 1 FROM snaps WHERE id = ?1")?
+            .query_row([snap as i64], |_| Ok(()))
+            .optional()?
+            .is_some();
+        if !live {
+            return Err(StoreError::NoSuchSnapshot(snap));
+        }
+        Ok(())
     }
 
     fn create_head(&self, object: &ObjectName, seq: u64) -> Result<Node, StoreError> {
@@ -2168,18 +2182,41 @@ impl Engine {
         Ok(out)
     }
 
-    fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
+    fn list(&self, prefix: &str, snap: Option<SnapId>) -> Result<Vec<ObjectName>, StoreError> {
         // Names are printable ASCII (< 0x7f), so prefix + DEL bounds every name with the prefix.
         let upper = format!("{prefix}\u{7f}");
-        let names: Vec<String> = self
+        let Some(snap) = snap else {
+            let names: Vec<String> = self
+                .db
+                .prepare_cached(
+                    "SELECT name FROM nodes WHERE clone_to IS NULL AND name >= ?1 AND name < ?2
+                     ORDER BY name",
+                )?
+                .query_map(params![prefix, upper], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            return names.into_iter().map(ObjectName::new).collect();
+        };
+        // At a snapshot: every object with a head or a preserved state is a candidate, and
+        // `node_at` (what a read at the snapshot goes by) decides.
+        let candidates: Vec<String> = self
             .db
             .prepare_cached(
-                "SELECT name FROM nodes WHERE clone_to IS NULL AND name >= ?1 AND name < ?2
-                 ORDER BY name",
+                "SELECT DISTINCT name FROM nodes WHERE name >= ?1 AND name < ?2 ORDER BY name",
             )?
             .query_map(params![prefix, upper], |r| r.get(0))?
             .collect::<Result<_, _>>()?;
-        names.into_iter().map(ObjectName::new).collect()
+        let mut out = Vec::new();
+        for name in candidates {
+            let name = ObjectName::new(name)?;
+            if self.node_at(&name, snap)?.is_some() {
+                out.push(name);
+            }
+        }
+        // A snapshot that does not exist is refused even when no object is a candidate.
+        if out.is_empty() {
+            self.check_snap_live(snap)?;
+        }
+        Ok(out)
     }
 
     fn snap_create(&mut self) -> Result<SnapId, StoreError> {
@@ -2443,7 +2480,22 @@ impl crate::ObjectStore for Client {
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
         let prefix = prefix.to_owned();
         self.handle
-            .call(|reply| Request::List { prefix, reply })
+            .call(|reply| Request::List {
+                prefix,
+                snap: None,
+                reply,
+            })
+            .await
+    }
+
+    async fn list_at(&self, prefix: &str, snap: SnapId) -> Result<Vec<ObjectName>, StoreError> {
+        let prefix = prefix.to_owned();
+        self.handle
+            .call(|reply| Request::List {
+                prefix,
+                snap: Some(snap),
+                reply,
+            })
             .await
     }
 

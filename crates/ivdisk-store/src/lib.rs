@@ -47,7 +47,7 @@ pub use types::*;
 /// Snapshots follow RADOS' self-managed model: a write carrying a [`SnapContext`] newer than
 /// the object's last one preserves the object's state for those snapshots first; a write
 /// without a context preserves nothing, so a read at a snapshot with no preserved state returns
-/// the object as it is now. Objects that exist only in snapshots are not listed.
+/// the object as it is now. Objects that exist only in snapshots are not listed at the head.
 #[async_trait::async_trait]
 pub trait ObjectStore: Send + Sync {
     /// Apply a write operation to one object, atomically.
@@ -59,6 +59,18 @@ pub trait ObjectStore: Send + Sync {
 
     /// The names of the existing objects that start with `prefix`, sorted.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError>;
+
+    /// The names of the objects that start with `prefix` and existed at snapshot `snap` (those
+    /// a read at `snap` finds, removed ones included), sorted; `NoSuchSnapshot` for a snapshot
+    /// that does not exist where the store can tell. A store that cannot list at a snapshot
+    /// keeps this default, which refuses with `InvalidOperation`: callers then read at the
+    /// snapshot object by object.
+    async fn list_at(&self, prefix: &str, snap: SnapId) -> Result<Vec<ObjectName>, StoreError> {
+        Err(StoreError::InvalidOperation {
+            object: prefix.to_owned(),
+            reason: format!("this store cannot list objects at a snapshot ({snap})"),
+        })
+    }
 
     /// Allocate a new snapshot id (newer than every earlier one).
     async fn snap_create(&self) -> Result<SnapId, StoreError>;
@@ -142,7 +154,8 @@ pub trait ObjectStore: Send + Sync {
 /// changes. Generic wrappers put their parameters first: `impl[S: ObjectStore] Wrapper<S> {
 /// ... }`; a store in another field names it after the type: `impl[] Newtype, 0 { ... }`.
 /// The provided methods (`distinguishes_holes`, `write_unit`, `merges_operations`)
-/// keep their defaults unless the braces define them; `lost_transactions` is passed on.
+/// keep their defaults unless the braces define them; `lost_transactions` and `list_at` are
+/// passed on.
 // `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
 // whole impl (the wrapper's own methods first, then the forwarded ones) under the attribute.
 #[macro_export]
@@ -163,6 +176,13 @@ macro_rules! object_store_forwarding_to_inner {
             prefix: &str,
         ) -> Result<Vec<$crate::ObjectName>, $crate::StoreError> {
             self.$inner.list(prefix).await
+        }
+        async fn list_at(
+            &self,
+            prefix: &str,
+            snap: $crate::SnapId,
+        ) -> Result<Vec<$crate::ObjectName>, $crate::StoreError> {
+            self.$inner.list_at(prefix, snap).await
         }
         async fn snap_create(&self) -> Result<$crate::SnapId, $crate::StoreError> {
             self.$inner.snap_create().await

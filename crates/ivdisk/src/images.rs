@@ -166,7 +166,8 @@ pub fn refuse_existing(rt: &Runtime, uri: &ImageUri) -> Result<()> {
 pub struct CreateArgs {
     #[arg(help = IMAGE_HELP)]
     image: String,
-    /// Size, e.g. 10G, 512M (binary units K, M, G, T); a multiple of the sector size.
+    /// Size, e.g. 10G, 512M (binary units K, M, G, T, P, E); a multiple of the sector size,
+    /// below 8E (NBD clients hold sizes as signed 64-bit numbers).
     #[arg(long, value_parser = parse_size_arg)]
     size: u64,
     #[command(flatten)]

@@ -158,7 +158,7 @@ pub(crate) fn parse_size(text: &str) -> Result<u64> {
         .unwrap_or(text.len());
     let (digits, unit) = text.split_at(split);
     let n: u64 = digits.parse().with_context(|| {
-        format!("size '{text}': expected a number with an optional unit K, M, G, T")
+        format!("size '{text}': expected a number with an optional unit K, M, G, T, P, E")
     })?;
     let shift = match unit
         .trim()
@@ -171,7 +171,9 @@ pub(crate) fn parse_size(text: &str) -> Result<u64> {
         "M" => 20,
         "G" => 30,
         "T" => 40,
-        other => bail!("size '{text}': unknown unit '{other}', expected K, M, G or T"),
+        "P" => 50,
+        "E" => 60,
+        other => bail!("size '{text}': unknown unit '{other}', expected K, M, G, T, P or E"),
     };
     n.checked_mul(1 << shift)
         .with_context(|| format!("size '{text}' is too large"))
@@ -280,6 +282,9 @@ mod tests {
         assert_eq!(parse_size("10G").unwrap(), 10 << 30);
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1t").unwrap(), 1 << 40);
+        assert_eq!(parse_size("2P").unwrap(), 2 << 50);
+        assert_eq!(parse_size("7EiB").unwrap(), 7 << 60);
+        assert!(parse_size("16E").is_err());
         assert!(parse_size("12X")
             .unwrap_err()
             .to_string()
