@@ -60,6 +60,7 @@ use ivdisk_store::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::allocation::listed_object_numbers;
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
     NONCE_KEY,
@@ -854,31 +855,16 @@ async fn write_backup<W: Write>(
     // cannot list at a snapshot: every index.
     let objects = size.max(base.as_ref().map_or(0, |b| b.size)).div_ceil(os);
     let prefix = data_object_prefix(&parsed.params.image_id);
-    let mut indices: Vec<u64> = Vec::new();
-    for at in std::iter::once(read_snap).chain(base.as_ref().map(|b| Some(b.id))) {
-        let listed = match at {
-            None => store.list(&prefix).await,
-            Some(id) => store.list_at(&prefix, id).await,
-        };
-        let names = match listed {
-            Ok(names) => names,
-            Err(StoreError::InvalidOperation { .. }) if at.is_some() => {
-                indices = (0..objects).collect();
-                break;
-            }
-            Err(e) => return Err(ImageError::store(image)(e)),
-        };
-        for name in names {
-            match u64::from_str_radix(&name.as_str()[prefix.len()..], 16) {
-                Ok(n) if name.as_str().len() == prefix.len() + 16 && n < objects => indices.push(n),
-                _ => {
-                    tracing::warn!(image = %image, object = %name, "not a data object name; left out of the backup")
-                }
-            }
-        }
-    }
-    indices.sort_unstable();
-    indices.dedup();
+    let at: Vec<Option<SnapId>> = std::iter::once(read_snap)
+        .chain(base.as_ref().map(|b| Some(b.id)))
+        .collect();
+    let indices: Vec<u64> = match objects {
+        0 => Vec::new(),
+        _ => listed_object_numbers(store, &prefix, &at, 0..=objects - 1)
+            .await
+            .map_err(ImageError::store(image))?
+            .unwrap_or_else(|| (0..objects).collect()),
+    };
     let total = indices.len() as u64;
     let bound = source.object_bound();
     let in_flight = (BYTES_IN_FLIGHT / bound.max(1)).clamp(2, IN_FLIGHT as u64) as usize;

@@ -29,6 +29,7 @@ use ivdisk_store::{
     WriteOp, WriteStep,
 };
 
+use crate::allocation::listed_object_numbers;
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
 };
@@ -402,10 +403,24 @@ impl Image {
             let objects = parsed.size.max(snap.size).div_ceil(object_size);
             let prefix = data_object_prefix(&parsed.params.image_id);
             let context = table.context();
-            // Every object index, not a listing: objects removed since the snapshot exist
-            // only in it, and listings show only the head.
+            // The objects at the head (those created since are removed) and at the snapshot
+            // (those removed since come back); every index where the store cannot list at a
+            // snapshot. Every index took 6 minutes on RADOS for an empty 1 TiB image.
+            let numbers = match objects {
+                0 => Vec::new(),
+                _ => listed_object_numbers(
+                    store.as_ref(),
+                    &prefix,
+                    &[None, Some(snap.id)],
+                    0..=objects - 1,
+                )
+                .await
+                .map_err(ImageError::store(image))?
+                .unwrap_or_else(|| (0..objects).collect()),
+            };
+            let objects = numbers.len() as u64;
             let mut done = 0;
-            let mut results = stream::iter(0..objects)
+            let mut results = stream::iter(numbers)
                 .map(|n| {
                     let object = object_name(image, format!("{prefix}{n:016x}"));
                     let mut op = WriteOp::new().step(WriteStep::Rollback(snap.id));

@@ -157,7 +157,8 @@ async fn an_image_of_8_eib_maps_its_last_sector() {
 }
 
 /// At a snapshot an object discarded since still holds data, and one written since does not:
-/// the head's listing must not answer for it. 1100 objects, more than are stat'ed one by one.
+/// the head's listing must not answer for it; a rollback brings the one back and removes the
+/// other. 1100 objects, more than are stat'ed one by one.
 async fn snapshots_are_mapped_as_they_were(backend: Backend) {
     const OBJECT: u64 = 64 << 10;
     let place = place(backend, "alloc");
@@ -198,6 +199,27 @@ async fn snapshots_are_mapped_as_they_were(backend: Backend) {
         objects(before.allocation(0, size).await.unwrap()),
         [0, 5, 1099]
     );
+
+    // A rollback visits the objects listed at the head and at the snapshot: object 5 comes
+    // back, object 7 goes.
+    image.close().await.unwrap();
+    Image::rollback_snapshot(&place.uri, "before", |_, _| {})
+        .await
+        .unwrap();
+    let image = Image::open(&place.uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        objects(image.allocation(0, size).await.unwrap()),
+        [0, 5, 1099]
+    );
+    let mut back = vec![0u8; 4096];
+    image.read(5 * OBJECT, &mut back).await.unwrap();
+    assert_eq!(back, [1; 4096]);
+    image.read(7 * OBJECT, &mut back).await.unwrap();
+    assert_eq!(back, [0; 4096]);
+    image.close().await.unwrap();
+    before.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
