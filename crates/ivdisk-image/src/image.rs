@@ -642,7 +642,11 @@ impl Image {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(lock) = lock {
-            lock.release().await.map_err(ImageError::store(&name))?;
+            let released = lock.release().await;
+            // Again, now that the renewal thread is gone: one that found the lock renewed
+            // after a failure may have allowed writes in between.
+            self.inner.writes_allowed.store(false, Ordering::Release);
+            released.map_err(ImageError::store(&name))?;
         }
         flushed
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ivdisk_store::{LockRequest, Locker, ObjectName, ObjectStore, StoreError};
 
@@ -60,6 +60,77 @@ pub(crate) async fn holder(
         .next())
 }
 
+/// The renewal thread's loop: renew every third of `duration` until `stopped` says stop.
+///
+/// A failed renewal does not give the lock up at once: a store that is away for a while (an
+/// OSD down, a full pool) comes back, and the image with it. Writes go on while the lock may
+/// still be held (less than two thirds of `duration` since the last renewal was sent, which
+/// the store received later), are refused after that (`set_refused(Some(why))`), and resume
+/// once a renewal succeeds again (`set_refused(None)`): a lock that expired meanwhile is taken
+/// again if nobody else took it. It is lost for good when another client holds it, or when
+/// it is gone although it cannot have expired (broken by `ivdisk lock break`).
+fn renew_until_stopped(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    request: LockRequest,
+    image: &str,
+    duration: Duration,
+    stopped: mpsc::Receiver<()>,
+    mut set_refused: impl FnMut(Option<String>),
+) {
+    let mut last_sent_ok = Instant::now();
+    let mut refused = false;
+    loop {
+        match stopped.recv_timeout(duration / 3) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        let sent = Instant::now();
+        let renewed =
+            match futures_executor::block_on(store.lock_exclusive(object, request.clone())) {
+                // Gone. If it may have expired, take it again unless someone else has.
+                Err(StoreError::NotLocked { .. }) if sent >= last_sent_ok + duration => {
+                    futures_executor::block_on(store.lock_exclusive(
+                        object,
+                        LockRequest {
+                            renew: false,
+                            ..request.clone()
+                        },
+                    ))
+                }
+                other => other,
+            };
+        match renewed {
+            Ok(()) => {
+                last_sent_ok = sent;
+                if refused && stopped.try_recv() != Err(mpsc::TryRecvError::Disconnected) {
+                    tracing::warn!(image, "the writer lock is renewed again; writes resume");
+                    refused = false;
+                    set_refused(None);
+                }
+            }
+            Err(e @ (StoreError::Busy { .. } | StoreError::NotLocked { .. })) => {
+                tracing::error!(image, error = %e, "the writer lock was lost; refusing further writes");
+                set_refused(Some(e.to_string()));
+                return;
+            }
+            Err(e) if Instant::now() >= last_sent_ok + duration * 2 / 3 => {
+                if !refused {
+                    tracing::error!(image, error = %e, "renewing the writer lock failed; writes are refused until it is renewed");
+                    refused = true;
+                }
+                set_refused(Some(format!(
+                    "not renewed since {:.0?} ago: {e}; writes resume once it is",
+                    last_sent_ok.elapsed()
+                )));
+            }
+            Err(e) => {
+                tracing::warn!(image, error = %e, "renewing the writer lock failed; trying again")
+            }
+        }
+    }
+}
+
 impl WriterLock {
     pub(crate) async fn acquire(
         store: Arc<dyn ObjectStore>,
@@ -110,20 +181,20 @@ impl WriterLock {
             let name = image.to_owned();
             std::thread::Builder::new()
                 .name("ivdisk-lock-renew".into())
-                .spawn(move || loop {
-                    match stopped.recv_timeout(duration / 3) {
-                        Err(mpsc::RecvTimeoutError::Timeout) => {}
-                        _ => return,
-                    }
-                    let renewed = futures_executor::block_on(
-                        store.lock_exclusive(&object, request.clone()),
-                    );
-                    if let Err(e) = renewed {
-                        tracing::error!(image = %name, error = %e, "renewing the writer lock failed; refusing further writes");
-                        *lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
-                        healthy.store(false, Ordering::Release);
-                        return;
-                    }
+                .spawn(move || {
+                    renew_until_stopped(
+                        &*store,
+                        &object,
+                        request,
+                        &name,
+                        duration,
+                        stopped,
+                        |why| {
+                            // `Some`: writes refused, and why; `None`: held again.
+                            *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
+                            healthy.store(why.is_none(), Ordering::Release);
+                        },
+                    )
                 })
                 .map_err(|e| ImageError::Store {
                     image: image.to_owned(),

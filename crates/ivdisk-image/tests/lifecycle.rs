@@ -825,3 +825,173 @@ async fn bad_create_and_open_parameters_are_refused() {
         .unwrap_err();
     assert!(matches!(err, ImageError::NotFound { .. }), "{err}");
 }
+
+/// A memory store whose lock calls fail while `away` is set, as when the cluster cannot be
+/// reached for a while (an OSD down, a monitor election); everything else works.
+struct AwayForLocks {
+    inner: ivdisk_store::MemoryStore,
+    away: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for AwayForLocks {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::ReadOp,
+    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
+        self.inner.snap_create().await
+    }
+    async fn snap_remove(
+        &self,
+        snap: ivdisk_store::SnapId,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.snap_remove(snap).await
+    }
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: LockRequest,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        if self.away.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(ivdisk_store::StoreError::Io {
+                context: "locking: the store is away (test)".into(),
+                source: std::io::ErrorKind::TimedOut.into(),
+            });
+        }
+        self.inner.lock_exclusive(object, request).await
+    }
+    async fn unlock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.unlock(object, lock, cookie).await
+    }
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
+        self.inner.list_lockers(object, lock).await
+    }
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.break_lock(object, lock, client, cookie).await
+    }
+    async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.flush().await
+    }
+    fn client_id(&self) -> &str {
+        self.inner.client_id()
+    }
+}
+
+/// Who holds the writer lock of the image "away".
+async fn lock_client(store: &dyn ObjectStore) -> Option<String> {
+    let header = ObjectName::new(header_object_name("away")).unwrap();
+    let lockers = store.list_lockers(&header, WRITER_LOCK).await.unwrap();
+    lockers.into_iter().next().map(|l| l.client)
+}
+
+/// Poll `writer` with writes until one succeeds; panics past `deadline`.
+async fn wait_for_writes_back(writer: &Image, deadline: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        match writer.write(8192, b"writer is back").await {
+            Ok(()) => return start.elapsed(),
+            Err(ImageError::LockLost { .. }) if start.elapsed() < deadline => {}
+            other => panic!("the writer after {:?}: {other:?}", start.elapsed()),
+        }
+        // Timing, not synchronization: the renewal thread runs every lock_duration / 3.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Renewals that fail for a while (the store away) do not lose the lock for good: writes are
+/// refused once it may have expired, and resume when a renewal succeeds again, the lock
+/// taken again if it expired meanwhile. If another client took it meanwhile, the old writer
+/// stays refused and the new one keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays_taken() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let store = std::sync::Arc::new(AwayForLocks {
+        inner: memory.another_client(),
+        away: false.into(),
+    });
+    Image::create_on(store.clone(), "away", &opts(MIB), PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let short = OpenOptions {
+        lock_duration: SHORT_LOCK,
+        ..OpenOptions::default()
+    };
+    let writer = Image::open_on(store.clone(), "away", PASS, &short)
+        .await
+        .unwrap();
+    writer.write(0, b"before").await.unwrap();
+
+    // Away longer than the lock lives: refused, then back (the lock was taken again).
+    store.away.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_for_lock_lost(&writer, SHORT_LOCK + Duration::from_secs(2)).await;
+    let e = writer.write(0, b"x").await.unwrap_err();
+    assert!(e.to_string().contains("writes resume once it is"), "{e}");
+    tokio::time::sleep(SHORT_LOCK).await;
+    store.away.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_for_writes_back(&writer, SHORT_LOCK + Duration::from_secs(2)).await;
+    assert_eq!(
+        lock_client(store.as_ref()).await,
+        Some(store.client_id().to_owned())
+    );
+
+    // Away again, and another client opens the image once the lock has expired.
+    store.away.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_for_lock_lost(&writer, SHORT_LOCK + Duration::from_secs(2)).await;
+    let other = std::sync::Arc::new(memory.another_client());
+    let started = Instant::now();
+    let second = loop {
+        match Image::open_on(other.clone(), "away", PASS, &OpenOptions::default()).await {
+            Ok(image) => break image,
+            Err(ImageError::Locked { .. }) if started.elapsed() < SHORT_LOCK * 2 => {}
+            Err(e) => panic!("the second writer: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    store.away.store(false, std::sync::atomic::Ordering::SeqCst);
+    // A few renewal rounds: the old writer stays refused.
+    tokio::time::sleep(SHORT_LOCK).await;
+    assert!(matches!(
+        writer.write(0, b"old").await,
+        Err(ImageError::LockLost { .. })
+    ));
+    second.write(0, b"second").await.unwrap();
+    assert_eq!(read(&writer, 0, 6).await, b"second");
+    writer.close().await.unwrap();
+    assert_eq!(
+        lock_client(other.as_ref()).await,
+        Some(other.client_id().to_owned())
+    );
+    second.close().await.unwrap();
+}

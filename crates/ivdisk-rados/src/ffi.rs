@@ -82,6 +82,7 @@ mod sys {
         pub fn rados_ioctx_destroy(io: rados_ioctx_t);
         pub fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
         pub fn rados_ioctx_snap_set_read(io: rados_ioctx_t, snap: rados_snap_t);
+        pub fn rados_set_pool_full_try(io: rados_ioctx_t);
         pub fn rados_ioctx_selfmanaged_snap_set_write_ctx(
             io: rados_ioctx_t,
             seq: rados_snap_t,
@@ -401,6 +402,11 @@ impl IoCtx {
         Errno::check(unsafe { sys::rados_ioctx_create(cluster.raw, pool.as_ptr(), &mut raw) })?;
         // SAFETY: `raw` was just created; librados copies the namespace string.
         unsafe { sys::rados_ioctx_set_namespace(raw, namespace.as_ptr()) };
+        // Operations on a full pool (or cluster) fail at once with EDQUOT or ENOSPC, which
+        // the store reports as `NoSpace` and NBD clients get as ENOSPC (qemu pauses the
+        // guest), instead of waiting for space until the operation timeout says "timed out".
+        // SAFETY: `raw` was just created and is not shared yet.
+        unsafe { sys::rados_set_pool_full_try(raw) };
         Ok(IoCtx {
             raw,
             _cluster: cluster.clone(),

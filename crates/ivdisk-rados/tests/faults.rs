@@ -273,3 +273,84 @@ impl<S: ObjectStore> WriteOwned for S {
         self.write_op(&object, op).await
     }
 }
+
+/// `ceph ARGS...` against the test cluster (CEPH_CONF).
+fn ceph(args: &[&str]) {
+    let out = Command::new("ceph")
+        .args(args)
+        .output()
+        .expect("running ceph (package ceph-common)");
+    assert!(
+        out.status.success(),
+        "ceph {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A pool over its quota: writes fail at once with `NoSpace` naming the pool (librados waits
+/// for space by default, until the operation timeout says "timed out": the store sets
+/// FULL_TRY), what is stored still reads, and once the quota is lifted writes go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "makes a pool with a quota on the cluster in IVDISK_CEPH_DIR; run by scripts/test-all.sh"]
+async fn a_pool_over_its_quota_is_no_space_at_once_until_the_quota_is_lifted() {
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let pool = format!("ivdisk-quota-{}", common::namespace());
+    ceph(&["osd", "pool", "create", &pool, "8"]);
+    ceph(&[
+        "osd",
+        "pool",
+        "set",
+        &pool,
+        "size",
+        "1",
+        "--yes-i-really-mean-it",
+    ]);
+    ceph(&["osd", "pool", "application", "enable", &pool, "rados"]);
+    ceph(&["osd", "pool", "set-quota", &pool, "max_objects", "3"]);
+    let timeout = Duration::from_secs(60);
+    let store = RadosStore::open(&RadosConfig {
+        op_timeout: Some(timeout),
+        ..RadosConfig {
+            pool: pool.clone(),
+            ..common::config()
+        }
+    })
+    .await
+    .unwrap();
+
+    // New objects until the monitors mark the pool full (they learn its use every few
+    // seconds).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut n = 0;
+    let (e, took) = loop {
+        let started = Instant::now();
+        match store.write(&name("quota", n), 0, b"data").await {
+            Ok(_) => n += 1,
+            Err(e) => break (e, started.elapsed()),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool never filled ({n} objects)"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(matches!(e, StoreError::NoSpace { .. }), "{e:?}");
+    assert!(e.to_string().contains(&pool), "{e}");
+    assert!(took < timeout / 2, "refused after {took:?}");
+    assert_eq!(store.read(&name("quota", 0), 0, 4).await.unwrap(), b"data");
+
+    ceph(&["osd", "pool", "set-quota", &pool, "max_objects", "0"]);
+    loop {
+        match store.write(&name("quota", n), 0, b"after").await {
+            Ok(_) => break,
+            Err(StoreError::NoSpace { .. }) => {}
+            Err(e) => panic!("after the quota was lifted: {e}"),
+        }
+        assert!(Instant::now() < deadline, "the pool stayed full");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(store.read(&name("quota", n), 0, 5).await.unwrap(), b"after");
+}
