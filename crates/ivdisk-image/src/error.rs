@@ -54,11 +54,10 @@ pub enum ImageError {
         expires_in: Option<Duration>,
     },
 
-    /// The writer lock was lost while the image was open (broken by another client, or not
-    /// renewed in time); writes are refused from then on so that two writers never mix.
-    #[error(
-        "image {image}: the writer lock was lost ({reason}); writes are refused, reopen the image"
-    )]
+    /// The writer lock is not held while the image is open: broken or taken by another client
+    /// (for good: reopen the image), or not renewed for a while (until a renewal succeeds);
+    /// writes are refused meanwhile so that two writers never mix. `reason` says which.
+    #[error("image {image}: the writer lock was lost ({reason}); writes are refused")]
     LockLost { image: String, reason: String },
 
     /// A write on an image opened read-only.

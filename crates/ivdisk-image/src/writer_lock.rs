@@ -24,7 +24,8 @@ pub(crate) struct WriterLock {
     cookie: String,
     stop: Option<mpsc::Sender<()>>,
     renewer: Option<JoinHandle<()>>,
-    /// Why the lock was lost, once it was.
+    /// Why writes are refused, while they are (for good once the lock is lost, until the next
+    /// successful renewal when renewals failed).
     lost: Arc<Mutex<Option<String>>>,
     /// True while held and not lost: what every write checks, one atomic load (the two
     /// mutexes behind `lost` cost a write of 64 KiB a few percent with two threads).
@@ -111,7 +112,7 @@ fn renew_until_stopped(
             }
             Err(e @ (StoreError::Busy { .. } | StoreError::NotLocked { .. })) => {
                 tracing::error!(image, error = %e, "the writer lock was lost; refusing further writes");
-                set_refused(Some(e.to_string()));
+                set_refused(Some(format!("{e}; reopen the image")));
                 return;
             }
             Err(e) if Instant::now() >= last_sent_ok + duration * 2 / 3 => {
