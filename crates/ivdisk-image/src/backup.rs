@@ -68,7 +68,7 @@ use crate::image::{
 use crate::keyslots::missing_header;
 use crate::layout::max_stored_object_len;
 use crate::snapshot::{SnapshotTable, SNAPSHOT_KEY_PREFIX, SNAP_SEQ_KEY};
-use crate::writer_lock::{WriterLock, DEFAULT_LOCK_DURATION};
+use crate::writer_lock::{HolderRecord, WriterLock, DEFAULT_LOCK_DURATION};
 use crate::{Image, ImageError, ImageUri, LayoutKind};
 
 /// The first bytes of a backup file.
@@ -681,6 +681,7 @@ async fn backup_in(
                 header_object.clone(),
                 &image,
                 DEFAULT_LOCK_DURATION,
+                HolderRecord::Keep,
             )
             .await?,
         ),
@@ -1846,6 +1847,7 @@ async fn apply_increment(
         target.header_object.clone(),
         &image,
         DEFAULT_LOCK_DURATION,
+        HolderRecord::Keep,
     )
     .await?;
     let result = async {

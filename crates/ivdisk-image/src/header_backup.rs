@@ -27,7 +27,7 @@ use ivdisk_store::{StoreError, WriteOp, WriteStep};
 use crate::header_object::HeaderRegion;
 use crate::image::{header_object_name, object_name, parse_header, read_header};
 use crate::keyslots::{missing_header, refuse_luks_file};
-use crate::writer_lock::{WriterLock, DEFAULT_LOCK_DURATION};
+use crate::writer_lock::{HolderRecord, WriterLock, DEFAULT_LOCK_DURATION};
 use crate::{Image, ImageError, ImageUri};
 
 /// Blocks of the header region stored as a write only when not all zeros (the region is
@@ -227,9 +227,14 @@ impl Image {
         };
         judge(&current)?;
         // Held until the new header is stored: no writer runs now, and none opens meanwhile.
-        let lock =
-            WriterLock::acquire(store.clone(), object.clone(), &image, DEFAULT_LOCK_DURATION)
-                .await?;
+        let lock = WriterLock::acquire(
+            store.clone(),
+            object.clone(),
+            &image,
+            DEFAULT_LOCK_DURATION,
+            HolderRecord::Keep,
+        )
+        .await?;
         let result = async {
             let (version, replaced) = judge(&read().await?)?;
             let mut op = WriteOp::new().step(match version {

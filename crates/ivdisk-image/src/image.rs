@@ -17,7 +17,7 @@ use crate::layout::{LayoutKind, ObjectGeometry, SectorLayout};
 use crate::metadata_cache::{MetadataCache, DEFAULT_METADATA_CACHE_BYTES};
 use crate::range_lock::RangeLocks;
 use crate::snapshot::{SnapshotInfo, SnapshotTable};
-use crate::writer_lock::{self, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
+use crate::writer_lock::{self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
 use crate::{ImageError, ImageUri};
 
 /// Default bytes of data per object (as RBD).
@@ -506,6 +506,7 @@ impl Image {
                     header_object.clone(),
                     &image,
                     options.lock_duration,
+                    HolderRecord::Keep,
                 )
                 .await?,
             )

@@ -33,7 +33,7 @@ use crate::allocation::listed_object_numbers;
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
 };
-use crate::writer_lock::WriterLock;
+use crate::writer_lock::{HolderRecord, WriterLock};
 use crate::{Image, ImageError, ImageUri, DEFAULT_LOCK_DURATION};
 
 /// Omap key prefix of the snapshot records in the header object.
@@ -225,6 +225,7 @@ pub(crate) async fn lock_header(uri: &ImageUri) -> Result<Locked, ImageError> {
         header_object.clone(),
         &image,
         DEFAULT_LOCK_DURATION,
+        HolderRecord::Keep,
     )
     .await?;
     Ok(Locked {

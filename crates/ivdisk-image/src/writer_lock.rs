@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ivdisk_store::{LockRequest, Locker, ObjectName, ObjectStore, StoreError};
+use ivdisk_store::{
+    LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError, WriteOp,
+};
 
 use crate::ImageError;
 
@@ -16,6 +18,21 @@ use crate::ImageError;
 pub const WRITER_LOCK: &str = "ivdisk_writer";
 /// How long a lock lives without renewal; renewed every third of it.
 pub const DEFAULT_LOCK_DURATION: Duration = Duration::from_secs(30);
+/// The header object's omap key naming the last holder of the writer lock (its cookie),
+/// written right after taking the lock and before anything else: a writer whose lock expired
+/// takes it again only if this still names it, that is, if nobody held it meanwhile.
+pub(crate) const LAST_WRITER_KEY: &[u8] = b"ivdisk.last_writer";
+
+/// Whether taking the lock records its holder in the header object's omap (see
+/// [`LAST_WRITER_KEY`]). Without the record a lock that expired is lost for good: there is no
+/// telling whether another writer held it meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HolderRecord {
+    /// ivdisk images: their header object is ours.
+    Keep,
+    /// Headers of other tools (a LUKS file, a librbd image's `rbd_header`): left as they are.
+    None,
+}
 
 /// A held writer lock and the thread renewing it.
 pub(crate) struct WriterLock {
@@ -68,19 +85,25 @@ pub(crate) async fn holder(
 /// still be held (less than two thirds of `duration` since the last renewal was sent, which
 /// the store received later), are refused after that (`set_refused(Some(why))`), and resume
 /// once a renewal succeeds again (`set_refused(None)`): a lock that expired meanwhile is taken
-/// again if nobody else took it. It is lost for good when another client holds it, or when
-/// it is gone although it cannot have expired (broken by `ivdisk lock break`).
+/// again if nobody else took it, and kept only if nobody else held it meanwhile either (the
+/// holder record still names `request.cookie`; a writer that took it, wrote and closed would
+/// otherwise be overwritten from a stale metadata cache and a client's stale view). It is lost
+/// for good when another client holds it or held it, or when it is gone although it cannot
+/// have expired (broken by `ivdisk lock break`).
 fn renew_until_stopped(
     store: &dyn ObjectStore,
     object: &ObjectName,
     request: LockRequest,
     image: &str,
-    duration: Duration,
+    record: HolderRecord,
     stopped: mpsc::Receiver<()>,
     mut set_refused: impl FnMut(Option<String>),
 ) {
+    let duration = request.duration.unwrap_or(DEFAULT_LOCK_DURATION);
     let mut last_sent_ok = Instant::now();
     let mut refused = false;
+    // Taken again after it expired, and not yet seen to be still ours.
+    let mut retaken = false;
     loop {
         match stopped.recv_timeout(duration / 3) {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -90,17 +113,48 @@ fn renew_until_stopped(
         let renewed =
             match futures_executor::block_on(store.lock_exclusive(object, request.clone())) {
                 // Gone. If it may have expired, take it again unless someone else has.
-                Err(StoreError::NotLocked { .. }) if sent >= last_sent_ok + duration => {
-                    futures_executor::block_on(store.lock_exclusive(
+                Err(StoreError::NotLocked { .. })
+                    if sent >= last_sent_ok + duration && record == HolderRecord::Keep =>
+                {
+                    let taken = futures_executor::block_on(store.lock_exclusive(
                         object,
                         LockRequest {
                             renew: false,
                             ..request.clone()
                         },
-                    ))
+                    ));
+                    retaken |= taken.is_ok();
+                    taken
                 }
                 other => other,
             };
+        let renewed = match renewed {
+            Ok(()) if retaken => match last_holder(store, object) {
+                Ok(holder) if holder.as_deref() == Some(request.cookie.as_bytes()) => {
+                    retaken = false;
+                    Ok(())
+                }
+                Ok(_) => {
+                    // Someone else wrote meanwhile: what this writer holds in memory (its
+                    // metadata cache, its clients' caches) may be stale. Give the lock back.
+                    let _ = futures_executor::block_on(store.unlock(
+                        object,
+                        WRITER_LOCK,
+                        &request.cookie,
+                    ));
+                    let why = format!(
+                        "the writer lock of {image} expired while the store was away, and \
+                         another writer held it meanwhile; reopen the image"
+                    );
+                    tracing::error!(image, "{why}; refusing further writes");
+                    set_refused(Some(why));
+                    return;
+                }
+                // Not known yet: still refused, asked again at the next renewal.
+                Err(e) => Err(e),
+            },
+            other => other,
+        };
         match renewed {
             Ok(()) => {
                 last_sent_ok = sent;
@@ -132,12 +186,26 @@ fn renew_until_stopped(
     }
 }
 
+/// The cookie the holder record names (see [`LAST_WRITER_KEY`]), if any.
+fn last_holder(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+) -> Result<Option<Vec<u8>>, StoreError> {
+    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![LAST_WRITER_KEY.to_vec()]));
+    let results = futures_executor::block_on(store.read_op(object, op))?;
+    Ok(match results.into_iter().next() {
+        Some(ReadResult::Omap { pairs, .. }) => pairs.into_iter().next().map(|(_, v)| v.to_vec()),
+        _ => None,
+    })
+}
+
 impl WriterLock {
     pub(crate) async fn acquire(
         store: Arc<dyn ObjectStore>,
         object: ObjectName,
         image: &str,
         duration: Duration,
+        record: HolderRecord,
     ) -> Result<WriterLock, ImageError> {
         let mut cookie = [0u8; 8];
         ivdisk_crypto::fill_random(&mut cookie).map_err(ImageError::crypto(image))?;
@@ -164,8 +232,23 @@ impl WriterLock {
             }
             Err(e) => return Err(ImageError::store(image)(e)),
         }
-        // Make the lock durable now, so a holder that crashes right after opening still
-        // leaves it behind (until it expires) rather than losing it with the unflushed tail.
+        let mut record = record;
+        if record == HolderRecord::Keep {
+            let op = WriteOp::new()
+                .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
+            match store.write_op(&object, op).await {
+                Ok(_) => {}
+                // A store without omap (a LUKS file): no record, no taking it again.
+                Err(StoreError::InvalidOperation { .. }) => record = HolderRecord::None,
+                Err(e) => {
+                    let _ = store.unlock(&object, WRITER_LOCK, &cookie).await;
+                    return Err(ImageError::store(image)(e));
+                }
+            }
+        }
+        // Make the lock (and the record) durable now, so a holder that crashes right after
+        // opening still leaves it behind (until it expires) rather than losing it with the
+        // unflushed tail.
         store.flush().await.map_err(ImageError::store(image))?;
         let lost = Arc::new(Mutex::new(None));
         let healthy = Arc::new(AtomicBool::new(true));
@@ -183,19 +266,11 @@ impl WriterLock {
             std::thread::Builder::new()
                 .name("ivdisk-lock-renew".into())
                 .spawn(move || {
-                    renew_until_stopped(
-                        &*store,
-                        &object,
-                        request,
-                        &name,
-                        duration,
-                        stopped,
-                        |why| {
-                            // `Some`: writes refused, and why; `None`: held again.
-                            *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
-                            healthy.store(why.is_none(), Ordering::Release);
-                        },
-                    )
+                    renew_until_stopped(&*store, &object, request, &name, record, stopped, |why| {
+                        // `Some`: writes refused, and why; `None`: held again.
+                        *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
+                        healthy.store(why.is_none(), Ordering::Release);
+                    })
                 })
                 .map_err(|e| ImageError::Store {
                     image: image.to_owned(),

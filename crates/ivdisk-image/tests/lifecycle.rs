@@ -927,13 +927,11 @@ async fn wait_for_writes_back(writer: &Image, deadline: Duration) -> Duration {
     }
 }
 
-/// Renewals that fail for a while (the store away) do not lose the lock for good: writes are
-/// refused once it may have expired, and resume when a renewal succeeds again, the lock
-/// taken again if it expired meanwhile. If another client took it meanwhile, the old writer
-/// stays refused and the new one keeps it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays_taken() {
-    let memory = ivdisk_store::MemoryStore::new().unwrap();
+/// The image "away" on an [`AwayForLocks`] over `memory`, open for writing with a short lock
+/// and written once.
+async fn away_store_and_writer(
+    memory: &ivdisk_store::MemoryStore,
+) -> (std::sync::Arc<AwayForLocks>, Image) {
     let store = std::sync::Arc::new(AwayForLocks {
         inner: memory.another_client(),
         away: false.into(),
@@ -952,6 +950,30 @@ async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays
         .await
         .unwrap();
     writer.write(0, b"before").await.unwrap();
+    (store, writer)
+}
+
+/// Open the image "away" for writing through `store` as soon as its writer lock has expired.
+async fn open_once_expired(store: &std::sync::Arc<ivdisk_store::MemoryStore>) -> Image {
+    let started = Instant::now();
+    loop {
+        match Image::open_on(store.clone(), "away", PASS, &OpenOptions::default()).await {
+            Ok(image) => return image,
+            Err(ImageError::Locked { .. }) if started.elapsed() < SHORT_LOCK * 2 => {}
+            Err(e) => panic!("the second writer: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Renewals that fail for a while (the store away) do not lose the lock for good: writes are
+/// refused once it may have expired, and resume when a renewal succeeds again, the lock
+/// taken again if it expired meanwhile. If another client took it meanwhile, the old writer
+/// stays refused and the new one keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays_taken() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
 
     // Away longer than the lock lives: refused, then back (the lock was taken again).
     store.away.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -970,15 +992,7 @@ async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays
     store.away.store(true, std::sync::atomic::Ordering::SeqCst);
     wait_for_lock_lost(&writer, SHORT_LOCK + Duration::from_secs(2)).await;
     let other = std::sync::Arc::new(memory.another_client());
-    let started = Instant::now();
-    let second = loop {
-        match Image::open_on(other.clone(), "away", PASS, &OpenOptions::default()).await {
-            Ok(image) => break image,
-            Err(ImageError::Locked { .. }) if started.elapsed() < SHORT_LOCK * 2 => {}
-            Err(e) => panic!("the second writer: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let second = open_once_expired(&other).await;
     store.away.store(false, std::sync::atomic::Ordering::SeqCst);
     // A few renewal rounds: the old writer stays refused.
     tokio::time::sleep(SHORT_LOCK).await;
@@ -994,4 +1008,48 @@ async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays
         Some(other.client_id().to_owned())
     );
     second.close().await.unwrap();
+}
+
+/// A lock that expired while the store was away is not taken back if another writer held it
+/// meanwhile, even one that has closed since: the old writer's memory (its metadata cache, its
+/// clients' caches) no longer matches the image, so its writes stay refused and it gives the
+/// lock back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_another_writer_held_and_released_meanwhile_is_not_taken_back() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+
+    store.away.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_for_lock_lost(&writer, SHORT_LOCK + Duration::from_secs(2)).await;
+    // Another client opens once the lock has expired, writes and closes.
+    let other = std::sync::Arc::new(memory.another_client());
+    let second = open_once_expired(&other).await;
+    second.write(0, b"second").await.unwrap();
+    second.close().await.unwrap();
+    assert_eq!(lock_client(store.as_ref()).await, None);
+
+    // The store is back; a few renewal rounds later the old writer is still refused, for good.
+    store.away.store(false, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(SHORT_LOCK).await;
+    // A whole sector next to the second writer's: with the old writer's stale metadata cache
+    // this rewrote the metadata block of both, and the second writer's sector read as
+    // tampered.
+    match writer.write(4096, &[7; 4096]).await {
+        Err(e @ ImageError::LockLost { .. }) => {
+            assert!(
+                e.to_string().contains("another writer held it meanwhile"),
+                "{e}"
+            )
+        }
+        other => panic!("the old writer wrote after another one had: {other:?}"),
+    }
+    assert_eq!(read(&writer, 0, 6).await, b"second");
+    // It gave the lock back: a new writer opens at once.
+    assert_eq!(lock_client(store.as_ref()).await, None);
+    writer.close().await.unwrap();
+    let third = Image::open_on(other.clone(), "away", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(read(&third, 0, 6).await, b"second");
+    third.close().await.unwrap();
 }

@@ -24,7 +24,7 @@ use ivdisk_store::{
 
 use super::{check_segment, data_size, invalid, open_segment};
 use crate::image::{EngineSpec, Image};
-use crate::writer_lock::WriterLock;
+use crate::writer_lock::{HolderRecord, WriterLock};
 use crate::{ImageError, ImageInfo, ImageUri, LayoutKind, OpenOptions};
 
 /// Bytes of the file per object of [`LuksFileStore`]: only how the engine splits IO.
@@ -142,6 +142,7 @@ pub(crate) async fn open_file(
                 header_object.clone(),
                 image,
                 options.lock_duration,
+                HolderRecord::None,
             )
             .await?,
         ),

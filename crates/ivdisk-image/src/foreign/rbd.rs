@@ -52,7 +52,7 @@ use ivdisk_store::{
 use super::{check_segment, data_size, invalid, open_segment};
 use crate::image::{EngineSpec, Image};
 use crate::layout::place_extents;
-use crate::writer_lock::WriterLock;
+use crate::writer_lock::{HolderRecord, WriterLock};
 use crate::{ImageError, ImageInfo, LayoutKind, OpenOptions};
 
 const FEATURE_LAYERING: u64 = 1 << 0;
@@ -517,6 +517,7 @@ pub(crate) async fn open_rbd(
             rbd.header_object.clone(),
             image,
             options.lock_duration,
+            HolderRecord::None,
         )
         .await?;
         // Under the lock: the image may have changed since (snapshots, features, size, a
