@@ -15,6 +15,7 @@ use ivdisk_store::{
 use crate::header_object::HeaderRegion;
 use crate::layout::{LayoutKind, ObjectGeometry, SectorLayout};
 use crate::metadata_cache::{MetadataCache, DEFAULT_METADATA_CACHE_BYTES};
+use crate::object_map::ObjectMap;
 use crate::range_lock::RangeLocks;
 use crate::snapshot::{SnapshotInfo, SnapshotTable};
 use crate::writer_lock::{self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
@@ -187,6 +188,9 @@ pub(crate) struct Inner {
     /// The `object-end` or `omap-packed` metadata in memory (writers only; used while the
     /// lock is held).
     pub(crate) metadata_cache: Option<MetadataCache>,
+    /// Which data objects may exist (writers and snapshots; `None` for read-only opens of the
+    /// head, LUKS volumes of other tools and images of too many objects).
+    pub(crate) object_map: Option<ObjectMap>,
     /// Whether reads use the cache. Not when it was turned off (0 bytes) and is there only
     /// because the layout writes through it (`omap-packed`): then every read goes to the store.
     pub(crate) metadata_cache_reads: bool,
@@ -588,7 +592,16 @@ impl Image {
             ),
             _ => None,
         };
+        // A LUKS volume's objects are slices of the volume (not listed by number).
+        let objects = (spec.data_offset + spec.size).div_ceil(spec.object_size);
+        let object_map = match (&spec.lock, &spec.snapshot) {
+            _ if spec.data_offset != 0 => None,
+            (_, Some(_)) => ObjectMap::new(objects, true),
+            (Some(_), None) => ObjectMap::new(objects, false),
+            (None, None) => None,
+        };
         let inner = Inner {
+            object_map,
             metadata_cache,
             metadata_cache_reads: spec.metadata_cache_bytes > 0,
             data_prefix: spec.data_prefix,

@@ -816,6 +816,10 @@ impl Inner {
     async fn write_piece(&self, piece: Piece, op: WriteOp) -> Result<(), ImageError> {
         let object = self.data_object(piece.object);
         let only_if_exists = matches!(op.steps.first(), Some(WriteStep::AssertExists));
+        if let (Some(map), false) = (&self.object_map, only_if_exists) {
+            // Before the operation is submitted: block status never misses the object.
+            map.note(piece.object);
+        }
         let written = match self.usable_cache() {
             Some(cache) if self.layout.needs_metadata_cache() => {
                 self.write_piece_whole_blocks(cache, piece.object, &object, op)

@@ -31,6 +31,7 @@ mod io;
 mod keyslots;
 mod layout;
 mod metadata_cache;
+mod object_map;
 mod on_store;
 mod range_lock;
 mod read_reply;
