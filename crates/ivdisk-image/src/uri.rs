@@ -290,20 +290,24 @@ fn open_local(
             return Ok(store);
         }
     }
-    if create && !dir.join("meta.sqlite").exists() {
-        // Never scatter a store's files into a directory that holds something else.
+    if !dir.join("meta.sqlite").exists() {
+        // Never scatter a store's files into a directory that holds something else; and do
+        // not tell to create an image where that would be refused.
         let occupied = match std::fs::read_dir(dir) {
             Ok(mut entries) => entries.next().is_some(),
-            Err(_) => dir.exists(),
+            Err(_) => create && dir.exists(),
         };
         if occupied {
             return Err(ivdisk_store::StoreError::Io {
                 context: format!(
                     "{} exists and is not an ivdisk store (a local image is a directory of its \
-                     own); choose a new path",
+                     own): give an image's directory, or a new path to create one",
                     dir.display()
                 ),
-                source: std::io::ErrorKind::AlreadyExists.into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "it holds other files and no meta.sqlite",
+                ),
             });
         }
     }

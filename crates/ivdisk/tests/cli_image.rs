@@ -490,3 +490,40 @@ fn image_addresses_are_checked() {
     ok(&args);
     assert!(fails(&["info", "mem:scratch"]).contains("does not exist"));
 }
+
+/// A directory holding other files is not an image: opening it says so (not "create it",
+/// which create then refuses), and neither open nor create leaves a store's files in it.
+#[test]
+fn a_directory_of_other_files_is_not_an_image() {
+    let f = Fixture::new();
+    let dir = f.path("photos");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("cat.jpg"), b"not a disk").unwrap();
+    for command in ["info", "verify", "export"] {
+        let mut args = vec![command, p(&dir)];
+        let out = f.path("out.raw");
+        if command == "export" {
+            args.extend([p(&out), "--passphrase-file", p(&f.pw)]);
+        }
+        // `verify` exits 2 on errors other than failed sectors.
+        let (_, err) = common::exits(if command == "verify" { 2 } else { 1 }, &args);
+        assert!(err.contains("is not an ivdisk store"), "{command}: {err}");
+        assert!(!err.contains("create it"), "{command}: {err}");
+    }
+    let mut args = vec![
+        "create",
+        p(&dir),
+        "--size",
+        "1M",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(err.contains("is not an ivdisk store"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["cat.jpg"]);
+}

@@ -860,6 +860,60 @@ fn the_socket_is_private_unless_socket_mode_says_otherwise() {
     assert!(ran.stderr.contains("octal"), "{}", ran.stderr);
 }
 
+/// The soft and hard limits on open files ("Max open files") of process `pid`.
+fn open_file_limits(pid: &str) -> (String, String) {
+    let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap_or_else(|| panic!("no open file limit in {limits}"));
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    (fields[3].to_owned(), fields[4].to_owned())
+}
+
+/// A server started under a low soft limit on open files (1024 is usual; each client is a
+/// file, and librados holds one per OSD) raises it to the hard limit, so 200 clients attached
+/// at once are all greeted and one more is served. Before, it ran out of files and backed off.
+#[test]
+fn the_server_raises_its_open_file_limit_and_serves_many_clients() {
+    use std::os::unix::net::UnixStream;
+    let f = Fixture::new();
+    let image = f.create("many", "16M", &[]);
+    let socket = f.unique("nbd", ".sock");
+    let listen = ["--socket", s(&socket)];
+    let serve = f.serve_command(&image, &listen, &[]);
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", "ulimit -Sn 64 && exec \"$0\" \"$@\""])
+        .arg(serve.get_program())
+        .args(serve.get_args())
+        .current_dir(f.dir.path());
+    let server = f.start_server_as(command, &image, &listen);
+    let (soft, hard) = open_file_limits(&server.pid().to_string());
+    assert_eq!(soft, hard, "the server's open file limit was not raised");
+
+    let ours: u64 = open_file_limits("self").1.parse().unwrap_or(u64::MAX);
+    if ours >= 1024 {
+        let held: Vec<UnixStream> = (0..200)
+            .map(|_| UnixStream::connect(&socket).unwrap())
+            .collect();
+        for (i, mut client) in held.iter().enumerate() {
+            client
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let mut greeting = [0u8; 8];
+            client
+                .read_exact(&mut greeting)
+                .unwrap_or_else(|e| panic!("client {i} was not greeted: {e}"));
+            assert_eq!(&greeting, b"NBDMAGIC");
+        }
+        f.qemu_io(&server.uri, &["write -P 0x5c 0 64k", "read -P 0x5c 0 64k"])
+            .ok();
+        drop(held);
+    }
+    server.stop();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. qemu-img
 
