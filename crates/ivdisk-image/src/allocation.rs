@@ -35,7 +35,7 @@ const STATS_IN_FLIGHT: u64 = 32;
 /// Ranges over more objects than this are answered from a listing of the image's data
 /// objects, where the store can list: one listing then costs less than the stats, even of a
 /// fully written image.
-const LIST_ABOVE_OBJECTS: u64 = 1024;
+pub(crate) const LIST_ABOVE_OBJECTS: u64 = 1024;
 
 /// Consecutive extents, adjacent ones of the same state merged.
 #[derive(Default)]

@@ -14,7 +14,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Images of more objects keep no map (16 MiB of bits): block status stats every object as
-/// before, and whole-image requests list the objects (`allocation.rs`).
+/// before, and whole-image requests list the objects (`allocation.rs`). Images of at most
+/// `LIST_ABOVE_OBJECTS` keep none either (`Image::from_spec`).
 const MAX_MAPPED_OBJECTS: u64 = 1 << 27;
 
 /// Whether the map has been filled from a listing of the store.
