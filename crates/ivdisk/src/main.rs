@@ -17,6 +17,7 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod backup;
+mod control;
 mod convert;
 mod images;
 mod keys;

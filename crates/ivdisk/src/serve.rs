@@ -286,6 +286,10 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         ),
         image.is_read_only(),
     );
+    // `ivdisk snap create` of this image reaches the writer through it.
+    let control = (!image.is_read_only())
+        .then(|| crate::control::ControlSocket::start(rt, &image))
+        .flatten();
     let served = serve_until_signal(
         rt,
         listener,
@@ -293,6 +297,9 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         &uri.to_string(),
         "the writer lock expires by itself",
     );
+    if let Some(control) = control {
+        control.stop(rt);
+    }
     // Whatever happened to the server, the image is flushed and its lock released.
     let closed = rt.block_on(image.close());
     finish(&args, served, closed.map_err(|e| anyhow!("{e}")))

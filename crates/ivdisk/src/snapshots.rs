@@ -1,11 +1,14 @@
 //! `ivdisk snap create|ls|rm|rollback`: snapshots of an image, by `IMAGE@SNAP`. No passphrase
 //! is needed (a snapshot copies ciphertext, it never decrypts); create, rm and rollback take
-//! the image's writer lock, so they refuse while the image is served for writing.
+//! the image's writer lock, so they refuse while the image is open for writing, except that
+//! create asks an `ivdisk serve` of this machine holding it to take the snapshot itself
+//! (`control.rs`).
 
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use ivdisk_image::{Image, ImageUri, SnapshotInfo};
+use ivdisk_image::{Image, ImageError, ImageUri, SnapshotInfo};
+use ivdisk_store::StoreError;
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
@@ -15,7 +18,7 @@ use crate::images::{flat, human_size};
 pub enum SnapCommand {
     /// Take a snapshot: what IMAGE reads now, kept read-only under NAME.
     #[command(
-        after_help = "Example:\n  ivdisk snap create disk.ivd@before-upgrade\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin' --json\n\nThe image must not be open for writing (stop `ivdisk serve` first): a writer would keep writing under its old snapshot list."
+        after_help = "Example:\n  ivdisk snap create disk.ivd@before-upgrade\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin' --json\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server takes the snapshot (through its control socket): it waits for the writes in flight, flushes, and keeps the snapshot from then on. The snapshot holds every write the server acknowledged, as after a power cut: what a guest still had in its own cache is not in it. An image open for writing elsewhere refuses."
     )]
     Create(SnapArgs),
     /// List an image's snapshots, oldest first.
@@ -60,6 +63,29 @@ fn image_at(text: &str) -> Result<(ImageUri, String)> {
     }
 }
 
+/// Snapshot `name` of `uri` taken by the `ivdisk serve` of this machine that holds it open for
+/// writing, through its control socket; `None` if no such server answers.
+fn by_the_server(uri: &ImageUri, name: &str, rt: &Runtime) -> Option<Result<SnapshotInfo>> {
+    let info = rt.block_on(Image::info(uri)).ok()?;
+    let request = json!({"command": "snap-create", "snapshot": name});
+    let reply = match crate::control::request(&info.image_id, &request)? {
+        Ok(reply) => reply,
+        Err(e) => return Some(Err(e)),
+    };
+    tracing::debug!(%reply, "the server's answer");
+    let snapshot = &reply["snapshot"];
+    Some(match (reply["error"].as_str(), snapshot["name"].as_str()) {
+        (Some(error), _) => Err(anyhow::anyhow!("{error}")),
+        (None, Some(name)) => Ok(SnapshotInfo {
+            name: name.to_owned(),
+            id: snapshot["id"].as_u64().unwrap_or_default(),
+            size: snapshot["size"].as_u64().unwrap_or_default(),
+            created: snapshot["created"].as_u64().unwrap_or_default(),
+        }),
+        (None, None) => Err(anyhow::anyhow!("the server answered {reply}")),
+    })
+}
+
 pub fn snapshot_json(s: &SnapshotInfo) -> Value {
     json!({"name": s.name, "id": s.id, "size": s.size, "created": s.created})
 }
@@ -68,9 +94,18 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
     match command {
         SnapCommand::Create(args) => {
             let (uri, name) = image_at(&args.image)?;
-            let snap = rt
-                .block_on(Image::create_snapshot_of(&uri, &name))
-                .map_err(flat)?;
+            let snap = match rt.block_on(Image::create_snapshot_of(&uri, &name)) {
+                Ok(snap) => snap,
+                // Held by a writer (on a local store, its process has the store open).
+                Err(
+                    e @ (ImageError::Locked { .. }
+                    | ImageError::Store {
+                        source: StoreError::AlreadyOpen { .. },
+                        ..
+                    }),
+                ) => by_the_server(&uri, &name, rt).unwrap_or_else(|| Err(flat(e)))?,
+                Err(e) => return Err(flat(e)),
+            };
             if args.json {
                 println!(
                     "{}",

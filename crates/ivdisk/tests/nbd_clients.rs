@@ -1320,6 +1320,105 @@ fn luks1_zeros_written_over_nbd_read_as_zeros_in_qemu() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 5b. Live snapshots of a served image
+
+/// Where `ivdisk serve` puts the control socket of the image `image_id` (`control.rs`).
+fn control_socket(image_id: &str) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(runtime) => Path::new(&runtime).join("ivdisk"),
+        None => {
+            // This process' uid: the owner of a file it makes.
+            let me = tempfile::tempfile().unwrap().metadata().unwrap().uid();
+            PathBuf::from(format!("/tmp/ivdisk-{me}"))
+        }
+    };
+    dir.join(format!("{image_id}.sock"))
+}
+
+/// `ivdisk snap create` of an image that `ivdisk serve` holds open for writing: the server
+/// takes the snapshot (through its control socket) while a client keeps writing. The snapshot
+/// holds what was acknowledged before it and not what came after, authenticates whole, and
+/// is served read-only beside the writer; a name already taken is refused with the usual
+/// message; the socket goes with the server, and then snapshots are taken directly again.
+#[test]
+fn a_served_image_is_snapshotted_live_by_its_server() {
+    let f = Fixture::new();
+    let image = f.create("live", "64M", &[]);
+    let id = f.ivdisk(&["info", s(&image), "--json"]).ok().json()["image_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let server = f.serve(&image, &[]);
+    assert!(
+        control_socket(&id).exists(),
+        "no control socket at {:?}",
+        control_socket(&id)
+    );
+    f.qemu_io(&server.uri, &["write -P 0x11 0 1M"]).ok();
+    // A client writing elsewhere all along.
+    let busy = {
+        let mut command = f.tool("qemu-io");
+        command.args(["-f", "raw"]);
+        for i in 0..200 {
+            command.args([
+                "-c",
+                &format!("write -P 0x33 {} 256k", 8 * MIB + (i % 64) * 256 * 1024),
+            ]);
+        }
+        command.arg(&server.uri);
+        Running::start(command)
+    };
+    let live = format!("{}@live", s(&image));
+    let made = f.ivdisk(&["snap", "create", &live, "--json"]).ok().json();
+    assert_eq!(made["snapshot"]["name"], "live", "{made}");
+    f.qemu_io(&server.uri, &["write -P 0x22 0 1M"]).ok();
+    busy.finish().ok();
+
+    let taken = f.ivdisk(&["snap", "create", &live]).failed();
+    assert!(
+        taken.stderr.contains("already has a snapshot named `live`"),
+        "{}",
+        taken.stderr
+    );
+    let at_live = f.serve(Path::new(&live), &[]);
+    assert_eq!(at_live.ready["read_only"], true);
+    f.qemu_io_ro(&at_live.uri, &["read -P 0x11 0 1M"]).ok();
+    f.qemu_io_ro(&server.uri, &["read -P 0x22 0 1M"]).ok();
+    let verified = f.ivdisk(&["verify", &live, "--key-file", s(&f.key)]).ok();
+    assert!(
+        verified.stdout.contains("all authentic"),
+        "{}",
+        verified.stdout
+    );
+    // (Not `stop`: a snapshot holds no lock to check.)
+    let mut at_live = at_live;
+    at_live.sigterm();
+    let status = at_live
+        .wait_exit(STOP_LIMIT)
+        .expect("the snapshot's server exits");
+    assert!(status.success(), "{}", at_live.stderr());
+    server.stop();
+
+    assert!(
+        !control_socket(&id).exists(),
+        "the control socket was left behind"
+    );
+    f.ivdisk(&["snap", "create", &format!("{}@after", s(&image))])
+        .ok();
+    let names: Vec<Value> = f
+        .ivdisk(&["snap", "ls", s(&image), "--json"])
+        .ok()
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|snap| snap["name"].clone())
+        .collect();
+    assert_eq!(names, ["live", "after"]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // 6. Read-only exports and one writer
 
 #[test]

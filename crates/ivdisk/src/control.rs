@@ -1,0 +1,189 @@
+//! The control socket of `ivdisk serve`: how commands reach an image that a server holds open
+//! for writing. The writer lock keeps every other process from changing the image, and a
+//! snapshot must be taken by the writer itself (it flushes, holds new writes off, and from
+//! then on preserves the snapshot with every write), so `ivdisk snap create` asks the server.
+//!
+//! One socket per served image, named by the image id in a directory only the user can
+//! enter (`$XDG_RUNTIME_DIR/ivdisk`, else `/tmp/ivdisk-UID`, mode 700): whoever may connect may
+//! already change the image's store. One JSON line each way per connection:
+//! `{"command":"snap-create","snapshot":NAME}` gets `{"snapshot":{...}}` or `{"error":TEXT}`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use ivdisk_crypto::ImageId;
+use ivdisk_image::Image;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::runtime::Runtime;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::snapshots::snapshot_json;
+
+/// A request line longer than this is refused (a snapshot name is at most 128 bytes).
+const MAX_REQUEST: u64 = 4096;
+/// How long a client waits for the answer: a snapshot waits for the writes in flight and a
+/// flush, which on a cluster in trouble takes up to the operation timeout.
+const ANSWER_LIMIT: Duration = Duration::from_secs(120);
+
+/// The directory of the control sockets, made (mode 700) if missing; refused if someone
+/// else owns it or others may enter it (another user could then answer in the server's name).
+fn control_dir() -> Result<PathBuf> {
+    let uid = rustix::process::getuid().as_raw();
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(runtime) => Path::new(&runtime).join("ivdisk"),
+        None => PathBuf::from(format!("/tmp/ivdisk-{uid}")),
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e).with_context(|| format!("making {}", dir.display())),
+    }
+    let meta =
+        std::fs::symlink_metadata(&dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        bail!(
+            "{} is not a directory of this user (uid {uid}) that only it can enter; remove it",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+fn socket_path(image_id: &ImageId) -> Result<PathBuf> {
+    Ok(control_dir()?.join(format!("{}.sock", hex::encode(image_id.0))))
+}
+
+/// A running control socket; [`ControlSocket::stop`] ends it.
+pub struct ControlSocket {
+    path: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ControlSocket {
+    /// Listen for commands to `image` (open for writing). `None` (with a warning) if the
+    /// socket cannot be made: the image is served anyway, only without live snapshots.
+    pub fn start(rt: &Runtime, image: &Image) -> Option<ControlSocket> {
+        let listen = || -> Result<(PathBuf, tokio::net::UnixListener)> {
+            let path = socket_path(&image.image_id())?;
+            // Left by a server that died: this process holds the writer lock now.
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("removing {}", path.display()))
+                }
+                _ => {}
+            }
+            let _guard = rt.enter();
+            let listener = tokio::net::UnixListener::bind(&path)
+                .with_context(|| format!("listening on {}", path.display()))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            Ok((path, listener))
+        };
+        let (path, listener) = match listen() {
+            Ok(listening) => listening,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "no control socket: `ivdisk snap create` cannot reach this server");
+                return None;
+            }
+        };
+        tracing::debug!(path = %path.display(), "control socket listening");
+        let (stop, mut stopped) = oneshot::channel();
+        let image = image.clone();
+        let task = rt.spawn(async move {
+            loop {
+                // One request at a time, each answered before the server stops: a snapshot is
+                // never cut off half made.
+                let connection = tokio::select! {
+                    _ = &mut stopped => return,
+                    accepted = listener.accept() => accepted,
+                };
+                match connection {
+                    Ok((stream, _)) => answer(stream, &image).await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "control socket: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        Some(ControlSocket {
+            path,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Stop listening (after the request being answered, if any) and remove the socket.
+    pub fn stop(mut self, rt: &Runtime) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = rt.block_on(task);
+        }
+    }
+}
+
+impl Drop for ControlSocket {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+async fn answer(stream: tokio::net::UnixStream, image: &Image) {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let reply = match tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST))
+            .read_line(&mut line),
+    )
+    .await
+    {
+        Ok(Ok(_)) => execute(&line, image).await,
+        Ok(Err(e)) => json!({"error": format!("reading the request: {e}")}),
+        Err(_) => json!({"error": "no request within 10 s"}),
+    };
+    let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
+}
+
+async fn execute(line: &str, image: &Image) -> Value {
+    let request: Value = match serde_json::from_str(line) {
+        Ok(request) => request,
+        Err(e) => return json!({"error": format!("not a JSON request line: {e}")}),
+    };
+    match (request["command"].as_str(), request["snapshot"].as_str()) {
+        (Some("snap-create"), Some(name)) => match image.create_snapshot(name).await {
+            Ok(info) => {
+                tracing::info!(snapshot = name, "snapshot created for `ivdisk snap create`");
+                json!({"snapshot": snapshot_json(&info)})
+            }
+            Err(e) => json!({"error": e.to_string()}),
+        },
+        _ => json!({"error": format!("unknown request {request}")}),
+    }
+}
+
+/// Send `request` to the server holding the image `image_id` open for writing on this
+/// machine. `None` if no server listens for it (none runs here, or it died).
+pub fn request(image_id: &ImageId, request: &Value) -> Option<Result<Value>> {
+    let path = socket_path(image_id).ok()?;
+    let mut stream = UnixStream::connect(&path).ok()?;
+    let mut exchange = || -> Result<Value> {
+        stream.set_read_timeout(Some(ANSWER_LIMIT))?;
+        stream.write_all(format!("{request}\n").as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line)?;
+        serde_json::from_str(&line).map_err(|e| anyhow!("the server's answer {line:?}: {e}"))
+    };
+    Some(exchange().with_context(|| format!("asking the server at {}", path.display())))
+}
