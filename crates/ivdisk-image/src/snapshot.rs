@@ -334,10 +334,7 @@ impl Image {
     /// then on every write preserves the snapshot's state first.
     pub async fn create_snapshot(&self, name: &str) -> Result<SnapshotInfo, ImageError> {
         let inner = &self.inner;
-        inner.check_writable()?;
-        if inner.foreign {
-            return Err(no_foreign_snapshots(&inner.name));
-        }
+        self.check_own_snapshots()?;
         let _change = inner.header_change.lock().await;
         // No write may straddle the snapshot: wait for all IO to finish, hold new IO off.
         let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
@@ -350,6 +347,22 @@ impl Image {
             inner.size.load(Ordering::Acquire),
         )
         .await?;
+        self.write_under(&table);
+        Ok(info)
+    }
+
+    /// Snapshots are changed by this open image itself: it is a writer (of an ivdisk image).
+    fn check_own_snapshots(&self) -> Result<(), ImageError> {
+        self.inner.check_writable()?;
+        match self.inner.foreign {
+            true => Err(no_foreign_snapshots(&self.inner.name)),
+            false => Ok(()),
+        }
+    }
+
+    /// From now on, writes preserve the snapshots of `table` (held under the whole range lock).
+    fn write_under(&self, table: &SnapshotTable) {
+        let inner = &self.inner;
         let context = table.context();
         let has_context = context.is_some();
         *inner
@@ -357,7 +370,21 @@ impl Image {
             .write()
             .unwrap_or_else(|e| e.into_inner()) = context;
         inner.has_snap_context.store(has_context, Ordering::Release);
-        Ok(info)
+    }
+
+    /// Remove a snapshot of this open (writable) image: waits for the IO in flight (which
+    /// still preserves it), removes it, and writes from then on no longer preserve it.
+    pub async fn remove_own_snapshot(&self, name: &str) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        self.check_own_snapshots()?;
+        let _change = inner.header_change.lock().await;
+        let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
+        let store = inner.store.as_ref();
+        let removed = remove_record(store, &inner.header_object, &inner.name, name).await;
+        // Whatever happened, writes carry the context the stored table gives now.
+        let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
+        self.write_under(&table);
+        removed
     }
 
     /// Remove a snapshot of an image no one has open for writing; the data only it kept is

@@ -203,6 +203,69 @@ async fn snapshots_on_rados() {
     snapshot_life(Backend::Rados).await;
 }
 
+/// A writer removes snapshots itself (what `ivdisk serve` does for `ivdisk snap rm`): the
+/// others keep their content through the writes that follow, and the removed one is gone.
+async fn snapshots_removed_by_the_writer(backend: Backend) {
+    let place = place(backend, "snaprm");
+    let uri = &place.uri;
+    let size = 2 * OBJECT;
+    let options = common::options(size, Suite::DEFAULT, LayoutKind::OmapPacked, 4096, OBJECT);
+    let image = Image::create(uri, &options, PASS).await.unwrap();
+    let version = |seed| pattern(seed, size as usize);
+    image.write(0, &version(1)).await.unwrap();
+    image.create_snapshot("a").await.unwrap();
+    image.write(0, &version(2)).await.unwrap();
+    image.create_snapshot("b").await.unwrap();
+    image.write(4096, &version(3)[..8192]).await.unwrap();
+
+    image.remove_own_snapshot("a").await.unwrap();
+    assert!(matches!(
+        image.remove_own_snapshot("a").await,
+        Err(ImageError::SnapshotNotFound { .. })
+    ));
+    assert!(matches!(
+        Image::open(uri, PASS, &at_snapshot("a")).await,
+        Err(ImageError::SnapshotNotFound { .. })
+    ));
+    // Writes after the removal still preserve b.
+    image.write(0, &version(4)).await.unwrap();
+    let at_b = Image::open(uri, PASS, &at_snapshot("b")).await.unwrap();
+    assert_eq!(read_all(&at_b).await, version(2));
+    at_b.close().await.unwrap();
+    let names: Vec<String> = Image::snapshots(uri)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, ["b"]);
+
+    image.remove_own_snapshot("b").await.unwrap();
+    image.write(0, &version(5)).await.unwrap();
+    assert_eq!(read_all(&image).await, version(5));
+    assert!(Image::snapshots(uri).await.unwrap().is_empty());
+    image.close().await.unwrap();
+    Image::delete(uri, |_, _| {}).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_removed_by_the_writer_on_memory() {
+    snapshots_removed_by_the_writer(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_removed_by_the_writer_on_local() {
+    snapshots_removed_by_the_writer(Backend::Local).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_removed_by_the_writer_on_rados() {
+    if common::rados_uri("probe").is_none() {
+        return;
+    }
+    snapshots_removed_by_the_writer(Backend::Rados).await;
+}
+
 /// The 16-byte blocks at which two stored versions of a sector are equal.
 fn equal_blocks(a: &[u8], b: &[u8]) -> Vec<usize> {
     a.chunks(16)

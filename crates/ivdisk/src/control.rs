@@ -1,12 +1,16 @@
 //! The control socket of `ivdisk serve`: how commands reach an image that a server holds open
 //! for writing. The writer lock keeps every other process from changing the image, and a
 //! snapshot must be taken by the writer itself (it flushes, holds new writes off, and from
-//! then on preserves the snapshot with every write), so `ivdisk snap create` asks the server.
+//! then on preserves the snapshot with every write), so `ivdisk snap create` asks the server;
+//! `ivdisk snap rm` too (the writer's writes stop preserving the snapshot).
 //!
-//! One socket per served image, named by the image id in a directory only the user can
-//! enter (`$XDG_RUNTIME_DIR/ivdisk`, else `/tmp/ivdisk-UID`, mode 700): whoever may connect may
-//! already change the image's store. One JSON line each way per connection:
-//! `{"command":"snap-create","snapshot":NAME}` gets `{"snapshot":{...}}` or `{"error":TEXT}`.
+//! One socket per served image, named by the image id and where the image is (a copy of a
+//! local image, or an image restored from a backup, has the same id), in a directory only the
+//! user can enter (`$XDG_RUNTIME_DIR/ivdisk`, else `/tmp/ivdisk-UID`, mode 700): whoever may
+//! connect may already change the image's store. One JSON line each way per connection:
+//! `{"command":"snap-create","snapshot":NAME,"location":WHERE}` gets `{"snapshot":{...}}`,
+//! `"snap-rm"` gets `{"removed":NAME}`, either `{"error":TEXT}`; the server checks that
+//! `location` is its image's.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -16,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use ivdisk_crypto::ImageId;
-use ivdisk_image::Image;
+use ivdisk_image::{Image, ImageUri};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::runtime::Runtime;
@@ -55,8 +59,30 @@ fn control_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn socket_path(image_id: &ImageId) -> Result<PathBuf> {
-    Ok(control_dir()?.join(format!("{}.sock", hex::encode(image_id.0))))
+/// Where the image is, the same however the address was spelled (a relative path, the
+/// options of a `rados://` address); `None` for memory images, which live in one process.
+pub fn location(uri: &ImageUri) -> Option<String> {
+    match uri {
+        ImageUri::Local { dir } => {
+            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            Some(format!("local:{}", dir.display()))
+        }
+        ImageUri::Rados {
+            pool,
+            namespace,
+            image,
+            ..
+        } => Some(format!("rados:{pool}/{namespace}/{image}")),
+        ImageUri::Memory { .. } => None,
+    }
+}
+
+fn socket_path(image_id: &ImageId, location: &str) -> Result<PathBuf> {
+    // FNV-1a: stable across builds, unlike std's hasher; the id keeps names apart anyway.
+    let hash = location.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    Ok(control_dir()?.join(format!("{}-{hash:016x}.sock", hex::encode(image_id.0))))
 }
 
 /// A running control socket; [`ControlSocket::stop`] ends it.
@@ -67,11 +93,12 @@ pub struct ControlSocket {
 }
 
 impl ControlSocket {
-    /// Listen for commands to `image` (open for writing). `None` (with a warning) if the
-    /// socket cannot be made: the image is served anyway, only without live snapshots.
-    pub fn start(rt: &Runtime, image: &Image) -> Option<ControlSocket> {
+    /// Listen for commands to `image` (open for writing, at `uri`). `None` (with a warning)
+    /// if the socket cannot be made: the image is served anyway, only without live snapshots.
+    pub fn start(rt: &Runtime, image: &Image, uri: &ImageUri) -> Option<ControlSocket> {
+        let location = location(uri)?;
         let listen = || -> Result<(PathBuf, tokio::net::UnixListener)> {
-            let path = socket_path(&image.image_id())?;
+            let path = socket_path(&image.image_id(), &location)?;
             // Left by a server that died: this process holds the writer lock now.
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -104,7 +131,7 @@ impl ControlSocket {
                     accepted = listener.accept() => accepted,
                 };
                 match connection {
-                    Ok((stream, _)) => answer(stream, &image).await,
+                    Ok((stream, _)) => answer(stream, &image, &location).await,
                     Err(e) => {
                         tracing::warn!(error = %e, "control socket: accept failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -139,7 +166,7 @@ impl Drop for ControlSocket {
     }
 }
 
-async fn answer(stream: tokio::net::UnixStream, image: &Image) {
+async fn answer(stream: tokio::net::UnixStream, image: &Image, location: &str) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let reply = match tokio::time::timeout(
@@ -149,18 +176,23 @@ async fn answer(stream: tokio::net::UnixStream, image: &Image) {
     )
     .await
     {
-        Ok(Ok(_)) => execute(&line, image).await,
+        Ok(Ok(_)) => execute(&line, image, location).await,
         Ok(Err(e)) => json!({"error": format!("reading the request: {e}")}),
         Err(_) => json!({"error": "no request within 10 s"}),
     };
     let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
 }
 
-async fn execute(line: &str, image: &Image) -> Value {
+async fn execute(line: &str, image: &Image, location: &str) -> Value {
     let request: Value = match serde_json::from_str(line) {
         Ok(request) => request,
         Err(e) => return json!({"error": format!("not a JSON request line: {e}")}),
     };
+    if request["location"].as_str() != Some(location) {
+        return json!({"error": format!(
+            "this server serves {location}, not {}", request["location"]
+        )});
+    }
     match (request["command"].as_str(), request["snapshot"].as_str()) {
         (Some("snap-create"), Some(name)) => match image.create_snapshot(name).await {
             Ok(info) => {
@@ -169,14 +201,24 @@ async fn execute(line: &str, image: &Image) -> Value {
             }
             Err(e) => json!({"error": e.to_string()}),
         },
+        (Some("snap-rm"), Some(name)) => match image.remove_own_snapshot(name).await {
+            Ok(()) => {
+                tracing::info!(snapshot = name, "snapshot removed for `ivdisk snap rm`");
+                json!({"removed": name})
+            }
+            Err(e) => json!({"error": e.to_string()}),
+        },
         _ => json!({"error": format!("unknown request {request}")}),
     }
 }
 
-/// Send `request` to the server holding the image `image_id` open for writing on this
-/// machine. `None` if no server listens for it (none runs here, or it died).
-pub fn request(image_id: &ImageId, request: &Value) -> Option<Result<Value>> {
-    let path = socket_path(image_id).ok()?;
+/// Send `request` (its `location` set here) to the server holding the image `image_id` at
+/// `uri` open for writing on this machine. `None` if no server listens for it (none runs
+/// here, or it died).
+pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option<Result<Value>> {
+    let location = location(uri)?;
+    let path = socket_path(image_id, &location).ok()?;
+    request["location"] = location.into();
     let mut stream = UnixStream::connect(&path).ok()?;
     let mut exchange = || -> Result<Value> {
         stream.set_read_timeout(Some(ANSWER_LIMIT))?;

@@ -258,6 +258,11 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     })?;
     drop(passphrase);
 
+    // `ivdisk snap create` of this image reaches the writer through it (listening
+    // before the server says it is ready).
+    let control = (!image.is_read_only())
+        .then(|| crate::control::ControlSocket::start(rt, &image, &uri))
+        .flatten();
     let device: Arc<dyn BlockDevice> = Arc::new(image.clone());
     let export = Export {
         name: args.export_name.clone(),
@@ -286,10 +291,6 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         ),
         image.is_read_only(),
     );
-    // `ivdisk snap create` of this image reaches the writer through it.
-    let control = (!image.is_read_only())
-        .then(|| crate::control::ControlSocket::start(rt, &image))
-        .flatten();
     let served = serve_until_signal(
         rt,
         listener,

@@ -1,7 +1,7 @@
 //! `ivdisk snap create|ls|rm|rollback`: snapshots of an image, by `IMAGE@SNAP`. No passphrase
 //! is needed (a snapshot copies ciphertext, it never decrypts); create, rm and rollback take
 //! the image's writer lock, so they refuse while the image is open for writing, except that
-//! create asks an `ivdisk serve` of this machine holding it to take the snapshot itself
+//! create and rm ask an `ivdisk serve` of this machine holding it to do it itself
 //! (`control.rs`).
 
 use anyhow::{bail, Result};
@@ -27,7 +27,9 @@ pub enum SnapCommand {
     )]
     Ls(ListArgs),
     /// Remove a snapshot; the data only it kept is freed.
-    #[command(after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade")]
+    #[command(
+        after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server removes it (through its control socket)."
+    )]
     Rm(SnapArgs),
     /// Put IMAGE back to a snapshot (its data and its size); later snapshots stay.
     #[command(
@@ -63,26 +65,46 @@ fn image_at(text: &str) -> Result<(ImageUri, String)> {
     }
 }
 
-/// Snapshot `name` of `uri` taken by the `ivdisk serve` of this machine that holds it open for
-/// writing, through its control socket; `None` if no such server answers.
-fn by_the_server(uri: &ImageUri, name: &str, rt: &Runtime) -> Option<Result<SnapshotInfo>> {
+/// Whether `e` says another process holds the image open for writing (its writer lock; on
+/// the local store, the store itself).
+fn held_by_a_writer(e: &ImageError) -> bool {
+    matches!(
+        e,
+        ImageError::Locked { .. }
+            | ImageError::Store {
+                source: StoreError::AlreadyOpen { .. },
+                ..
+            }
+    )
+}
+
+/// `request` answered by the `ivdisk serve` of this machine that holds `uri` open for
+/// writing, through its control socket (an `error` in the answer is an error here); `None` if
+/// no such server answers.
+fn ask_the_server(uri: &ImageUri, request: Value, rt: &Runtime) -> Option<Result<Value>> {
     let info = rt.block_on(Image::info(uri)).ok()?;
-    let request = json!({"command": "snap-create", "snapshot": name});
-    let reply = match crate::control::request(&info.image_id, &request)? {
+    let reply = match crate::control::request(&info.image_id, uri, request)? {
         Ok(reply) => reply,
         Err(e) => return Some(Err(e)),
     };
     tracing::debug!(%reply, "the server's answer");
+    Some(match reply["error"].as_str() {
+        Some(error) => Err(anyhow::anyhow!("{error}")),
+        None => Ok(reply),
+    })
+}
+
+/// The snapshot in a server's answer to `snap-create`.
+fn snapshot_info(reply: &Value) -> Result<SnapshotInfo> {
     let snapshot = &reply["snapshot"];
-    Some(match (reply["error"].as_str(), snapshot["name"].as_str()) {
-        (Some(error), _) => Err(anyhow::anyhow!("{error}")),
-        (None, Some(name)) => Ok(SnapshotInfo {
-            name: name.to_owned(),
-            id: snapshot["id"].as_u64().unwrap_or_default(),
-            size: snapshot["size"].as_u64().unwrap_or_default(),
-            created: snapshot["created"].as_u64().unwrap_or_default(),
-        }),
-        (None, None) => Err(anyhow::anyhow!("the server answered {reply}")),
+    let Some(name) = snapshot["name"].as_str() else {
+        bail!("the server answered {reply}");
+    };
+    Ok(SnapshotInfo {
+        name: name.to_owned(),
+        id: snapshot["id"].as_u64().unwrap_or_default(),
+        size: snapshot["size"].as_u64().unwrap_or_default(),
+        created: snapshot["created"].as_u64().unwrap_or_default(),
     })
 }
 
@@ -96,14 +118,12 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             let (uri, name) = image_at(&args.image)?;
             let snap = match rt.block_on(Image::create_snapshot_of(&uri, &name)) {
                 Ok(snap) => snap,
-                // Held by a writer (on a local store, its process has the store open).
-                Err(
-                    e @ (ImageError::Locked { .. }
-                    | ImageError::Store {
-                        source: StoreError::AlreadyOpen { .. },
-                        ..
-                    }),
-                ) => by_the_server(&uri, &name, rt).unwrap_or_else(|| Err(flat(e)))?,
+                Err(e) if held_by_a_writer(&e) => {
+                    let request = json!({"command": "snap-create", "snapshot": name});
+                    let reply =
+                        ask_the_server(&uri, request, rt).unwrap_or_else(|| Err(flat(e)))?;
+                    snapshot_info(&reply)?
+                }
                 Err(e) => return Err(flat(e)),
             };
             if args.json {
@@ -145,8 +165,14 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
         }
         SnapCommand::Rm(args) => {
             let (uri, name) = image_at(&args.image)?;
-            rt.block_on(Image::remove_snapshot(&uri, &name))
-                .map_err(flat)?;
+            match rt.block_on(Image::remove_snapshot(&uri, &name)) {
+                Ok(()) => {}
+                Err(e) if held_by_a_writer(&e) => {
+                    let request = json!({"command": "snap-rm", "snapshot": name});
+                    ask_the_server(&uri, request, rt).unwrap_or_else(|| Err(flat(e)))?;
+                }
+                Err(e) => return Err(flat(e)),
+            }
             if args.json {
                 println!("{}", json!({"image": uri.to_string(), "removed": name}));
             } else {

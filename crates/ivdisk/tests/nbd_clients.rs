@@ -1322,8 +1322,8 @@ fn luks1_zeros_written_over_nbd_read_as_zeros_in_qemu() {
 // ---------------------------------------------------------------------------------------------
 // 5b. Live snapshots of a served image
 
-/// Where `ivdisk serve` puts the control socket of the image `image_id` (`control.rs`).
-fn control_socket(image_id: &str) -> PathBuf {
+/// The control sockets `ivdisk serve` has open for the image `image_id` (`control.rs`).
+fn control_sockets(image_id: &str) -> Vec<PathBuf> {
     use std::os::unix::fs::MetadataExt;
     let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         Some(runtime) => Path::new(&runtime).join("ivdisk"),
@@ -1333,14 +1333,28 @@ fn control_socket(image_id: &str) -> PathBuf {
             PathBuf::from(format!("/tmp/ivdisk-{me}"))
         }
     };
-    dir.join(format!("{image_id}.sock"))
+    let Ok(entries) = fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with(image_id)
+        })
+        .collect()
 }
 
 /// `ivdisk snap create` of an image that `ivdisk serve` holds open for writing: the server
 /// takes the snapshot (through its control socket) while a client keeps writing. The snapshot
 /// holds what was acknowledged before it and not what came after, authenticates whole, and
 /// is served read-only beside the writer; a name already taken is refused with the usual
-/// message; the socket goes with the server, and then snapshots are taken directly again.
+/// message; one is removed live too; the socket goes with the server, and then snapshots are
+/// taken directly again. A
+/// copy of the image (same image id) served beside it gets its own snapshot, not the original.
 #[test]
 fn a_served_image_is_snapshotted_live_by_its_server() {
     let f = Fixture::new();
@@ -1349,12 +1363,19 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
         .as_str()
         .unwrap()
         .to_owned();
+    let copy = f.path("live-copy");
+    run({
+        let mut command = f.tool("cp");
+        command.arg("-a").arg(&image).arg(&copy);
+        command
+    })
+    .ok();
     let server = f.serve(&image, &[]);
-    assert!(
-        control_socket(&id).exists(),
-        "no control socket at {:?}",
-        control_socket(&id)
-    );
+    let copy_server = f.serve(&copy, &[]);
+    assert_eq!(control_sockets(&id).len(), 2, "a control socket each");
+    f.ivdisk(&["snap", "create", &format!("{}@of-the-copy", s(&copy))])
+        .ok();
+    copy_server.stop();
     f.qemu_io(&server.uri, &["write -P 0x11 0 1M"]).ok();
     // A client writing elsewhere all along.
     let busy = {
@@ -1374,6 +1395,19 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
     assert_eq!(made["snapshot"]["name"], "live", "{made}");
     f.qemu_io(&server.uri, &["write -P 0x22 0 1M"]).ok();
     busy.finish().ok();
+
+    // Removed live too, and writes go on.
+    let scratch = format!("{}@scratch", s(&image));
+    f.ivdisk(&["snap", "create", &scratch]).ok();
+    f.ivdisk(&["snap", "rm", &scratch]).ok();
+    let gone = f.ivdisk(&["snap", "rm", &scratch]).failed();
+    assert!(
+        gone.stderr.contains("no snapshot named `scratch`"),
+        "{}",
+        gone.stderr
+    );
+    f.qemu_io(&server.uri, &["write -P 0x44 2M 1M", "read -P 0x44 2M 1M"])
+        .ok();
 
     let taken = f.ivdisk(&["snap", "create", &live]).failed();
     assert!(
@@ -1400,10 +1434,7 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
     assert!(status.success(), "{}", at_live.stderr());
     server.stop();
 
-    assert!(
-        !control_socket(&id).exists(),
-        "the control socket was left behind"
-    );
+    assert_eq!(control_sockets(&id), Vec::<PathBuf>::new(), "left behind");
     f.ivdisk(&["snap", "create", &format!("{}@after", s(&image))])
         .ok();
     let names: Vec<Value> = f
@@ -1416,6 +1447,9 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
         .map(|snap| snap["name"].clone())
         .collect();
     assert_eq!(names, ["live", "after"]);
+    let of_copy = f.ivdisk(&["snap", "ls", s(&copy), "--json"]).ok().json();
+    assert_eq!(of_copy.as_array().unwrap().len(), 1, "{of_copy}");
+    assert_eq!(of_copy[0]["name"], "of-the-copy");
 }
 
 // ---------------------------------------------------------------------------------------------
