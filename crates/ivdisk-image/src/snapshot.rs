@@ -348,6 +348,9 @@ impl Image {
         )
         .await?;
         self.write_under(&table);
+        // Durable, and seen by other processes (a local store shows a writer's changes to
+        // its read-only openers once committed): `ivdisk backup IMAGE@SNAP` comes next.
+        self.flush().await?;
         Ok(info)
     }
 
@@ -384,7 +387,8 @@ impl Image {
         // Whatever happened, writes carry the context the stored table gives now.
         let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
         self.write_under(&table);
-        removed
+        removed?;
+        self.flush().await
     }
 
     /// Remove a snapshot of an image no one has open for writing; the data only it kept is

@@ -1393,13 +1393,30 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
     let live = format!("{}@live", s(&image));
     let made = f.ivdisk(&["snap", "create", &live, "--json"]).ok().json();
     assert_eq!(made["snapshot"]["name"], "live", "{made}");
+    // Other processes see it at once (the server flushed it): a backup of it, say.
+    let names = |f: &Fixture| -> Vec<Value> {
+        let listed = f.ivdisk(&["snap", "ls", s(&image), "--json"]).ok().json();
+        let names = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|snap| snap["name"].clone());
+        names.collect()
+    };
+    assert_eq!(names(&f), ["live"]);
+    f.ivdisk(&["backup", &live, s(&f.path("live.ivb"))]).ok();
     f.qemu_io(&server.uri, &["write -P 0x22 0 1M"]).ok();
     busy.finish().ok();
 
     // Removed live too, and writes go on.
     let scratch = format!("{}@scratch", s(&image));
     f.ivdisk(&["snap", "create", &scratch]).ok();
+    // With no write since, too.
+    assert_eq!(names(&f), ["live", "scratch"]);
+    f.ivdisk(&["backup", &scratch, s(&f.path("scratch.ivb"))])
+        .ok();
     f.ivdisk(&["snap", "rm", &scratch]).ok();
+    assert_eq!(names(&f), ["live"]);
     let gone = f.ivdisk(&["snap", "rm", &scratch]).failed();
     assert!(
         gone.stderr.contains("no snapshot named `scratch`"),
@@ -1437,16 +1454,7 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
     assert_eq!(control_sockets(&id), Vec::<PathBuf>::new(), "left behind");
     f.ivdisk(&["snap", "create", &format!("{}@after", s(&image))])
         .ok();
-    let names: Vec<Value> = f
-        .ivdisk(&["snap", "ls", s(&image), "--json"])
-        .ok()
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|snap| snap["name"].clone())
-        .collect();
-    assert_eq!(names, ["live", "after"]);
+    assert_eq!(names(&f), ["live", "after"]);
     let of_copy = f.ivdisk(&["snap", "ls", s(&copy), "--json"]).ok().json();
     assert_eq!(of_copy.as_array().unwrap().len(), 1, "{of_copy}");
     assert_eq!(of_copy[0]["name"], "of-the-copy");
