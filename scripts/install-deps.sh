@@ -9,12 +9,18 @@
 # (crates/ivdisk-image/tests/foreign_luks_file.rs) read and write volumes with;
 # libnbd-bin (nbdinfo, nbdcopy), fio (its nbd engine), nbdfuse: the NBD clients the serve
 # tests (crates/ivdisk/tests/nbd_clients.rs) and the NBD benchmark drive `ivdisk serve` with;
+# qemu-system-x86, busybox-static: the guest VM test boots Linux (scripts/guest-kernel fetches
+# Debian's kernel package, unpacked, not installed) on an image `ivdisk serve` exports;
+# (both left out with IVDISK_NO_GUEST=1, as scripts/quickstart.sh does);
 # librados-dev, librbd-dev: ivdisk-rados links librados (its default feature "librados");
 # ceph, ceph-mon, ceph-osd, ceph-mgr, jq: the throwaway test cluster of scripts/ceph-dev-cluster,
 # qemu-block-extra: qemu's rbd driver (librbd's encryption in tests/foreign_rbd.rs),
 # left out with IVDISK_NO_CEPH=1 (which also skips the RADOS tests).
 set -euo pipefail
 IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio nbdfuse librados-dev librbd-dev)
+if [ "${IVDISK_NO_GUEST:-}" != 1 ]; then
+  IVDISK_PACKAGES+=(qemu-system-x86 busybox-static)
+fi
 if [ "${IVDISK_NO_CEPH:-}" != 1 ]; then
   IVDISK_PACKAGES+=(ceph ceph-mon ceph-osd ceph-mgr jq qemu-block-extra)
 fi
@@ -27,6 +33,9 @@ if ((${#missing[@]})); then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+if [ "${IVDISK_NO_GUEST:-}" != 1 ]; then
+  "$(dirname "${BASH_SOURCE[0]}")/guest-kernel"
 fi
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install a stable Rust toolchain (rustup) first" >&2

@@ -46,8 +46,8 @@ IMAGE=$(realpath -m "$IMAGE")
 PASSPHRASE_FILE=${IVDISK_PASSPHRASE_FILE:-$IMAGE.passphrase}
 
 # The local backend needs no Ceph cluster: skip its server packages (librados-dev, which the
-# build links, is installed either way).
-IVDISK_NO_CEPH=${IVDISK_NO_CEPH:-1} source scripts/install-deps.sh
+# build links, is installed either way), and the guest VM test's qemu-system and kernel.
+IVDISK_NO_CEPH=${IVDISK_NO_CEPH:-1} IVDISK_NO_GUEST=${IVDISK_NO_GUEST:-1} source scripts/install-deps.sh
 
 if [ "${IVDISK_BUILD_PROFILE:-release}" = dev ]; then
   cargo build -p ivdisk

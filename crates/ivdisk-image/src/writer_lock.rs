@@ -1,6 +1,7 @@
 //! The one-writer rule: opening an image for writing takes the store's advisory exclusive lock
 //! on the header object, renewed by a background thread while the image is open. A holder
-//! that dies stops renewing and its lock expires; `ivdisk lock break` removes one at once.
+//! that dies stops renewing and its lock expires; `ivdisk lock break` removes one at once. (On
+//! the local store the next writer takes it over at once, see `ivdisk-store`'s engine.)
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;

@@ -16,7 +16,7 @@
 //! has been synced, at the latest every 2 s, and durably (WAL synced) on flush and at least
 //! as often (`COMMIT_INTERVAL`, `DURABLE_INTERVAL`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -391,6 +391,13 @@ struct Node {
 }
 
 pub(crate) struct Engine {
+    /// Expiring locks that clients of an earlier opening held when this read-write engine
+    /// opened (name, lock, client, cookie). Only clients of an open engine can renew a lock,
+    /// and a store has one read-write engine at a time (the local store's directory lock), so
+    /// their holders are gone: a lock request takes such a lock over at once instead of
+    /// waiting out its expiry (a restarted `ivdisk serve` after a crash). Listing and breaking
+    /// still see them.
+    orphaned_locks: HashSet<(String, String, String, String)>,
     db: Connection,
     segments: Box<dyn Segments>,
     durability: Box<dyn Durability>,
@@ -555,7 +562,12 @@ impl Engine {
             |r| r.get::<_, bool>(0),
         )?;
         let version = Self::stored_meta(&db, "version")?;
+        let orphaned_locks = db
+            .prepare("SELECT name, lock, client, cookie FROM locks WHERE expires_ms IS NOT NULL")?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+            .collect::<Result<_, _>>()?;
         Ok(Engine {
+            orphaned_locks,
             version,
             version_stored: version,
             clones_may_exist,
@@ -589,6 +601,7 @@ impl Engine {
     ) -> Result<Self, StoreError> {
         let db = source.connect()?;
         let mut engine = Engine {
+            orphaned_locks: HashSet::new(),
             version: 0,
             version_stored: 0,
             clones_may_exist: false,
@@ -2266,7 +2279,33 @@ impl Engine {
         request: &LockRequest,
     ) -> Result<(), StoreError> {
         self.purge_expired_locks(object, &request.name)?;
-        let holders = self.lockers(object, &request.name)?;
+        let mut holders = self.lockers(object, &request.name)?;
+        if let Some(h) = holders.first().filter(|h| h.client != client) {
+            let key = (
+                object.as_str().to_owned(),
+                request.name.clone(),
+                h.client.clone(),
+                h.cookie.clone(),
+            );
+            if self.orphaned_locks.remove(&key) {
+                tracing::warn!(
+                    object = %object,
+                    lock = %request.name,
+                    holder = %h.client,
+                    "released lock `{}` on `{object}` left behind by {} ({}), whose opening \
+                     of the store ended without unlocking (the process was killed or crashed): \
+                     this process is the store's only writer now",
+                    request.name,
+                    h.client,
+                    h.description
+                );
+                self.db.execute(
+                    "DELETE FROM locks WHERE name = ?1 AND lock = ?2 AND client = ?3 AND cookie = ?4",
+                    params![object.as_str(), request.name, h.client, h.cookie],
+                )?;
+                holders = self.lockers(object, &request.name)?;
+            }
+        }
         let expires = request
             .duration
             .map(|d| now_ms().saturating_add(d.as_millis() as i64));

@@ -58,7 +58,10 @@ pub fn lock_help() -> String {
          writer that still runs: two writers lose each other's writes.\n\nOn the local backend \
          a store directory is open in one process at a time: while a writer runs there, `lock \
          status`, `lock break` and `info` from another process fail, naming the process that \
-         has the store open (a dead process leaves no such error, only its lock).\n\nExample:\n  ivdisk lock \
+         has the store open (a dead process leaves no such error, only its lock). The next writer \
+         of a local image takes over a lock left by a dead process at once (with a warning \
+         naming it): no process but itself has the store open for writing, so no break is \
+         needed there.\n\nExample:\n  ivdisk lock \
          status disk.ivd\n  ivdisk lock break 'rados://rbd/vm1?id=admin' --yes",
         DEFAULT_LOCK_DURATION.as_secs()
     )

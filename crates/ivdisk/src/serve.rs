@@ -89,12 +89,8 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool) -> Strin
     let ro = if read_only { " (read-only)" } else { "" };
     match address {
         ListenAddress::Unix(path) => {
+            let drive = qemu_drive(address, export, read_only);
             let path = path.display();
-            let qemu_export = if export.is_empty() {
-                String::new()
-            } else {
-                format!(",export={export}")
-            };
             let nbd_client_export = if export.is_empty() {
                 String::new()
             } else {
@@ -103,12 +99,13 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool) -> Strin
             format!(
                 "Attach it{ro} with:\n  nbdinfo 'nbd+unix:///{export}?socket={path}'\n  \
                  mkdir -p /tmp/disk && nbdfuse /tmp/disk 'nbd+unix:///{export}?socket={path}' &   # file /tmp/disk/nbd\n  \
-                 qemu-system-x86_64 ... -drive driver=nbd,server.type=unix,server.path={path}{qemu_export},format=raw,if=virtio\n  \
+                 qemu-system-x86_64 ... -drive '{drive}'\n  \
                  nbd-client -unix {path} /dev/nbd0{nbd_client_export}   # as root, after modprobe nbd\n\
                  Stop with Ctrl-C or SIGTERM."
             )
         }
         ListenAddress::Tcp(addr) => {
+            let drive = qemu_drive(address, export, read_only);
             let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
             let nbd_client_export = if export.is_empty() {
                 String::new()
@@ -118,12 +115,24 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool) -> Strin
             format!(
                 "Attach it{ro} with:\n  nbdinfo 'nbd://{addr}/{export}'\n  \
                  mkdir -p /tmp/disk && nbdfuse /tmp/disk 'nbd://{addr}/{export}' &   # file /tmp/disk/nbd\n  \
-                 qemu-system-x86_64 ... -drive file=nbd://{addr}/{export},format=raw,if=virtio\n  \
+                 qemu-system-x86_64 ... -drive '{drive}'\n  \
                  nbd-client {host} {port} /dev/nbd0{nbd_client_export}   # as root, after modprobe nbd\n\
                  Stop with Ctrl-C or SIGTERM."
             )
         }
     }
+}
+
+/// qemu's `-drive` option for the export: the NBD URI as the image file, raw (the export is
+/// the plaintext disk), on virtio. A read-only export needs `readonly=on`, or qemu refuses
+/// to start. Discards are left at qemu's default (ignored): passing them on (`discard=unmap`)
+/// frees space but shows the store which blocks the guest freed.
+fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool) -> String {
+    format!(
+        "file={},format=raw,if=virtio{}",
+        nbd_uri(address, export),
+        if read_only { ",readonly=on" } else { "" }
+    )
 }
 
 fn nbd_uri(address: &ListenAddress, export: &str) -> String {
@@ -318,6 +327,7 @@ fn announce(
     if args.json {
         ready["address"] = address.to_string().into();
         ready["uri"] = nbd_uri(address, &args.export_name).into();
+        ready["qemu_drive"] = qemu_drive(address, &args.export_name, read_only).into();
         ready["export"] = args.export_name.clone().into();
         println!("{ready}");
     } else {
@@ -491,7 +501,13 @@ mod tests {
                 assert!(hints.contains(client), "{client} missing for {address}");
             }
             assert!(hints.contains("vm1"));
+            assert!(hints.contains(&format!("-drive '{}'", qemu_drive(&address, "vm1", false))));
+            assert!(attach_hints(&address, "", true).contains(",readonly=on'"));
         }
+        assert_eq!(
+            qemu_drive(&ListenAddress::Unix("/tmp/x.sock".into()), "vm1", false),
+            "file=nbd+unix:///vm1?socket=/tmp/x.sock,format=raw,if=virtio"
+        );
         assert_eq!(
             nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), ""),
             "nbd+unix:///?socket=/tmp/x.sock"

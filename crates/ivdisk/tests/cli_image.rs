@@ -397,11 +397,8 @@ fn helper_writer_that_dies_holding_the_lock() {
     std::process::exit(0);
 }
 
-#[test]
-fn a_dead_writers_lock_is_shown_and_broken() {
-    let f = Fixture::new();
-    let image = f.path("disk");
-    f.create(&image, "64M", &[]);
+/// Run [`helper_writer_that_dies_holding_the_lock`] on `image`.
+fn die_holding_the_lock(image: &std::path::Path) {
     let died = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -409,7 +406,7 @@ fn a_dead_writers_lock_is_shown_and_broken() {
             "helper_writer_that_dies_holding_the_lock",
             "--test-threads=1",
         ])
-        .env(DIE_HOLDING_LOCK, &image)
+        .env(DIE_HOLDING_LOCK, image)
         .env("IVDISK_TEST_PASSPHRASE", "correct horse")
         .output()
         .unwrap();
@@ -418,6 +415,14 @@ fn a_dead_writers_lock_is_shown_and_broken() {
         "{}",
         String::from_utf8_lossy(&died.stderr)
     );
+}
+
+#[test]
+fn a_dead_writers_lock_is_shown_and_broken() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "64M", &[]);
+    die_holding_the_lock(&image);
 
     let status = json(&["lock", "status", p(&image)]);
     let client = status["lock"]["client"].as_str().unwrap().to_owned();
@@ -431,18 +436,7 @@ fn a_dead_writers_lock_is_shown_and_broken() {
     assert!(status["lock"]["expires_in_secs"].as_u64().unwrap() > 3000);
     assert_eq!(info(&image)["lock"]["client"], client.as_str());
 
-    // A writer is refused while the lock stands, and told about `lock break`.
-    let err = fails(&[
-        "resize",
-        p(&image),
-        "--size",
-        "128M",
-        "--passphrase-file",
-        p(&f.pw),
-    ]);
-    assert!(err.contains("lock break"), "{err}");
-    assert_eq!(info(&image)["size"], 64u64 << 20);
-
+    // `lock break` asks first.
     let err = fails(&["lock", "break", p(&image)]);
     assert!(err.contains("pass --yes") && err.contains(&client), "{err}");
     assert_eq!(
@@ -468,7 +462,28 @@ fn a_dead_writers_lock_is_shown_and_broken() {
         "--passphrase-file",
         p(&f.pw),
     ]);
-    assert_eq!(info(&image)["size"], 128u64 << 20);
+
+    // On a local store no break is needed: the store has one writing process at a time, so
+    // the next writer releases a dead one's lock at once, and says whose it was.
+    die_holding_the_lock(&image);
+    let dead = json(&["lock", "status", p(&image)])["lock"]["client"].clone();
+    assert!(dead.is_string() && dead != client.as_str(), "{dead}");
+    let out = ivdisk(&[
+        "resize",
+        p(&image),
+        "--size",
+        "256M",
+        "--passphrase-file",
+        p(&f.pw),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("released") && stderr.contains(dead.as_str().unwrap()),
+        "{stderr}"
+    );
+    assert_eq!(info(&image)["size"], 256u64 << 20);
+    assert_eq!(json(&["lock", "status", p(&image)])["lock"], Value::Null);
 }
 
 #[test]

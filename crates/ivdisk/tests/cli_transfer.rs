@@ -560,7 +560,8 @@ fn another_images_header_backup_needs_force() {
 }
 
 /// Not a test of its own (hence ignored): run by `restore_is_refused_while_a_writer_holds_the_image`
-/// with `DIE_HOLDING_LOCK` set, it opens that image for writing and exits without closing it.
+/// with `DIE_HOLDING_LOCK` set, it opens that image for writing, says `open` on stdout and
+/// holds the image until it is killed.
 #[test]
 #[ignore = "a helper process of restore_is_refused_while_a_writer_holds_the_image"]
 fn helper_writer_that_dies_holding_the_lock() {
@@ -576,8 +577,9 @@ fn helper_writer_that_dies_holding_the_lock() {
         .block_on(Image::open(&uri, b"correct horse", &options))
         .unwrap();
     rt.block_on(opened.store().flush()).unwrap();
-    std::mem::forget(opened);
-    std::process::exit(0);
+    println!("open");
+    std::thread::sleep(std::time::Duration::from_secs(600));
+    drop(opened);
 }
 
 #[test]
@@ -586,28 +588,42 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     let (image, _) = f.import("disk", &raw_disk(8));
     let backup = f.path("disk.header");
     ok_bytes(&["header", "backup", p(&image), p(&backup)]);
-    let died = Command::new(std::env::current_exe().unwrap())
+    let mut writer = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
             "--ignored",
             "helper_writer_that_dies_holding_the_lock",
             "--test-threads=1",
+            "--nocapture",
         ])
         .env(DIE_HOLDING_LOCK, &image)
-        .output()
+        .stdout(Stdio::piped())
+        .spawn()
         .unwrap();
-    assert!(
-        died.status.success(),
-        "{}",
-        String::from_utf8_lossy(&died.stderr)
-    );
+    // The test harness prints its own lines first.
+    let said = std::io::BufRead::lines(std::io::BufReader::new(writer.stdout.take().unwrap()))
+        .map(Result::unwrap)
+        .find(|line| line.ends_with("open"));
+    assert!(said.is_some(), "the writer opened the image");
     let err = fails(&["header", "restore", p(&image), p(&backup)]);
-    assert!(err.contains("lock break"), "{err}");
-    ok_bytes(&["lock", "break", p(&image), "--yes"]);
-    assert_eq!(
-        json(&["header", "restore", p(&image), p(&backup)])["replaced"],
-        "same"
+    assert!(err.contains("already open for writing by process"), "{err}");
+
+    // Killed, the writer leaves its lock behind; the next writer releases it and says so.
+    writer.kill().unwrap();
+    writer.wait().unwrap();
+    assert!(
+        info(&image)["lock"]["client"].is_string(),
+        "the dead writer's lock"
     );
+    let out = ivdisk(&["header", "restore", p(&image), p(&backup), "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("released") && stderr.contains("ivdisk pid"),
+        "{stderr}"
+    );
+    let restored: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(restored["replaced"], "same");
     assert_eq!(
         info(&image)["lock"],
         Value::Null,

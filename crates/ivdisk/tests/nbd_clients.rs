@@ -15,6 +15,9 @@
 //! tmpfs the test mounts: it needs root).
 
 mod common;
+// A Linux guest booted on a served image.
+#[path = "nbd_clients/guest.rs"]
+mod guest;
 
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
