@@ -6,8 +6,9 @@
 //!
 //! One socket per served image, named by the image id and where the image is (a copy of a
 //! local image, or an image restored from a backup, has the same id), in a directory only the
-//! user can enter (`$XDG_RUNTIME_DIR/ivdisk`, else `/tmp/ivdisk-UID`, mode 700): whoever may
-//! connect may already change the image's store. One JSON line each way per connection:
+//! user can enter (`$XDG_RUNTIME_DIR/ivdisk`, else `/tmp/ivdisk-UID`, mode 700; clients look
+//! in both, and in `/run/user/UID/ivdisk`): whoever may connect may already change the image's
+//! store. One JSON line each way per connection:
 //! `{"command":"snap-create","snapshot":NAME,"location":WHERE}` gets `{"snapshot":{...}}`,
 //! `"snap-rm"` gets `{"removed":NAME}`, either `{"error":TEXT}`; the server checks that
 //! `location` is its image's.
@@ -35,28 +36,52 @@ const MAX_REQUEST: u64 = 4096;
 /// flush, which on a cluster in trouble takes up to the operation timeout.
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
 
-/// The directory of the control sockets, made (mode 700) if missing; refused if someone
-/// else owns it or others may enter it (another user could then answer in the server's name).
-fn control_dir() -> Result<PathBuf> {
-    let uid = rustix::process::getuid().as_raw();
-    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        Some(runtime) => Path::new(&runtime).join("ivdisk"),
-        None => PathBuf::from(format!("/tmp/ivdisk-{uid}")),
-    };
+/// The directory of the control sockets and of `ivdisk serve`'s default NBD socket, made
+/// (mode 700) if missing; refused if someone else owns it or others may enter it (another
+/// user could then answer in the server's name, or reach the plaintext).
+pub fn runtime_dir() -> Result<PathBuf> {
+    let dir = runtime_dirs().swap_remove(0);
     match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e).with_context(|| format!("making {}", dir.display())),
     }
-    let meta =
-        std::fs::symlink_metadata(&dir).with_context(|| format!("reading {}", dir.display()))?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+    if !is_private(&dir) {
         bail!(
-            "{} is not a directory of this user (uid {uid}) that only it can enter; remove it",
-            dir.display()
+            "{} is not a directory of this user (uid {}) that only it can enter; remove it",
+            dir.display(),
+            rustix::process::getuid().as_raw()
         );
     }
     Ok(dir)
+}
+
+/// Where a server of this user may have made its runtime directory, the one it makes first:
+/// `$XDG_RUNTIME_DIR/ivdisk` (if set), else `/tmp/ivdisk-UID`. A client looks in all of them,
+/// as its environment may not be the server's (`sudo` drops `XDG_RUNTIME_DIR`; a systemd
+/// service has none while an administrator's login shell has `/run/user/UID`).
+fn runtime_dirs() -> Vec<PathBuf> {
+    let uid = rustix::process::getuid().as_raw();
+    let mut dirs: Vec<PathBuf> = std::env::var_os("XDG_RUNTIME_DIR")
+        .filter(|d| !d.is_empty())
+        .map(|runtime| Path::new(&runtime).join("ivdisk"))
+        .into_iter()
+        .chain([
+            PathBuf::from(format!("/tmp/ivdisk-{uid}")),
+            PathBuf::from(format!("/run/user/{uid}/ivdisk")),
+        ])
+        .collect();
+    dirs.dedup();
+    dirs
+}
+
+/// A directory this user owns and only it can enter (a socket in it speaks for this user).
+fn is_private(dir: &Path) -> bool {
+    std::fs::symlink_metadata(dir).is_ok_and(|meta| {
+        meta.is_dir()
+            && meta.uid() == rustix::process::getuid().as_raw()
+            && meta.permissions().mode() & 0o077 == 0
+    })
 }
 
 /// Where the image is, the same however the address was spelled (a relative path, the
@@ -77,12 +102,12 @@ pub fn location(uri: &ImageUri) -> Option<String> {
     }
 }
 
-fn socket_path(image_id: &ImageId, location: &str) -> Result<PathBuf> {
+fn socket_name(image_id: &ImageId, location: &str) -> String {
     // FNV-1a: stable across builds, unlike std's hasher; the id keeps names apart anyway.
     let hash = location.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });
-    Ok(control_dir()?.join(format!("{}-{hash:016x}.sock", hex::encode(image_id.0))))
+    format!("{}-{hash:016x}.sock", hex::encode(image_id.0))
 }
 
 /// A running control socket; [`ControlSocket::stop`] ends it.
@@ -98,7 +123,7 @@ impl ControlSocket {
     pub fn start(rt: &Runtime, image: &Image, uri: &ImageUri) -> Option<ControlSocket> {
         let location = location(uri)?;
         let listen = || -> Result<(PathBuf, tokio::net::UnixListener)> {
-            let path = socket_path(&image.image_id(), &location)?;
+            let path = runtime_dir()?.join(socket_name(&image.image_id(), &location));
             // Left by a server that died: this process holds the writer lock now.
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -217,9 +242,13 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
 /// here, or it died).
 pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option<Result<Value>> {
     let location = location(uri)?;
-    let path = socket_path(image_id, &location).ok()?;
+    let name = socket_name(image_id, &location);
+    let (path, mut stream) = runtime_dirs()
+        .into_iter()
+        .filter(|dir| is_private(dir))
+        .map(|dir| dir.join(&name))
+        .find_map(|path| UnixStream::connect(&path).ok().map(|s| (path, s)))?;
     request["location"] = location.into();
-    let mut stream = UnixStream::connect(&path).ok()?;
     let mut exchange = || -> Result<Value> {
         stream.set_read_timeout(Some(ANSWER_LIMIT))?;
         stream.write_all(format!("{request}\n").as_bytes())?;

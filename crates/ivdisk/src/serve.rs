@@ -19,9 +19,6 @@ use zeroize::Zeroizing;
 use crate::images::{human_size, image_or_rbd_help};
 use crate::secrets::{with_spinner, PassphraseArgs};
 
-/// The NBD port (IANA), used when neither --socket nor --listen is given.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
-
 #[derive(Args)]
 pub struct ServeArgs {
     #[arg(help = image_or_rbd_help())]
@@ -35,9 +32,10 @@ pub struct ServeArgs {
     /// after `chgrp`). Whoever can connect reads and writes the disk's plaintext.
     #[arg(long, value_name = "OCTAL", value_parser = parse_socket_mode, requires = "socket")]
     socket_mode: Option<u32>,
-    /// Listen on TCP HOST:PORT (default 127.0.0.1:10809 when --socket is not given). There is
-    /// no TLS or authentication: anyone who can connect reads the plaintext. A HOST other
-    /// machines can reach (0.0.0.0, a LAN address) is refused without --allow-remote.
+    /// Listen on TCP HOST:PORT (NBD's port is 10809: 127.0.0.1:10809). There is no TLS or
+    /// authentication: anyone who can connect reads the plaintext, other users of this
+    /// machine too. A HOST other machines can reach (0.0.0.0, a LAN address) is refused
+    /// without --allow-remote.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
     /// Let --listen take an address other machines can reach. NBD carries the disk's
@@ -67,12 +65,14 @@ pub struct ServeArgs {
 }
 
 pub fn after_help() -> String {
-    format!(
+    String::from(
         "Runs in the foreground until SIGINT (Ctrl-C) or SIGTERM, then finishes the requests in \
          flight, flushes, releases the writer lock and exits 0. Clients: qemu, qemu-img, nbdinfo, \
          nbdcopy, nbdfuse, fio (--ioengine=nbd), the kernel's nbd-client. Several clients may \
          attach at once (they share one open image, so a flush by one covers all).\n\nWithout \
-         --socket or --listen it listens on TCP {DEFAULT_LISTEN}.\n\nrbd://POOL/IMAGE serves a \
+         --socket or --listen it listens on a Unix socket only you can reach, named after the \
+         image: $XDG_RUNTIME_DIR/ivdisk/NAME.sock, or /tmp/ivdisk-UID/NAME.sock (a directory \
+         of mode 700).\n\nrbd://POOL/IMAGE serves a \
          librbd image through librbd itself (for comparisons with ivdisk images behind the same \
          NBD server): encryption=auto (the default) loads librbd's LUKS1/LUKS2 when the image \
          starts with a LUKS header, asking for its passphrase, and serves other images plain \
@@ -149,7 +149,14 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
     let address = match (&args.socket, &args.listen) {
         (Some(path), _) => return Ok(ListenAddress::Unix(path.clone())),
         (None, Some(addr)) => addr.clone(),
-        (None, None) => DEFAULT_LISTEN.to_owned(),
+        (None, None) => {
+            let name = default_socket_name(&args.image);
+            return Ok(ListenAddress::Unix(
+                crate::control::runtime_dir()
+                    .context("making the directory of the default socket (or give --socket)")?
+                    .join(name),
+            ));
+        }
     };
     let exposed = reachable_from_elsewhere(&address);
     if !exposed.is_empty() {
@@ -195,6 +202,29 @@ fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Listener> {
             .with_context(|| format!("setting mode {mode:o} on socket {}", path.display()))?;
     }
     Ok(listener)
+}
+
+/// The default socket's file name: the image's last path part (a local directory's name, a
+/// RADOS or rbd image's name, with `@SNAPSHOT`), `.sock` appended. Other images of that name
+/// served at once need --socket: binding refuses a socket a live server answers on.
+fn default_socket_name(image: &str) -> String {
+    let address = image.split('?').next().unwrap_or_default();
+    let address = address.trim_end_matches('/');
+    let last = address.rsplit(['/', ':']).next().unwrap_or_default();
+    let name: String = last
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._@-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    match name.trim_start_matches('.') {
+        "" => "image.sock".to_owned(),
+        name => format!("{name}.sock"),
+    }
 }
 
 /// The addresses `HOST:PORT` resolves to that are not loopback addresses (the unspecified
@@ -337,6 +367,35 @@ fn announce(
             attach_hints(address, &args.export_name, read_only)
         );
     }
+    notify_service_manager(&format!("READY=1\nSTATUS=serving on {address}"));
+}
+
+/// Tell systemd how the server is doing, as `sd_notify(3)` does: a datagram to the socket in
+/// `$NOTIFY_SOCKET` (a path, or `@` and an abstract name). With `Type=notify` a unit is then
+/// started once the export is ready (so a VM ordered after it finds the socket), and shown
+/// as stopping while the requests in flight finish. Nothing without the variable.
+fn notify_service_manager(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sent = UnixDatagram::unbound().and_then(|socket| {
+        let address = match target.as_bytes().strip_prefix(b"@") {
+            Some(name) => SocketAddr::from_abstract_name(name)?,
+            None => SocketAddr::from_pathname(&target)?,
+        };
+        socket.send_to_addr(state.as_bytes(), &address)
+    });
+    if let Err(e) = sent {
+        tracing::warn!(
+            socket = %target.to_string_lossy(),
+            error = %e,
+            "could not tell the service manager (NOTIFY_SOCKET) that the server is {}",
+            if state.starts_with("READY") { "ready" } else { "stopping" }
+        );
+    }
 }
 
 /// Serve `export` until SIGINT/SIGTERM, then let the requests in flight finish. A second
@@ -363,6 +422,7 @@ fn serve_until_signal(
                 signal = name,
                 "stopping: no new connections, finishing requests in flight"
             );
+            notify_service_manager("STOPPING=1");
             eprintln!(
                 "ivdisk: {name}: finishing requests in flight, then flushing and closing {image} \
                  (a second signal exits at once, without flushing)"
@@ -489,6 +549,22 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_socket_is_named_after_the_image() {
+        for (image, name) in [
+            ("/srv/vms/disk.ivd", "disk.ivd.sock"),
+            ("disk.ivd@monday", "disk.ivd@monday.sock"),
+            ("file:/srv/vm1/", "vm1.sock"),
+            ("rados://rbd/vm1?conf=/etc/ceph/ceph.conf", "vm1.sock"),
+            ("rados://rbd/vm1@snap?id=admin", "vm1@snap.sock"),
+            ("mem:scratch", "scratch.sock"),
+            ("/srv/a b/../..", "image.sock"),
+            ("/srv/my disk", "my_disk.sock"),
+        ] {
+            assert_eq!(default_socket_name(image), name, "{image}");
+        }
+    }
 
     #[test]
     fn hints_name_every_client() {

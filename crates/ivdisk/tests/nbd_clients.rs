@@ -863,6 +863,124 @@ fn the_socket_is_private_unless_socket_mode_says_otherwise() {
     assert!(ran.stderr.contains("octal"), "{}", ran.stderr);
 }
 
+/// Without --socket or --listen the export is a Unix socket only the user can reach, named
+/// after the image, in the user's runtime directory: not a TCP port every local user reaches.
+#[test]
+fn without_an_address_the_server_listens_on_a_private_socket_named_after_the_image() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = Fixture::new();
+    let runtime = f.path("run");
+    fs::create_dir(&runtime).unwrap();
+    fs::set_permissions(&runtime, fs::Permissions::from_mode(0o700)).unwrap();
+    let image = f.create("vm-disk", "16M", &[]);
+    let with_runtime = |image: &Path| {
+        let mut command = f.serve_command(image, &[], &[]);
+        command.env("XDG_RUNTIME_DIR", &runtime);
+        command
+    };
+    let server = f.start_server_as(with_runtime(&image), &image, &[]);
+    let socket = runtime.join("ivdisk/vm-disk.sock");
+    assert_eq!(
+        server.ready["address"],
+        format!("unix:{}", socket.display()),
+        "{}",
+        server.ready
+    );
+    let mode = |path: &Path| fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&socket), 0o600);
+    assert_eq!(mode(&runtime.join("ivdisk")), 0o700);
+    f.qemu_io(&server.uri, &["write -P 0x33 0 4k", "read -P 0x33 0 4k"])
+        .ok();
+
+    // Another image of that name served at once needs an address of its own.
+    fs::create_dir(f.path("elsewhere")).unwrap();
+    let namesake = f.create("elsewhere/vm-disk", "16M", &[]);
+    let ran = run(with_runtime(&namesake));
+    assert_eq!(ran.status.code(), Some(1), "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("another server is listening there"),
+        "{}",
+        ran.stderr
+    );
+    server.stop();
+    assert!(!socket.exists(), "the socket goes with the server");
+}
+
+/// `snap create` finds the server whatever its own environment says: a server started without
+/// `XDG_RUNTIME_DIR` (a systemd service; `sudo` drops it too) listens in `/tmp/ivdisk-UID`,
+/// and a client whose login shell sets it looks there as well.
+#[test]
+fn a_live_snapshot_reaches_a_server_whose_runtime_directory_differs() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = Fixture::new();
+    let image = f.create("service", "16M", &[]);
+    let socket = f.unique("nbd", ".sock");
+    let listen = ["--socket", s(&socket)];
+    let mut command = f.serve_command(&image, &listen, &[]);
+    command.env_remove("XDG_RUNTIME_DIR");
+    let server = f.start_server_as(command, &image, &listen);
+    f.qemu_io(&server.uri, &["write -P 0x55 0 4k"]).ok();
+    let login_runtime = f.path("login-run");
+    fs::create_dir(&login_runtime).unwrap();
+    fs::set_permissions(&login_runtime, fs::Permissions::from_mode(0o700)).unwrap();
+    let mut snap = Command::new(env!("CARGO_BIN_EXE_ivdisk"));
+    snap.args(["snap", "create", &format!("{}@from-a-shell", s(&image))])
+        .env("XDG_RUNTIME_DIR", &login_runtime);
+    run(snap).ok();
+    let listed = f.ivdisk(&["snap", "ls", s(&image), "--json"]).ok().json();
+    assert!(listed.to_string().contains("from-a-shell"), "{listed}");
+    server.stop();
+}
+
+/// Under systemd (`Type=notify`) the unit counts as started once the export is ready: the
+/// server sends `READY=1` to `$NOTIFY_SOCKET` after it listens, `STOPPING=1` on SIGTERM.
+/// Both forms of the variable: a path, and `@` with an abstract socket name.
+#[test]
+fn the_server_tells_systemd_when_it_is_ready_and_when_it_stops() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let f = Fixture::new();
+    let image = f.create("unit", "16M", &[]);
+    let by_path = f.path("notify");
+    let abstract_name = format!("ivdisk-test-notify-{}", std::process::id());
+    for (listening, variable) in [
+        (
+            UnixDatagram::bind(&by_path).unwrap(),
+            by_path.display().to_string(),
+        ),
+        (
+            UnixDatagram::bind_addr(
+                &SocketAddr::from_abstract_name(abstract_name.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+            format!("@{abstract_name}"),
+        ),
+    ] {
+        listening.set_read_timeout(Some(READY_LIMIT)).unwrap();
+        let receive = || {
+            let mut buf = [0u8; 512];
+            let n = listening
+                .recv(&mut buf)
+                .unwrap_or_else(|e| panic!("no notification on {variable}: {e}"));
+            String::from_utf8(buf[..n].to_vec()).unwrap()
+        };
+        let socket = f.unique("nbd", ".sock");
+        let listen = ["--socket", s(&socket)];
+        let mut command = f.serve_command(&image, &listen, &[]);
+        command.env("NOTIFY_SOCKET", &variable);
+        let server = f.start_server_as(command, &image, &listen);
+        let ready = receive();
+        assert_eq!(
+            ready,
+            format!("READY=1\nSTATUS=serving on unix:{}", socket.display())
+        );
+        f.qemu_io(&server.uri, &["write -P 0x44 0 4k"]).ok();
+        server.sigterm();
+        assert_eq!(receive(), "STOPPING=1");
+        server.stopped_cleanly();
+    }
+}
+
 /// The soft and hard limits on open files ("Max open files") of process `pid`.
 fn open_file_limits(pid: &str) -> (String, String) {
     let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
