@@ -17,7 +17,10 @@
 # qemu-block-extra: qemu's rbd driver (librbd's encryption in tests/foreign_rbd.rs),
 # left out with IVDISK_NO_CEPH=1 (which also skips the RADOS tests).
 set -euo pipefail
-IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio nbdfuse librados-dev librbd-dev)
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio librados-dev librbd-dev)
+# nbdfuse comes with libnbd-bin on Debian 12 (where the nbdfuse package is only a name
+# libnbd-bin provides, which dpkg never lists as installed) and is a package of its own later.
+command -v nbdfuse >/dev/null || IVDISK_PACKAGES+=(nbdfuse)
 if [ "${IVDISK_NO_GUEST:-}" != 1 ]; then
   IVDISK_PACKAGES+=(qemu-system-x86 busybox-static)
 fi
