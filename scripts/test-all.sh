@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every test of ivdisk on a fresh machine: installs what the tests need (Debian packages,
 # Rust components, cryptsetup for the header interoperability tests, a Ceph cluster's
-# packages), then format check, clippy (its lints run inside the test build, as errors), the
+# packages, qemu-system and a Debian kernel for the guest VM test), then format check, clippy (its lints run inside the test build, as errors), the
 # whole test suite against a throwaway Ceph cluster (scripts/ceph-dev-cluster, started before
 # the tests and stopped on exit), a bounded fuzz run of the header parser; the RADOS fault
 # tests, which kill and restart its OSDs, run after the other tests.
@@ -14,6 +14,8 @@
 #   IVDISK_CEPH_DIR    directory of the test cluster (default /tmp/ivdisk-ceph-test-PID);
 #                      only one cluster can run per host (fixed mon ports), so the run
 #                      refuses to start while another one runs.
+#   IVDISK_GUEST_KERNEL directory of the guest VM test's kernel (default
+#                      ~/.cache/ivdisk/guest-kernel, filled by scripts/guest-kernel).
 #
 # Our NBD server (`ivdisk serve`) is started and stopped by the tests that use it
 # (crates/ivdisk/tests/nbd_clients.rs, each test its own server, killed on failure), and by

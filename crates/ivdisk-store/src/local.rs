@@ -1110,6 +1110,34 @@ impl LocalStore {
             .await
     }
 
+    /// The process that has the store in `dir` open for writing (it holds the flock of
+    /// `dir/LOCK`, as `/proc/locks` shows), or `None`: then no lock a client of the store
+    /// holds can be renewed, and the next writer takes such locks over. Looking takes no lock,
+    /// so it never gets in the way of a writer opening the store meanwhile.
+    pub fn writing_process(dir: impl AsRef<Path>) -> Result<Option<u32>, StoreError> {
+        let lock = dir.as_ref().join("LOCK");
+        let meta = match std::fs::metadata(&lock) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::io(format!("reading {}", lock.display()))(e)),
+        };
+        let file = format!(
+            "{:02x}:{:02x}:{}",
+            libc::major(meta.dev()),
+            libc::minor(meta.dev()),
+            meta.ino()
+        );
+        let locks = std::fs::read_to_string("/proc/locks")
+            .map_err(StoreError::io("reading /proc/locks"))?;
+        // "1: FLOCK  ADVISORY  WRITE 19203 fe:00:10289510 0 EOF"
+        Ok(locks.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str()))
+                .then(|| fields.get(4)?.parse().ok())
+                .flatten()
+        }))
+    }
+
     /// Whether this store was opened read-only.
     pub fn is_read_only(&self) -> bool {
         self.2.is_some()

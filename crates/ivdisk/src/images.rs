@@ -56,9 +56,10 @@ pub fn lock_help() -> String {
          renewed expires by itself after {} s. `lock break` is for a writer that died (killed, \
          crashed, host down) when you cannot wait for the expiry. Never break the lock of a \
          writer that still runs: two writers lose each other's writes.\n\nOn the local backend \
-         a store directory is open in one process at a time: while a writer runs there, `lock \
-         status`, `lock break` and `info` from another process fail, naming the process that \
-         has the store open (a dead process leaves no such error, only its lock). The next writer \
+         a store directory is open for writing in one process at a time: while a writer runs \
+         there, `lock break` and other writers fail, naming the process that has the store \
+         open; `lock status` and `info` work beside it, and `lock status` says when the \
+         holder is gone (no process has the store open for writing). The next writer \
          of a local image takes over a lock left by a dead process at once (with a warning \
          naming it): no process but itself has the store open for writing, so no break is \
          needed there.\n\nExample:\n  ivdisk lock \
@@ -638,14 +639,25 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
         LockCommand::Status { image, json } => {
             let uri = parse_uri(&image)?;
             let holder = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
-            print(
-                json,
-                json!({"image": uri.to_string(), "lock": holder.as_ref().map_or(Value::Null, locker_json)}),
-                match &holder {
-                    None => format!("image {uri}: no writer lock held"),
-                    Some(l) => format!("image {uri}: writer lock held by {}", describe_locker(l)),
-                },
-            );
+            let mut lock = holder.as_ref().map_or(Value::Null, locker_json);
+            let mut text = match &holder {
+                None => format!("image {uri}: no writer lock held"),
+                Some(l) => format!("image {uri}: writer lock held by {}", describe_locker(l)),
+            };
+            // A local store has one writing process: without one, the holder is gone.
+            if let (Some(_), ImageUri::Local { dir }) = (&holder, &uri) {
+                let gone = ivdisk_store::LocalStore::writing_process(dir)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .is_none();
+                lock["holder_gone"] = gone.into();
+                if gone {
+                    text.push_str(
+                        "; no process has the image open for writing: the holder is gone, and \
+                         the next writer takes the lock over (no `lock break` needed)",
+                    );
+                }
+            }
+            print(json, json!({"image": uri.to_string(), "lock": lock}), text);
         }
         LockCommand::Break { image, yes, json } => {
             let uri = parse_uri(&image)?;

@@ -434,6 +434,9 @@ fn a_dead_writers_lock_is_shown_and_broken() {
         "{status}"
     );
     assert!(status["lock"]["expires_in_secs"].as_u64().unwrap() > 3000);
+    assert_eq!(status["lock"]["holder_gone"], true, "{status}");
+    let said = ok(&["lock", "status", p(&image)]);
+    assert!(said.contains("the holder is gone"), "{said}");
     assert_eq!(info(&image)["lock"]["client"], client.as_str());
 
     // `lock break` asks first.

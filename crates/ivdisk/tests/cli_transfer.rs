@@ -607,6 +607,11 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     assert!(said.is_some(), "the writer opened the image");
     let err = fails(&["header", "restore", p(&image), p(&backup)]);
     assert!(err.contains("already open for writing by process"), "{err}");
+    let status = json(&["lock", "status", p(&image)]);
+    assert_eq!(
+        status["lock"]["holder_gone"], false,
+        "a live writer: {status}"
+    );
 
     // Killed, the writer leaves its lock behind; the next writer releases it and says so.
     writer.kill().unwrap();
@@ -614,6 +619,11 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     assert!(
         info(&image)["lock"]["client"].is_string(),
         "the dead writer's lock"
+    );
+    let status = json(&["lock", "status", p(&image)]);
+    assert_eq!(
+        status["lock"]["holder_gone"], true,
+        "a dead writer: {status}"
     );
     let out = ivdisk(&["header", "restore", p(&image), p(&backup), "--json"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
