@@ -644,8 +644,13 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                 None => format!("image {uri}: no writer lock held"),
                 Some(l) => format!("image {uri}: writer lock held by {}", describe_locker(l)),
             };
-            // A local store has one writing process: without one, the holder is gone.
-            if let (Some(_), ImageUri::Local { dir }) = (&holder, &uri) {
+            // A local store has one writing process: without one, the holder is gone. (A LUKS
+            // file, also a local path, names the live process holding its flock.)
+            let store_dir = match (&holder, &uri) {
+                (Some(_), ImageUri::Local { dir }) if dir.is_dir() => Some(dir),
+                _ => None,
+            };
+            if let Some(dir) = store_dir {
                 let gone = ivdisk_store::LocalStore::writing_process(dir)
                     .map_err(|e| anyhow::anyhow!("{e}"))?
                     .is_none();
