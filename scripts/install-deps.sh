@@ -2,7 +2,8 @@
 # Install the Debian packages ivdisk builds and tests with, if missing. Sourced by
 # scripts/quickstart.sh and scripts/test-all.sh; runnable alone.
 #
-# openssl, libssl-dev: the cipher suites' library and the command line of the cross-checks;
+# openssl, libssl-dev: the cipher suites' and TLS's library, and the command line of the
+# cross-checks and of scripts/tls-creds;
 # gcc, make, pkg-config: the crates that build C (libaegis, openssl-sys);
 # cryptsetup-bin: the header interoperability tests run cryptsetup itself;
 # qemu-utils: qemu-img/qemu-io, the independent LUKS implementation the foreign-LUKS tests

@@ -19,6 +19,11 @@ pub enum NbdError {
     #[error("client {peer} broke the NBD protocol: {reason}; connection closed")]
     Protocol { peer: String, reason: String },
 
+    /// The TLS handshake with a client failed (no certificate, one of another authority, no
+    /// common protocol version); its connection was closed.
+    #[error("TLS with client {peer} failed: {reason}; connection closed")]
+    TlsHandshake { peer: String, reason: String },
+
     /// The connection failed (reset, closed in the middle of a message).
     #[error("connection to {peer}: {source}")]
     Io {
@@ -26,6 +31,10 @@ pub enum NbdError {
         #[source]
         source: std::io::Error,
     },
+
+    /// TLS credentials that cannot be used (a file missing, unreadable, or not matching).
+    #[error("TLS credentials in {dir}: {reason}")]
+    TlsCredentials { dir: String, reason: String },
 
     /// Server configuration that cannot work (no exports, duplicate names).
     #[error("NBD server: {0}")]

@@ -115,6 +115,27 @@ impl SlotBuffer {
         Ok(got as usize)
     }
 
+    /// One read from `reader` into the next slot's room (a stream that cannot be read with
+    /// `readv`, such as a TLS session, whose reads copy out of its decrypted records anyway);
+    /// returns the bytes read (0 at the end of the stream).
+    pub(crate) fn poll_read_next<R: tokio::io::AsyncRead + Unpin>(
+        &mut self,
+        reader: &mut R,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.missing() == 0 {
+            return std::task::Poll::Ready(Ok(0));
+        }
+        let (at, room) = self.next_piece();
+        let room = room.min(self.missing());
+        let spare = &mut self.buf.spare_capacity_mut()[at..at + room];
+        let mut read = tokio::io::ReadBuf::uninit(spare);
+        std::task::ready!(std::pin::Pin::new(reader).poll_read(cx, &mut read))?;
+        let got = read.filled().len();
+        self.filled += got;
+        std::task::Poll::Ready(Ok(got))
+    }
+
     /// The buffer of slots, once the whole payload is in: each slot's tail zeroed.
     ///
     /// # Panics

@@ -78,13 +78,36 @@ struct Session<'a, S> {
     meta_for: Option<String>,
 }
 
-/// Run the handshake on a fresh connection. `Ok(None)`: the client ended it (abort or
-/// disconnect before choosing).
-pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
+/// Where a connection stands with TLS (the NBD project's doc/proto.md, "TLS support").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TlsState {
+    /// The server has no TLS credentials ('NOTLS'): `NBD_OPT_STARTTLS` is refused.
+    Off,
+    /// The server insists on TLS and the client has not started it yet ('FORCEDTLS'):
+    /// every option but `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` is refused with
+    /// `NBD_REP_ERR_TLS_REQD`, and `NBD_OPT_EXPORT_NAME`, which cannot be refused, closes.
+    Required,
+    /// TLS is running on the connection.
+    Active,
+}
+
+/// How option haggling ended.
+pub(crate) enum Haggled {
+    /// The client picked an export.
+    Chosen(Negotiated),
+    /// The client aborted or went away before choosing.
+    Ended,
+    /// `NBD_OPT_STARTTLS` was acknowledged: the caller runs the TLS handshake on the stream,
+    /// then haggles on over TLS ([`options`] with [`TlsState::Active`]).
+    StartTls,
+}
+
+/// Send the greeting and read the client's flags. `Ok(None)`: the client left before
+/// answering; `Ok(Some(no_zeroes))` otherwise.
+pub(crate) async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     peer: &str,
-    exports: &[Arc<Export>],
-) -> Result<Option<Negotiated>, NbdError> {
+) -> Result<Option<bool>, NbdError> {
     let io = |source| NbdError::Io {
         peer: peer.to_owned(),
         source,
@@ -107,7 +130,22 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
             format!("unknown client flags {client_flags:#x}"),
         ));
     }
-    let no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+    Ok(Some(client_flags & CLIENT_NO_ZEROES != 0))
+}
+
+/// Haggle over options until the client picks an export, leaves, or (with `tls` at
+/// [`TlsState::Required`]) asks for TLS.
+pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    peer: &str,
+    exports: &[Arc<Export>],
+    no_zeroes: bool,
+    tls: TlsState,
+) -> Result<Haggled, NbdError> {
+    let io = |source| NbdError::Io {
+        peer: peer.to_owned(),
+        source,
+    };
     let mut session = Session {
         stream,
         peer,
@@ -118,7 +156,7 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
     for _ in 0..MAX_OPTIONS {
         let magic = match session.stream.read_u64().await {
             Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Haggled::Ended),
             Err(e) => return Err(io(e)),
         };
         if magic != IHAVEOPT {
@@ -136,6 +174,55 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
         let mut data = vec![0u8; len as usize];
         session.stream.read_exact(&mut data).await.map_err(io)?;
         tracing::debug!(peer, option, len, "NBD option");
+        match (option, tls) {
+            (OPT_STARTTLS, TlsState::Off) => {
+                session
+                    .reply_error(
+                        option,
+                        REP_ERR_POLICY,
+                        "TLS is not set up on this server (ivdisk serve --tls-creds DIR)",
+                    )
+                    .await?;
+                continue;
+            }
+            (OPT_STARTTLS, TlsState::Active) => {
+                session
+                    .reply_error(option, REP_ERR_INVALID, "TLS is already running")
+                    .await?;
+                continue;
+            }
+            (OPT_STARTTLS, TlsState::Required) => {
+                if !data.is_empty() {
+                    session
+                        .reply_error(option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")
+                        .await?;
+                    continue;
+                }
+                session.reply(option, REP_ACK, &[]).await?;
+                return Ok(Haggled::StartTls);
+            }
+            (OPT_EXPORT_NAME, TlsState::Required) => {
+                // This option has no error reply: closing is the only answer.
+                return Err(protocol(
+                    peer,
+                    "chose an export without TLS, which this server requires \
+                     (NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS)"
+                        .to_owned(),
+                ));
+            }
+            (OPT_ABORT, _) => {}
+            (_, TlsState::Required) => {
+                session
+                    .reply_error(
+                        option,
+                        REP_ERR_TLS_REQD,
+                        "this server requires TLS: start it first (NBD_OPT_STARTTLS)",
+                    )
+                    .await?;
+                continue;
+            }
+            _ => {}
+        }
         match option {
             OPT_EXPORT_NAME => {
                 let name = std::str::from_utf8(&data).unwrap_or("\u{fffd}");
@@ -153,7 +240,7 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
                 session.stream.write_all(&reply).await.map_err(io)?;
                 session.stream.flush().await.map_err(io)?;
                 let block_status = session.meta_for.as_deref() == Some(export.name.as_str());
-                return Ok(Some(Negotiated {
+                return Ok(Haggled::Chosen(Negotiated {
                     export,
                     structured: session.structured,
                     block_status,
@@ -162,7 +249,7 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
             OPT_ABORT => {
                 // The client may already be gone; the acknowledgement is a courtesy.
                 let _ = session.reply(option, REP_ACK, &[]).await;
-                return Ok(None);
+                return Ok(Haggled::Ended);
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -185,7 +272,7 @@ pub(crate) async fn negotiate<S: AsyncRead + AsyncWrite + Unpin>(
                     if option == OPT_GO {
                         let block_status =
                             session.meta_for.as_deref() == Some(export.name.as_str());
-                        return Ok(Some(Negotiated {
+                        return Ok(Haggled::Chosen(Negotiated {
                             export,
                             structured: session.structured,
                             block_status,

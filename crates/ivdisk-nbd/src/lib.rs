@@ -3,7 +3,8 @@
 //! with `base:allocation`), structured replies with error chunks, replies out of order,
 //! `READ`, `WRITE`, `FLUSH`, `TRIM`, `WRITE_ZEROES` (`NO_HOLE`, `FAST_ZERO`), `FUA`,
 //! `BLOCK_STATUS`; several connections per export (`CAN_MULTI_CONN`: they share one device,
-//! so a flush on one covers writes completed on all); Unix sockets and TCP.
+//! so a flush on one covers writes completed on all); Unix sockets and TCP, with TLS
+//! (`STARTTLS`, x509 credentials, client certificates required: [`serve_with_tls`]).
 //!
 //! - [`BlockDevice`]: what is exported (four required methods); ivdisk images implement it
 //!   (`image.rs`), and so do librbd images (`rbd.rs`, ivdisk-rbd's `RbdImage`).
@@ -22,9 +23,13 @@ mod image;
 pub mod proto;
 mod rbd;
 mod server;
+mod tls;
 mod transmission;
 
 pub use device::{BlockDevice, DeviceError, DeviceErrorKind, Extent};
 pub use error::NbdError;
 pub use handshake::MAX_PAYLOAD;
-pub use server::{serve, Export, ListenAddress, Listener, ServeStats, MAX_CONNECTIONS};
+pub use server::{
+    serve, serve_with_tls, Export, ListenAddress, Listener, ServeStats, MAX_CONNECTIONS,
+};
+pub use tls::TlsCredentials;

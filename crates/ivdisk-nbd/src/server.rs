@@ -14,7 +14,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::device::BlockDevice;
-use crate::handshake::negotiate;
+use crate::handshake::{greet, options, Haggled, Negotiated, TlsState};
+use crate::tls::TlsCredentials;
 use crate::transmission::{transmit, Ending, PayloadSource};
 use crate::NbdError;
 
@@ -211,6 +212,19 @@ pub struct ServeStats {
     pub connections: u64,
     /// Connections closed because the client broke the protocol.
     pub protocol_errors: u64,
+    /// Connections closed because their TLS handshake failed.
+    pub tls_failures: u64,
+}
+
+impl ServeStats {
+    /// Count a connection's outcome.
+    fn count(&mut self, outcome: &Result<(), NbdError>) {
+        match outcome {
+            Err(NbdError::Protocol { .. }) => self.protocol_errors += 1,
+            Err(NbdError::TlsHandshake { .. }) => self.tls_failures += 1,
+            _ => {}
+        }
+    }
 }
 
 /// Serve `exports` on `listener` until `shutdown` completes, then stop accepting, let every
@@ -218,6 +232,18 @@ pub struct ServeStats {
 pub async fn serve(
     listener: Listener,
     exports: Vec<Export>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ServeStats, NbdError> {
+    serve_with_tls(listener, exports, None, shutdown).await
+}
+
+/// [`serve`], with TLS required of every client when `tls` is given (FORCEDTLS: options
+/// before `NBD_OPT_STARTTLS` are refused, and a client must present a certificate of the
+/// credentials' authority).
+pub async fn serve_with_tls(
+    listener: Listener,
+    exports: Vec<Export>,
+    tls: Option<TlsCredentials>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<ServeStats, NbdError> {
     if exports.is_empty() {
@@ -241,8 +267,8 @@ pub async fn serve(
         let accepted = tokio::select! {
             _ = &mut shutdown => break,
             Some(done) = connections.join_next(), if !connections.is_empty() => {
-                if let Ok(Err(NbdError::Protocol { .. })) = done {
-                    stats.protocol_errors += 1;
+                if let Ok(outcome) = done {
+                    stats.count(&outcome);
                 }
                 continue;
             }
@@ -266,14 +292,16 @@ pub async fn serve(
         }
         let exports = exports.clone();
         let stopped = stopped.clone();
+        let tls = tls.clone();
         connections.spawn(async move {
+            let tls = tls.as_ref();
             let result = match stream {
-                Stream::Unix(s) => connection(s, &peer, &exports, stopped).await,
-                Stream::Tcp(s) => connection(s, &peer, &exports, stopped).await,
+                Stream::Unix(s) => connection(s, &peer, &exports, tls, stopped).await,
+                Stream::Tcp(s) => connection(s, &peer, &exports, tls, stopped).await,
             };
             match &result {
                 Ok(()) => tracing::info!(peer, "client disconnected"),
-                Err(e @ NbdError::Protocol { .. }) => {
+                Err(e @ (NbdError::Protocol { .. } | NbdError::TlsHandshake { .. })) => {
                     tracing::warn!(peer, error = %e, "client dropped")
                 }
                 Err(e) => tracing::info!(peer, error = %e, "connection ended"),
@@ -288,8 +316,8 @@ pub async fn serve(
         "shutting down: finishing requests in flight"
     );
     while let Some(done) = connections.join_next().await {
-        if let Ok(Err(NbdError::Protocol { .. })) = done {
-            stats.protocol_errors += 1;
+        if let Ok(outcome) = done {
+            stats.count(&outcome);
         }
     }
     Ok(stats)
@@ -340,16 +368,68 @@ impl ClientSocket for tokio::net::TcpStream {
     }
 }
 
-async fn connection<S: ClientSocket>(
+/// [`ClientSocket`] for a TLS connection: its halves share the TLS session (a lock between
+/// them), and a write's payload comes through the session's reads, decrypted, into its slots.
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> ClientSocket
+    for tokio_openssl::SslStream<S>
+{
+    type Reader = tokio::io::ReadHalf<tokio_openssl::SslStream<S>>;
+    type Writer = tokio::io::WriteHalf<tokio_openssl::SslStream<S>>;
+    fn into_halves(self) -> (Self::Reader, Self::Writer) {
+        tokio::io::split(self)
+    }
+}
+
+/// What a connection's handshake ended with.
+enum Attached<S: ClientSocket> {
+    Plain(S, Negotiated),
+    Tls(tokio_openssl::SslStream<S>, Negotiated),
+}
+
+/// The handshake: greeting, options, and with `tls` the TLS handshake once the client asks
+/// for it, then the rest of the options over TLS. `Ok(None)`: the client left without
+/// choosing an export.
+async fn handshake<S: ClientSocket>(
     mut stream: S,
     peer: &str,
     exports: &[Arc<Export>],
+    tls: Option<&TlsCredentials>,
+) -> Result<Option<Attached<S>>, NbdError> {
+    let Some(no_zeroes) = greet(&mut stream, peer).await? else {
+        return Ok(None);
+    };
+    let state = if tls.is_some() {
+        TlsState::Required
+    } else {
+        TlsState::Off
+    };
+    match options(&mut stream, peer, exports, no_zeroes, state).await? {
+        Haggled::Ended => Ok(None),
+        Haggled::Chosen(negotiated) => Ok(Some(Attached::Plain(stream, negotiated))),
+        Haggled::StartTls => {
+            let credentials = tls.expect("STARTTLS is only acknowledged with credentials");
+            let mut secured = credentials.accept(stream, peer).await?;
+            tracing::debug!(peer, "TLS started");
+            match options(&mut secured, peer, exports, no_zeroes, TlsState::Active).await? {
+                Haggled::Ended => Ok(None),
+                Haggled::Chosen(negotiated) => Ok(Some(Attached::Tls(secured, negotiated))),
+                Haggled::StartTls => unreachable!("STARTTLS is refused once TLS runs"),
+            }
+        }
+    }
+}
+
+async fn connection<S: ClientSocket>(
+    stream: S,
+    peer: &str,
+    exports: &[Arc<Export>],
+    tls: Option<&TlsCredentials>,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<(), NbdError> {
     tracing::debug!(peer, "client connected");
-    let negotiated = tokio::select! {
+    let attached = tokio::select! {
         _ = stopped.wait_for(|stop| *stop) => return Ok(()),
-        result = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut stream, peer, exports)) => match result {
+        result = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, peer, exports, tls)) => match result {
             Err(_) => {
                 return Err(NbdError::Protocol {
                     peer: peer.to_owned(),
@@ -359,19 +439,34 @@ async fn connection<S: ClientSocket>(
             Ok(result) => result?,
         },
     };
-    let Some(negotiated) = negotiated else {
+    let Some(attached) = attached else {
         return Ok(());
     };
+    let ending = match attached {
+        Attached::Plain(stream, negotiated) => {
+            attached_log(peer, &negotiated, false);
+            let (reader, writer) = stream.into_halves();
+            transmit(reader, writer, peer, negotiated, stopped).await?
+        }
+        Attached::Tls(stream, negotiated) => {
+            attached_log(peer, &negotiated, true);
+            let (reader, writer) = stream.into_halves();
+            transmit(reader, writer, peer, negotiated, stopped).await?
+        }
+    };
+    match ending {
+        Ending::Disconnect | Ending::Shutdown => Ok(()),
+    }
+}
+
+fn attached_log(peer: &str, negotiated: &Negotiated, tls: bool) {
     tracing::info!(
         peer,
         export = %negotiated.export.name,
         structured = negotiated.structured,
+        tls,
         "client attached"
     );
-    let (reader, writer) = stream.into_halves();
-    match transmit(reader, writer, peer, negotiated, stopped).await? {
-        Ending::Disconnect | Ending::Shutdown => Ok(()),
-    }
 }
 
 #[cfg(test)]

@@ -244,8 +244,13 @@ impl<R> RequestReader<R> {
         self.pos = (self.pos + n).min(self.filled);
     }
 
+    #[cfg(test)]
     pub(crate) fn get_ref(&self) -> &R {
         &self.inner
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
     }
 }
 
@@ -281,10 +286,22 @@ pub(crate) trait PayloadSource: AsyncRead + Unpin + Send + 'static {
     /// Read the next bytes of `slots`' payload from the socket once it is readable; `Ok(0)`
     /// at the end of the stream.
     fn poll_read_slots(
-        &self,
+        &mut self,
         cx: &mut TaskContext<'_>,
         slots: &mut SlotBuffer,
     ) -> Poll<std::io::Result<usize>>;
+}
+
+/// [`PayloadSource`] for one half of a stream split in two (a TLS session): plain reads into
+/// one slot's room at a time.
+impl<T: AsyncRead + Send + 'static> PayloadSource for tokio::io::ReadHalf<T> {
+    fn poll_read_slots(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        slots: &mut SlotBuffer,
+    ) -> Poll<std::io::Result<usize>> {
+        slots.poll_read_next(self, cx)
+    }
 }
 
 /// [`PayloadSource`] for the read half of a tokio socket (`as_ref` gives the socket).
@@ -292,11 +309,11 @@ macro_rules! socket_payload_source {
     ($half:ty) => {
         impl PayloadSource for $half {
             fn poll_read_slots(
-                &self,
+                &mut self,
                 cx: &mut TaskContext<'_>,
                 slots: &mut SlotBuffer,
             ) -> Poll<std::io::Result<usize>> {
-                let socket = self.as_ref();
+                let socket = (*self).as_ref();
                 loop {
                     std::task::ready!(socket.poll_read_ready(cx))?;
                     let fd = socket.as_raw_fd();
@@ -355,7 +372,7 @@ async fn read_payload_in_slots<R: PayloadSource>(
     let took = slots.fill_from(reader.buffer());
     reader.consume(took);
     while slots.missing() > 0 {
-        let read = std::future::poll_fn(|cx| reader.get_ref().poll_read_slots(cx, &mut slots));
+        let read = std::future::poll_fn(|cx| reader.get_mut().poll_read_slots(cx, &mut slots));
         if read.await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }

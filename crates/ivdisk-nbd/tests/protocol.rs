@@ -1,9 +1,11 @@
 //! The server against a hand-written client over a real Unix socket, with an in-memory device
 //! below it (the unit under test is the protocol, not the image). Covers the negotiation
-//! options, every command, out-of-order replies, misbehaving clients, and shutdown.
+//! options, every command, out-of-order replies, misbehaving clients, shutdown, and TLS
+//! (certificates made by `scripts/tls-creds`, the client's side by OpenSSL).
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,10 +15,11 @@ use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind};
 use ivdisk_nbd::proto::*;
 use ivdisk_nbd::{
-    serve, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress, Listener,
-    ServeStats, MAX_PAYLOAD,
+    serve_with_tls, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress,
+    Listener, NbdError, ServeStats, TlsCredentials, MAX_PAYLOAD,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use openssl::ssl::{SslConnector, SslFiletype, SslMethod};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -130,6 +133,10 @@ struct Server {
 
 impl Server {
     async fn start(device: Arc<dyn BlockDevice>) -> Server {
+        Server::start_with(device, None).await
+    }
+
+    async fn start_with(device: Arc<dyn BlockDevice>, tls: Option<TlsCredentials>) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
         let listener = Listener::bind(&ListenAddress::Unix(path.clone()))
@@ -142,7 +149,7 @@ impl Server {
             device,
         }];
         let task = tokio::spawn(async move {
-            serve(listener, exports, async {
+            serve_with_tls(listener, exports, tls, async {
                 let _ = stopped.await;
             })
             .await
@@ -165,9 +172,13 @@ impl Server {
     }
 }
 
+/// A client's connection: a socket, or TLS over one.
+trait Connection: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Connection for T {}
+
 /// A hand-written client, one step at a time.
 struct Client {
-    stream: UnixStream,
+    stream: Box<dyn Connection>,
 }
 
 #[derive(Debug)]
@@ -202,7 +213,60 @@ impl Client {
             .write_u32(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES)
             .await
             .unwrap();
-        Client { stream }
+        Client {
+            stream: Box::new(stream),
+        }
+    }
+
+    /// `NBD_OPT_STARTTLS`, then the TLS handshake as a client holding `creds`' certificate
+    /// (`ca-cert.pem`, and `client-cert.pem` with `client-key.pem` where present), checking
+    /// the server's certificate against `localhost`.
+    async fn start_tls(mut self, creds: &Path) -> Result<Client, String> {
+        self.option(OPT_STARTTLS, &[]).await;
+        let reply = self.option_reply().await;
+        assert_eq!((reply.option, reply.kind), (OPT_STARTTLS, REP_ACK));
+        let mut connector = SslConnector::builder(SslMethod::tls_client()).unwrap();
+        connector.set_ca_file(creds.join("ca-cert.pem")).unwrap();
+        if creds.join("client-cert.pem").exists() {
+            connector
+                .set_certificate_chain_file(creds.join("client-cert.pem"))
+                .unwrap();
+            connector
+                .set_private_key_file(creds.join("client-key.pem"), SslFiletype::PEM)
+                .unwrap();
+        }
+        let ssl = connector
+            .build()
+            .configure()
+            .unwrap()
+            .into_ssl("localhost")
+            .unwrap();
+        let mut tls = tokio_openssl::SslStream::new(ssl, self.stream).unwrap();
+        Pin::new(&mut tls)
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        // TLS 1.3 reports a refused client certificate only with the server's first record:
+        // make sure there is one (a harmless option) before calling the handshake done.
+        let mut client = Client {
+            stream: Box::new(tls),
+        };
+        client.option(OPT_LIST, &[]).await;
+        let mut byte = [0u8; 8];
+        match client.stream.read_exact(&mut byte).await {
+            Ok(_) => assert_eq!(u64::from_be_bytes(byte), OPTION_REPLY_MAGIC),
+            Err(e) => return Err(e.to_string()),
+        }
+        let mut rest = [0u8; 12];
+        client.stream.read_exact(&mut rest).await.unwrap();
+        let len = u32::from_be_bytes(rest[8..12].try_into().unwrap());
+        let mut data = vec![0u8; len as usize];
+        client.stream.read_exact(&mut data).await.unwrap();
+        let kind = u32::from_be_bytes(rest[4..8].try_into().unwrap());
+        if kind == REP_SERVER {
+            assert_eq!(client.option_reply().await.kind, REP_ACK);
+        }
+        Ok(client)
     }
 
     async fn option(&mut self, option: u32, data: &[u8]) {
@@ -689,7 +753,9 @@ async fn misbehaving_clients_are_cut_off_and_others_carry_on() {
     let mut greeting = [0u8; 18];
     stream.read_exact(&mut greeting).await.unwrap();
     stream.write_u32(0xff).await.unwrap();
-    let mut client = Client { stream };
+    let mut client = Client {
+        stream: Box::new(stream),
+    };
     assert!(client.closed().await);
 
     // The well-behaved client never noticed, and the partial write was not applied.
@@ -791,8 +857,24 @@ async fn a_live_socket_is_not_taken_over_and_a_stale_one_is() {
 /// refused and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unaligned_image_receives_payloads_in_slots() {
+    unaligned_image_round_trip(None).await;
+}
+
+/// The same through TLS: the payload comes out of the TLS session's reads into the slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unaligned_image_receives_payloads_in_slots_through_tls() {
+    let creds = TestCreds::new();
+    unaligned_image_round_trip(Some(&creds)).await;
+}
+
+async fn unaligned_image_round_trip(tls: Option<&TestCreds>) {
     const OBJECT: u64 = 256 << 10;
-    let uri = ImageUri::parse("mem:protocol-unaligned").unwrap();
+    let name = if tls.is_some() {
+        "mem:protocol-unaligned-tls"
+    } else {
+        "mem:protocol-unaligned"
+    };
+    let uri = ImageUri::parse(name).unwrap();
     let options = CreateOptions {
         layout: Some(LayoutKind::Unaligned),
         object_size: OBJECT,
@@ -800,8 +882,19 @@ async fn an_unaligned_image_receives_payloads_in_slots() {
         ..CreateOptions::new(SIZE)
     };
     let image = Image::create(&uri, &options, b"pw").await.unwrap();
-    let server = Server::start(Arc::new(image.clone())).await;
-    let mut client = Client::attach(&server, false).await;
+    let server = Server::start_with(Arc::new(image.clone()), tls.map(|t| t.server())).await;
+    let mut client = match tls {
+        None => Client::attach(&server, false).await,
+        Some(creds) => {
+            let mut client = Client::connect(&server)
+                .await
+                .start_tls(&creds.client())
+                .await
+                .unwrap();
+            client.go("disk").await;
+            client
+        }
+    };
     let mut model = vec![0u8; SIZE as usize];
     // The writes do not overlap: they are all in flight at once, and NBD leaves the order in
     // which a server applies overlapping writes in flight open (each request is its own task
@@ -864,4 +957,208 @@ async fn an_unaligned_image_receives_payloads_in_slots() {
     client.send(CMD_DISC, 0, 204, 0, 0).await;
     assert!(client.closed().await);
     server.stop().await;
+}
+
+/// Credentials made by `scripts/tls-creds` in a temporary directory: an authority, the
+/// server's certificate, one client's.
+struct TestCreds {
+    dir: tempfile::TempDir,
+}
+
+impl TestCreds {
+    fn new() -> TestCreds {
+        let dir = tempfile::tempdir().unwrap();
+        make_creds(dir.path(), &[]);
+        TestCreds { dir }
+    }
+
+    fn server(&self) -> TlsCredentials {
+        TlsCredentials::from_dir(&self.dir.path().join("server")).unwrap()
+    }
+
+    fn client(&self) -> PathBuf {
+        self.dir.path().join("client")
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A client directory `name` that trusts the server's authority and holds the client
+    /// certificate and key of `certificate_from` (none without it).
+    fn client_trusting_the_server(&self, name: &str, certificate_from: Option<&Path>) -> PathBuf {
+        let dir = self.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::copy(self.client().join("ca-cert.pem"), dir.join("ca-cert.pem")).unwrap();
+        for file in ["client-cert.pem", "client-key.pem"] {
+            if let Some(from) = certificate_from {
+                std::fs::copy(from.join(file), dir.join(file)).unwrap();
+            }
+        }
+        dir
+    }
+}
+
+fn make_creds(dir: &Path, args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tls-creds");
+    let out = std::process::Command::new(script)
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scripts/tls-creds: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// FORCEDTLS: before `NBD_OPT_STARTTLS` every option is refused with `NBD_REP_ERR_TLS_REQD`
+/// (and the session goes on), `NBD_OPT_EXPORT_NAME` closes the connection, and after TLS
+/// everything works, over TLS, while a second `NBD_OPT_STARTTLS` is refused as invalid.
+#[tokio::test]
+async fn tls_is_required_before_anything_else() {
+    let creds = TestCreds::new();
+    let device = MemoryDevice::new(false);
+    let server = Server::start_with(device.clone(), Some(creds.server())).await;
+
+    let mut client = Client::connect(&server).await;
+    client.option(OPT_LIST, &[]).await;
+    let reply = client.option_reply().await;
+    assert_eq!((reply.option, reply.kind), (OPT_LIST, REP_ERR_TLS_REQD));
+    assert!(
+        String::from_utf8_lossy(&reply.data).contains("requires TLS"),
+        "{reply:?}"
+    );
+    for option in [OPT_GO, OPT_INFO] {
+        client
+            .option(option, &Client::name_request("disk", &0u16.to_be_bytes()))
+            .await;
+        let reply = client.option_reply().await;
+        assert_eq!((reply.option, reply.kind), (option, REP_ERR_TLS_REQD));
+    }
+    client.option(OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_TLS_REQD);
+    client.option(99, b"whatever").await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_TLS_REQD);
+    client.option(OPT_STARTTLS, b"x").await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_INVALID);
+
+    let mut client = client.start_tls(&creds.client()).await.unwrap();
+    client.option(OPT_STARTTLS, &[]).await;
+    let reply = client.option_reply().await;
+    assert_eq!((reply.option, reply.kind), (OPT_STARTTLS, REP_ERR_INVALID));
+    client.structured().await;
+    let replies = client.set_meta("disk").await;
+    assert_eq!(replies[0].kind, REP_META_CONTEXT);
+    let (size, _) = client.go("disk").await;
+    assert_eq!(size, SIZE);
+    // A payload larger than a TLS record (16 KiB) and than the server's read-ahead, clear of
+    // the device's bad and slow spots.
+    const AT: usize = 0x20000;
+    let data = pattern(512 << 10, 9);
+    client.write(1, AT as u64, &data, 0).await;
+    assert_eq!(client.status().await, (1, 0));
+    client.send(CMD_FLUSH, 0, 2, 0, 0).await;
+    assert_eq!(client.status().await, (2, 0));
+    assert!(device.bytes.lock().unwrap()[AT..AT + data.len()] == data[..]);
+    client
+        .send(CMD_READ, 0, 3, AT as u64, data.len() as u32)
+        .await;
+    let (chunk, _) = client.reply(0).await;
+    let Chunk::Structured { kind, payload, .. } = chunk else {
+        panic!("{chunk:?}");
+    };
+    assert_eq!(kind, REPLY_TYPE_OFFSET_DATA);
+    assert!(payload[8..] == data[..], "read back differs");
+    client.send(CMD_DISC, 0, 4, 0, 0).await;
+    assert!(client.closed().await);
+
+    // EXPORT_NAME cannot be refused: the connection closes.
+    let mut plain = Client::connect(&server).await;
+    plain.option(OPT_EXPORT_NAME, b"disk").await;
+    assert!(plain.closed().await);
+    let stats = server.stop().await;
+    assert_eq!((stats.protocol_errors, stats.tls_failures), (1, 0));
+}
+
+/// A client without a certificate, or with one of another authority, gets no session; the
+/// server carries on with the others and counts the failures.
+#[tokio::test]
+async fn clients_without_a_certificate_of_the_authority_are_refused() {
+    let creds = TestCreds::new();
+    let server = Server::start_with(MemoryDevice::new(false), Some(creds.server())).await;
+
+    let anonymous = creds.client_trusting_the_server("anonymous", None);
+    let refused = Client::connect(&server).await.start_tls(&anonymous).await;
+    assert!(refused.is_err(), "a client without a certificate got in");
+
+    // Trusts the server, but its certificate comes from an authority of its own.
+    let other = tempfile::tempdir().unwrap();
+    make_creds(other.path(), &[]);
+    let stranger = creds.client_trusting_the_server("stranger", Some(&other.path().join("client")));
+    let refused = Client::connect(&server).await.start_tls(&stranger).await;
+    assert!(refused.is_err(), "a client of another authority got in");
+
+    let mut good = Client::connect(&server)
+        .await
+        .start_tls(&creds.client())
+        .await
+        .unwrap();
+    good.go("disk").await;
+    good.send(CMD_DISC, 0, 1, 0, 0).await;
+    assert!(good.closed().await);
+    let stats = server.stop().await;
+    assert_eq!(stats.tls_failures, 2, "{stats:?}");
+}
+
+/// Without credentials, STARTTLS is refused by policy and the session goes on in the clear.
+#[tokio::test]
+async fn without_credentials_starttls_is_refused_by_policy() {
+    let server = Server::start(MemoryDevice::new(false)).await;
+    let mut client = Client::connect(&server).await;
+    client.option(OPT_STARTTLS, &[]).await;
+    let reply = client.option_reply().await;
+    assert_eq!((reply.option, reply.kind), (OPT_STARTTLS, REP_ERR_POLICY));
+    let (size, _) = client.go("disk").await;
+    assert_eq!(size, SIZE);
+    client.send(CMD_DISC, 0, 1, 0, 0).await;
+    assert!(client.closed().await);
+    server.stop().await;
+}
+
+/// Credentials that cannot work are refused when loaded, naming the file.
+#[test]
+fn unusable_credentials_are_refused_naming_the_file() {
+    let creds = TestCreds::new();
+    let other = TestCreds::new();
+    let server = creds.path().join("server");
+    let broken = creds.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    for file in ["ca-cert.pem", "server-cert.pem"] {
+        std::fs::copy(server.join(file), broken.join(file)).unwrap();
+    }
+    let reason = |dir: &Path| match TlsCredentials::from_dir(dir) {
+        Err(NbdError::TlsCredentials { reason, .. }) => reason,
+        other => panic!("{other:?}"),
+    };
+    assert!(reason(&broken).contains("server-key.pem is missing"));
+    // Another server's key.
+    std::fs::copy(
+        other.path().join("server/server-key.pem"),
+        broken.join("server-key.pem"),
+    )
+    .unwrap();
+    assert!(
+        reason(&broken).contains("server-key.pem is not the key of"),
+        "{}",
+        reason(&broken)
+    );
+    std::fs::write(broken.join("server-key.pem"), "not a key").unwrap();
+    assert!(
+        reason(&broken).contains("server-key.pem"),
+        "{}",
+        reason(&broken)
+    );
+    assert!(TlsCredentials::from_dir(&server).is_ok());
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use ivdisk_image::{Image, ImageError, ImageUri, OpenOptions};
-use ivdisk_nbd::{serve, BlockDevice, Export, ListenAddress, Listener, ServeStats};
+use ivdisk_nbd::{
+    serve_with_tls, BlockDevice, Export, ListenAddress, Listener, ServeStats, TlsCredentials,
+};
 use ivdisk_rbd::{RbdError, RbdImage, RbdOpenOptions, RbdUri};
 use serde_json::json;
 use tokio::runtime::Runtime;
@@ -32,17 +34,24 @@ pub struct ServeArgs {
     /// after `chgrp`). Whoever can connect reads and writes the disk's plaintext.
     #[arg(long, value_name = "OCTAL", value_parser = parse_socket_mode, requires = "socket")]
     socket_mode: Option<u32>,
-    /// Listen on TCP HOST:PORT (NBD's port is 10809: 127.0.0.1:10809). There is no TLS or
-    /// authentication: anyone who can connect reads the plaintext, other users of this
-    /// machine too. A HOST other machines can reach (0.0.0.0, a LAN address) is refused
-    /// without --allow-remote.
+    /// Listen on TCP HOST:PORT (NBD's port is 10809: 127.0.0.1:10809). Without --tls-creds
+    /// there is no encryption or authentication: anyone who can connect reads the plaintext,
+    /// other users of this machine too. A HOST other machines can reach (0.0.0.0, a LAN
+    /// address) needs --tls-creds, or --allow-remote.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
-    /// Let --listen take an address other machines can reach. NBD carries the disk's
-    /// plaintext with no TLS and no authentication, so anyone who reaches the port reads and
-    /// writes it: only on a network you trust. Safer: --socket, or 127.0.0.1 through an SSH
-    /// or WireGuard tunnel.
-    #[arg(long, requires = "listen")]
+    /// Require TLS of every client (NBD's STARTTLS), with x509 credentials in DIR laid out
+    /// as for qemu's tls-creds-x509: server-cert.pem, server-key.pem, and ca-cert.pem, the
+    /// authority whose certificate every client must present (clients without one, or
+    /// without TLS, are refused). `scripts/tls-creds` makes a set. With it, --listen may take
+    /// an address other machines can reach.
+    #[arg(long, value_name = "DIR")]
+    tls_creds: Option<PathBuf>,
+    /// Let --listen take an address other machines can reach without --tls-creds. NBD then
+    /// carries the disk's plaintext with no encryption and no authentication, so anyone who
+    /// reaches the port reads and writes it: only on a network you trust. Safer: --tls-creds,
+    /// or 127.0.0.1 through an SSH or WireGuard tunnel.
+    #[arg(long, requires = "listen", conflicts_with = "tls_creds")]
     allow_remote: bool,
     /// Export read-only: no writer lock is taken, writes are refused (rbd://: opened with
     /// librbd's read-only open, no watch or exclusive lock).
@@ -79,72 +88,124 @@ pub fn after_help() -> String {
          without asking; encryption=none serves the raw bytes.\n\nExample:\n  ivdisk serve \
          disk.ivd --socket /tmp/disk.sock --passphrase-file pw.txt\n  nbdinfo \
          'nbd+unix:///?socket=/tmp/disk.sock'\n  ivdisk serve 'rados://rbd/vm1?id=admin' --listen \
-         0.0.0.0:10809 --allow-remote --export-name vm1   # a trusted network only\n  ivdisk serve 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' \
+         0.0.0.0:10809 --tls-creds /etc/ivdisk/tls --export-name vm1   # TLS, client certificates\n  \
+         ivdisk serve 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' \
          --socket /tmp/vm2.sock --passphrase-file pw.txt   # librbd, LUKS detected"
     )
 }
 
-/// How clients reach the export, for humans.
-fn attach_hints(address: &ListenAddress, export: &str, read_only: bool) -> String {
-    let ro = if read_only { " (read-only)" } else { "" };
-    match address {
-        ListenAddress::Unix(path) => {
-            let drive = qemu_drive(address, export, read_only);
-            let path = path.display();
-            let nbd_client_export = if export.is_empty() {
-                String::new()
-            } else {
-                format!(" -N {export}")
-            };
-            format!(
-                "Attach it{ro} with:\n  nbdinfo 'nbd+unix:///{export}?socket={path}'\n  \
-                 mkdir -p /tmp/disk && nbdfuse /tmp/disk 'nbd+unix:///{export}?socket={path}' &   # file /tmp/disk/nbd\n  \
-                 qemu-system-x86_64 ... -drive '{drive}'\n  \
-                 nbd-client -unix {path} /dev/nbd0{nbd_client_export}   # as root, after modprobe nbd\n\
-                 Stop with Ctrl-C or SIGTERM."
-            )
-        }
-        ListenAddress::Tcp(addr) => {
-            let drive = qemu_drive(address, export, read_only);
-            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
-            let nbd_client_export = if export.is_empty() {
-                String::new()
-            } else {
-                format!(" -N {export}")
-            };
-            format!(
-                "Attach it{ro} with:\n  nbdinfo 'nbd://{addr}/{export}'\n  \
-                 mkdir -p /tmp/disk && nbdfuse /tmp/disk 'nbd://{addr}/{export}' &   # file /tmp/disk/nbd\n  \
-                 qemu-system-x86_64 ... -drive '{drive}'\n  \
-                 nbd-client {host} {port} /dev/nbd0{nbd_client_export}   # as root, after modprobe nbd\n\
-                 Stop with Ctrl-C or SIGTERM."
-            )
-        }
-    }
-}
+/// Where the hints put the clients' TLS credentials (their `ca-cert.pem`, `client-cert.pem`
+/// and `client-key.pem`), which the server does not know.
+const CLIENT_CREDS: &str = "CLIENT_CREDS_DIR";
 
-/// qemu's `-drive` option for the export: the NBD URI as the image file, raw (the export is
-/// the plaintext disk), on virtio. A read-only export needs `readonly=on`, or qemu refuses
-/// to start. Discards are left at qemu's default (ignored): passing them on (`discard=unmap`)
-/// frees space but shows the store which blocks the guest freed.
-fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool) -> String {
+/// How clients reach the export, for humans.
+fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: bool) -> String {
+    let ro = if read_only { " (read-only)" } else { "" };
+    let uri = nbd_uri(address, export, tls);
+    let qemu = match qemu_object(tls) {
+        Some(object) => format!(
+            "-object {object} -drive '{}'",
+            qemu_drive(address, export, read_only, tls)
+        ),
+        None => format!("-drive '{}'", qemu_drive(address, export, read_only, tls)),
+    };
+    let nbd_client = if tls {
+        // nbd-client's TLS options differ between its builds; the hints stay with what was
+        // checked (tests/nbd_clients.rs).
+        String::new()
+    } else {
+        let export_flag = if export.is_empty() {
+            String::new()
+        } else {
+            format!(" -N {export}")
+        };
+        match address {
+            ListenAddress::Unix(path) => format!(
+                "  nbd-client -unix {} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n",
+                path.display()
+            ),
+            ListenAddress::Tcp(addr) => {
+                let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+                format!("  nbd-client {host} {port} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n")
+            }
+        }
+    };
+    let creds = if tls {
+        format!(
+            "TLS: every client needs a certificate of the server's authority; {CLIENT_CREDS} \
+             holds ca-cert.pem, client-cert.pem and client-key.pem (scripts/tls-creds makes \
+             them).\n"
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "file={},format=raw,if=virtio{}",
-        nbd_uri(address, export),
-        if read_only { ",readonly=on" } else { "" }
+        "{creds}Attach it{ro} with:\n  nbdinfo '{uri}'\n  \
+         mkdir -p /tmp/disk && nbdfuse /tmp/disk '{uri}' &   # file /tmp/disk/nbd\n  \
+         qemu-system-x86_64 ... {qemu}\n{nbd_client}\
+         Stop with Ctrl-C or SIGTERM."
     )
 }
 
-fn nbd_uri(address: &ListenAddress, export: &str) -> String {
+/// qemu's `-drive` option for the export, raw (the export is the plaintext disk), on virtio:
+/// the NBD URI as the image file; with TLS the nbd driver's own options, as qemu takes no
+/// TLS in a URI. A read-only export needs `readonly=on`, or qemu refuses to start. Discards
+/// are left at qemu's default (ignored): passing them on (`discard=unmap`) frees space but
+/// shows the store which blocks the guest freed.
+fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool, tls: bool) -> String {
+    let readonly = if read_only { ",readonly=on" } else { "" };
+    if !tls {
+        return format!(
+            "file={},format=raw,if=virtio{readonly}",
+            nbd_uri(address, export, false)
+        );
+    }
+    let server = match address {
+        ListenAddress::Unix(path) => format!("server.type=unix,server.path={}", path.display()),
+        ListenAddress::Tcp(addr) => {
+            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            format!("server.type=inet,server.host={host},server.port={port}")
+        }
+    };
+    format!("driver=nbd,{server},export={export},tls-creds=tls0,if=virtio{readonly}")
+}
+
+/// The `-object` qemu needs beside [`qemu_drive`]'s option: the client's TLS credentials.
+fn qemu_object(tls: bool) -> Option<String> {
+    tls.then(|| format!("tls-creds-x509,id=tls0,endpoint=client,dir={CLIENT_CREDS}"))
+}
+
+/// The export's NBD URI (the NBD project's doc/uri.md); with TLS, the `nbds` schemes and
+/// libnbd's `tls-certificates` parameter.
+fn nbd_uri(address: &ListenAddress, export: &str, tls: bool) -> String {
+    let (s, creds) = if tls {
+        ("s", format!("tls-certificates={CLIENT_CREDS}"))
+    } else {
+        ("", String::new())
+    };
     match address {
-        ListenAddress::Unix(path) => format!("nbd+unix:///{export}?socket={}", path.display()),
-        ListenAddress::Tcp(addr) => format!("nbd://{addr}/{export}"),
+        ListenAddress::Unix(path) => {
+            let sep = if tls { "&" } else { "" };
+            format!(
+                "nbd{s}+unix:///{export}?socket={}{sep}{creds}",
+                path.display()
+            )
+        }
+        ListenAddress::Tcp(addr) => {
+            let query = if tls {
+                format!("?{creds}")
+            } else {
+                String::new()
+            };
+            format!("nbd{s}://{addr}/{export}{query}")
+        }
     }
 }
 
-/// Where to listen. A TCP address other machines can reach is refused unless
-/// `--allow-remote` says so (then it is logged as a warning): the point of ivdisk is that the
-/// plaintext never leaves the client machine, and NBD here has no TLS or authentication.
+/// Where to listen. A TCP address other machines can reach is refused unless `--tls-creds`
+/// (clients then need TLS and a certificate) or `--allow-remote` (logged as a warning) says
+/// so: the point of ivdisk is that the plaintext never leaves the client machine unprotected.
 fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
     let address = match (&args.socket, &args.listen) {
         (Some(path), _) => return Ok(ListenAddress::Unix(path.clone())),
@@ -159,7 +220,7 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
         }
     };
     let exposed = reachable_from_elsewhere(&address);
-    if !exposed.is_empty() {
+    if !exposed.is_empty() && args.tls_creds.is_none() {
         let ips = exposed
             .iter()
             .map(|ip| ip.to_string())
@@ -167,16 +228,17 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
             .join(", ");
         if !args.allow_remote {
             return Err(anyhow!(
-                "refusing to listen on {address}: other machines can reach it ({ips}), and NBD \
-                 here has no TLS or authentication, so anyone who reaches it reads and writes \
-                 the disk's plaintext. Listen on a Unix socket (--socket PATH) or on 127.0.0.1 \
-                 and reach that through an SSH or WireGuard tunnel; on a network you trust, add \
-                 --allow-remote"
+                "refusing to listen on {address}: other machines can reach it ({ips}), and \
+                 without TLS anyone who reaches it reads and writes the disk's plaintext. Add \
+                 --tls-creds DIR (clients then need TLS and a certificate of DIR's authority; \
+                 scripts/tls-creds makes a set), or listen on a Unix socket (--socket PATH) or \
+                 on 127.0.0.1 and reach that through an SSH or WireGuard tunnel; on a network \
+                 you trust, --allow-remote serves it without TLS"
             ));
         }
         tracing::warn!(
             "serving image {} on {address} ({ips}) with --allow-remote: anyone who reaches \
-             it reads and writes the disk's plaintext (NBD here has no TLS or authentication)",
+             it reads and writes the disk's plaintext (no TLS: --tls-creds would require it)",
             args.image
         );
     }
@@ -191,9 +253,22 @@ fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
         .ok_or_else(|| format!("{text:?} is not an octal mode from 0 to 777 (for example 660)"))
 }
 
-/// Bind where the arguments say (before any passphrase is asked for: a busy or refused address
-/// should not cost an unlock), and give a Unix socket the mode `--socket-mode` asks for.
-fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Listener> {
+/// Where clients connect, and the TLS they must use.
+struct Endpoint {
+    listener: Listener,
+    tls: Option<TlsCredentials>,
+}
+
+/// Load the TLS credentials and bind where the arguments say (both before any passphrase is
+/// asked for: unusable credentials or a busy or refused address should not cost an unlock),
+/// and give a Unix socket the mode `--socket-mode` asks for.
+fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Endpoint> {
+    let tls = match &args.tls_creds {
+        Some(dir) => Some(TlsCredentials::from_dir(dir).map_err(|e| {
+            anyhow!("{e}. Make a set with scripts/tls-creds, or give the directory that has them")
+        })?),
+        None => None,
+    };
     let address = listen_address(args)?;
     let listener = rt.block_on(Listener::bind(&address))?;
     if let (Some(mode), ListenAddress::Unix(path)) = (args.socket_mode, &address) {
@@ -201,7 +276,7 @@ fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Listener> {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
             .with_context(|| format!("setting mode {mode:o} on socket {}", path.display()))?;
     }
-    Ok(listener)
+    Ok(Endpoint { listener, tls })
 }
 
 /// The default socket's file name: the image's last path part (a local directory's name, a
@@ -274,8 +349,8 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         return run_rbd(args, rt);
     }
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
-    let listener = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
-    let address = listener.local_address();
+    let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
+    let address = endpoint.listener.local_address();
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.
     let options = OpenOptions {
@@ -332,7 +407,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     );
     let served = serve_until_signal(
         rt,
-        listener,
+        endpoint,
         export,
         &uri.to_string(),
         "the writer lock expires by itself",
@@ -356,15 +431,25 @@ fn announce(
 ) {
     if args.json {
         ready["address"] = address.to_string().into();
-        ready["uri"] = nbd_uri(address, &args.export_name).into();
-        ready["qemu_drive"] = qemu_drive(address, &args.export_name, read_only).into();
+        let tls = args.tls_creds.is_some();
+        ready["tls"] = tls.into();
+        ready["uri"] = nbd_uri(address, &args.export_name, tls).into();
+        ready["qemu_drive"] = qemu_drive(address, &args.export_name, read_only, tls).into();
+        if let Some(object) = qemu_object(tls) {
+            ready["qemu_object"] = object.into();
+        }
         ready["export"] = args.export_name.clone().into();
         println!("{ready}");
     } else {
         println!(
             "Serving {what}{}) on {address}\n{}",
             if read_only { ", read-only" } else { "" },
-            attach_hints(address, &args.export_name, read_only)
+            attach_hints(
+                address,
+                &args.export_name,
+                read_only,
+                args.tls_creds.is_some()
+            )
         );
     }
     notify_service_manager(&format!("READY=1\nSTATUS=serving on {address}"));
@@ -402,12 +487,18 @@ fn notify_service_manager(state: &str) {
 /// signal exits at once (`killed`: what happens to the image then, for the message).
 fn serve_until_signal(
     rt: &Runtime,
-    listener: Listener,
+    endpoint: Endpoint,
     export: Export,
     image: &str,
     killed: &'static str,
 ) -> Result<ServeStats> {
-    tracing::info!(%image, address = %listener.local_address(), "serving");
+    let Endpoint { listener, tls } = endpoint;
+    tracing::info!(
+        %image,
+        address = %listener.local_address(),
+        tls = ?tls.as_ref().map(|t| t.dir().display().to_string()),
+        "serving"
+    );
     let image = image.to_owned();
     rt.block_on(async {
         let mut interrupt = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
@@ -437,7 +528,7 @@ fn serve_until_signal(
                 std::process::exit(130);
             });
         };
-        serve(listener, vec![export], stop)
+        serve_with_tls(listener, vec![export], tls, stop)
             .await
             .map_err(|e| anyhow!("{e}"))
     })
@@ -450,6 +541,7 @@ fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> R
     tracing::info!(
         connections = stats.connections,
         protocol_errors = stats.protocol_errors,
+        tls_failures = stats.tls_failures,
         "served"
     );
     if !args.json {
@@ -502,8 +594,8 @@ fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
 
 fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
-    let listener = bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
-    let address = listener.local_address();
+    let endpoint = bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
+    let address = endpoint.listener.local_address();
     let image = Arc::new(open_rbd(&args, &uri, rt)?);
     let encryption = image.encryption().map_or("none", |f| f.name());
     let export = Export {
@@ -530,7 +622,7 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     );
     let served = serve_until_signal(
         rt,
-        listener,
+        endpoint,
         export,
         &uri.spec(),
         "librbd's exclusive lock passes to the next writer",
@@ -572,21 +664,51 @@ mod tests {
             ListenAddress::Unix("/tmp/x.sock".into()),
             ListenAddress::Tcp("127.0.0.1:10809".into()),
         ] {
-            let hints = attach_hints(&address, "vm1", false);
+            let hints = attach_hints(&address, "vm1", false, false);
             for client in ["nbdinfo", "nbdfuse", "qemu-system-x86_64", "nbd-client"] {
                 assert!(hints.contains(client), "{client} missing for {address}");
             }
             assert!(hints.contains("vm1"));
-            assert!(hints.contains(&format!("-drive '{}'", qemu_drive(&address, "vm1", false))));
-            assert!(attach_hints(&address, "", true).contains(",readonly=on'"));
+            assert!(hints.contains(&format!(
+                "-drive '{}'",
+                qemu_drive(&address, "vm1", false, false)
+            )));
+            assert!(attach_hints(&address, "", true, false).contains(",readonly=on'"));
+            let tls = attach_hints(&address, "vm1", false, true);
+            assert!(tls.contains("nbds"), "{tls}");
+            assert!(tls.contains("tls-certificates=CLIENT_CREDS_DIR"), "{tls}");
+            assert!(
+                tls.contains("-object tls-creds-x509,id=tls0,endpoint=client"),
+                "{tls}"
+            );
+            assert!(!tls.contains("nbd-client"), "{tls}");
+            assert!(attach_hints(&address, "", true, true).contains(",readonly=on'"));
         }
         assert_eq!(
-            qemu_drive(&ListenAddress::Unix("/tmp/x.sock".into()), "vm1", false),
+            qemu_drive(
+                &ListenAddress::Unix("/tmp/x.sock".into()),
+                "vm1",
+                false,
+                false
+            ),
             "file=nbd+unix:///vm1?socket=/tmp/x.sock,format=raw,if=virtio"
         );
         assert_eq!(
-            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), ""),
+            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), "", false),
             "nbd+unix:///?socket=/tmp/x.sock"
+        );
+        assert_eq!(
+            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), "vm1", true),
+            "nbds+unix:///vm1?socket=/tmp/x.sock&tls-certificates=CLIENT_CREDS_DIR"
+        );
+        assert_eq!(
+            nbd_uri(&ListenAddress::Tcp("[::1]:10809".into()), "", true),
+            "nbds://[::1]:10809/?tls-certificates=CLIENT_CREDS_DIR"
+        );
+        assert_eq!(
+            qemu_drive(&ListenAddress::Tcp("[::1]:10809".into()), "vm1", true, true),
+            "driver=nbd,server.type=inet,server.host=::1,server.port=10809,export=vm1,\
+             tls-creds=tls0,if=virtio,readonly=on"
         );
     }
 

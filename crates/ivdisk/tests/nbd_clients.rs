@@ -829,6 +829,153 @@ fn an_address_other_machines_reach_needs_allow_remote() {
     server.stop();
 }
 
+/// `scripts/tls-creds DIR`: an authority, a server and a client certificate, in the layout
+/// qemu and libnbd read.
+fn tls_creds(f: &Fixture) -> PathBuf {
+    let dir = f.unique("tls", "");
+    let mut command =
+        Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tls-creds"));
+    command.arg(&dir);
+    run(command).ok();
+    dir
+}
+
+/// The TCP port in a ready line's `address` (`tcp:HOST:PORT`).
+fn port_of(server: &Server) -> u16 {
+    let address = server.ready["address"].as_str().unwrap();
+    address
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .filter(|p| *p != 0)
+        .unwrap_or_else(|| panic!("no port in {address}"))
+}
+
+/// `--tls-creds`: every client needs TLS and a certificate of the authority. libnbd's tools
+/// (nbdinfo, nbdcopy) and qemu-img (qemu's tls-creds-x509 object, with the `-drive` options
+/// the server prints) read and write through it; a client without TLS, or
+/// without a certificate, is refused and the server carries on. With TLS an address other
+/// machines reach needs no --allow-remote; unusable credentials are refused before the image
+/// is opened, naming the file.
+#[test]
+fn tls_clients_with_a_certificate_attach_and_others_are_refused() {
+    let f = Fixture::new();
+    let creds = tls_creds(&f);
+    let (server_creds, client_creds) = (creds.join("server"), creds.join("client"));
+    let image = f.create("tls", "64M", &[]);
+
+    let err = f.serve_fails(
+        &image,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-creds",
+            s(&f.path("nowhere")),
+        ],
+        &[],
+    );
+    for needed in ["server-cert.pem is missing", "scripts/tls-creds"] {
+        assert!(err.contains(needed), "{needed:?} missing: {err}");
+    }
+    assert_lock_free(&f.ivdisk_path(), &image);
+
+    let server = f.start_server(
+        &image,
+        &["--listen", "0.0.0.0:0", "--tls-creds", s(&server_creds)],
+        &[],
+    );
+    assert_eq!(server.ready["tls"], true, "{}", server.ready);
+    let port = port_of(&server);
+    assert_eq!(
+        server.uri,
+        format!("nbds://0.0.0.0:{port}/?tls-certificates=CLIENT_CREDS_DIR")
+    );
+    assert!(!server.stderr().contains("WARN"), "{}", server.stderr());
+    let uri = format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        s(&client_creds)
+    );
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &uri]);
+    assert_eq!(run(command).ok().stdout.trim(), (64 * MIB).to_string());
+    // No TLS, or TLS without a client certificate: refused.
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &format!("nbd://127.0.0.1:{port}/")]);
+    let plain = run(command);
+    assert!(
+        !plain.status.success(),
+        "a client without TLS attached: {}",
+        plain.text()
+    );
+    let anonymous = f.path("anonymous");
+    fs::create_dir(&anonymous).unwrap();
+    fs::copy(
+        client_creds.join("ca-cert.pem"),
+        anonymous.join("ca-cert.pem"),
+    )
+    .unwrap();
+    let mut command = f.tool("nbdinfo");
+    command.args([
+        "--size",
+        &format!(
+            "nbds://127.0.0.1:{port}/?tls-certificates={}",
+            s(&anonymous)
+        ),
+    ]);
+    let refused = run(command);
+    assert!(
+        !refused.status.success(),
+        "a client without a certificate attached: {}",
+        refused.text()
+    );
+    let stderr = server.stop();
+    assert!(
+        stderr.contains("the client presented no certificate"),
+        "the refusal is logged: {stderr}"
+    );
+
+    // Data both ways: nbdcopy in, qemu-img out (with the server's own -drive options).
+    let server = f.start_server(
+        &image,
+        &["--listen", "127.0.0.1:0", "--tls-creds", s(&server_creds)],
+        &[],
+    );
+    let port = port_of(&server);
+    let uri = format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        s(&client_creds)
+    );
+    let content = Content::holey(64 * MIB, 7);
+    let src = f.path("tls.src.raw");
+    content.write_sparse(&src);
+    f.nbdcopy(&[s(&src), &uri]).ok();
+    let object = server.ready["qemu_object"]
+        .as_str()
+        .unwrap()
+        .replace("CLIENT_CREDS_DIR", s(&client_creds));
+    let drive = server.ready["qemu_drive"].as_str().unwrap();
+    let opts = drive
+        .strip_suffix(",if=virtio")
+        .unwrap_or_else(|| panic!("a virtio drive: {drive}"));
+    let out = f.path("tls.out.raw");
+    f.qemu_img(&[
+        "convert",
+        "--object",
+        &object,
+        "--image-opts",
+        opts,
+        "-O",
+        "raw",
+        s(&out),
+    ])
+    .ok();
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &content.bytes,
+        "qemu-img's read over TLS of what nbdcopy wrote over TLS",
+    );
+    server.stop();
+}
+
 /// The Unix socket lets only its owner connect (mode 0600, whatever the umask: the server
 /// runs here under umask 000); `--socket-mode 660` opens it to the file's group, and a mode
 /// that is not octal permission bits is refused.

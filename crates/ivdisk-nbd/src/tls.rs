@@ -1,0 +1,177 @@
+//! TLS for NBD connections (`NBD_OPT_STARTTLS`), with x509 credentials laid out as qemu's
+//! `tls-creds-x509` object lays them out in a directory, so one directory serves qemu-nbd and
+//! ivdisk alike: `server-cert.pem` (the server's certificate, with its chain after it),
+//! `server-key.pem`, and `ca-cert.pem`, the authority whose certificates clients must present.
+//!
+//! Why clients must present one: an export carries the disk's plaintext, so encrypting the
+//! wire but letting anyone who reaches the port read the disk would protect nothing. The
+//! server runs in the protocol's FORCEDTLS mode: a client that does not start TLS gets
+//! `NBD_REP_ERR_TLS_REQD` for every option.
+
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod, SslOptions, SslVerifyMode, SslVersion};
+use openssl::x509::X509Name;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_openssl::SslStream;
+
+use crate::NbdError;
+
+/// The files of a credentials directory (qemu's names).
+pub const CA_CERT: &str = "ca-cert.pem";
+pub const SERVER_CERT: &str = "server-cert.pem";
+pub const SERVER_KEY: &str = "server-key.pem";
+
+/// A server's TLS credentials, loaded and checked once; cheap to clone.
+#[derive(Clone)]
+pub struct TlsCredentials {
+    acceptor: Arc<SslAcceptor>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for TlsCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsCredentials")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsCredentials {
+    /// Load `dir`'s `server-cert.pem`, `server-key.pem` and `ca-cert.pem`. Fails, naming the
+    /// file, when one is missing or unreadable, or the key does not belong to the certificate.
+    pub fn from_dir(dir: &Path) -> Result<TlsCredentials, NbdError> {
+        let fail = |reason: String| NbdError::TlsCredentials {
+            dir: dir.display().to_string(),
+            reason,
+        };
+        for name in [SERVER_CERT, SERVER_KEY, CA_CERT] {
+            if !dir.join(name).is_file() {
+                return Err(fail(format!(
+                    "{name} is missing (the directory needs {CA_CERT}, {SERVER_CERT} and \
+                     {SERVER_KEY}, as for qemu's tls-creds-x509)"
+                )));
+            }
+        }
+        warn_if_key_readable_by_others(&dir.join(SERVER_KEY));
+        let openssl = |what: &str, e: openssl::error::ErrorStack| {
+            fail(match first_reason(&e).as_deref() {
+                Some("key values mismatch") => {
+                    format!("{SERVER_KEY} is not the key of the certificate in {SERVER_CERT}")
+                }
+                Some(reason) => format!("{what}: {reason}"),
+                None => format!("{what}: {e}"),
+            })
+        };
+        let mut builder = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
+            .map_err(|e| openssl("setting up TLS", e))?;
+        builder
+            .set_min_proto_version(Some(SslVersion::TLS1_2))
+            .map_err(|e| openssl("setting up TLS", e))?;
+        // No renegotiation (TLS 1.2): nothing needs it, and it is an attack surface.
+        builder.set_options(SslOptions::NO_RENEGOTIATION);
+        builder
+            .set_certificate_chain_file(dir.join(SERVER_CERT))
+            .map_err(|e| openssl(SERVER_CERT, e))?;
+        builder
+            .set_private_key_file(dir.join(SERVER_KEY), SslFiletype::PEM)
+            .map_err(|e| openssl(SERVER_KEY, e))?;
+        builder
+            .check_private_key()
+            .map_err(|e| openssl(SERVER_KEY, e))?;
+        builder
+            .set_ca_file(dir.join(CA_CERT))
+            .map_err(|e| openssl(CA_CERT, e))?;
+        let names =
+            X509Name::load_client_ca_file(dir.join(CA_CERT)).map_err(|e| openssl(CA_CERT, e))?;
+        builder.set_client_ca_list(names);
+        builder.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
+        // Sessions resumed by a client that presented a certificate need a context id, or
+        // OpenSSL fails the resumption.
+        builder
+            .set_session_id_context(b"ivdisk-nbd")
+            .map_err(|e| openssl("setting up TLS", e))?;
+        Ok(TlsCredentials {
+            acceptor: Arc::new(builder.build()),
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// The directory the credentials came from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Run the server's side of the TLS handshake on `stream`.
+    pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        stream: S,
+        peer: &str,
+    ) -> Result<SslStream<S>, NbdError> {
+        let failed = |reason: String| NbdError::TlsHandshake {
+            peer: peer.to_owned(),
+            reason,
+        };
+        let ssl =
+            openssl::ssl::Ssl::new(self.acceptor.context()).map_err(|e| failed(e.to_string()))?;
+        let mut tls = SslStream::new(ssl, stream).map_err(|e| failed(e.to_string()))?;
+        match Pin::new(&mut tls).accept().await {
+            Ok(()) => Ok(tls),
+            Err(e) => {
+                let verify = tls.ssl().verify_result();
+                Err(failed(if verify != openssl::x509::X509VerifyResult::OK {
+                    format!(
+                        "its certificate was refused ({}): clients need one issued by the \
+                         authority in {}",
+                        verify.error_string(),
+                        CA_CERT
+                    )
+                } else {
+                    handshake_reason(&e)
+                }))
+            }
+        }
+    }
+}
+
+/// OpenSSL's reason for the first error of `stack` ("key values mismatch", "no start line"),
+/// without the library's file names and line numbers.
+fn first_reason(stack: &openssl::error::ErrorStack) -> Option<String> {
+    stack
+        .errors()
+        .first()
+        .and_then(|error| error.reason().map(str::to_owned))
+}
+
+/// What went wrong in a handshake, in words: OpenSSL's reason for the first error it queued
+/// (not its whole error stack, with file names and line numbers), or the IO error.
+fn handshake_reason(e: &openssl::ssl::Error) -> String {
+    let first = e.ssl_error().and_then(first_reason);
+    match (first, e.io_error()) {
+        (Some(reason), _) if reason == "peer did not return a certificate" => format!(
+            "the client presented no certificate (clients need one issued by the authority \
+             in {CA_CERT})"
+        ),
+        (Some(reason), _) => reason,
+        (None, Some(io)) => io.to_string(),
+        (None, None) => "the client closed the connection".to_owned(),
+    }
+}
+
+/// A private key others can read is worth a warning (not a refusal: a group may be meant
+/// to share it, as with qemu's).
+fn warn_if_key_readable_by_others(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o004 != 0 {
+            tracing::warn!(
+                path = %path.display(),
+                mode = format!("{mode:o}"),
+                "the TLS private key is readable by every user of this machine; chmod 600 it"
+            );
+        }
+    }
+}
