@@ -380,10 +380,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> ClientSocket
     }
 }
 
+/// A TLS session's socket, buffered both ways below the session: OpenSSL reads a record's
+/// header and then its body, and writes each record (16 KiB at most) on its own, so without
+/// the buffers a 1 MiB read reply took some 64 system calls, each pushing its frames out.
+type TlsSocket<S> = tokio::io::BufStream<S>;
+
+/// Bytes buffered below a TLS session, each way: several records (16 KiB and a few bytes).
+const TLS_SOCKET_BUFFER: usize = 256 << 10;
+
 /// What a connection's handshake ended with.
 enum Attached<S: ClientSocket> {
     Plain(S, Negotiated),
-    Tls(tokio_openssl::SslStream<S>, Negotiated),
+    Tls(tokio_openssl::SslStream<TlsSocket<S>>, Negotiated),
 }
 
 /// The handshake: greeting, options, and with `tls` the TLS handshake once the client asks
@@ -408,7 +416,8 @@ async fn handshake<S: ClientSocket>(
         Haggled::Chosen(negotiated) => Ok(Some(Attached::Plain(stream, negotiated))),
         Haggled::StartTls => {
             let credentials = tls.expect("STARTTLS is only acknowledged with credentials");
-            let mut secured = credentials.accept(stream, peer).await?;
+            let socket = TlsSocket::with_capacity(TLS_SOCKET_BUFFER, TLS_SOCKET_BUFFER, stream);
+            let mut secured = credentials.accept(socket, peer).await?;
             tracing::debug!(peer, "TLS started");
             match options(&mut secured, peer, exports, no_zeroes, TlsState::Active).await? {
                 Haggled::Ended => Ok(None),
