@@ -125,7 +125,8 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: boo
                 path.display()
             ),
             ListenAddress::Tcp(addr) => {
-                let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+                let addr = dial_address(addr);
+                let (host, port) = addr.rsplit_once(':').unwrap_or((&addr, "10809"));
                 format!("  nbd-client {host} {port} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n")
             }
         }
@@ -163,7 +164,8 @@ fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool, tls: bool)
     let server = match address {
         ListenAddress::Unix(path) => format!("server.type=unix,server.path={}", path.display()),
         ListenAddress::Tcp(addr) => {
-            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+            let addr = dial_address(addr);
+            let (host, port) = addr.rsplit_once(':').unwrap_or((&addr, "10809"));
             let host = host.trim_start_matches('[').trim_end_matches(']');
             format!("server.type=inet,server.host={host},server.port={port}")
         }
@@ -174,6 +176,28 @@ fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool, tls: bool)
 /// The `-object` qemu needs beside [`qemu_drive`]'s option: the client's TLS credentials.
 fn qemu_object(tls: bool) -> Option<String> {
     tls.then(|| format!("tls-creds-x509,id=tls0,endpoint=client,dir={CLIENT_CREDS}"))
+}
+
+/// `HOST:PORT` as clients should dial it: an address that listens on every interface (0.0.0.0,
+/// `::`) is no address to connect to from elsewhere, and with TLS it would not match the
+/// server's certificate, so the machine's host name stands for it.
+fn dial_address(addr: &str) -> String {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return addr.to_owned();
+    };
+    let ip = host.trim_start_matches('[').trim_end_matches(']');
+    match ip.parse::<std::net::IpAddr>() {
+        Ok(ip) if ip.is_unspecified() => {
+            let uname = rustix::system::uname();
+            let name = uname.nodename().to_string_lossy();
+            if name.is_empty() {
+                addr.to_owned()
+            } else {
+                format!("{name}:{port}")
+            }
+        }
+        _ => addr.to_owned(),
+    }
 }
 
 /// The export's NBD URI (the NBD project's doc/uri.md); with TLS, the `nbds` schemes and
@@ -198,7 +222,7 @@ fn nbd_uri(address: &ListenAddress, export: &str, tls: bool) -> String {
             } else {
                 String::new()
             };
-            format!("nbd{s}://{addr}/{export}{query}")
+            format!("nbd{s}://{}/{export}{query}", dial_address(addr))
         }
     }
 }
@@ -705,6 +729,16 @@ mod tests {
             nbd_uri(&ListenAddress::Tcp("[::1]:10809".into()), "", true),
             "nbds://[::1]:10809/?tls-certificates=CLIENT_CREDS_DIR"
         );
+        let host = rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned();
+        for any in ["0.0.0.0:10809", "[::]:10809"] {
+            assert_eq!(
+                nbd_uri(&ListenAddress::Tcp(any.into()), "", false),
+                format!("nbd://{host}:10809/")
+            );
+        }
         assert_eq!(
             qemu_drive(&ListenAddress::Tcp("[::1]:10809".into()), "vm1", true, true),
             "driver=nbd,server.type=inet,server.host=::1,server.port=10809,export=vm1,\
