@@ -10,10 +10,11 @@
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
+use openssl::asn1::Asn1Time;
 use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod, SslOptions, SslVerifyMode, SslVersion};
-use openssl::x509::X509Name;
+use openssl::x509::{X509Name, X509};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_openssl::SslStream;
 
@@ -24,10 +25,15 @@ pub const CA_CERT: &str = "ca-cert.pem";
 pub const SERVER_CERT: &str = "server-cert.pem";
 pub const SERVER_KEY: &str = "server-key.pem";
 
-/// A server's TLS credentials, loaded and checked once; cheap to clone.
+/// Days before its end from which a server certificate is warned about at every load.
+const EXPIRY_WARNING_DAYS: u32 = 30;
+
+/// A server's TLS credentials, loaded and checked; cheap to clone, and clones share them, so
+/// that [`TlsCredentials::reload`] on one (a server's SIGHUP) reaches the server holding
+/// another. Connections already running keep the session they started with.
 #[derive(Clone)]
 pub struct TlsCredentials {
-    acceptor: Arc<SslAcceptor>,
+    acceptor: Arc<RwLock<Arc<SslAcceptor>>>,
     dir: PathBuf,
 }
 
@@ -41,67 +47,35 @@ impl std::fmt::Debug for TlsCredentials {
 
 impl TlsCredentials {
     /// Load `dir`'s `server-cert.pem`, `server-key.pem` and `ca-cert.pem`. Fails, naming the
-    /// file, when one is missing or unreadable, or the key does not belong to the certificate.
+    /// file, when one is missing or unreadable, the key does not belong to the certificate,
+    /// or the certificate is not valid now; warns when it ends within 30 days.
     pub fn from_dir(dir: &Path) -> Result<TlsCredentials, NbdError> {
-        let fail = |reason: String| NbdError::TlsCredentials {
-            dir: dir.display().to_string(),
-            reason,
-        };
-        for name in [SERVER_CERT, SERVER_KEY, CA_CERT] {
-            if !dir.join(name).is_file() {
-                return Err(fail(format!(
-                    "{name} is missing (the directory needs {CA_CERT}, {SERVER_CERT} and \
-                     {SERVER_KEY}, as for qemu's tls-creds-x509)"
-                )));
-            }
-        }
-        warn_if_key_readable_by_others(&dir.join(SERVER_KEY));
-        let openssl = |what: &str, e: openssl::error::ErrorStack| {
-            fail(match first_reason(&e).as_deref() {
-                Some("key values mismatch") => {
-                    format!("{SERVER_KEY} is not the key of the certificate in {SERVER_CERT}")
-                }
-                Some(reason) => format!("{what}: {reason}"),
-                None => format!("{what}: {e}"),
-            })
-        };
-        let mut builder = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
-            .map_err(|e| openssl("setting up TLS", e))?;
-        builder
-            .set_min_proto_version(Some(SslVersion::TLS1_2))
-            .map_err(|e| openssl("setting up TLS", e))?;
-        // No renegotiation (TLS 1.2): nothing needs it, and it is an attack surface.
-        builder.set_options(SslOptions::NO_RENEGOTIATION);
-        builder
-            .set_certificate_chain_file(dir.join(SERVER_CERT))
-            .map_err(|e| openssl(SERVER_CERT, e))?;
-        builder
-            .set_private_key_file(dir.join(SERVER_KEY), SslFiletype::PEM)
-            .map_err(|e| openssl(SERVER_KEY, e))?;
-        builder
-            .check_private_key()
-            .map_err(|e| openssl(SERVER_KEY, e))?;
-        builder
-            .set_ca_file(dir.join(CA_CERT))
-            .map_err(|e| openssl(CA_CERT, e))?;
-        let names =
-            X509Name::load_client_ca_file(dir.join(CA_CERT)).map_err(|e| openssl(CA_CERT, e))?;
-        builder.set_client_ca_list(names);
-        builder.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
-        // Sessions resumed by a client that presented a certificate need a context id, or
-        // OpenSSL fails the resumption.
-        builder
-            .set_session_id_context(b"ivdisk-nbd")
-            .map_err(|e| openssl("setting up TLS", e))?;
         Ok(TlsCredentials {
-            acceptor: Arc::new(builder.build()),
+            acceptor: Arc::new(RwLock::new(Arc::new(load_acceptor(dir)?))),
             dir: dir.to_owned(),
         })
     }
 
-    /// The directory the credentials came from.
+    /// Load the directory's files again (renewed certificates, another authority) and use
+    /// them for the connections that come from now on. On failure the credentials in use
+    /// stay, and the error says why.
+    pub fn reload(&self) -> Result<(), NbdError> {
+        let fresh = Arc::new(load_acceptor(&self.dir)?);
+        *self.acceptor.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        Ok(())
+    }
+
+    /// The directory the credentials come from.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The credentials in use now.
+    fn current(&self) -> Arc<SslAcceptor> {
+        self.acceptor
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Run the server's side of the TLS handshake on `stream`.
@@ -115,7 +89,7 @@ impl TlsCredentials {
             reason,
         };
         let ssl =
-            openssl::ssl::Ssl::new(self.acceptor.context()).map_err(|e| failed(e.to_string()))?;
+            openssl::ssl::Ssl::new(self.current().context()).map_err(|e| failed(e.to_string()))?;
         let mut tls = SslStream::new(ssl, stream).map_err(|e| failed(e.to_string()))?;
         match Pin::new(&mut tls).accept().await {
             Ok(()) => Ok(tls),
@@ -134,6 +108,99 @@ impl TlsCredentials {
             }
         }
     }
+}
+
+/// Build the acceptor of `dir`'s credentials (see [`TlsCredentials::from_dir`]).
+fn load_acceptor(dir: &Path) -> Result<SslAcceptor, NbdError> {
+    let fail = |reason: String| NbdError::TlsCredentials {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    for name in [SERVER_CERT, SERVER_KEY, CA_CERT] {
+        if !dir.join(name).is_file() {
+            return Err(fail(format!(
+                "{name} is missing (the directory needs {CA_CERT}, {SERVER_CERT} and \
+                     {SERVER_KEY}, as for qemu's tls-creds-x509)"
+            )));
+        }
+    }
+    warn_if_key_readable_by_others(&dir.join(SERVER_KEY));
+    check_validity(dir, &fail)?;
+    let openssl = |what: &str, e: openssl::error::ErrorStack| {
+        fail(match first_reason(&e).as_deref() {
+            Some("key values mismatch") => {
+                format!("{SERVER_KEY} is not the key of the certificate in {SERVER_CERT}")
+            }
+            Some(reason) => format!("{what}: {reason}"),
+            None => format!("{what}: {e}"),
+        })
+    };
+    let mut builder = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
+        .map_err(|e| openssl("setting up TLS", e))?;
+    builder
+        .set_min_proto_version(Some(SslVersion::TLS1_2))
+        .map_err(|e| openssl("setting up TLS", e))?;
+    // No renegotiation (TLS 1.2): nothing needs it, and it is an attack surface.
+    builder.set_options(SslOptions::NO_RENEGOTIATION);
+    builder
+        .set_certificate_chain_file(dir.join(SERVER_CERT))
+        .map_err(|e| openssl(SERVER_CERT, e))?;
+    builder
+        .set_private_key_file(dir.join(SERVER_KEY), SslFiletype::PEM)
+        .map_err(|e| openssl(SERVER_KEY, e))?;
+    builder
+        .check_private_key()
+        .map_err(|e| openssl(SERVER_KEY, e))?;
+    builder
+        .set_ca_file(dir.join(CA_CERT))
+        .map_err(|e| openssl(CA_CERT, e))?;
+    let names =
+        X509Name::load_client_ca_file(dir.join(CA_CERT)).map_err(|e| openssl(CA_CERT, e))?;
+    builder.set_client_ca_list(names);
+    builder.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
+    // Sessions resumed by a client that presented a certificate need a context id, or
+    // OpenSSL fails the resumption.
+    builder
+        .set_session_id_context(b"ivdisk-nbd")
+        .map_err(|e| openssl("setting up TLS", e))?;
+    Ok(builder.build())
+}
+
+/// The server certificate must be valid now (clients would refuse it anyway, each with an
+/// error of its own); one that ends within [`EXPIRY_WARNING_DAYS`] is warned about.
+fn check_validity(dir: &Path, fail: &dyn Fn(String) -> NbdError) -> Result<(), NbdError> {
+    let pem =
+        std::fs::read(dir.join(SERVER_CERT)).map_err(|e| fail(format!("{SERVER_CERT}: {e}")))?;
+    let cert = X509::from_pem(&pem).map_err(|e| {
+        fail(format!(
+            "{SERVER_CERT}: {}",
+            first_reason(&e).unwrap_or_default()
+        ))
+    })?;
+    let now = Asn1Time::days_from_now(0).map_err(|e| fail(e.to_string()))?;
+    let soon = Asn1Time::days_from_now(EXPIRY_WARNING_DAYS).map_err(|e| fail(e.to_string()))?;
+    if cert.not_before() > now {
+        return Err(fail(format!(
+            "the certificate in {SERVER_CERT} is not valid before {}",
+            cert.not_before()
+        )));
+    }
+    if cert.not_after() < now {
+        return Err(fail(format!(
+            "the certificate in {SERVER_CERT} expired on {}: renew it (scripts/tls-creds makes \
+             a new set), then start the server again or send it SIGHUP",
+            cert.not_after()
+        )));
+    }
+    if cert.not_after() < soon {
+        tracing::warn!(
+            certificate = %dir.join(SERVER_CERT).display(),
+            expires = %cert.not_after(),
+            "the server's TLS certificate expires within {EXPIRY_WARNING_DAYS} days: renew it \
+             and send the server SIGHUP"
+        );
+    }
+    Ok(())
 }
 
 /// OpenSSL's reason for the first error of `stack` ("key values mismatch", "no start line"),

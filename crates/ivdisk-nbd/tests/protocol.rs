@@ -1162,3 +1162,72 @@ fn unusable_credentials_are_refused_naming_the_file() {
     );
     assert!(TlsCredentials::from_dir(&server).is_ok());
 }
+
+/// A copy of `creds`' server directory whose certificate (same key, same authority) is valid
+/// from `not_before` to `not_after` (Unix seconds).
+fn server_dir_valid(creds: &TestCreds, not_before: i64, not_after: i64) -> PathBuf {
+    use openssl::asn1::Asn1Time;
+    use openssl::bn::BigNum;
+    use openssl::hash::MessageDigest;
+    use openssl::pkey::PKey;
+    use openssl::x509::{X509Builder, X509NameBuilder, X509};
+    let read = |path: &str| std::fs::read(creds.path().join(path)).unwrap();
+    let ca_key = PKey::private_key_from_pem(&read("ca/ca-key.pem")).unwrap();
+    let ca = X509::from_pem(&read("ca/ca-cert.pem")).unwrap();
+    let key = PKey::private_key_from_pem(&read("server/server-key.pem")).unwrap();
+    let mut name = X509NameBuilder::new().unwrap();
+    name.append_entry_by_text("CN", "localhost").unwrap();
+    let name = name.build();
+    let mut cert = X509Builder::new().unwrap();
+    cert.set_version(2).unwrap();
+    let serial = BigNum::from_u32(7).unwrap().to_asn1_integer().unwrap();
+    cert.set_serial_number(&serial).unwrap();
+    cert.set_subject_name(&name).unwrap();
+    cert.set_issuer_name(ca.subject_name()).unwrap();
+    cert.set_pubkey(&key).unwrap();
+    cert.set_not_before(&Asn1Time::from_unix(not_before).unwrap())
+        .unwrap();
+    cert.set_not_after(&Asn1Time::from_unix(not_after).unwrap())
+        .unwrap();
+    cert.sign(&ca_key, MessageDigest::sha256()).unwrap();
+    let dir = creds
+        .path()
+        .join(format!("server-{not_before}-{not_after}"));
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("server-cert.pem"), cert.build().to_pem().unwrap()).unwrap();
+    for file in ["ca-cert.pem", "server-key.pem"] {
+        std::fs::copy(creds.path().join("server").join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+/// A server certificate that has expired, or is not valid yet, is refused when loaded (every
+/// client would refuse it, each with an error of its own); one valid now is taken, even if it
+/// ends soon (that is only warned about).
+#[test]
+fn certificates_outside_their_validity_are_refused() {
+    let creds = TestCreds::new();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let day = 86_400;
+    let reason = |dir: &Path| match TlsCredentials::from_dir(dir) {
+        Err(NbdError::TlsCredentials { reason, .. }) => reason,
+        other => panic!("{other:?}"),
+    };
+    let expired = server_dir_valid(&creds, now - 400 * day, now - day);
+    assert!(
+        reason(&expired).contains("expired on"),
+        "{}",
+        reason(&expired)
+    );
+    let early = server_dir_valid(&creds, now + day, now + 400 * day);
+    assert!(
+        reason(&early).contains("not valid before"),
+        "{}",
+        reason(&early)
+    );
+    let ending_soon = server_dir_valid(&creds, now - day, now + 10 * day);
+    assert!(TlsCredentials::from_dir(&ending_soon).is_ok());
+}

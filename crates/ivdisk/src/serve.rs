@@ -44,7 +44,8 @@ pub struct ServeArgs {
     /// as for qemu's tls-creds-x509: server-cert.pem, server-key.pem, and ca-cert.pem, the
     /// authority whose certificate every client must present (clients without one, or
     /// without TLS, are refused). `scripts/tls-creds` makes a set. With it, --listen may take
-    /// an address other machines can reach.
+    /// an address other machines can reach. SIGHUP loads DIR again (renewed certificates) for
+    /// the connections that come next.
     #[arg(long, value_name = "DIR")]
     tls_creds: Option<PathBuf>,
     /// Let --listen take an address other machines can reach without --tls-creds. NBD then
@@ -277,10 +278,16 @@ fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
         .ok_or_else(|| format!("{text:?} is not an octal mode from 0 to 777 (for example 660)"))
 }
 
-/// Where clients connect, and the TLS they must use.
+/// Where clients connect, the TLS they must use, and the signals that stop the server or
+/// reload its credentials (taken over from their default actions as soon as the server binds,
+/// before it says it is ready: a SIGHUP or SIGTERM just after that must not kill it
+/// unflushed).
 struct Endpoint {
     listener: Listener,
     tls: Option<TlsCredentials>,
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
 }
 
 /// Load the TLS credentials and bind where the arguments say (both before any passphrase is
@@ -300,7 +307,14 @@ fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Endpoint> {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
             .with_context(|| format!("setting mode {mode:o} on socket {}", path.display()))?;
     }
-    Ok(Endpoint { listener, tls })
+    let _runtime = rt.enter();
+    Ok(Endpoint {
+        listener,
+        tls,
+        interrupt: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
+        terminate: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
+        hangup: signal(SignalKind::hangup()).context("installing SIGHUP handler")?,
+    })
 }
 
 /// The default socket's file name: the image's last path part (a local directory's name, a
@@ -508,7 +522,8 @@ fn notify_service_manager(state: &str) {
 }
 
 /// Serve `export` until SIGINT/SIGTERM, then let the requests in flight finish. A second
-/// signal exits at once (`killed`: what happens to the image then, for the message).
+/// signal exits at once (`killed`: what happens to the image then, for the message). SIGHUP
+/// reloads the TLS credentials meanwhile.
 fn serve_until_signal(
     rt: &Runtime,
     endpoint: Endpoint,
@@ -516,7 +531,13 @@ fn serve_until_signal(
     image: &str,
     killed: &'static str,
 ) -> Result<ServeStats> {
-    let Endpoint { listener, tls } = endpoint;
+    let Endpoint {
+        listener,
+        tls,
+        mut interrupt,
+        mut terminate,
+        hangup,
+    } = endpoint;
     tracing::info!(
         %image,
         address = %listener.local_address(),
@@ -525,9 +546,6 @@ fn serve_until_signal(
     );
     let image = image.to_owned();
     rt.block_on(async {
-        let mut interrupt = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-        let mut terminate =
-            signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
         let stop = async move {
             let name = tokio::select! {
                 _ = interrupt.recv() => "SIGINT",
@@ -552,10 +570,35 @@ fn serve_until_signal(
                 std::process::exit(130);
             });
         };
-        serve_with_tls(listener, vec![export], tls, stop)
+        let reloader = tokio::spawn(reload_on_hangup(tls.clone(), hangup));
+        let served = serve_with_tls(listener, vec![export], tls, stop)
             .await
-            .map_err(|e| anyhow!("{e}"))
+            .map_err(|e| anyhow!("{e}"));
+        reloader.abort();
+        served
     })
+}
+
+/// SIGHUP: load the TLS credentials again (renewed certificates: `TlsCredentials::reload`),
+/// for the connections that come next; if they cannot be used, say why and keep the ones in
+/// use. Without TLS there is nothing to reload, and the signal (which would otherwise end the
+/// process without a flush) is only logged.
+async fn reload_on_hangup(tls: Option<TlsCredentials>, mut hangup: tokio::signal::unix::Signal) {
+    while hangup.recv().await.is_some() {
+        // Said on stderr as the stop signals are, whatever the log level: whoever sent it
+        // wants to know it worked.
+        let Some(tls) = &tls else {
+            eprintln!("ivdisk: SIGHUP: nothing to reload (no --tls-creds); still serving");
+            continue;
+        };
+        match tls.reload() {
+            Ok(()) => eprintln!(
+                "ivdisk: SIGHUP: TLS credentials reloaded from {}; new connections use them",
+                tls.dir().display()
+            ),
+            Err(e) => tracing::error!("SIGHUP: {e}; the credentials loaded before stay in use"),
+        }
+    }
 }
 
 /// The end of a serve: the server's outcome first, then the image's close.

@@ -649,11 +649,28 @@ impl Server {
     }
 
     fn sigterm(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    fn signal(&self, signal: libc::c_int) {
         let pid = libc::pid_t::try_from(self.pid()).unwrap();
         // SAFETY: kill(2) with a valid signal on our own child, which has not been waited for
         // (so its pid cannot have been reused).
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        let rc = unsafe { libc::kill(pid, signal) };
         assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    }
+
+    /// Wait until the server's log holds `text` `count` times (10 s at most).
+    fn await_log(&self, text: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.stderr().matches(text).count() < count {
+            assert!(
+                Instant::now() < deadline,
+                "{text:?} not logged {count} times: {}",
+                self.stderr()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Wait for the exit that SIGTERM asked for (`None`: still running after `limit`).
@@ -978,6 +995,69 @@ fn tls_clients_with_a_certificate_attach_and_others_are_refused() {
         &content.bytes,
         "qemu-img's read over TLS of what nbdcopy wrote over TLS",
     );
+    server.stop();
+}
+
+/// `nbdinfo --size` of a TLS export with the client credentials in `creds`: whether it
+/// attached.
+fn tls_attaches(f: &Fixture, port: u16, creds: &Path) -> bool {
+    let mut command = f.tool("nbdinfo");
+    command.args([
+        "--size",
+        &format!("nbds://127.0.0.1:{port}/?tls-certificates={}", s(creds)),
+    ]);
+    run(command).status.success()
+}
+
+/// SIGHUP loads the --tls-creds directory again: once it holds another authority's set,
+/// that authority's clients attach and the old one's are refused; a broken set is refused
+/// with an error in the log and the one in use stays. Without TLS, SIGHUP (whose default
+/// action would end the server unflushed) leaves it serving.
+#[test]
+fn sighup_reloads_the_tls_credentials_and_keeps_them_when_the_new_ones_are_broken() {
+    let f = Fixture::new();
+    let (old, new) = (tls_creds(&f), tls_creds(&f));
+    let live = f.path("live-tls");
+    fs::create_dir(&live).unwrap();
+    let install = |from: &Path| {
+        for file in ["ca-cert.pem", "server-cert.pem", "server-key.pem"] {
+            fs::copy(from.join("server").join(file), live.join(file)).unwrap();
+        }
+    };
+    install(&old);
+    let image = f.create("reload", "16M", &[]);
+    let server = f.start_server(
+        &image,
+        &["--listen", "127.0.0.1:0", "--tls-creds", s(&live)],
+        &[],
+    );
+    let port = port_of(&server);
+    assert!(tls_attaches(&f, port, &old.join("client")));
+    assert!(!tls_attaches(&f, port, &new.join("client")));
+
+    install(&new);
+    server.signal(libc::SIGHUP);
+    server.await_log("TLS credentials reloaded", 1);
+    assert!(tls_attaches(&f, port, &new.join("client")));
+    assert!(!tls_attaches(&f, port, &old.join("client")));
+
+    fs::write(live.join("server-key.pem"), "not a key").unwrap();
+    server.signal(libc::SIGHUP);
+    server.await_log("the credentials loaded before stay in use", 1);
+    assert!(
+        server.stderr().contains("server-key.pem"),
+        "{}",
+        server.stderr()
+    );
+    assert!(tls_attaches(&f, port, &new.join("client")));
+    server.stop();
+
+    let server = f.serve(&image, &[]);
+    server.signal(libc::SIGHUP);
+    server.await_log("nothing to reload", 1);
+    let mut command = f.tool("nbdinfo");
+    command.args(["--size", &server.uri]);
+    assert_eq!(run(command).ok().stdout.trim(), (16 * MIB).to_string());
     server.stop();
 }
 
