@@ -32,4 +32,4 @@ pub use handshake::MAX_PAYLOAD;
 pub use server::{
     serve, serve_with_tls, Export, ListenAddress, Listener, ServeStats, MAX_CONNECTIONS,
 };
-pub use tls::TlsCredentials;
+pub use tls::{TlsCredentials, TlsKind};

@@ -7,7 +7,13 @@
 //! wire but letting anyone who reaches the port read the disk would protect nothing. The
 //! server runs in the protocol's FORCEDTLS mode: a client that does not start TLS gets
 //! `NBD_REP_ERR_TLS_REQD` for every option.
+//!
+//! A directory may instead hold pre-shared keys, as qemu's `tls-creds-psk` lays them out:
+//! `keys.psk`, lines of `IDENTITY:HEXKEY` (the format of GnuTLS' `psktool`, which libnbd's
+//! `tls-psk-file` reads too). Then a client must know one of the keys, under its identity,
+//! and the session is TLS 1.3.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
@@ -17,6 +23,7 @@ use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod, SslOptions, SslVerifyMod
 use openssl::x509::{X509Name, X509};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_openssl::SslStream;
+use zeroize::Zeroizing;
 
 use crate::NbdError;
 
@@ -24,6 +31,17 @@ use crate::NbdError;
 pub const CA_CERT: &str = "ca-cert.pem";
 pub const SERVER_CERT: &str = "server-cert.pem";
 pub const SERVER_KEY: &str = "server-key.pem";
+/// Pre-shared keys (qemu's `tls-creds-psk` name).
+pub const PSK_KEYS: &str = "keys.psk";
+
+/// What a credentials directory holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsKind {
+    /// x509: the server's certificate and key, and the authority of the clients'.
+    X509,
+    /// Pre-shared keys, one per client identity.
+    Psk,
+}
 
 /// Days before its end from which a server certificate is warned about at every load.
 const EXPIRY_WARNING_DAYS: u32 = 30;
@@ -35,6 +53,7 @@ const EXPIRY_WARNING_DAYS: u32 = 30;
 pub struct TlsCredentials {
     acceptor: Arc<RwLock<Arc<SslAcceptor>>>,
     dir: PathBuf,
+    kind: TlsKind,
 }
 
 impl std::fmt::Debug for TlsCredentials {
@@ -49,18 +68,28 @@ impl TlsCredentials {
     /// Load `dir`'s `server-cert.pem`, `server-key.pem` and `ca-cert.pem`. Fails, naming the
     /// file, when one is missing or unreadable, the key does not belong to the certificate,
     /// or the certificate is not valid now; warns when it ends within 30 days.
+    ///
+    /// A directory with `keys.psk` and no `server-cert.pem` holds pre-shared keys instead
+    /// ([`TlsKind::Psk`]); the file fails to load when a line is not `IDENTITY:HEXKEY`.
     pub fn from_dir(dir: &Path) -> Result<TlsCredentials, NbdError> {
+        let kind = kind_of(dir);
         Ok(TlsCredentials {
-            acceptor: Arc::new(RwLock::new(Arc::new(load_acceptor(dir)?))),
+            acceptor: Arc::new(RwLock::new(Arc::new(load_acceptor(dir, kind)?))),
             dir: dir.to_owned(),
+            kind,
         })
+    }
+
+    /// Certificates or pre-shared keys.
+    pub fn kind(&self) -> TlsKind {
+        self.kind
     }
 
     /// Load the directory's files again (renewed certificates, another authority) and use
     /// them for the connections that come from now on. On failure the credentials in use
     /// stay, and the error says why.
     pub fn reload(&self) -> Result<(), NbdError> {
-        let fresh = Arc::new(load_acceptor(&self.dir)?);
+        let fresh = Arc::new(load_acceptor(&self.dir, self.kind)?);
         *self.acceptor.write().unwrap_or_else(|e| e.into_inner()) = fresh;
         Ok(())
     }
@@ -102,6 +131,12 @@ impl TlsCredentials {
                         verify.error_string(),
                         CA_CERT
                     )
+                } else if self.kind == TlsKind::Psk {
+                    format!(
+                        "{} (clients need an identity and its key from {PSK_KEYS}, over TLS \
+                         1.3)",
+                        handshake_reason(&e)
+                    )
                 } else {
                     handshake_reason(&e)
                 }))
@@ -110,17 +145,30 @@ impl TlsCredentials {
     }
 }
 
+/// Pre-shared keys when the directory has `keys.psk` and no server certificate.
+fn kind_of(dir: &Path) -> TlsKind {
+    if !dir.join(SERVER_CERT).exists() && dir.join(PSK_KEYS).is_file() {
+        TlsKind::Psk
+    } else {
+        TlsKind::X509
+    }
+}
+
 /// Build the acceptor of `dir`'s credentials (see [`TlsCredentials::from_dir`]).
-fn load_acceptor(dir: &Path) -> Result<SslAcceptor, NbdError> {
+fn load_acceptor(dir: &Path, kind: TlsKind) -> Result<SslAcceptor, NbdError> {
     let fail = |reason: String| NbdError::TlsCredentials {
         dir: dir.display().to_string(),
         reason,
     };
+    if kind == TlsKind::Psk {
+        return load_psk_acceptor(dir, &fail);
+    }
     for name in [SERVER_CERT, SERVER_KEY, CA_CERT] {
         if !dir.join(name).is_file() {
             return Err(fail(format!(
                 "{name} is missing (the directory needs {CA_CERT}, {SERVER_CERT} and \
-                     {SERVER_KEY}, as for qemu's tls-creds-x509)"
+                 {SERVER_KEY}, as for qemu's tls-creds-x509; or {PSK_KEYS} alone, as for \
+                 tls-creds-psk)"
             )));
         }
     }
@@ -164,6 +212,79 @@ fn load_acceptor(dir: &Path) -> Result<SslAcceptor, NbdError> {
         .set_session_id_context(b"ivdisk-nbd")
         .map_err(|e| openssl("setting up TLS", e))?;
     Ok(builder.build())
+}
+
+/// The acceptor of a pre-shared-keys directory: TLS 1.3 only, no certificate; a client is in
+/// when its identity is in `keys.psk` and it knows the key.
+fn load_psk_acceptor(
+    dir: &Path,
+    fail: &dyn Fn(String) -> NbdError,
+) -> Result<SslAcceptor, NbdError> {
+    let keys = read_psk_keys(&dir.join(PSK_KEYS), fail)?;
+    warn_if_key_readable_by_others(&dir.join(PSK_KEYS));
+    let setup = |e: openssl::error::ErrorStack| {
+        fail(format!(
+            "setting up TLS: {}",
+            first_reason(&e).unwrap_or_else(|| e.to_string())
+        ))
+    };
+    let mut builder = SslAcceptor::mozilla_modern_v5(SslMethod::tls_server()).map_err(setup)?;
+    builder
+        .set_min_proto_version(Some(SslVersion::TLS1_3))
+        .map_err(setup)?;
+    builder.set_psk_server_callback(move |_ssl, identity, out| {
+        // 0: no such identity (or a key too long for OpenSSL), and the handshake fails.
+        let Some(key) = identity.and_then(|identity| keys.get(identity)) else {
+            tracing::warn!(
+                identity = %String::from_utf8_lossy(identity.unwrap_or_default()),
+                "a TLS client's identity is not in {PSK_KEYS}"
+            );
+            return Ok(0);
+        };
+        if key.len() > out.len() {
+            return Ok(0);
+        }
+        out[..key.len()].copy_from_slice(key);
+        Ok(key.len())
+    });
+    Ok(builder.build())
+}
+
+/// `keys.psk`: one `IDENTITY:HEXKEY` per line (empty lines skipped). A line that is not is
+/// named by its number, never shown: it may hold a key.
+fn read_psk_keys(
+    path: &Path,
+    fail: &dyn Fn(String) -> NbdError,
+) -> Result<HashMap<Vec<u8>, Zeroizing<Vec<u8>>>, NbdError> {
+    let text = Zeroizing::new(
+        std::fs::read_to_string(path).map_err(|e| fail(format!("{PSK_KEYS}: {e}")))?,
+    );
+    let mut keys = HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim_end_matches('\r');
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |why: &str| {
+            fail(format!(
+                "{PSK_KEYS} line {}: {why} (lines are IDENTITY:HEXKEY, as psktool writes them)",
+                n + 1
+            ))
+        };
+        let (identity, key) = line.rsplit_once(':').ok_or_else(|| bad("no `:`"))?;
+        if identity.is_empty() {
+            return Err(bad("no identity"));
+        }
+        let key = Zeroizing::new(hex::decode(key).map_err(|_| bad("the key is not hex"))?);
+        if key.len() < 16 {
+            return Err(bad("the key is shorter than 16 bytes"));
+        }
+        keys.insert(identity.as_bytes().to_vec(), key);
+    }
+    if keys.is_empty() {
+        return Err(fail(format!("{PSK_KEYS} holds no key")));
+    }
+    Ok(keys)
 }
 
 /// The server certificate must be valid now (clients would refuse it anyway, each with an

@@ -16,7 +16,7 @@ use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind};
 use ivdisk_nbd::proto::*;
 use ivdisk_nbd::{
     serve_with_tls, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress,
-    Listener, NbdError, ServeStats, TlsCredentials, MAX_PAYLOAD,
+    Listener, NbdError, ServeStats, TlsCredentials, TlsKind, MAX_PAYLOAD,
 };
 use openssl::ssl::{SslConnector, SslFiletype, SslMethod};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -1161,6 +1161,30 @@ fn unusable_credentials_are_refused_naming_the_file() {
         reason(&broken)
     );
     assert!(TlsCredentials::from_dir(&server).is_ok());
+
+    // Pre-shared keys: every malformed line named by its number, the key never shown.
+    let psk = creds.path().join("psk");
+    std::fs::create_dir(&psk).unwrap();
+    let key = "00112233445566778899aabbccddeeff";
+    for (text, expected) in [
+        (format!("alice {key}\n"), "line 1: no `:`"),
+        (format!("alice:{key}\n:{key}\n"), "line 2: no identity"),
+        ("\nalice:0011zz\n".to_owned(), "line 2: the key is not hex"),
+        ("alice:00112233\n".to_owned(), "shorter than 16 bytes"),
+        ("\n\n".to_owned(), "holds no key"),
+    ] {
+        std::fs::write(psk.join("keys.psk"), &text).unwrap();
+        let why = reason(&psk);
+        assert!(why.contains(expected), "{text:?}: {why}");
+        assert!(!why.contains("0011"), "a key is shown: {why}");
+    }
+    std::fs::write(psk.join("keys.psk"), format!("alice:{key}\r\nbob:{key}\n")).unwrap();
+    let loaded = TlsCredentials::from_dir(&psk).unwrap();
+    assert_eq!(loaded.kind(), TlsKind::Psk);
+    assert_eq!(
+        TlsCredentials::from_dir(&server).unwrap().kind(),
+        TlsKind::X509
+    );
 }
 
 /// A copy of `creds`' server directory whose certificate (same key, same authority) is valid

@@ -11,6 +11,7 @@ use clap::Args;
 use ivdisk_image::{Image, ImageError, ImageUri, OpenOptions};
 use ivdisk_nbd::{
     serve_with_tls, BlockDevice, Export, ListenAddress, Listener, ServeStats, TlsCredentials,
+    TlsKind,
 };
 use ivdisk_rbd::{RbdError, RbdImage, RbdOpenOptions, RbdUri};
 use serde_json::json;
@@ -43,9 +44,11 @@ pub struct ServeArgs {
     /// Require TLS of every client (NBD's STARTTLS), with x509 credentials in DIR laid out
     /// as for qemu's tls-creds-x509: server-cert.pem, server-key.pem, and ca-cert.pem, the
     /// authority whose certificate every client must present (clients without one, or
-    /// without TLS, are refused). `scripts/tls-creds` makes a set. With it, --listen may take
-    /// an address other machines can reach. SIGHUP loads DIR again (renewed certificates) for
-    /// the connections that come next.
+    /// without TLS, are refused). Or DIR holds keys.psk alone, as for qemu's tls-creds-psk:
+    /// lines IDENTITY:HEXKEY, and a client needs an identity and its key (TLS 1.3).
+    /// `scripts/tls-creds` makes either. With it, --listen may take an address other machines
+    /// can reach. SIGHUP loads DIR again (renewed certificates, keys) for the connections that
+    /// come next.
     #[arg(long, value_name = "DIR")]
     tls_creds: Option<PathBuf>,
     /// Let --listen take an address other machines can reach without --tls-creds. NBD then
@@ -96,11 +99,18 @@ pub fn after_help() -> String {
 }
 
 /// Where the hints put the clients' TLS credentials (their `ca-cert.pem`, `client-cert.pem`
-/// and `client-key.pem`), which the server does not know.
+/// and `client-key.pem`; or, with pre-shared keys, the directory of the client's `keys.psk`
+/// and its identity in it), which the server does not know.
 const CLIENT_CREDS: &str = "CLIENT_CREDS_DIR";
+const CLIENT_IDENTITY: &str = "IDENTITY";
 
 /// How clients reach the export, for humans.
-fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: bool) -> String {
+fn attach_hints(
+    address: &ListenAddress,
+    export: &str,
+    read_only: bool,
+    tls: Option<TlsKind>,
+) -> String {
     let ro = if read_only { " (read-only)" } else { "" };
     let uri = nbd_uri(address, export, tls);
     let qemu = match qemu_object(tls) {
@@ -110,7 +120,7 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: boo
         ),
         None => format!("-drive '{}'", qemu_drive(address, export, read_only, tls)),
     };
-    let nbd_client = if tls {
+    let nbd_client = if tls.is_some() {
         // nbd-client's TLS options differ between its builds; the hints stay with what was
         // checked (tests/nbd_clients.rs).
         String::new()
@@ -132,14 +142,18 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: boo
             }
         }
     };
-    let creds = if tls {
-        format!(
+    let creds = match tls {
+        Some(TlsKind::X509) => format!(
             "TLS: every client needs a certificate of the server's authority; {CLIENT_CREDS} \
              holds ca-cert.pem, client-cert.pem and client-key.pem (scripts/tls-creds makes \
              them).\n"
-        )
-    } else {
-        String::new()
+        ),
+        Some(TlsKind::Psk) => format!(
+            "TLS with pre-shared keys: every client needs an identity and its key from the \
+             server's keys.psk; {CLIENT_CREDS}/keys.psk holds the client's line \
+             ({CLIENT_IDENTITY}:HEXKEY).\n"
+        ),
+        None => String::new(),
     };
     format!(
         "{creds}Attach it{ro} with:\n  nbdinfo '{uri}'\n  \
@@ -154,12 +168,17 @@ fn attach_hints(address: &ListenAddress, export: &str, read_only: bool, tls: boo
 /// TLS in a URI. A read-only export needs `readonly=on`, or qemu refuses to start. Discards
 /// are left at qemu's default (ignored): passing them on (`discard=unmap`) frees space but
 /// shows the store which blocks the guest freed.
-fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool, tls: bool) -> String {
+fn qemu_drive(
+    address: &ListenAddress,
+    export: &str,
+    read_only: bool,
+    tls: Option<TlsKind>,
+) -> String {
     let readonly = if read_only { ",readonly=on" } else { "" };
-    if !tls {
+    if tls.is_none() {
         return format!(
             "file={},format=raw,if=virtio{readonly}",
-            nbd_uri(address, export, false)
+            nbd_uri(address, export, None)
         );
     }
     let server = match address {
@@ -175,8 +194,13 @@ fn qemu_drive(address: &ListenAddress, export: &str, read_only: bool, tls: bool)
 }
 
 /// The `-object` qemu needs beside [`qemu_drive`]'s option: the client's TLS credentials.
-fn qemu_object(tls: bool) -> Option<String> {
-    tls.then(|| format!("tls-creds-x509,id=tls0,endpoint=client,dir={CLIENT_CREDS}"))
+fn qemu_object(tls: Option<TlsKind>) -> Option<String> {
+    Some(match tls? {
+        TlsKind::X509 => format!("tls-creds-x509,id=tls0,endpoint=client,dir={CLIENT_CREDS}"),
+        TlsKind::Psk => format!(
+            "tls-creds-psk,id=tls0,endpoint=client,dir={CLIENT_CREDS},username={CLIENT_IDENTITY}"
+        ),
+    })
 }
 
 /// `HOST:PORT` as clients should dial it: an address that listens on every interface (0.0.0.0,
@@ -202,18 +226,24 @@ fn dial_address(addr: &str) -> String {
 }
 
 /// The export's NBD URI (the NBD project's doc/uri.md); with TLS, the `nbds` schemes and
-/// libnbd's `tls-certificates` parameter.
-fn nbd_uri(address: &ListenAddress, export: &str, tls: bool) -> String {
-    let (s, creds) = if tls {
-        ("s", format!("tls-certificates={CLIENT_CREDS}"))
-    } else {
-        ("", String::new())
+/// libnbd's `tls-certificates` parameter, or with pre-shared keys the client's identity as
+/// the URI's user and libnbd's `tls-psk-file`.
+fn nbd_uri(address: &ListenAddress, export: &str, tls: Option<TlsKind>) -> String {
+    let (s, user, creds) = match tls {
+        Some(TlsKind::X509) => ("s", "", format!("tls-certificates={CLIENT_CREDS}")),
+        Some(TlsKind::Psk) => (
+            "s",
+            "IDENTITY@", // CLIENT_IDENTITY
+            format!("tls-psk-file={CLIENT_CREDS}/keys.psk"),
+        ),
+        None => ("", "", String::new()),
     };
+    let tls = tls.is_some();
     match address {
         ListenAddress::Unix(path) => {
             let sep = if tls { "&" } else { "" };
             format!(
-                "nbd{s}+unix:///{export}?socket={}{sep}{creds}",
+                "nbd{s}+unix://{user}/{export}?socket={}{sep}{creds}",
                 path.display()
             )
         }
@@ -223,7 +253,7 @@ fn nbd_uri(address: &ListenAddress, export: &str, tls: bool) -> String {
             } else {
                 String::new()
             };
-            format!("nbd{s}://{}/{export}{query}", dial_address(addr))
+            format!("nbd{s}://{user}{}/{export}{query}", dial_address(addr))
         }
     }
 }
@@ -388,7 +418,6 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     }
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
     let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
-    let address = endpoint.listener.local_address();
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.
     let options = OpenOptions {
@@ -423,7 +452,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     };
     announce(
         &args,
-        &address,
+        &endpoint,
         json!({
             "image": uri.to_string(),
             "snapshot": image.snapshot(),
@@ -462,15 +491,20 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
 /// JSON line (--json); or `what` (an open parenthesis, closed here) with attach hints.
 fn announce(
     args: &ServeArgs,
-    address: &ListenAddress,
+    endpoint: &Endpoint,
     mut ready: serde_json::Value,
     what: String,
     read_only: bool,
 ) {
+    let address = &endpoint.listener.local_address();
+    let tls = endpoint.tls.as_ref().map(TlsCredentials::kind);
     if args.json {
         ready["address"] = address.to_string().into();
-        let tls = args.tls_creds.is_some();
-        ready["tls"] = tls.into();
+        ready["tls"] = match tls {
+            Some(TlsKind::X509) => "x509".into(),
+            Some(TlsKind::Psk) => "psk".into(),
+            None => serde_json::Value::Null,
+        };
         ready["uri"] = nbd_uri(address, &args.export_name, tls).into();
         ready["qemu_drive"] = qemu_drive(address, &args.export_name, read_only, tls).into();
         if let Some(object) = qemu_object(tls) {
@@ -482,12 +516,7 @@ fn announce(
         println!(
             "Serving {what}{}) on {address}\n{}",
             if read_only { ", read-only" } else { "" },
-            attach_hints(
-                address,
-                &args.export_name,
-                read_only,
-                args.tls_creds.is_some()
-            )
+            attach_hints(address, &args.export_name, read_only, tls)
         );
     }
     notify_service_manager(&format!("READY=1\nSTATUS=serving on {address}"));
@@ -662,7 +691,6 @@ fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
 fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
     let endpoint = bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
-    let address = endpoint.listener.local_address();
     let image = Arc::new(open_rbd(&args, &uri, rt)?);
     let encryption = image.encryption().map_or("none", |f| f.name());
     let export = Export {
@@ -672,7 +700,7 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     };
     announce(
         &args,
-        &address,
+        &endpoint,
         json!({
             "image": uri.to_string(),
             "size": image.size(),
@@ -731,17 +759,17 @@ mod tests {
             ListenAddress::Unix("/tmp/x.sock".into()),
             ListenAddress::Tcp("127.0.0.1:10809".into()),
         ] {
-            let hints = attach_hints(&address, "vm1", false, false);
+            let hints = attach_hints(&address, "vm1", false, None);
             for client in ["nbdinfo", "nbdfuse", "qemu-system-x86_64", "nbd-client"] {
                 assert!(hints.contains(client), "{client} missing for {address}");
             }
             assert!(hints.contains("vm1"));
             assert!(hints.contains(&format!(
                 "-drive '{}'",
-                qemu_drive(&address, "vm1", false, false)
+                qemu_drive(&address, "vm1", false, None)
             )));
-            assert!(attach_hints(&address, "", true, false).contains(",readonly=on'"));
-            let tls = attach_hints(&address, "vm1", false, true);
+            assert!(attach_hints(&address, "", true, None).contains(",readonly=on'"));
+            let tls = attach_hints(&address, "vm1", false, Some(TlsKind::X509));
             assert!(tls.contains("nbds"), "{tls}");
             assert!(tls.contains("tls-certificates=CLIENT_CREDS_DIR"), "{tls}");
             assert!(
@@ -749,27 +777,45 @@ mod tests {
                 "{tls}"
             );
             assert!(!tls.contains("nbd-client"), "{tls}");
-            assert!(attach_hints(&address, "", true, true).contains(",readonly=on'"));
+            assert!(attach_hints(&address, "", true, Some(TlsKind::X509)).contains(",readonly=on'"));
+            let psk = attach_hints(&address, "vm1", false, Some(TlsKind::Psk));
+            assert!(psk.contains("IDENTITY@"), "{psk}");
+            assert!(
+                psk.contains("tls-psk-file=CLIENT_CREDS_DIR/keys.psk"),
+                "{psk}"
+            );
+            assert!(
+                psk.contains("-object tls-creds-psk,id=tls0,endpoint=client,dir=CLIENT_CREDS_DIR,username=IDENTITY"),
+                "{psk}"
+            );
         }
         assert_eq!(
             qemu_drive(
                 &ListenAddress::Unix("/tmp/x.sock".into()),
                 "vm1",
                 false,
-                false
+                None
             ),
             "file=nbd+unix:///vm1?socket=/tmp/x.sock,format=raw,if=virtio"
         );
         assert_eq!(
-            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), "", false),
+            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), "", None),
             "nbd+unix:///?socket=/tmp/x.sock"
         );
         assert_eq!(
-            nbd_uri(&ListenAddress::Unix("/tmp/x.sock".into()), "vm1", true),
+            nbd_uri(
+                &ListenAddress::Unix("/tmp/x.sock".into()),
+                "vm1",
+                Some(TlsKind::X509)
+            ),
             "nbds+unix:///vm1?socket=/tmp/x.sock&tls-certificates=CLIENT_CREDS_DIR"
         );
         assert_eq!(
-            nbd_uri(&ListenAddress::Tcp("[::1]:10809".into()), "", true),
+            nbd_uri(
+                &ListenAddress::Tcp("[::1]:10809".into()),
+                "",
+                Some(TlsKind::X509)
+            ),
             "nbds://[::1]:10809/?tls-certificates=CLIENT_CREDS_DIR"
         );
         let host = rustix::system::uname()
@@ -778,14 +824,27 @@ mod tests {
             .into_owned();
         for any in ["0.0.0.0:10809", "[::]:10809"] {
             assert_eq!(
-                nbd_uri(&ListenAddress::Tcp(any.into()), "", false),
+                nbd_uri(&ListenAddress::Tcp(any.into()), "", None),
                 format!("nbd://{host}:10809/")
             );
         }
         assert_eq!(
-            qemu_drive(&ListenAddress::Tcp("[::1]:10809".into()), "vm1", true, true),
+            qemu_drive(
+                &ListenAddress::Tcp("[::1]:10809".into()),
+                "vm1",
+                true,
+                Some(TlsKind::Psk)
+            ),
             "driver=nbd,server.type=inet,server.host=::1,server.port=10809,export=vm1,\
              tls-creds=tls0,if=virtio,readonly=on"
+        );
+        assert_eq!(
+            nbd_uri(
+                &ListenAddress::Unix("/tmp/x.sock".into()),
+                "vm1",
+                Some(TlsKind::Psk)
+            ),
+            "nbds+unix://IDENTITY@/vm1?socket=/tmp/x.sock&tls-psk-file=CLIENT_CREDS_DIR/keys.psk"
         );
     }
 

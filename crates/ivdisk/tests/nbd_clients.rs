@@ -403,6 +403,20 @@ impl Fixture {
         server
     }
 
+    /// Serve with `--tls-creds creds` on TCP `listen`.
+    fn serve_tls(&self, image: &Path, listen: &str, creds: &Path) -> Server {
+        self.start_server(image, &["--listen", listen, "--tls-creds", s(creds)], &[])
+    }
+
+    /// [`Fixture::serve_fails`] with `--tls-creds creds` on 127.0.0.1.
+    fn serve_tls_fails(&self, image: &Path, creds: &Path) -> String {
+        self.serve_fails(
+            image,
+            &["--listen", "127.0.0.1:0", "--tls-creds", s(creds)],
+            &[],
+        )
+    }
+
     fn serve_command(&self, image: &Path, listen: &[&str], extra: &[&str]) -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_ivdisk"));
         command
@@ -880,27 +894,14 @@ fn tls_clients_with_a_certificate_attach_and_others_are_refused() {
     let (server_creds, client_creds) = (creds.join("server"), creds.join("client"));
     let image = f.create("tls", "64M", &[]);
 
-    let err = f.serve_fails(
-        &image,
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--tls-creds",
-            s(&f.path("nowhere")),
-        ],
-        &[],
-    );
+    let err = f.serve_tls_fails(&image, &f.path("nowhere"));
     for needed in ["server-cert.pem is missing", "scripts/tls-creds"] {
         assert!(err.contains(needed), "{needed:?} missing: {err}");
     }
     assert_lock_free(&f.ivdisk_path(), &image);
 
-    let server = f.start_server(
-        &image,
-        &["--listen", "0.0.0.0:0", "--tls-creds", s(&server_creds)],
-        &[],
-    );
-    assert_eq!(server.ready["tls"], true, "{}", server.ready);
+    let server = f.serve_tls(&image, "0.0.0.0:0", &server_creds);
+    assert_eq!(server.ready["tls"], "x509", "{}", server.ready);
     let port = port_of(&server);
     // Clients dial the machine's name, not 0.0.0.0 (no name a certificate holds).
     let host = fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
@@ -956,11 +957,7 @@ fn tls_clients_with_a_certificate_attach_and_others_are_refused() {
     );
 
     // Data both ways: nbdcopy in, qemu-img out (with the server's own -drive options).
-    let server = f.start_server(
-        &image,
-        &["--listen", "127.0.0.1:0", "--tls-creds", s(&server_creds)],
-        &[],
-    );
+    let server = f.serve_tls(&image, "127.0.0.1:0", &server_creds);
     let port = port_of(&server);
     let uri = format!(
         "nbds://127.0.0.1:{port}/?tls-certificates={}",
@@ -998,6 +995,118 @@ fn tls_clients_with_a_certificate_attach_and_others_are_refused() {
     server.stop();
 }
 
+/// `scripts/tls-creds DIR --psk IDENTITY` for each identity: DIR/server/keys.psk holds them
+/// all, DIR/psk-IDENTITY/keys.psk each client's own.
+fn psk_creds(f: &Fixture, identities: &[&str]) -> PathBuf {
+    let dir = f.unique("psk", "");
+    for identity in identities {
+        let mut command =
+            Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tls-creds"));
+        command.arg(&dir).args(["--psk", identity]);
+        run(command).ok();
+    }
+    dir
+}
+
+/// `nbdinfo --size` of a TLS export as `identity` with the keys file `keys`: whether it
+/// attached.
+fn psk_attaches(f: &Fixture, port: u16, identity: &str, keys: &Path) -> bool {
+    let mut command = f.tool("nbdinfo");
+    command.args([
+        "--size",
+        &format!(
+            "nbds://{identity}@127.0.0.1:{port}/?tls-psk-file={}",
+            s(keys)
+        ),
+    ]);
+    run(command).status.success()
+}
+
+/// `--tls-creds` of a directory with pre-shared keys (qemu's tls-creds-psk layout,
+/// `scripts/tls-creds --psk`): libnbd (nbdinfo, nbdcopy) and qemu-img (qemu's tls-creds-psk
+/// object, with the options the server prints) attach under an identity of `keys.psk` with
+/// its key; an unknown identity, or a known one with another key, is refused and logged; a
+/// malformed `keys.psk` is refused at start, naming its line and not showing it.
+#[test]
+fn tls_with_pre_shared_keys_admits_known_identities_only() {
+    let f = Fixture::new();
+    let creds = psk_creds(&f, &["alice", "bob"]);
+    let image = f.create("psk", "64M", &[]);
+    let server = f.serve_tls(&image, "127.0.0.1:0", &creds.join("server"));
+    assert_eq!(server.ready["tls"], "psk", "{}", server.ready);
+    let port = port_of(&server);
+    assert_eq!(
+        server.uri,
+        format!("nbds://IDENTITY@127.0.0.1:{port}/?tls-psk-file=CLIENT_CREDS_DIR/keys.psk")
+    );
+    for identity in ["alice", "bob"] {
+        let keys = creds.join(format!("psk-{identity}/keys.psk"));
+        assert!(psk_attaches(&f, port, identity, &keys), "{identity}");
+    }
+    // An identity the server does not know, and alice with carol's key.
+    let carol = psk_creds(&f, &["carol"]).join("psk-carol/keys.psk");
+    assert!(!psk_attaches(&f, port, "carol", &carol));
+    let forged = f.path("forged.psk");
+    let carol_key = fs::read_to_string(&carol).unwrap();
+    fs::write(&forged, carol_key.replace("carol:", "alice:")).unwrap();
+    assert!(!psk_attaches(&f, port, "alice", &forged));
+    assert!(
+        server.stderr().contains("identity is not in keys.psk"),
+        "{}",
+        server.stderr()
+    );
+
+    // Data both ways: qemu-img in (the server's own -object and -drive options), nbdcopy out.
+    let content = Content::holey(64 * MIB, 11);
+    let src = f.path("psk.src.raw");
+    content.write_sparse(&src);
+    let alice = creds.join("psk-alice");
+    let object = server.ready["qemu_object"]
+        .as_str()
+        .unwrap()
+        .replace("CLIENT_CREDS_DIR", s(&alice))
+        .replace("IDENTITY", "alice");
+    let drive = server.ready["qemu_drive"].as_str().unwrap();
+    let opts = drive
+        .strip_suffix(",if=virtio")
+        .unwrap_or_else(|| panic!("a virtio drive: {drive}"));
+    f.qemu_img(&[
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        s(&src),
+        "--object",
+        &object,
+        "--target-image-opts",
+        opts,
+    ])
+    .ok();
+    let out = f.path("psk.out.raw");
+    let uri = format!(
+        "nbds://alice@127.0.0.1:{port}/?tls-psk-file={}",
+        s(&alice.join("keys.psk"))
+    );
+    f.nbdcopy(&[&uri, s(&out)]).ok();
+    assert_same_bytes(
+        &fs::read(&out).unwrap(),
+        &content.bytes,
+        "nbdcopy's read over TLS-PSK of what qemu-img wrote over TLS-PSK",
+    );
+    server.stop();
+
+    let broken = f.path("broken-psk");
+    fs::create_dir(&broken).unwrap();
+    fs::write(
+        broken.join("keys.psk"),
+        "dave 00112233445566778899aabbccddeeff\n",
+    )
+    .unwrap();
+    let err = f.serve_tls_fails(&image, &broken);
+    assert!(err.contains("keys.psk line 1"), "{err}");
+    assert!(!err.contains("00112233"), "the key is shown: {err}");
+}
+
 /// `nbdinfo --size` of a TLS export with the client credentials in `creds`: whether it
 /// attached.
 fn tls_attaches(f: &Fixture, port: u16, creds: &Path) -> bool {
@@ -1026,11 +1135,7 @@ fn sighup_reloads_the_tls_credentials_and_keeps_them_when_the_new_ones_are_broke
     };
     install(&old);
     let image = f.create("reload", "16M", &[]);
-    let server = f.start_server(
-        &image,
-        &["--listen", "127.0.0.1:0", "--tls-creds", s(&live)],
-        &[],
-    );
+    let server = f.serve_tls(&image, "127.0.0.1:0", &live);
     let port = port_of(&server);
     assert!(tls_attaches(&f, port, &old.join("client")));
     assert!(!tls_attaches(&f, port, &new.join("client")));
