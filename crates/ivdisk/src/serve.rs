@@ -155,9 +155,21 @@ fn attach_hints(
         ),
         None => String::new(),
     };
+    // nbdfuse lets libnbd read no file a URI names: it takes certificates from libnbd's
+    // default directory only, and cannot use a keys file at all.
+    let nbdfuse = match tls {
+        None => {
+            format!("  mkdir -p /tmp/disk && nbdfuse /tmp/disk '{uri}' &   # file /tmp/disk/nbd\n")
+        }
+        Some(TlsKind::X509) => format!(
+            "  mkdir -p /tmp/disk && nbdfuse /tmp/disk '{}' &   # file /tmp/disk/nbd; the \
+             client's files in ~/.pki/libnbd (root: /etc/pki/libnbd)\n",
+            uri.split('?').next().unwrap_or(&uri)
+        ),
+        Some(TlsKind::Psk) => String::new(),
+    };
     format!(
-        "{creds}Attach it{ro} with:\n  nbdinfo '{uri}'\n  \
-         mkdir -p /tmp/disk && nbdfuse /tmp/disk '{uri}' &   # file /tmp/disk/nbd\n  \
+        "{creds}Attach it{ro} with:\n  nbdinfo '{uri}'\n{nbdfuse}  \
          qemu-system-x86_64 ... {qemu}\n{nbd_client}\
          Stop with Ctrl-C or SIGTERM."
     )
@@ -770,6 +782,7 @@ mod tests {
             )));
             assert!(attach_hints(&address, "", true, None).contains(",readonly=on'"));
             let tls = attach_hints(&address, "vm1", false, Some(TlsKind::X509));
+            assert!(tls.contains("/etc/pki/libnbd"), "{tls}");
             assert!(tls.contains("nbds"), "{tls}");
             assert!(tls.contains("tls-certificates=CLIENT_CREDS_DIR"), "{tls}");
             assert!(
@@ -780,6 +793,10 @@ mod tests {
             assert!(attach_hints(&address, "", true, Some(TlsKind::X509)).contains(",readonly=on'"));
             let psk = attach_hints(&address, "vm1", false, Some(TlsKind::Psk));
             assert!(psk.contains("IDENTITY@"), "{psk}");
+            assert!(
+                !psk.contains("nbdfuse"),
+                "nbdfuse reads no keys file: {psk}"
+            );
             assert!(
                 psk.contains("tls-psk-file=CLIENT_CREDS_DIR/keys.psk"),
                 "{psk}"
