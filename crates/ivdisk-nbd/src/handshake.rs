@@ -1,6 +1,8 @@
 //! The negotiation phase: fixed newstyle handshake, then options until the client picks an
 //! export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) or leaves. Every malformed option gets an
 //! error reply when the stream is still in sync and a closed connection when it is not.
+//! A server with TLS credentials takes no other option before `NBD_OPT_STARTTLS`; the caller
+//! (`server.rs`) runs the TLS handshake and the options again over TLS ([`TlsState`]).
 
 use std::sync::Arc;
 
