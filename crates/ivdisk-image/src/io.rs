@@ -195,8 +195,9 @@ impl Inner {
         }
     }
 
-    /// The metadata cache, while it may be used: this process holds the writer lock (the
-    /// cache is right only while no one else writes).
+    /// The metadata cache, while reads may use it: this process holds the writer lock (the
+    /// cache is right only while no one else writes). Writes always go through it (see
+    /// [`Inner::write_piece`]).
     fn usable_cache(&self) -> Option<&MetadataCache> {
         let cache = self.metadata_cache.as_ref()?;
         self.check_writable().is_ok().then_some(cache)
@@ -820,7 +821,10 @@ impl Inner {
             // Before the operation is submitted: block status never misses the object.
             map.note(piece.object);
         }
-        let written = match self.usable_cache() {
+        // The cache whether or not writes are refused by now: this write was admitted while
+        // they were not, and a write that went around the cache would leave it stale once the
+        // lock is renewed again (the sector it wrote would then read as tampered).
+        let written = match self.metadata_cache.as_ref() {
             Some(cache) if self.layout.needs_metadata_cache() => {
                 self.write_piece_whole_blocks(cache, piece.object, &object, op)
                     .await

@@ -831,6 +831,10 @@ async fn bad_create_and_open_parameters_are_refused() {
 struct AwayForLocks {
     inner: ivdisk_store::MemoryStore,
     away: std::sync::atomic::AtomicBool,
+    /// Set: the next read of a data object waits until `hold_next_read` is cleared again.
+    hold_next_read: std::sync::atomic::AtomicBool,
+    /// Set while that read waits.
+    read_held: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -847,6 +851,13 @@ impl ObjectStore for AwayForLocks {
         object: &ObjectName,
         op: ivdisk_store::ReadOp,
     ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let data = object.as_str() != header_object_name("away");
+        if data && self.hold_next_read.load(SeqCst) && !self.read_held.swap(true, SeqCst) {
+            while self.hold_next_read.load(SeqCst) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         self.inner.read_op(object, op).await
     }
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
@@ -935,6 +946,8 @@ async fn away_store_and_writer(
     let store = std::sync::Arc::new(AwayForLocks {
         inner: memory.another_client(),
         away: false.into(),
+        hold_next_read: false.into(),
+        read_held: false.into(),
     });
     Image::create_on(store.clone(), "away", &opts(MIB), PASS)
         .await
@@ -1008,6 +1021,60 @@ async fn a_store_away_for_a_while_pauses_writes_and_a_lock_taken_meanwhile_stays
         Some(other.client_id().to_owned())
     );
     second.close().await.unwrap();
+}
+
+/// A write admitted while the lock was held, whose operation goes out only after renewals
+/// began failing, still goes through the metadata cache: once the lock is renewed again, the
+/// sector it wrote reads back. (It went around the cache, which kept the sector's metadata
+/// from before: the sector read as tampered.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_admitted_before_writes_were_refused_keeps_the_metadata_cache_right() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+    writer.write(8192, b"first").await.unwrap();
+    assert_eq!(read(&writer, 8192, 5).await, b"first");
+
+    // A partial sector: admitted, then held in its read of the old sector.
+    store.hold_next_read.store(true, SeqCst);
+    let pending = tokio::spawn({
+        let writer = writer.clone();
+        async move { writer.write(8193, b"second").await }
+    });
+    while !store.read_held.load(SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Renewals fail until writes are refused (whole sectors elsewhere: nothing to read).
+    store.away.store(true, SeqCst);
+    let started = Instant::now();
+    loop {
+        match writer.write(0, &[7; 4096]).await {
+            Err(ImageError::LockLost { .. }) => break,
+            Ok(()) if started.elapsed() < SHORT_LOCK * 2 => {}
+            other => panic!(
+                "writes not refused after {:?}: {other:?}",
+                started.elapsed()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The admitted write goes on.
+    store.hold_next_read.store(false, SeqCst);
+    pending.await.unwrap().unwrap();
+
+    // The store is back and the lock renewed: the sector reads as written.
+    store.away.store(false, SeqCst);
+    let started = Instant::now();
+    loop {
+        match writer.write(0, &[8; 4096]).await {
+            Ok(()) => break,
+            Err(ImageError::LockLost { .. }) if started.elapsed() < SHORT_LOCK * 2 => {}
+            other => panic!("writes not back after {:?}: {other:?}", started.elapsed()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(read(&writer, 8192, 7).await, b"fsecond");
+    writer.close().await.unwrap();
 }
 
 /// A lock that expired while the store was away is not taken back if another writer held it
