@@ -2,7 +2,7 @@
 //! fork handler registered with libc, two OpenSSL calls, AEGIS-256 in libaegis with a run's
 //! own pointers in `aegis256`) and CPU instructions used through
 //! `core::arch` (XTS with VAES in `xts_vaes`, four-lane AEGIS-128L in `aegis128l_vaes`,
-//! one-message AEGIS-128L with AVX-512VL or 256-bit VAES in `aegis128l_one`, where one
+//! one-message AEGIS-128L with AVX-512VL, 256-bit VAES or AES-NI in `aegis128l_one`, where one
 //! instruction is written out in `asm!` so that the compiler keeps it: callable only once the
 //! CPU is known to have them, with unaligned SIMD loads and stores), the runs the kernels read
 //! and write (`io`: raw pointers, so that an output may be memory that holds nothing yet), and

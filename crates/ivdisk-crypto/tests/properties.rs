@@ -873,8 +873,15 @@ fn a_runs_nonces_count_up() {
     }
 }
 
-/// Whether the tests run with the four-lane AEGIS-128L kernel switched off
-/// (`scripts/test-all.sh` runs them both ways).
+/// Whether the tests run without the four-lane AEGIS-128L kernel: switched off
+/// (`scripts/test-all.sh` runs them both ways), or a CPU without VAES.
 fn vaes_off() -> bool {
-    std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some()
+    #[cfg(target_arch = "x86_64")]
+    let cpu_has_vaes = std::arch::is_x86_feature_detected!("aes")
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("vaes")
+        && std::arch::is_x86_feature_detected!("vpclmulqdq");
+    #[cfg(not(target_arch = "x86_64"))]
+    let cpu_has_vaes = false;
+    std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some() || !cpu_has_vaes
 }

@@ -1,9 +1,11 @@
 //! AEGIS-128L (draft-irtf-cfrg-aegis-aead) for one message with AES-NI: the sectors that do not
 //! fill a group of four for `aegis128l_vaes` (single-sector runs and the remainders of runs).
 //! Same algorithm, same output as libaegis, which stays the fallback; tests hold the two to
-//! each other and to the draft's vectors. Two builds: with AVX-512VL (`vpternlogq` for
-//! three-input logic, one state word per register), and for CPUs with 256-bit VAES but no
-//! AVX-512 (`packed`: two state words per YMM register, half the instructions per round).
+//! each other and to the draft's vectors. Three builds: with AVX-512VL (`vpternlogq` for
+//! three-input logic, one state word per register), for CPUs with 256-bit VAES but no
+//! AVX-512 (`packed`: two state words per YMM register, half the instructions per round), and
+//! for CPUs with AES-NI and AVX but no VAES (`aesni`: the first build's code, each three-input
+//! op as two; there every sector comes here, the four-lane code does not run).
 //!
 //! Why not libaegis: one message is a chain of dependent AES rounds, and on the CPUs measured
 //! here (Intel Xeon with AVX-512) two things other than the AES units set its pace:
@@ -22,7 +24,10 @@
 //! Measured per 4 KiB sector through the suite: with AVX-512 about 1.25x libaegis encrypting,
 //! 1.1x decrypting (docs/BENCHMARKS.md, "one-message AEGIS-128L on AVX-512"). On an AMD EPYC
 //! (Zen 4) without AVX-512 an AVX build of the AVX-512 code (tried) encrypted about 5% slower
-//! than libaegis; the packed build is faster both ways there ("packed AEGIS-128L").
+//! than libaegis; the packed build is faster both ways there ("packed AEGIS-128L"). On an AMD
+//! EPYC without VAES the `aesni` build, with the draft's own update of S0 and S4, seals in
+//! place as fast as libaegis or faster, and out of place without libaegis' copy first: the
+//! library's reads and writes ("AEGIS-128L without VAES").
 //!
 //! The whole state stays in registers (the methods are inlined into one loop).
 
@@ -30,11 +35,8 @@ use core::arch::x86_64::*;
 
 use super::aegis128l_vaes::{C0, C1};
 use super::simd::{load128, store128};
-use super::xts_vaes::{width, Width};
-use crate::io::{Io, Settled};
-
-/// 32-byte blocks per iteration of the main loop.
-const UNROLL: usize = 4;
+use super::xts_vaes::{vaes_switched_off, width, Width};
+use crate::io::Io;
 
 /// Which build of the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +45,8 @@ enum Build {
     Avx512,
     /// AES-NI, AVX2 and 256-bit VAES, two state words per register (`packed`).
     Vaes256,
+    /// AES-NI and AVX, no VAES (`aesni`).
+    AesNi,
 }
 
 impl Build {
@@ -59,16 +63,22 @@ impl Build {
                 base && std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("vaes")
             }
+            Build::AesNi => base,
         }
     }
 
     /// The build that runs where the VAES code runs at this width: AVX-512 with 512-bit VAES,
     /// the packed 256-bit build with 256-bit VAES (also when `IVDISK_CRYPTO_VAES=ymm` forces it
-    /// on an AVX-512 CPU).
+    /// on an AVX-512 CPU); without VAES the AES-NI build. None when `IVDISK_CRYPTO_NO_VAES`
+    /// switches the kernels off.
     fn here() -> Option<Build> {
-        let build = match width()? {
-            Width::Zmm => Build::Avx512,
-            Width::Ymm => Build::Vaes256,
+        if vaes_switched_off() {
+            return None;
+        }
+        let build = match width() {
+            Some(Width::Zmm) => Build::Avx512,
+            Some(Width::Ymm) => Build::Vaes256,
+            None => Build::AesNi,
         };
         build.cpu_has_features().then_some(build)
     }
@@ -87,6 +97,7 @@ impl Build {
             match self {
                 Build::Avx512 => avx512::crypt::<ENCRYPT>(key, nonce, aad, data),
                 Build::Vaes256 => packed::crypt::<ENCRYPT>(key, nonce, aad, data),
+                Build::AesNi => aesni::crypt::<ENCRYPT>(key, nonce, aad, data),
             }
         }
     }
@@ -149,6 +160,203 @@ fn aad_blocks(aad: &[u8]) -> impl Iterator<Item = [u8; 32]> + '_ {
     })
 }
 
+/// A build with one state word per XMM register: its `State` and `crypt`, for the logic
+/// helpers `xor3` and `and_xor` and the target `$features` of the module that invokes it.
+/// `$textbook`: S0 and S4 updated as the draft writes it (`AESENC(S7, S0) ^ M0`), without the
+/// raw output and offset of the module docs. Without three-input logic the offset costs four
+/// more XORs per round, and on an AMD EPYC without VAES the textbook update sealed a 4 KiB
+/// sector in place about 10% faster (on par with libaegis).
+macro_rules! one_word_per_register {
+    ($features:literal, $textbook:literal) => {
+        /// The draft's update of S0 and S4 (the macro's docs); the offsets then stay zero.
+        const TEXTBOOK: bool = $textbook;
+
+        /// The AEGIS-128L state, with S0 and S4 also as raw AESENC output and offset (module docs).
+        #[derive(Clone, Copy)]
+        struct State {
+            /// S0..S7, each its true value.
+            s: [__m128i; 8],
+            /// The last AESENC outputs for S0 and S4: the next round's round keys for them.
+            raw: [__m128i; 2],
+            /// What separates `raw` from the true S0 and S4: the XOR of the message words absorbed.
+            offset: [__m128i; 2],
+        }
+
+        impl State {
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn new(key: &[u8; 16], nonce: &[u8; 16]) -> State {
+                let (k, n) = (load128(key), load128(nonce));
+                let (c0, c1) = (load128(&C0), load128(&C1));
+                let kn = _mm_xor_si128(k, n);
+                let kc0 = _mm_xor_si128(k, c0);
+                let kc1 = _mm_xor_si128(k, c1);
+                let zero = _mm_setzero_si128();
+                let mut st = State {
+                    s: [kn, c1, c0, c1, kn, kc0, kc1, kc0],
+                    raw: [kn, kn],
+                    offset: [zero, zero],
+                };
+                for _ in 0..10 {
+                    st.update(n, k);
+                }
+                st
+            }
+
+            /// Update(M0, M1) of the draft: S'i = AESRound(S(i-1), Si), then M0 into S0 and M1
+            /// into S4.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn update(&mut self, m0: __m128i, m1: __m128i) {
+                let [s0, s1, s2, s3, s4, s5, s6, s7] = self.s;
+                let [d0, d4] = self.offset;
+                // AESRound(S7, S0 ^ M0) = AESENC(S7, raw0) ^ d0 ^ M0: the raw chains stay pure
+                // AESENC.
+                let r0 = _mm_aesenc_si128(s7, self.raw[0]);
+                let r4 = _mm_aesenc_si128(s3, self.raw[1]);
+                self.s = [
+                    xor3(r0, d0, m0),
+                    _mm_aesenc_si128(s0, s1),
+                    _mm_aesenc_si128(s1, s2),
+                    _mm_aesenc_si128(s2, s3),
+                    xor3(r4, d4, m1),
+                    _mm_aesenc_si128(s4, s5),
+                    _mm_aesenc_si128(s5, s6),
+                    _mm_aesenc_si128(s6, s7),
+                ];
+                if TEXTBOOK {
+                    self.raw = [self.s[0], self.s[4]];
+                } else {
+                    self.raw = [r0, r4];
+                    self.offset = [_mm_xor_si128(d0, m0), _mm_xor_si128(d4, m1)];
+                }
+            }
+
+            /// The 32-byte block `x0 || x1` XOR the keystream of the current state:
+            /// z0 = S1 ^ S6 ^ (S2 & S3), z1 = S2 ^ S5 ^ (S6 & S7).
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn xor_keystream(&self, x0: __m128i, x1: __m128i) -> (__m128i, __m128i) {
+                let s = &self.s;
+                (
+                    xor3(and_xor(s[2], s[3], s[1]), s[6], x0),
+                    xor3(and_xor(s[6], s[7], s[2]), s[5], x1),
+                )
+            }
+
+            /// Encrypt one full block; the state absorbs the plaintext.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn encrypt(&mut self, m0: __m128i, m1: __m128i) -> (__m128i, __m128i) {
+                let c = self.xor_keystream(m0, m1);
+                self.update(m0, m1);
+                c
+            }
+
+            /// Decrypt one full block; the state absorbs the recovered plaintext.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn decrypt(&mut self, c0: __m128i, c1: __m128i) -> (__m128i, __m128i) {
+                let (m0, m1) = self.xor_keystream(c0, c1);
+                self.update(m0, m1);
+                (m0, m1)
+            }
+
+            /// The last `input.len()` (< 32) bytes of the message: zero padded in, truncated
+            /// out. The state absorbs the zero-padded plaintext (for decryption: the recovered
+            /// bytes, zeros after them, as the draft's DecPartial says).
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn crypt_partial<const ENCRYPT: bool>(&mut self, input: &[u8], output: &mut [u8]) {
+                let n = input.len();
+                debug_assert!(n < 32 && output.len() == n);
+                let mut pad = [0u8; 32];
+                pad[..n].copy_from_slice(input);
+                let (x0, x1) = (load128(&pad), load128(&pad[16..]));
+                let (y0, y1) = self.xor_keystream(x0, x1);
+                let mut out = [0u8; 32];
+                store128(&mut out, y0);
+                store128(&mut out[16..], y1);
+                output.copy_from_slice(&out[..n]);
+                if ENCRYPT {
+                    self.update(x0, x1);
+                } else {
+                    out[n..].fill(0);
+                    self.update(load128(&out), load128(&out[16..]));
+                }
+            }
+
+            /// Finalize(ad_len_bits, msg_len_bits) of the draft with a 128-bit tag.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn finalize(mut self, aad_len: usize, msg_len: usize) -> [u8; 16] {
+                let mut lens = [0u8; 16];
+                lens[..8].copy_from_slice(&(aad_len as u64 * 8).to_le_bytes());
+                lens[8..].copy_from_slice(&(msg_len as u64 * 8).to_le_bytes());
+                let t = _mm_xor_si128(self.s[2], load128(&lens));
+                for _ in 0..7 {
+                    self.update(t, t);
+                }
+                let s = self.s;
+                let tag = xor3(xor3(s[0], s[1], s[2]), xor3(s[3], s[4], s[5]), s[6]);
+                let mut out = [0u8; 16];
+                store128(&mut out, tag);
+                out
+            }
+        }
+
+        /// Encrypt (`ENCRYPT`) or decrypt one message with its associated data; returns the tag
+        /// of the plaintext (for decryption: computed from the recovered plaintext, for the
+        /// caller to compare).
+        #[target_feature(enable = $features)]
+        pub(super) fn crypt<const ENCRYPT: bool>(
+            key: &[u8; 16],
+            nonce: &[u8; 16],
+            aad: &[u8],
+            data: &mut Io<'_>,
+        ) -> [u8; 16] {
+            let mut st = State::new(key, nonce);
+            for b in aad_blocks(aad) {
+                st.update(load128(&b), load128(&b[16..]));
+            }
+
+            let len = data.len();
+            let full = len / 32 * 32;
+            // Through pointers: a fresh output is written, never read (nor zeroed first).
+            let (src, dst) = data.as_ptrs();
+            let mut at = 0;
+            while at < full {
+                // SAFETY: `at + 32 <= full <= len`: 32 bytes readable at `src + at` and
+                // writable at `dst + at` (`as_ptrs`: both span `len` bytes; they are equal or
+                // do not overlap).
+                let (x0, x1) = unsafe {
+                    (
+                        _mm_loadu_si128(src.add(at).cast()),
+                        _mm_loadu_si128(src.add(at + 16).cast()),
+                    )
+                };
+                let (y0, y1) = if ENCRYPT {
+                    st.encrypt(x0, x1)
+                } else {
+                    st.decrypt(x0, x1)
+                };
+                // SAFETY: as for the loads.
+                unsafe {
+                    _mm_storeu_si128(dst.add(at).cast(), y0);
+                    _mm_storeu_si128(dst.add(at + 16).cast(), y1);
+                }
+                at += 32;
+            }
+            if full < len {
+                data.tail_through(full, |input, output| {
+                    st.crypt_partial::<ENCRYPT>(input, output)
+                });
+            }
+            st.finalize(aad.len(), len)
+        }
+    };
+}
+
 /// The AVX-512VL build: three-input logic in one `vpternlogq`; the state stays in registers
 /// (the methods below are inlined into one loop).
 mod avx512 {
@@ -168,210 +376,31 @@ mod avx512 {
         _mm_ternarylogic_epi64::<0x6a>(a, b, c)
     }
 
-    /// The AEGIS-128L state, with S0 and S4 also as raw AESENC output and offset (module docs).
-    #[derive(Clone, Copy)]
-    struct State {
-        /// S0..S7, each its true value.
-        s: [__m128i; 8],
-        /// The last AESENC outputs for S0 and S4: the next round's round keys for them.
-        raw: [__m128i; 2],
-        /// What separates `raw` from the true S0 and S4: the XOR of the message words absorbed.
-        offset: [__m128i; 2],
-    }
-
-    impl State {
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn new(key: &[u8; 16], nonce: &[u8; 16]) -> State {
-            let (k, n) = (load128(key), load128(nonce));
-            let (c0, c1) = (load128(&C0), load128(&C1));
-            let kn = _mm_xor_si128(k, n);
-            let kc0 = _mm_xor_si128(k, c0);
-            let kc1 = _mm_xor_si128(k, c1);
-            let zero = _mm_setzero_si128();
-            let mut st = State {
-                s: [kn, c1, c0, c1, kn, kc0, kc1, kc0],
-                raw: [kn, kn],
-                offset: [zero, zero],
-            };
-            for _ in 0..10 {
-                st.update(n, k);
-            }
-            st
-        }
-
-        /// Update(M0, M1) of the draft: S'i = AESRound(S(i-1), Si), then M0 into S0 and M1 into S4.
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn update(&mut self, m0: __m128i, m1: __m128i) {
-            let [s0, s1, s2, s3, s4, s5, s6, s7] = self.s;
-            let [d0, d4] = self.offset;
-            // AESRound(S7, S0 ^ M0) = AESENC(S7, raw0) ^ d0 ^ M0: the raw chains stay pure AESENC.
-            let r0 = _mm_aesenc_si128(s7, self.raw[0]);
-            let r4 = _mm_aesenc_si128(s3, self.raw[1]);
-            self.s = [
-                xor3(r0, d0, m0),
-                _mm_aesenc_si128(s0, s1),
-                _mm_aesenc_si128(s1, s2),
-                _mm_aesenc_si128(s2, s3),
-                xor3(r4, d4, m1),
-                _mm_aesenc_si128(s4, s5),
-                _mm_aesenc_si128(s5, s6),
-                _mm_aesenc_si128(s6, s7),
-            ];
-            self.raw = [r0, r4];
-            self.offset = [_mm_xor_si128(d0, m0), _mm_xor_si128(d4, m1)];
-        }
-
-        /// The 32-byte block `x0 || x1` XOR the keystream of the current state:
-        /// z0 = S1 ^ S6 ^ (S2 & S3), z1 = S2 ^ S5 ^ (S6 & S7).
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn xor_keystream(&self, x0: __m128i, x1: __m128i) -> (__m128i, __m128i) {
-            let s = &self.s;
-            (
-                xor3(and_xor(s[2], s[3], s[1]), s[6], x0),
-                xor3(and_xor(s[6], s[7], s[2]), s[5], x1),
-            )
-        }
-
-        /// Encrypt one full block; the state absorbs the plaintext.
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn encrypt(&mut self, m0: __m128i, m1: __m128i) -> (__m128i, __m128i) {
-            let c = self.xor_keystream(m0, m1);
-            self.update(m0, m1);
-            c
-        }
-
-        /// Decrypt one full block; the state absorbs the recovered plaintext.
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn decrypt(&mut self, c0: __m128i, c1: __m128i) -> (__m128i, __m128i) {
-            let (m0, m1) = self.xor_keystream(c0, c1);
-            self.update(m0, m1);
-            (m0, m1)
-        }
-
-        /// The last `input.len()` (< 32) bytes of the message: zero padded in, truncated out. The
-        /// state absorbs the zero-padded plaintext (for decryption: the recovered bytes, zeros
-        /// after them, as the draft's DecPartial says).
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn crypt_partial<const ENCRYPT: bool>(&mut self, input: &[u8], output: &mut [u8]) {
-            let n = input.len();
-            debug_assert!(n < 32 && output.len() == n);
-            let mut pad = [0u8; 32];
-            pad[..n].copy_from_slice(input);
-            let (x0, x1) = (load128(&pad), load128(&pad[16..]));
-            let (y0, y1) = self.xor_keystream(x0, x1);
-            let mut out = [0u8; 32];
-            store128(&mut out, y0);
-            store128(&mut out[16..], y1);
-            output.copy_from_slice(&out[..n]);
-            if ENCRYPT {
-                self.update(x0, x1);
-            } else {
-                out[n..].fill(0);
-                self.update(load128(&out), load128(&out[16..]));
-            }
-        }
-
-        /// Finalize(ad_len_bits, msg_len_bits) of the draft with a 128-bit tag.
-        #[inline]
-        #[target_feature(enable = "aes,avx512f,avx512vl")]
-        fn finalize(mut self, aad_len: usize, msg_len: usize) -> [u8; 16] {
-            let mut lens = [0u8; 16];
-            lens[..8].copy_from_slice(&(aad_len as u64 * 8).to_le_bytes());
-            lens[8..].copy_from_slice(&(msg_len as u64 * 8).to_le_bytes());
-            let t = _mm_xor_si128(self.s[2], load128(&lens));
-            for _ in 0..7 {
-                self.update(t, t);
-            }
-            let s = self.s;
-            let tag = xor3(xor3(s[0], s[1], s[2]), xor3(s[3], s[4], s[5]), s[6]);
-            let mut out = [0u8; 16];
-            store128(&mut out, tag);
-            out
-        }
-    }
-
-    /// Encrypt (`ENCRYPT`) or decrypt one message with its associated data; returns the tag of the
-    /// plaintext (for decryption: computed from the recovered plaintext, for the caller to compare).
-    #[target_feature(enable = "aes,avx512f,avx512vl")]
-    pub(super) fn crypt<const ENCRYPT: bool>(
-        key: &[u8; 16],
-        nonce: &[u8; 16],
-        aad: &[u8],
-        data: &mut Io<'_>,
-    ) -> [u8; 16] {
-        let mut st = State::new(key, nonce);
-        for b in aad_blocks(aad) {
-            st.update(load128(&b), load128(&b[16..]));
-        }
-
-        // One 32-byte block from `$src` to `$dst` (the same slice when in place).
-        macro_rules! block {
-            ($src:expr, $dst:expr) => {{
-                let (x0, x1) = (load128(&$src[..]), load128(&$src[16..]));
-                let (y0, y1) = if ENCRYPT {
-                    st.encrypt(x0, x1)
-                } else {
-                    st.decrypt(x0, x1)
-                };
-                store128(&mut $dst[..], y0);
-                store128(&mut $dst[16..], y1);
-            }};
-        }
-
-        let len = data.len();
-        let full = len / 32 * 32;
-        // This code works on slices (an output that holds nothing yet is zeroed first).
-        match data.settled() {
-            Settled::InPlace(buf) => {
-                let (body, tail) = buf.split_at_mut(full);
-                let mut groups = body.chunks_exact_mut(32 * UNROLL);
-                for g in &mut groups {
-                    for b in g.chunks_exact_mut(32) {
-                        block!(b, b);
-                    }
-                }
-                for b in groups.into_remainder().chunks_exact_mut(32) {
-                    block!(b, b);
-                }
-                if !tail.is_empty() {
-                    let mut input = [0u8; 32];
-                    input[..tail.len()].copy_from_slice(tail);
-                    st.crypt_partial::<ENCRYPT>(&input[..tail.len()], tail);
-                }
-            }
-            Settled::Copy { src, dst } => {
-                let (src_body, src_tail) = src.split_at(full);
-                let (dst_body, dst_tail) = dst.split_at_mut(full);
-                let mut groups = src_body
-                    .chunks_exact(32 * UNROLL)
-                    .zip(dst_body.chunks_exact_mut(32 * UNROLL));
-                for (s, d) in &mut groups {
-                    for (s, d) in s.chunks_exact(32).zip(d.chunks_exact_mut(32)) {
-                        block!(s, d);
-                    }
-                }
-                let done = full / (32 * UNROLL) * (32 * UNROLL);
-                for (s, d) in src_body[done..]
-                    .chunks_exact(32)
-                    .zip(dst_body[done..].chunks_exact_mut(32))
-                {
-                    block!(s, d);
-                }
-                if !src_tail.is_empty() {
-                    st.crypt_partial::<ENCRYPT>(src_tail, dst_tail);
-                }
-            }
-        }
-        st.finalize(aad.len(), len)
-    }
+    one_word_per_register!("aes,avx512f,avx512vl", false);
 }
 
+/// The build for CPUs with AES-NI and AVX but no VAES (AMD Zen 2, Intel before Ice Lake): the
+/// AVX-512 build's code with each three-input logic op as two. It seals and opens out of place,
+/// where libaegis works in place only, after a copy of the sector into the output.
+mod aesni {
+    use super::*;
+
+    /// `a ^ b ^ c`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn xor3(a: __m128i, b: __m128i, c: __m128i) -> __m128i {
+        _mm_xor_si128(_mm_xor_si128(a, b), c)
+    }
+
+    /// `(a & b) ^ c`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn and_xor(a: __m128i, b: __m128i, c: __m128i) -> __m128i {
+        _mm_xor_si128(_mm_and_si128(a, b), c)
+    }
+
+    one_word_per_register!("aes,avx", true);
+}
 /// The 256-bit VAES build for CPUs with AVX2 and VAES but not AVX-512: two state words per
 /// YMM register, R_j = (S_j, S_j+4), so a round is four VAESENC instead of eight AESENC and the
 /// keystream and message XORs go 32 bytes at a time:
@@ -535,15 +564,9 @@ mod packed {
             at += 32;
         }
         if full < len {
-            let mut input = [0u8; 32];
-            // SAFETY: `len - full` (< 32) bytes readable at `src + full`.
-            unsafe {
-                core::ptr::copy_nonoverlapping(src.add(full), input.as_mut_ptr(), len - full)
-            };
-            let mut output = [0u8; 32];
-            st.crypt_partial::<ENCRYPT>(&input[..len - full], &mut output[..len - full]);
-            // SAFETY: `len - full` bytes writable at `dst + full`.
-            unsafe { core::ptr::copy_nonoverlapping(output.as_ptr(), dst.add(full), len - full) };
+            data.tail_through(full, |input, output| {
+                st.crypt_partial::<ENCRYPT>(input, output)
+            });
         }
         st.finalize(aad.len(), len)
     }
@@ -556,7 +579,7 @@ mod tests {
 
     /// The builds this CPU can run, whatever the environment says.
     fn builds() -> Vec<Build> {
-        let builds: Vec<Build> = [Build::Avx512, Build::Vaes256]
+        let builds: Vec<Build> = [Build::Avx512, Build::Vaes256, Build::AesNi]
             .into_iter()
             .filter(|b| b.cpu_has_features())
             .collect();
@@ -804,7 +827,7 @@ mod tests {
 
     /// The suite's kernel follows the environment: with `IVDISK_CRYPTO_NO_VAES` set there is
     /// none (the suite then runs libaegis); otherwise the AVX-512 build where the 512-bit VAES
-    /// code runs, the packed build where the 256-bit code runs.
+    /// code runs, the packed build where the 256-bit code runs, the AES-NI build elsewhere.
     #[test]
     fn kernel_follows_the_override() {
         let forced_off = std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some();
@@ -813,7 +836,7 @@ mod tests {
             _ if forced_off => None,
             Some(Width::Zmm) => Some(Build::Avx512),
             Some(Width::Ymm) => Some(Build::Vaes256),
-            None => None,
+            None => Some(Build::AesNi),
         }
         .filter(|b| b.cpu_has_features());
         assert_eq!(kernel.map(|k| k.0), expected);

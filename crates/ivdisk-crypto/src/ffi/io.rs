@@ -126,6 +126,24 @@ impl<'a> Io<'a> {
         (self.src, self.dst)
     }
 
+    /// The run's last bytes, from `from` on (at most 32), through `f(input, output)` by way of
+    /// buffers on the stack: the message tail of the SIMD loops (a fresh output is written,
+    /// never read).
+    pub(crate) fn tail_through(&mut self, from: usize, f: impl FnOnce(&[u8], &mut [u8])) {
+        assert!(
+            from <= self.len && self.len - from <= 32,
+            "a tail of at most 32 bytes"
+        );
+        let n = self.len - from;
+        let mut input = [0u8; 32];
+        // SAFETY: `from + n == len`: `n` bytes readable at `src + from`, inside the run.
+        unsafe { std::ptr::copy_nonoverlapping(self.src.add(from), input.as_mut_ptr(), n) };
+        let mut output = [0u8; 32];
+        f(&input[..n], &mut output[..n]);
+        // SAFETY: as above, `n` bytes writable at `dst + from`.
+        unsafe { std::ptr::copy_nonoverlapping(output.as_ptr(), self.dst.add(from), n) };
+    }
+
     /// Bring the input into the output, for code that only works in place: nothing in place,
     /// a copy otherwise. Returns the output.
     pub(crate) fn into_in_place(self) -> &'a mut [u8] {

@@ -36,7 +36,7 @@ pub(crate) enum Width {
 pub(crate) fn width() -> Option<Width> {
     static WIDTH: std::sync::OnceLock<Option<Width>> = std::sync::OnceLock::new();
     *WIDTH.get_or_init(|| {
-        let forced_off = std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some();
+        let forced_off = vaes_switched_off();
         let force_ymm = std::env::var("IVDISK_CRYPTO_VAES").is_ok_and(|v| v == "ymm");
         if forced_off {
             return None;
@@ -50,6 +50,12 @@ pub(crate) fn width() -> Option<Width> {
             None
         }
     })
+}
+
+/// Whether the environment switches the VAES code off (`IVDISK_CRYPTO_NO_VAES`, see [`width`]),
+/// and with it the AES-NI kernel of `aegis128l_one`.
+pub(crate) fn vaes_switched_off() -> bool {
+    std::env::var_os("IVDISK_CRYPTO_NO_VAES").is_some()
 }
 
 /// Whether this module runs here (at either width).
