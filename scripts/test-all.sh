@@ -161,6 +161,20 @@ if command -v rustup >/dev/null; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi
 
+# The fuzz target's build (a nightly toolchain, cargo-fuzz and the target: on a fresh clone
+# of this 2-core machine kind about 5 minutes of one core, most of it compiling) runs in the
+# background from here, at the lowest priority: the test build below leaves one core idle
+# part of the time (build scripts, linking, the largest crates alone), the steps after it
+# wait for Ceph, child processes, fsync, fio and OSD restarts, and it takes only what they
+# leave. Started after the test build (as until 2026-12-01), its last minutes were still
+# running when the fuzz step began (about 3 minutes of waiting on a fresh machine).
+# Its own target directory (fuzz/target), so no lock is shared with the builds below; the
+# fuzz step waits for it.
+mkdir -p "$ROOT/target"
+FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
+nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 &
+FUZZ_BUILD_PID=$!
+
 log "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -206,16 +220,6 @@ check_lints_enforced
 # --all-targets also builds each criterion bench (run once in test mode below, no timing), so
 # a broken bench is caught here.
 linted_cargo test --workspace --all-targets --no-run
-
-# The fuzz target's build (cargo-fuzz and a nightly build with sanitizers: 5 minutes of both
-# cores on a fresh clone of this 2-core machine kind) runs in the background from here, at
-# the lowest priority: the steps below wait part of the time (for Ceph, child processes,
-# fsync, fio, OSD restarts), and it takes only the CPU they leave idle.
-# Its own target directory (fuzz/target), so no lock is shared with the builds below; the
-# fuzz step waits for it.
-FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
-nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 &
-FUZZ_BUILD_PID=$!
 
 # Built, not only checked (as before the lints moved into the test build): in target/debug
 # most of their dependencies are already built with the same features (about a minute).
