@@ -297,14 +297,26 @@ impl AeadSuite {
 
 impl AeadSuite {
     /// Whether [`AeadSuite::seal_into_slots`] writes this suite's slots: AES-GCM, AEGIS-256,
-    /// and AEGIS-128L where its four-lane kernel runs.
+    /// and AEGIS-128L where one of our kernels runs.
     fn seals_slots_directly(&self) -> bool {
         match &self.engine {
             Engine::Gcm(_) | Engine::Aegis256(_) => true,
-            #[cfg(target_arch = "x86_64")]
-            Engine::Aegis128L(_) => crate::ffi::aegis128l_vaes::available(),
-            #[cfg(not(target_arch = "x86_64"))]
-            Engine::Aegis128L(_) => false,
+            Engine::Aegis128L(_) => self.aegis128l_kernels(),
+        }
+    }
+
+    /// Whether AEGIS-128L runs on our own kernels here, the four-lane one (VAES) or a build
+    /// of the one-message one (AES-NI and AVX at least): both read and write any buffer, so
+    /// slots are sealed and opened where they are. Where neither runs, libaegis works in place
+    /// only and each slot's sector is copied first.
+    fn aegis128l_kernels(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            crate::ffi::aegis128l_vaes::available() || self.aegis128l_one.is_some()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
         }
     }
 
@@ -343,9 +355,10 @@ impl AeadSuite {
 #[cfg(target_arch = "x86_64")]
 impl AeadSuite {
     /// AEGIS-128L straight into slots (`encrypt_sectors_append_slots`): groups of four
-    /// sectors through the four-lane kernel with each lane's output at its slot, the rest one
-    /// sector at a time through `seal_run`; each slot's metadata after its ciphertext. The
-    /// caller checked the run and that the four-lane kernel runs here.
+    /// sectors through the four-lane kernel with each lane's output at its slot (where it
+    /// runs), the rest one sector at a time through `seal_run` (the one-message kernel, out
+    /// of place); each slot's metadata after its ciphertext. The caller checked the run and
+    /// that one of the kernels runs here ([`AeadSuite::aegis128l_kernels`]).
     fn seal_slots(
         &self,
         key: &[u8; 16],
@@ -358,7 +371,7 @@ impl AeadSuite {
         use crate::ffi::spare::write_copy;
         let (ss, md_len) = (self.sector_size, self.suite.metadata_len());
         let sectors = plaintext.len() / ss;
-        let grouped = sectors / LANES * LANES;
+        let grouped = four_lane_groups(sectors);
         let mut inputs = plaintext.chunks_exact(ss);
         let mut outputs = slots.chunks_exact_mut(ss + md_len);
         for g in 0..grouped / LANES {
@@ -461,11 +474,12 @@ impl AeadSuite {
 #[cfg(target_arch = "x86_64")]
 impl AeadSuite {
     /// AEGIS-128L from slots (`decrypt_sectors_from_slots`, `decrypt_sectors_in_slots`):
-    /// groups of four sectors through the four-lane kernel with each lane's input at its slot,
-    /// the rest one sector at a time through `open_run`; sectors whose tag does not verify are
-    /// zeroed and named in the error. `next_slot` gives each of the `sectors` slots in order:
-    /// the run from its ciphertext to where its plaintext goes (in place, or elsewhere), and
-    /// its metadata. The caller checked the run and that the four-lane kernel runs here.
+    /// groups of four sectors through the four-lane kernel with each lane's input at its slot
+    /// (where it runs), the rest one sector at a time through `open_run` (the one-message
+    /// kernel); sectors whose tag does not verify are zeroed and named in the error.
+    /// `next_slot` gives each of the `sectors` slots in order: the run from its ciphertext to
+    /// where its plaintext goes (in place, or elsewhere), and its metadata. The caller checked
+    /// the run and that one of the kernels runs here ([`AeadSuite::aegis128l_kernels`]).
     fn open_slots<'o>(
         &self,
         key: &[u8; 16],
@@ -474,7 +488,7 @@ impl AeadSuite {
         mut next_slot: impl FnMut() -> (Io<'o>, &'o [u8]),
     ) -> Result<(), CryptoError> {
         use crate::ffi::aegis128l_vaes::LANES;
-        let grouped = sectors / LANES * LANES;
+        let grouped = four_lane_groups(sectors);
         let mut failed = Vec::new();
         for g in 0..grouped / LANES {
             let base = first_sector + (g * LANES) as u64;
@@ -546,6 +560,17 @@ fn open_group(
             sector.clear_output();
             failed.push(base + i as u64);
         }
+    }
+}
+
+/// How many of a run's `sectors` go through the four-lane AEGIS-128L in groups of four: none
+/// where it does not run (the one-message kernel then takes every sector).
+#[cfg(target_arch = "x86_64")]
+fn four_lane_groups(sectors: usize) -> usize {
+    use crate::ffi::aegis128l_vaes::{available, LANES};
+    match available() {
+        true => sectors / LANES * LANES,
+        false => 0,
     }
 }
 
@@ -1041,7 +1066,7 @@ impl crate::SectorCipher for AeadSuite {
         }
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
-            if crate::ffi::aegis128l_vaes::available() {
+            if self.aegis128l_kernels() {
                 let ss = self.sector_size;
                 let mut inputs = slots.chunks_exact(ss + self.suite.metadata_len());
                 let mut outputs = plaintext.chunks_exact_mut(ss);
@@ -1066,7 +1091,7 @@ impl crate::SectorCipher for AeadSuite {
     ) -> Result<(), CryptoError> {
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
-            if crate::ffi::aegis128l_vaes::available() {
+            if self.aegis128l_kernels() {
                 let len = check_slots_append(self, first_sector, slots)? * self.sector_size;
                 let mut failed = None;
                 crate::ffi::spare::append_written(plaintext, len, |spare| {
@@ -1142,7 +1167,7 @@ impl crate::SectorCipher for AeadSuite {
     ) -> Result<(), CryptoError> {
         #[cfg(target_arch = "x86_64")]
         if let Engine::Aegis128L(key) = &self.engine {
-            if crate::ffi::aegis128l_vaes::available() {
+            if self.aegis128l_kernels() {
                 let sectors = check_slots_append(self, first_sector, slots)?;
                 let ss = self.sector_size;
                 let mut slots = slots.chunks_exact_mut(ss + self.suite.metadata_len());
