@@ -70,6 +70,30 @@ pub(crate) fn synced(path: &Path) {
     let _ = path;
 }
 
+/// Where the changes recorded for `path` stand, for [`synced_through`]: a sync that runs
+/// while the file is being written covers only what was written before it started.
+#[inline]
+pub(crate) fn sync_point(path: &Path) -> u64 {
+    #[cfg(feature = "fault-io")]
+    if record::active() {
+        return record::sync_point(path);
+    }
+    let _ = path;
+    0
+}
+
+/// A sync of `path` that started at `point` ([`sync_point`]) completed: the changes recorded
+/// before it are durable.
+#[inline]
+pub(crate) fn synced_through(path: &Path, point: u64) {
+    #[cfg(feature = "fault-io")]
+    if record::active() {
+        record::synced_through(path, point);
+    }
+    #[cfg(not(feature = "fault-io"))]
+    let _ = (path, point);
+}
+
 /// `path` was removed.
 #[inline]
 pub(crate) fn removed(path: &Path) {
@@ -131,6 +155,9 @@ mod record {
         disk: PathBuf,
         /// Pending changes by path relative to `live`, in the order they were made.
         pending: HashMap<PathBuf, Vec<Op>>,
+        /// How many changes per path left `pending` (applied or dropped): with `pending`'s
+        /// length, where a `sync_point` stands.
+        settled: HashMap<PathBuf, u64>,
         /// Syncs applied to the disk image per file, for the test's report.
         syncs: HashMap<PathBuf, u64>,
         /// The first error applying a sync to the disk image (the test fails on it).
@@ -168,6 +195,20 @@ mod record {
     }
 
     pub(super) fn synced(path: &Path) {
+        synced_through(path, u64::MAX);
+    }
+
+    pub(super) fn sync_point(path: &Path) -> u64 {
+        let guard = recorder();
+        let Some(r) = guard.as_ref() else { return 0 };
+        let Ok(rel) = path.strip_prefix(&r.live) else {
+            return 0;
+        };
+        let settled = r.settled.get(rel).copied().unwrap_or(0);
+        settled + r.pending.get(rel).map_or(0, |ops| ops.len() as u64)
+    }
+
+    pub(super) fn synced_through(path: &Path, point: u64) {
         let mut guard = recorder();
         let Some(r) = guard.as_mut() else { return };
         let Ok(rel) = path.strip_prefix(&r.live) else {
@@ -176,7 +217,11 @@ mod record {
         if !tracked(rel) {
             return;
         }
-        let ops = r.pending.remove(rel).unwrap_or_default();
+        let settled = r.settled.entry(rel.to_owned()).or_default();
+        let pending = r.pending.entry(rel.to_owned()).or_default();
+        let count = point.saturating_sub(*settled).min(pending.len() as u64);
+        *settled += count;
+        let ops: Vec<Op> = pending.drain(..count as usize).collect();
         let target = r.disk.join(rel);
         let result = (|| -> std::io::Result<()> {
             if let Some(parent) = target.parent() {
@@ -205,7 +250,9 @@ mod record {
         let Ok(rel) = path.strip_prefix(&r.live) else {
             return;
         };
-        r.pending.remove(rel);
+        if let Some(dropped) = r.pending.remove(rel) {
+            *r.settled.entry(rel.to_owned()).or_default() += dropped.len() as u64;
+        }
         let target = r.disk.join(rel);
         if let Err(e) = std::fs::remove_file(&target) {
             if e.kind() != std::io::ErrorKind::NotFound {
@@ -225,6 +272,7 @@ mod record {
             live: live.to_owned(),
             disk: disk.to_owned(),
             pending: HashMap::new(),
+            settled: HashMap::new(),
             syncs: HashMap::new(),
             error: None,
         });

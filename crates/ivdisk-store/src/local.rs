@@ -48,6 +48,34 @@ pub struct LocalStoreOptions {
 /// Start writeback of the active segment every this many appended bytes.
 const WRITEBACK_KICK: u64 = 8 << 20;
 
+/// `fdatasync` the segments written to, off the worker, every this many bytes written
+/// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
+/// `fdatasync` short: under random 4 KiB writes through `ivdisk serve` it still took
+/// 120-260 ms every 2 s, with every request waiting behind the worker; a file written at
+/// 120 MB/s and synced every 16 MiB took 28 ms to sync at the end against 366 ms without
+/// (docs/BENCHMARKS.md, "Segment data synced ahead").
+const SYNC_AHEAD: u64 = 16 << 20;
+
+/// SQLite checkpoints its log into the database once the log holds this many pages of 4 KiB
+/// (`PRAGMA wal_autocheckpoint`; SQLite's default is 1000).
+///
+/// Why 256 MiB: a checkpoint runs inside the commit that crosses the mark, on the worker
+/// (syncing the log, copying the pages, syncing the database), with every request waiting.
+/// Under random 4 KiB writes over a 4 GiB image a 2 s group commit writes about 80 MB of
+/// pages to the log, so at 1000 pages every commit checkpointed: about 320 ms of each 500 ms
+/// commit. At this mark one commit in three or four does, and since the same pages are
+/// dirtied again commit after commit, a checkpoint copies hardly more than after one
+/// (docs/BENCHMARKS.md, "Log syncs off the worker"). The log file grows to about this size
+/// once and is reused from its start after each checkpoint.
+///
+/// Builds with the `fault-io` feature (the store's own tests) keep SQLite's default, so that
+/// the crash and power-loss tests, which write little, cut through checkpoints too.
+const WAL_CHECKPOINT_PAGES: u32 = if cfg!(feature = "fault-io") {
+    1000
+} else {
+    65536
+};
+
 /// The file system block size assumed for alignment.
 const BLOCK: usize = 4096;
 
@@ -122,6 +150,8 @@ struct FileSegments {
     /// Reused ranges whose writeback has not been started, and their bytes.
     unkicked: Vec<(u32, u64, u64)>,
     unkicked_bytes: u64,
+    /// Bytes written (appended or into reused space) since the last sync ahead.
+    unsynced_ahead: u64,
     /// When a write last took space from `free` (or space went in while it was empty).
     last_reuse: Instant,
     /// When a write of whole blocks (one that can reuse space) last came. Dead space is held
@@ -145,6 +175,20 @@ fn start_writeback_now(job: &WritebackJob) {
         WritebackJob::Appended(file, offset, len) => start_writeback(file, *offset, *len),
         WritebackJob::Scattered(file, offset, len) => {
             crate::ffi_writeback::start_writeback_of_dirty(file, *offset, *len)
+        }
+        WritebackJob::SyncAhead(path) => {
+            // A descriptor of its own: Linux reports a writeback error to each open file
+            // once, so a sync through the segments' descriptor could take the error from the
+            // commit's `fdatasync`, which must see it. Not reported to `fault_io`: the
+            // power-loss model counts data synced only by the commit's own sync (conservative).
+            // A segment removed meanwhile (a failed transaction's rotation taken back) has
+            // nothing left to sync.
+            match File::open(path).and_then(|f| f.sync_data()) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(segment = %path.display(), error = %e, "syncing a segment ahead of its commit failed; the commit's own sync will report it");
+                }
+                _ => {}
+            }
         }
     }
 }
@@ -275,6 +319,7 @@ impl FileSegments {
             reused: Vec::new(),
             unkicked: Vec::new(),
             unkicked_bytes: 0,
+            unsynced_ahead: 0,
             last_reuse: Instant::now(),
             last_block_write: None,
         };
@@ -412,6 +457,8 @@ enum WritebackJob {
     /// Written into reused space, scattered over the range: `sync_file_range(WRITE)`, which
     /// walks only the dirty pages and drops no cached ones.
     Scattered(Arc<File>, u64, u64),
+    /// `fdatasync` the segment at this path (`SYNC_AHEAD`).
+    SyncAhead(PathBuf),
 }
 
 /// The writeback thread and what the segments keep of it.
@@ -569,7 +616,22 @@ impl FileSegments {
             }
             self.unkicked_bytes = 0;
         }
+        self.sync_ahead_after(len);
         Ok(())
+    }
+
+    /// Count `written` bytes towards the next sync ahead (`SYNC_AHEAD`), and queue it when
+    /// due: every segment written since the last sync, after the writeback kicks queued
+    /// before it.
+    fn sync_ahead_after(&mut self, written: u64) {
+        self.unsynced_ahead += written;
+        if self.unsynced_ahead < SYNC_AHEAD {
+            return;
+        }
+        self.unsynced_ahead = 0;
+        for segment in self.dirty.clone() {
+            self.kick_writeback(WritebackJob::SyncAhead(segment_path(&self.dir, segment)));
+        }
     }
 
     /// Hand every range held for reuse to the punch thread.
@@ -683,6 +745,7 @@ impl Segments for FileSegments {
         if !self.dirty.contains(&self.active) {
             self.dirty.push(self.active);
         }
+        self.sync_ahead_after(data.len() as u64);
         Ok((self.active, at))
     }
 
@@ -697,6 +760,7 @@ impl Segments for FileSegments {
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
+        self.unsynced_ahead = 0;
         for n in std::mem::take(&mut self.dirty) {
             self.files[&n].sync_data().map_err(StoreError::io_with(|| {
                 format!("syncing {}", segment_path(&self.dir, n).display())
@@ -986,6 +1050,9 @@ impl LocalStore {
              PRAGMA temp_store = MEMORY; PRAGMA cache_size = -65536;",
         )?;
         Engine::init_schema(&db)?;
+        db.execute_batch(&format!(
+            "PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}"
+        ))?;
         drop(paused);
         drop(opening);
         // A clean stop leaves CLEAN; without it, frees still pending at the crash are redone.
@@ -1032,7 +1099,7 @@ impl LocalStore {
             wal: dir.join("meta.sqlite-wal"),
             clean_marker,
         };
-        let engine = Engine::new(db, Box::new(segments), Box::new(wal))?;
+        let engine = Engine::new(db, Box::new(segments), Arc::new(wal))?;
         let (handle, worker) = EngineHandle::spawn(engine, "ivdisk-local-store")?;
         Ok(LocalStore(
             Client {

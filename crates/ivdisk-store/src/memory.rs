@@ -1,6 +1,8 @@
 //! The memory backend, for tests: the same engine as the local backend (so the same
 //! semantics), with SQLite in memory and segments in vectors. Nothing survives a drop.
 
+use std::sync::Arc;
+
 use rusqlite::Connection;
 
 use crate::engine::{
@@ -69,7 +71,7 @@ pub struct MemoryStore(Client);
 impl MemoryStore {
     pub fn new() -> Result<Self, StoreError> {
         let db = Connection::open_in_memory()?;
-        let engine = Engine::new(db, Box::<MemorySegments>::default(), Box::new(NoDurability))?;
+        let engine = Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability))?;
         let (handle, worker): (EngineHandle, _) = EngineHandle::spawn(engine, "ivdisk-mem-store")?;
         Ok(MemoryStore(Client {
             handle,
