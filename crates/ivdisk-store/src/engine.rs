@@ -298,10 +298,7 @@ impl WalSync {
                     while queue.try_recv().is_ok() {
                         covered += 1;
                     }
-                    let failure = durability.sync_wal().err().map(|e| {
-                        let no_space = matches!(e, StoreError::NoSpace { .. });
-                        (no_space, e.to_string())
-                    });
+                    let failure = sync_failure(durability.sync_wal());
                     if finished.send((covered, failure)).is_err() {
                         break;
                     }
@@ -318,6 +315,13 @@ struct DurablePoint {
     /// Flushes to answer then: the reply, what it reports unless the sync fails, and whether
     /// it waits for the punches too (see the flush request).
     flushes: Vec<(Reply<()>, Result<(), StoreError>, bool)>,
+}
+
+/// A log sync's failure as the worker keeps it: whether for lack of space, and what happened.
+fn sync_failure(synced: Result<(), StoreError>) -> Option<(bool, String)> {
+    synced
+        .err()
+        .map(|e| (matches!(e, StoreError::NoSpace { .. }), e.to_string()))
 }
 
 /// What a flush reports for a failure noted by `Engine::note_flush_error`.
@@ -921,10 +925,7 @@ impl Engine {
             }
         }
         // No sync thread (or it is gone): synced here, which covers every commit before.
-        let failure = self.durability.sync_wal().err().map(|e| {
-            let no_space = matches!(e, StoreError::NoSpace { .. });
-            (no_space, e.to_string())
-        });
+        let failure = sync_failure(self.durability.sync_wal());
         while !self.durable_points.is_empty() {
             self.durable_point_done(failure.clone());
         }

@@ -51,9 +51,9 @@ const WRITEBACK_KICK: u64 = 8 << 20;
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
 /// `fdatasync` short: under random 4 KiB writes through `ivdisk serve` it still took
-/// 120-260 ms every 2 s, with every request waiting behind the worker; a file written at
+/// 110-260 ms every 2 s, with every request waiting behind the worker; a file written at
 /// 120 MB/s and synced every 16 MiB took 28 ms to sync at the end against 366 ms without
-/// (docs/BENCHMARKS.md, "Segment data synced ahead").
+/// (docs/BENCHMARKS.md, "Log syncs off the worker, segment data synced ahead").
 const SYNC_AHEAD: u64 = 16 << 20;
 
 /// SQLite checkpoints its log into the database once the log holds this many pages of 4 KiB
