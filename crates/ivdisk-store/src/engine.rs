@@ -353,11 +353,17 @@ CREATE TABLE IF NOT EXISTS extents (
     inline BLOB,
     PRIMARY KEY (node, lo)
 ) WITHOUT ROWID;
--- Where extents are in the segments (`Engine::referenced`). Segment extents only: inline
--- extents (seg -1) are never looked up by place, and keeping them out spares every small
--- write's row an index entry to insert and delete.
-CREATE INDEX IF NOT EXISTS extent_by_place ON extents(seg, seg_off) WHERE seg >= 0;
--- Its predecessor, on (seg, blob) of every extent (stores made before it).
+-- Where the segment extents that do not cover whole blocks are (`Engine::referenced`, which
+-- asks only about blocks partly dead, where no extent of whole blocks can be). Extents of
+-- whole blocks (every data extent of 4 KiB-aligned image IO) and inline extents (seg -1)
+-- are left out: an entry to delete and insert on every overwrite cost random 4 KiB writes
+-- through `ivdisk serve` a sixth of their rate (docs/BENCHMARKS.md, section Partial blocks
+-- indexed only). `REFERENCED` repeats the terms, as SQLite requires to use a partial index.
+-- 4096 is `BLOCK`.
+CREATE INDEX IF NOT EXISTS partial_block_by_place ON extents(seg, seg_off)
+    WHERE seg >= 0 AND (seg_off % 4096 != 0 OR (hi - lo) % 4096 != 0);
+-- Its predecessors, on (seg, seg_off) and (seg, blob) of every extent (stores made before).
+DROP INDEX IF EXISTS extent_by_place;
 DROP INDEX IF EXISTS extent_by_blob;
 CREATE TABLE IF NOT EXISTS omap (
     node INTEGER NOT NULL, key BLOB NOT NULL, value BLOB NOT NULL,
@@ -418,6 +424,19 @@ type ExtentRow = (u64, u64, i64, u64, Option<Vec<u8>>);
 
 /// `seg` of inline extents.
 const INLINE_SEG: i64 = -1;
+
+/// The segment extents that may reference bytes below `?2` in segment `?1`, by place,
+/// descending; only those not covering whole blocks (`Engine::referenced`). The alignment
+/// terms are the index's, as written there: SQLite uses a partial index only for a query that
+/// has its terms (`referenced_uses_the_partial_block_index`).
+const REFERENCED: &str = "SELECT seg_off, hi - lo, blob_end FROM extents WHERE seg = ?1
+     AND seg >= 0 AND (seg_off % 4096 != 0 OR (hi - lo) % 4096 != 0)
+     AND seg_off < ?2 ORDER BY seg_off DESC";
+
+/// The unit of space in the segments: only whole blocks are punched or reused, so dead ranges
+/// are widened to whole blocks (`widen_to_blocks`). The index `partial_block_by_place` and
+/// `Engine::referenced` write it as a literal.
+const BLOCK: u64 = 4096;
 
 /// The extents overlapping `[?3, ?2)` of node `?1`: the last one starting at or before `?3`
 /// and those starting inside (a seek on `(node, lo)`, not a walk over the node's extents).
@@ -743,22 +762,38 @@ impl Engine {
         )? > 0)
     }
 
-    /// The largest segment offset referenced in `segment` (recovery truncates the rest).
-    ///
-    /// Every opening for writing asks this of the active segment. Only the extents that start
-    /// within `MAX_OBJECT_SIZE` of the last one are looked at: an extent maps part of one
-    /// object, so none is longer, and one that starts earlier ends before the last one starts.
-    /// Reading all of a full segment's extents (a quarter million of 4 KiB) took 0.8 s of
-    /// every open; the window, 0.1 s.
-    pub(crate) fn referenced_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
-        let end: Option<i64> = db.query_row(
-            "SELECT MAX(seg_off + hi - lo) FROM extents WHERE seg = ?1 AND seg >= 0
-             AND seg_off >= (SELECT seg_off FROM extents WHERE seg = ?1 AND seg >= 0
-                             ORDER BY seg_off DESC LIMIT 1) - ?2",
-            params![segment, crate::MAX_OBJECT_SIZE as i64],
+    /// Where the appends of the last commit ended in `segment`, the active one (recovery
+    /// truncates the rest): stored by each commit (`append_segment`, `append_offset`) with
+    /// the version it committed (`append_version`). A store last written by a build that did
+    /// not store it (the version moved on without it) is asked `referenced_end` instead, which
+    /// without an index of every extent by place reads all of them.
+    pub(crate) fn committed_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
+        let stored: Option<(i64, i64)> = db
+            .query_row(
+                "SELECT (SELECT value FROM meta WHERE key = 'append_segment'),
+                        (SELECT value FROM meta WHERE key = 'append_offset')
+                 WHERE (SELECT value FROM meta WHERE key = 'append_version')
+                     = (SELECT value FROM meta WHERE key = 'version')",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        match stored {
+            Some((s, offset)) if s == i64::from(segment) => Ok(offset as u64),
+            _ => Self::referenced_end(db, segment),
+        }
+    }
+
+    /// The largest segment offset referenced in `segment`: a read of every extent (no index
+    /// finds extents of whole blocks by place), for stores whose last commit did not store
+    /// where its appends ended (`committed_end`).
+    fn referenced_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
+        let end: i64 = db.query_row(
+            "SELECT IFNULL(MAX(seg_off + hi - lo), 0) FROM extents WHERE seg = ?1",
+            [segment],
             |r| r.get(0),
         )?;
-        Ok(end.unwrap_or(0) as u64)
+        Ok(end as u64)
     }
 
     /// Run the worker loop until every sender is gone, then commit durably.
@@ -1440,6 +1475,16 @@ impl Engine {
                         .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'version'")?
                         .execute([self.version as i64])?;
                 }
+                // Where this commit's appends end (`committed_end`), written by every commit: a
+                // commit that fails takes its rows back, whatever was remembered of them.
+                let appended = self.segments.mark();
+                let mut stmt = self
+                    .db
+                    .prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)")?;
+                stmt.execute(params!["append_segment", appended.segment])?;
+                stmt.execute(params!["append_offset", appended.offset as i64])?;
+                stmt.execute(params!["append_version", self.version as i64])?;
+                drop(stmt);
                 self.in_txn = false;
                 self.db.execute_batch("COMMIT")?;
                 committed = true;
@@ -1554,17 +1599,35 @@ impl Engine {
         Ok(frees)
     }
 
-    /// Whether any extent still references bytes of `[from, to)` in `seg`.
+    /// Whether any extent still references bytes of `[from, to)` in `seg`, a part of one
+    /// block whose other bytes are dead (`widen_to_blocks`).
     ///
-    /// Walks extents by segment offset downwards from `to`. One starting inside the range
-    /// references it. Below `from`: without snapshot clones, extents reference disjoint bytes,
-    /// so only the first one can reach into the range (a single index seek). With clones, two
-    /// nodes may share bytes, and the walk goes on through the extents of the blob (one append,
-    /// `[blob, blob_end)`) that holds `from`: every extent lies inside the blob its data was
-    /// written in, blobs do not overlap, so the first extent of a blob ending at or before
-    /// `from` ends the search.
+    /// Only extents that do not cover whole blocks are looked at (the index
+    /// `partial_block_by_place` holds no others): an extent of whole blocks that reached into
+    /// the block would reference its dead bytes too. Walks them by segment offset downwards
+    /// from `to`. One starting inside the range references it. Below `from`: without snapshot
+    /// clones, extents reference disjoint bytes, so only the first one can reach into the range
+    /// (a single index seek). With clones, two nodes may share bytes, and the walk goes on
+    /// through the extents of the blob (one append, `[blob, blob_end)`) that holds `from`:
+    /// every extent lies inside the blob its data was written in, blobs do not overlap, so
+    /// the first extent of a blob ending at or before `from` ends the search.
     fn referenced(&self, seg: u32, from: u64, to: u64) -> Result<bool, StoreError> {
-        Ok(from < to && !self.referenced_parts(seg, from, to, true)?.is_empty())
+        if from >= to {
+            return Ok(false);
+        }
+        let mut stmt = self.db.prepare_cached(REFERENCED)?;
+        let mut rows = stmt.query(params![seg, to as i64])?;
+        while let Some(row) = rows.next()? {
+            let start = row.get::<_, i64>(0)? as u64;
+            let end = start + row.get::<_, i64>(1)? as u64;
+            if end > from {
+                return Ok(true);
+            }
+            if !self.clones_may_exist || row.get::<_, i64>(2)? as u64 <= from {
+                break;
+            }
+        }
+        Ok(false)
     }
 
     /// Appends are packed, so a dead range rarely starts or ends on a block boundary and a punch
@@ -1572,7 +1635,6 @@ impl Engine {
     /// nothing live shares them (their other bytes are dead too, or not written yet). Called
     /// only between transactions, when every extent is committed.
     fn widen_to_blocks(&self, seg: u32, from: u64, to: u64) -> Result<(u64, u64), StoreError> {
-        const BLOCK: u64 = 4096;
         let down = from / BLOCK * BLOCK;
         let up = to.div_ceil(BLOCK) * BLOCK;
         let start = if down < from && !self.referenced(seg, down, from)? {
@@ -1861,9 +1923,13 @@ impl Engine {
                 let dead_lo = e_lo.max(lo);
                 let dead_hi = e_hi.min(hi);
                 self.note_dead(
-                    piece.seg,
-                    piece.seg_off + (dead_lo - e_lo),
-                    dead_hi - dead_lo,
+                    node,
+                    dead_lo,
+                    (
+                        piece.seg,
+                        piece.seg_off + (dead_lo - e_lo),
+                        dead_hi - dead_lo,
+                    ),
                 )?;
             }
         }
@@ -2005,17 +2071,23 @@ impl Engine {
         Ok(())
     }
 
-    /// A segment range lost its reference: free what no other node (a snapshot's clone, or
-    /// the head a removed snapshot's clone shared with) still references. Only the shared
-    /// parts stay: freeing nothing when any byte was shared left, for example, a whole 4 MiB
-    /// write allocated after its snapshot went away because the head still used 32 bytes of it.
-    fn note_dead(&mut self, seg: u32, offset: u64, len: u64) -> Result<(), StoreError> {
+    /// Node `node` no longer references the segment range `[offset, offset + len)`, which it
+    /// held at object offset `lo`: free what no other node (a snapshot's clone, or the head a
+    /// removed snapshot's clone shared with) still references. Only the shared parts stay:
+    /// freeing nothing when any byte was shared left, for example, a whole 4 MiB write
+    /// allocated after its snapshot went away because the head still used 32 bytes of it.
+    fn note_dead(
+        &mut self,
+        node: i64,
+        lo: u64,
+        (seg, offset, len): (u32, u64, u64),
+    ) -> Result<(), StoreError> {
         if !self.clones_may_exist {
             self.frees_pending.push((seg, offset, len));
             return Ok(());
         }
         let end = offset + len;
-        let mut live = self.referenced_parts(seg, offset, end, false)?;
+        let mut live = self.shared_parts(node, lo, (seg, offset, len))?;
         live.sort_unstable();
         let mut at = offset;
         for (lo, hi) in live {
@@ -2030,31 +2102,45 @@ impl Engine {
         Ok(())
     }
 
-    /// The parts of `[from, to)` in `seg` that extents reference (unordered, may overlap), by
-    /// the walk of [`Engine::referenced`]; with `first`, only the first part found.
-    fn referenced_parts(
+    /// The parts of the segment range `[offset, offset + len)`, which `node` referenced at
+    /// object offset `lo`, that other nodes still reference (unordered, may overlap).
+    ///
+    /// Nodes share segment bytes only by copying rows (`copy_node`: a snapshot's clone, a
+    /// rollback to one), between nodes of one object, and every later change of a row keeps
+    /// each byte at its object offset: so only the other nodes of the object, at the same
+    /// object range, can hold them (looked up by their key, with no index by place).
+    fn shared_parts(
         &self,
-        seg: u32,
-        from: u64,
-        to: u64,
-        first: bool,
+        node: i64,
+        lo: u64,
+        (seg, offset, len): (u32, u64, u64),
     ) -> Result<Vec<(u64, u64)>, StoreError> {
+        let others: Vec<i64> = self
+            .db
+            .prepare_cached(
+                "SELECT id FROM nodes WHERE id != ?1
+                 AND name = (SELECT name FROM nodes WHERE id = ?1)",
+            )?
+            .query_map([node], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
         let mut parts = Vec::new();
-        let mut stmt = self.db.prepare_cached(
-            "SELECT seg_off, hi - lo, blob_end FROM extents WHERE seg = ?1 AND seg >= 0
-             AND seg_off < ?2 ORDER BY seg_off DESC",
-        )?;
-        let mut rows = stmt.query(params![seg, to as i64])?;
-        while let Some(row) = rows.next()? {
-            let start = row.get::<_, i64>(0)? as u64;
-            let end = start + row.get::<_, i64>(1)? as u64;
-            if end > from {
-                parts.push((start.max(from), end.min(to)));
-                if first {
-                    break;
+        for other in others {
+            for (e_lo, e_hi, stored) in self.lookup_extents(other, lo, lo + len)? {
+                let Stored::Segment(piece) = stored else {
+                    continue;
+                };
+                if piece.seg != seg {
+                    continue;
                 }
-            } else if !self.clones_may_exist || row.get::<_, i64>(2)? as u64 <= from {
-                break;
+                // Where the part of the other extent inside `[lo, lo + len)` is, intersected
+                // with the dead range by place (not assuming the offsets line up).
+                let from = e_lo.max(lo);
+                let start = piece.seg_off + (from - e_lo);
+                let stop = start + (e_hi.min(lo + len) - from);
+                let (start, stop) = (start.max(offset), stop.min(offset + len));
+                if start < stop {
+                    parts.push((start, stop));
+                }
             }
         }
         Ok(parts)
@@ -2162,7 +2248,11 @@ impl Engine {
                                     if *e_lo == *offset && end == *e_hi =>
                                 {
                                     self.repoint_extent(node, *e_lo, new)?;
-                                    self.note_dead(old.seg, old.seg_off, end - offset)?;
+                                    self.note_dead(
+                                        node,
+                                        *e_lo,
+                                        (old.seg, old.seg_off, end - offset),
+                                    )?;
                                     true
                                 }
                                 _ => false,
@@ -2934,59 +3024,23 @@ fn blob_at<'row>(row: &'row rusqlite::Row<'_>, column: usize) -> rusqlite::Resul
 mod tests {
     use super::*;
 
-    /// The window gives what a scan of every extent of the segment gives, with extents of
-    /// every length up to the largest object, clones sharing ranges, and inline extents.
+    /// `Engine::referenced` is answered from the partial index: its query must carry the
+    /// index's terms exactly, or SQLite reads every extent instead.
     #[test]
-    fn referenced_end_agrees_with_a_full_scan() {
+    fn referenced_uses_the_partial_block_index() {
         let db = Connection::open_in_memory().unwrap();
         Engine::init_schema(&db).unwrap();
-        let full = |segment: u32| -> i64 {
-            db.query_row(
-                "SELECT IFNULL(MAX(seg_off + hi - lo), 0) FROM extents WHERE seg = ?1",
-                [segment],
-                |r| r.get(0),
-            )
+        let plan: Vec<String> = db
+            .prepare(&format!("EXPLAIN QUERY PLAN {REFERENCED}"))
             .unwrap()
-        };
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |below: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % below
-        };
-        let max = crate::MAX_OBJECT_SIZE;
-        for round in 0..200 {
-            db.execute("DELETE FROM extents", []).unwrap();
-            for node in 0..next(40) {
-                let segment = next(3) as i64 - 1; // -1: inline
-                let len = match next(4) {
-                    0 => max,
-                    1 => max - next(4096),
-                    _ => 4096 * (1 + next(64)),
-                };
-                let lo = next(max - len + 1);
-                let seg_off = next(3 * max);
-                db.execute(
-                    "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end)
-                     VALUES (?1, ?2, ?3, ?4, ?5, 0, 0)",
-                    params![
-                        node as i64,
-                        lo as i64,
-                        (lo + len) as i64,
-                        segment,
-                        seg_off as i64
-                    ],
-                )
-                .unwrap();
-            }
-            for segment in 0..2 {
-                assert_eq!(
-                    Engine::referenced_end(&db, segment).unwrap() as i64,
-                    full(segment),
-                    "round {round}, segment {segment}"
-                );
-            }
-        }
+            .query_map(params![1, 8192], |r| r.get(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(
+            plan.iter()
+                .any(|p| p.contains("USING INDEX partial_block_by_place")),
+            "{plan:?}"
+        );
     }
 }

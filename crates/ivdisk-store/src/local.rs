@@ -56,6 +56,15 @@ const WRITEBACK_KICK: u64 = 8 << 20;
 /// (docs/BENCHMARKS.md, "Log syncs off the worker, segment data synced ahead").
 const SYNC_AHEAD: u64 = 16 << 20;
 
+/// The writer's SQLite page cache, in KiB (`PRAGMA cache_size`; SQLite takes pages as it
+/// needs them, up to this). Random 4 KiB image writes leave about 100 MB of metadata per
+/// 4 GiB written (an extent row and its share of a packed omap value per block); with
+/// 64 MiB, each write's statements read pages back from the OS and spilled dirty ones to the
+/// log mid-transaction: through `ivdisk serve` on such an image, 256 MiB took random 4 KiB
+/// writes from 15.1-15.9k to 16.7-18.3k per second (docs/BENCHMARKS.md, "Partial blocks
+/// indexed only").
+const META_CACHE_KIB: u32 = 256 * 1024;
+
 /// SQLite checkpoints its log into the database once the log holds this many pages of 4 KiB
 /// (`PRAGMA wal_autocheckpoint`; SQLite's default is 1000).
 ///
@@ -287,7 +296,7 @@ impl FileSegments {
         let active = *numbers.last().expect("at least one");
         // Appends past what committed metadata references belong to operations that never
         // committed (a crash): drop them.
-        let len = Engine::referenced_end(db, active)?;
+        let len = Engine::committed_end(db, active)?;
         let file = &files[&active];
         let on_disk = file
             .metadata()
@@ -1047,10 +1056,10 @@ impl LocalStore {
                 reason: format!("{} is not writable", meta.display()),
             });
         }
-        db.execute_batch(
+        db.execute_batch(&format!(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;
-             PRAGMA temp_store = MEMORY; PRAGMA cache_size = -65536;",
-        )?;
+             PRAGMA temp_store = MEMORY; PRAGMA cache_size = -{META_CACHE_KIB};"
+        ))?;
         Engine::init_schema(&db)?;
         db.execute_batch(&format!(
             "PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}"

@@ -105,3 +105,61 @@ async fn a_clean_log_reports_nothing_dropped() {
     assert_eq!(store.read(&first, 0, 1).await.unwrap(), vec![1]);
     assert_eq!(store.read(&second, 0, 1).await.unwrap(), vec![2]);
 }
+
+/// Opening cuts the active segment after the last commit's appends. Each commit stores where
+/// they end, with the version it committed; a store last written by a build that did not
+/// (its commits moved the version on, not the stored position) is measured from its extents
+/// instead. Either way, bytes appended after the last commit are dropped and committed data
+/// is not.
+#[tokio::test]
+async fn appends_after_the_last_commit_are_dropped_also_after_an_older_build() {
+    for older_build in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let name = ObjectName::new("r/a").unwrap();
+        {
+            let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+            store
+                .write_op(&name, WriteOp::new().write(0, vec![7u8; 65536]))
+                .await
+                .unwrap();
+            store.flush().await.unwrap();
+        }
+        if older_build {
+            let db = rusqlite::Connection::open(path.join("meta.sqlite")).unwrap();
+            db.execute_batch(
+                "UPDATE meta SET value = 0 WHERE key = 'append_offset';
+                 UPDATE meta SET value = value + 1 WHERE key = 'version';",
+            )
+            .unwrap();
+        }
+        let mut segments: Vec<_> = std::fs::read_dir(path.join("data"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        segments.sort();
+        let active = segments.last().unwrap().clone();
+        let committed = std::fs::metadata(&active).unwrap().len();
+        assert!(committed >= 65536, "{committed}");
+        {
+            use std::io::Write;
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&active)
+                .unwrap();
+            file.write_all(&[0xee; 4096]).unwrap();
+        }
+        let store = LocalStore::open(&path).unwrap();
+        assert_eq!(
+            store.recovery_report().dropped_data_bytes,
+            4096,
+            "older build: {older_build}"
+        );
+        assert_eq!(std::fs::metadata(&active).unwrap().len(), committed);
+        assert_eq!(
+            store.read(&name, 0, 65536).await.unwrap(),
+            vec![7u8; 65536],
+            "older build: {older_build}"
+        );
+    }
+}
