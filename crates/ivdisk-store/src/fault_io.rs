@@ -24,6 +24,8 @@
 //!   not files of the disk image.
 
 use std::path::Path;
+#[cfg(feature = "fault-io")]
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A write of `data` at `offset` in `path` (the write has been done).
 #[inline]
@@ -103,6 +105,35 @@ pub(crate) fn removed(path: &Path) {
     }
     #[cfg(not(feature = "fault-io"))]
     let _ = path;
+}
+
+/// How long the reclaim thread after an unclean stop waits after taking its snapshot before
+/// it reads the extents, and after that before it queues the punches (zero but in the tests
+/// that set them: [`delay_reclaim_searches`]).
+#[inline]
+pub(crate) fn reclaim_delays() -> (std::time::Duration, std::time::Duration) {
+    #[cfg(feature = "fault-io")]
+    return (
+        std::time::Duration::from_millis(RECLAIM_DELAYS_MS[0].load(Ordering::Relaxed)),
+        std::time::Duration::from_millis(RECLAIM_DELAYS_MS[1].load(Ordering::Relaxed)),
+    );
+    #[cfg(not(feature = "fault-io"))]
+    (std::time::Duration::ZERO, std::time::Duration::ZERO)
+}
+
+#[cfg(feature = "fault-io")]
+static RECLAIM_DELAYS_MS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Test hook: every reclaim after an unclean stop that starts from now on waits
+/// `before_reading` after taking its snapshot and `before_punching` after reading the
+/// extents, so that a test can free and reuse space meanwhile (`tests/reclaim.rs`).
+#[cfg(feature = "fault-io")]
+pub fn delay_reclaim_searches(
+    before_reading: std::time::Duration,
+    before_punching: std::time::Duration,
+) {
+    RECLAIM_DELAYS_MS[0].store(before_reading.as_millis() as u64, Ordering::Relaxed);
+    RECLAIM_DELAYS_MS[1].store(before_punching.as_millis() as u64, Ordering::Relaxed);
 }
 
 #[cfg(feature = "fault-io")]

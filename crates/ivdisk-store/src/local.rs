@@ -20,7 +20,7 @@ use std::io::{Read, Seek};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -148,8 +148,11 @@ struct FileSegments {
     dirty: Vec<u32>,
     /// Bytes past the last committed reference, truncated at open.
     dropped_at_open: u64,
-    /// Unreferenced bytes handed to the punch thread at open after an unclean stop.
-    reclaimed_at_open: u64,
+    /// Unreferenced bytes found (and handed to the punch thread) by the reclaim after an
+    /// unclean stop, so far; shared with the reclaim thread and the store's recovery report.
+    reclaimed: Arc<AtomicU64>,
+    /// The reclaim after an unclean stop, while its thread may run.
+    reclaim: Option<Reclaim>,
     /// Dead whole blocks (their death durable) that writes of whole blocks go into before
     /// they grow a segment: rewriting pages the file already has costs a third of allocating
     /// fresh ones, and punching the old ones costs a discard each on a `discard` mount, which
@@ -325,7 +328,8 @@ impl FileSegments {
             kicked: len,
             dirty: Vec::new(),
             dropped_at_open,
-            reclaimed_at_open: 0,
+            reclaimed: Arc::new(AtomicU64::new(0)),
+            reclaim: None,
             free: FreeSpace::default(),
             reused: Vec::new(),
             unkicked: Vec::new(),
@@ -335,55 +339,107 @@ impl FileSegments {
             last_block_write: None,
         };
         if reclaim {
-            // Punched in the background, as any dead data: after random overwrites the backlog
-            // takes seconds on a `discard` mount, and opening (a server's start) should not
-            // wait for it. `LocalStore::reclaim_space` does.
-            segments.reclaimed_at_open = segments.punch_unreferenced(db)?;
+            segments.start_reclaim(db)?;
         }
         Ok(segments)
     }
 
-    /// Punch every byte range of every segment that no extent references. Returns the bytes
-    /// punched (holes already punched count again: the call is idempotent, not incremental).
-    fn punch_unreferenced(&mut self, db: &Connection) -> Result<u64, StoreError> {
-        let mut by_segment: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
-        {
-            let mut stmt =
-                db.prepare("SELECT seg, seg_off, hi - lo FROM extents WHERE seg >= 0")?;
-            let mut rows = stmt.query([])?;
-            while let Some(row) = rows.next()? {
-                let start = row.get::<_, i64>(1)? as u64;
-                let len = row.get::<_, i64>(2)? as u64;
-                by_segment
-                    .entry(row.get(0)?)
-                    .or_default()
-                    .push((start, start + len));
-            }
-        }
-        let mut punched = 0;
-        let numbers: Vec<u32> = self.files.keys().copied().collect();
-        for n in numbers {
-            let end = if n == self.active {
-                self.len
-            } else {
-                self.files[&n]
+    /// Start the reclaim after an unclean stop: a thread finds every byte range of the
+    /// segments that no extent references and queues its punch (punched, not held for reuse:
+    /// the open is not a durable commit).
+    ///
+    /// Why a thread: the search reads every extent row (0.5-1.1 s per million, a 4 GiB image
+    /// after random 4 KiB writes), and an open (a server's restart after a crash) should not
+    /// wait for it (docs/BENCHMARKS.md, "The reclaim after a crash off the open").
+    ///
+    /// Safe while the worker writes, because the search reads the state of this open (its read
+    /// transaction starts here, before the worker exists) and only whole blocks are punched:
+    /// a whole block no extent referenced then is referenced by nothing later. New data goes
+    /// past the append position of this open or into blocks freed by later commits, which
+    /// held live bytes at this open, and a dead range is widened only over partial blocks at
+    /// its ends (see `punch_now_or_later`).
+    fn start_reclaim(&mut self, db: &Connection) -> Result<(), StoreError> {
+        let path = db
+            .path()
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .ok_or_else(|| StoreError::Database("the store's database has no file".into()))?;
+        let scan = Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        scan.busy_timeout(Duration::from_secs(5))?;
+        scan.execute_batch("PRAGMA query_only = ON; BEGIN")?;
+        // The read transaction's snapshot is taken by its first read.
+        scan.query_row("SELECT count(*) FROM meta", [], |_| Ok(()))?;
+        let mut ends = Vec::with_capacity(self.files.len());
+        for (&n, file) in &self.files {
+            let end = match n == self.active {
+                true => self.len,
+                false => file
                     .metadata()
                     .map_err(StoreError::io("reading a segment's size"))?
-                    .len()
+                    .len(),
             };
-            let mut live = by_segment.remove(&n).unwrap_or_default();
-            live.sort_unstable();
-            let mut cursor = 0;
-            for (start, stop) in live.into_iter().chain(std::iter::once((end, end))) {
-                if start > cursor {
-                    // Punched, not held for reuse: the open is not a durable commit.
-                    self.punch_now_or_later(n, cursor, start - cursor)?;
-                    punched += start - cursor;
-                }
-                cursor = cursor.max(stop);
-            }
+            ends.push((n, end, file.clone()));
         }
-        Ok(punched)
+        let queue = PunchQueue {
+            dir: self.dir.clone(),
+            jobs: self.puncher()?.clone(),
+            queued: self.punches_queued.clone(),
+        };
+        let abandon = Arc::new(AtomicBool::new(false));
+        let found = self.reclaimed.clone();
+        let thread = std::thread::Builder::new()
+            .name("ivdisk-store-reclaim".into())
+            .spawn({
+                let abandon = abandon.clone();
+                move || {
+                    let started = Instant::now();
+                    let (before_reading, before_punching) = crate::fault_io::reclaim_delays();
+                    std::thread::sleep(before_reading);
+                    let search = queue_unreferenced(&scan, ends, &queue, &found, &abandon, || {
+                        std::thread::sleep(before_punching)
+                    });
+                    match search {
+                        Ok(finished) => {
+                            if finished && found.load(Ordering::Relaxed) > 0 {
+                                tracing::info!(
+                                    bytes = found.load(Ordering::Relaxed),
+                                    seconds = started.elapsed().as_secs_f64(),
+                                    "found the segment data no committed operation references \
+                                     (dead data whose release was pending at the last stop): \
+                                     punching it"
+                                );
+                            }
+                            finished
+                        }
+                        Err(e) => {
+                            tracing::warn!(
+                                error = %e,
+                                "could not search the segments for dead data left by the \
+                                 last stop: its space stays used until the next reclaim"
+                            );
+                            false
+                        }
+                    }
+                }
+            })
+            .map_err(StoreError::io("starting the store's reclaim thread"))?;
+        self.reclaim = Some(Reclaim { thread, abandon });
+        Ok(())
+    }
+
+    /// Wait until the reclaim thread, if one runs, has queued every punch it found (with
+    /// `abandon`, stop it first); false if it did not finish its search (stopped, or failed).
+    fn finish_reclaim(&mut self, abandon: bool) -> bool {
+        let Some(reclaim) = self.reclaim.take() else {
+            return true;
+        };
+        if abandon {
+            reclaim.abandon.store(true, Ordering::Relaxed);
+        }
+        reclaim.thread.join().unwrap_or(false)
     }
 
     fn rotate(&mut self) -> Result<(), StoreError> {
@@ -582,6 +638,8 @@ impl FileSegments {
 
 impl Drop for FileSegments {
     fn drop(&mut self) {
+        // A clean stop has taken the reclaim already (`settle_within`); anything else stops it.
+        self.finish_reclaim(true);
         self.settle();
     }
 }
@@ -674,26 +732,131 @@ impl FileSegments {
         offset: u64,
         len: u64,
     ) -> Result<(), StoreError> {
-        let Some((offset, end)) = whole_blocks(offset, len) else {
+        if whole_blocks(offset, len).is_none() {
             return Ok(());
-        };
-        let len = end - offset;
-        if let Some(file) = self.files.get(&segment) {
-            crate::fault_io::punch(|| segment_path(&self.dir, segment), offset, len);
-            let job = PunchJob::Punch {
-                file: file.clone(),
+        }
+        if let Some(file) = self.files.get(&segment).cloned() {
+            self.puncher()?;
+            let jobs = &self.puncher.as_ref().expect("just started").jobs;
+            queue_punch(
+                &self.dir,
+                jobs,
+                &self.punches_queued,
+                segment,
+                &file,
                 offset,
                 len,
-            };
-            let queued = self.punches_queued.clone();
-            let jobs = self.puncher()?;
-            // Counted before it is sent: the puncher counts it off once punched.
-            queued.fetch_add(1, Ordering::AcqRel);
-            jobs.send(job)
-                .expect("the puncher runs while its sender lives");
+            );
         }
         Ok(())
     }
+}
+
+/// What queues a punch for the puncher thread: the segments, and the reclaim thread.
+struct PunchQueue {
+    dir: PathBuf,
+    jobs: mpsc::Sender<PunchJob>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl PunchQueue {
+    fn punch(&self, segment: u32, file: &Arc<File>, offset: u64, len: u64) {
+        queue_punch(
+            &self.dir,
+            &self.jobs,
+            &self.queued,
+            segment,
+            file,
+            offset,
+            len,
+        );
+    }
+}
+
+/// Queue a punch of the whole blocks of `[offset, offset + len)` of `segment` (see
+/// `FileSegments::punch_now_or_later` for why only those).
+fn queue_punch(
+    dir: &Path,
+    jobs: &mpsc::Sender<PunchJob>,
+    queued: &AtomicUsize,
+    segment: u32,
+    file: &Arc<File>,
+    offset: u64,
+    len: u64,
+) {
+    let Some((offset, end)) = whole_blocks(offset, len) else {
+        return;
+    };
+    let len = end - offset;
+    crate::fault_io::punch(|| segment_path(dir, segment), offset, len);
+    // Counted before it is sent: the puncher counts it off once punched.
+    queued.fetch_add(1, Ordering::AcqRel);
+    // The puncher runs until every sender is gone; a send fails only if it died.
+    let _ = jobs.send(PunchJob::Punch {
+        file: file.clone(),
+        offset,
+        len,
+    });
+}
+
+/// The reclaim thread after an unclean stop (`FileSegments::start_reclaim`).
+struct Reclaim {
+    /// Returns whether the search finished.
+    thread: std::thread::JoinHandle<bool>,
+    /// Set: stop searching (the store stops; the next open reclaims again).
+    abandon: Arc<AtomicBool>,
+}
+
+/// The reclaim's search, in `scan`'s read transaction (the state at the open): queue a punch
+/// of every byte range of the segments in `ends` (number, end at the open, file) that no
+/// extent references, and count its bytes in `found` (holes punched before count again: the
+/// search is idempotent, not incremental). `before_punching` runs between the reading and
+/// the punches (a test's delay). Returns false if `abandon` stopped it.
+fn queue_unreferenced(
+    scan: &Connection,
+    ends: Vec<(u32, u64, Arc<File>)>,
+    queue: &PunchQueue,
+    found: &AtomicU64,
+    abandon: &AtomicBool,
+    before_punching: impl FnOnce(),
+) -> Result<bool, StoreError> {
+    let mut by_segment: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
+    let mut stmt = scan.prepare("SELECT seg, seg_off, hi - lo FROM extents WHERE seg >= 0")?;
+    let mut rows = stmt.query([])?;
+    let mut read = 0u64;
+    while let Some(row) = rows.next()? {
+        read += 1;
+        if read.is_multiple_of(4096) && abandon.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let start = row.get::<_, i64>(1)? as u64;
+        let len = row.get::<_, i64>(2)? as u64;
+        by_segment
+            .entry(row.get(0)?)
+            .or_default()
+            .push((start, start + len));
+    }
+    drop(rows);
+    drop(stmt);
+    // The snapshot is no longer needed: let checkpoints go past it.
+    scan.execute_batch("COMMIT")?;
+    before_punching();
+    for (n, end, file) in ends {
+        let mut live = by_segment.remove(&n).unwrap_or_default();
+        live.sort_unstable();
+        let mut cursor = 0;
+        for (start, stop) in live.into_iter().chain(std::iter::once((end, end))) {
+            if start > cursor {
+                if abandon.load(Ordering::Relaxed) {
+                    return Ok(false);
+                }
+                queue.punch(n, &file, cursor, start - cursor);
+                found.fetch_add(start - cursor, Ordering::Relaxed);
+            }
+            cursor = cursor.max(stop);
+        }
+    }
+    Ok(true)
 }
 
 impl Segments for FileSegments {
@@ -834,6 +997,7 @@ impl Segments for FileSegments {
     }
 
     fn settle(&mut self) {
+        self.finish_reclaim(false);
         self.release_free_space();
         if let Some(writeback) = self.writeback.take() {
             drop(writeback.jobs);
@@ -846,15 +1010,30 @@ impl Segments for FileSegments {
     }
 
     fn settle_within(&mut self, budget: Duration) -> bool {
+        let deadline = Instant::now() + budget;
+        // The reclaim's search within the budget too; stopped past it (the next open, which
+        // finds no `CLEAN` marker, searches again).
+        while self
+            .reclaim
+            .as_ref()
+            .is_some_and(|r| !r.thread.is_finished())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let reclaimed = self.finish_reclaim(true);
         self.release_free_space();
         let Some(puncher) = self.puncher.take() else {
-            return true;
+            return reclaimed;
         };
         drop(puncher.jobs);
-        let settled = matches!(
-            puncher.finished.recv_timeout(budget),
-            Err(mpsc::RecvTimeoutError::Disconnected)
-        );
+        let settled = reclaimed
+            && matches!(
+                puncher
+                    .finished
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now())),
+                Err(mpsc::RecvTimeoutError::Disconnected)
+            );
         if !settled {
             puncher.abandon.store(true, Ordering::Relaxed);
         }
@@ -864,7 +1043,9 @@ impl Segments for FileSegments {
     }
 
     fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
-        // Space is wanted back (it ran out, or `reclaim_space`): what is held for reuse too.
+        // Space is wanted back (it ran out, or `reclaim_space`): what the reclaim after an
+        // unclean stop finds, and what is held for reuse too.
+        self.finish_reclaim(false);
         self.release_free_space();
         match &self.puncher {
             Some(puncher) => puncher
@@ -981,14 +1162,22 @@ pub struct RecoveryReport {
     /// Bytes of segment data that no committed operation referenced, dropped from the end.
     pub dropped_data_bytes: u64,
     /// Bytes of dead segment data inside the segments (their release was pending when the
-    /// process stopped) that opening punches out, in the background
-    /// ([`LocalStore::reclaim_space`] waits until it is done).
+    /// process stopped), which a thread started by the open finds and punches out in the
+    /// background: what it has found so far; all of it once [`LocalStore::reclaim_space`] has
+    /// returned (which waits for the search and the punches).
     pub reclaimed_bytes: u64,
 }
 
 /// The local embedded object store: a directory, one writer process at a time, and any number
 /// of read-only openers ([`LocalStore::open_read_only`]).
-pub struct LocalStore(Client, RecoveryReport, Option<Arc<ReaderLink>>);
+pub struct LocalStore(
+    Client,
+    RecoveryReport,
+    Option<Arc<ReaderLink>>,
+    /// What the reclaim after an unclean stop has found so far
+    /// (`RecoveryReport::reclaimed_bytes`).
+    Option<Arc<AtomicU64>>,
+);
 
 impl Drop for LocalStore {
     fn drop(&mut self) {
@@ -1087,7 +1276,8 @@ impl LocalStore {
                 ))(e))
             }
         };
-        let segments = FileSegments::open(dir.join("data"), &db, !was_clean)?;
+        // (A store being created has nothing to reclaim.)
+        let segments = FileSegments::open(dir.join("data"), &db, !was_clean && !creating)?;
         if creating {
             // A store that `open_with` returned survives a power cut: its schema is moved into
             // `meta.sqlite` and synced, and so are the directory entries down to the store.
@@ -1105,7 +1295,7 @@ impl LocalStore {
             }
         }
         report.dropped_data_bytes = segments.dropped_at_open;
-        report.reclaimed_bytes = segments.reclaimed_at_open;
+        let reclaimed = segments.reclaimed.clone();
         let wal = WalFile {
             wal: dir.join("meta.sqlite-wal"),
             clean_marker,
@@ -1120,6 +1310,7 @@ impl LocalStore {
             },
             report,
             None,
+            Some(reclaimed),
         ))
     }
 
@@ -1170,6 +1361,7 @@ impl LocalStore {
             },
             RecoveryReport::default(),
             Some(link),
+            None,
         ))
     }
 
@@ -1228,12 +1420,16 @@ impl LocalStore {
             self.0.another(random_client_id("local")),
             self.1,
             self.2.clone(),
+            self.3.clone(),
         )
     }
 
     /// What opening found after an unclean stop (all zero after a clean one).
     pub fn recovery_report(&self) -> RecoveryReport {
-        self.1
+        RecoveryReport {
+            reclaimed_bytes: self.3.as_ref().map_or(0, |r| r.load(Ordering::Relaxed)),
+            ..self.1
+        }
     }
 }
 

@@ -247,9 +247,9 @@ async fn a_crash_leaves_no_dead_data_behind() {
 
     let before = allocated(&path);
     let store = LocalStore::open(&path).unwrap();
-    let report = store.recovery_report();
-    // The reclaim's punches run in the background.
+    // The reclaim's search and punches run in the background; `reclaim_space` waits for them.
     store.reclaim_space().await.unwrap();
+    let report = store.recovery_report();
     let after = allocated(&path);
     // The overwrite committed (its group commit ran before the kill) but the first pass's data
     // was never released; opening after the crash finds and punches it.
