@@ -21,6 +21,7 @@ mod fault_io;
 #[cfg(feature = "fault-io")]
 pub mod ffi_vfs;
 mod ffi_writeback;
+mod file_ranges;
 mod free_space;
 mod local;
 mod memory;
@@ -36,6 +37,7 @@ pub mod small_fs;
 pub use coalesce::CoalescingStore;
 pub use error::StoreError;
 pub use ext::ObjectStoreExt;
+pub use file_ranges::file_data_ranges;
 pub use local::{LocalStore, LocalStoreOptions, RecoveryReport};
 pub use memory::MemoryStore;
 pub use types::*;

@@ -235,44 +235,8 @@ impl RawFile {
     /// The data ranges of `[offset, end)` as the file system knows them; `None` where it
     /// cannot tell (then everything counts as data).
     fn data_ranges(&self, offset: u64, end: u64) -> Option<Vec<(u64, u64)>> {
-        file_data_ranges(&self.file, offset, end)
+        ivdisk_store::file_data_ranges(&self.file, offset, end)
     }
-}
-
-/// The data ranges of `[offset, end)` of `file` as the file system knows them
-/// (`SEEK_DATA`/`SEEK_HOLE`), in order; `None` where it cannot tell (then everything counts as
-/// data).
-pub(crate) fn file_data_ranges(file: &File, offset: u64, end: u64) -> Option<Vec<(u64, u64)>> {
-    use rustix::fs::{seek, SeekFrom};
-    // A regular file shorter than promised (it shrank since its size was taken) would show
-    // its missing end as a hole: let the reads find out, and fail.
-    let meta = file.metadata().ok()?;
-    if meta.is_file() && meta.len() < end {
-        return None;
-    }
-    let mut ranges = Vec::new();
-    let mut at = offset;
-    while at < end {
-        let start = match seek(file, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            // No data at or after `at`: the rest is a hole.
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(_) => return None,
-        };
-        if start >= end {
-            break;
-        }
-        let stop = match seek(file, SeekFrom::Hole(start)) {
-            Ok(stop) => stop.min(end),
-            Err(_) => return None,
-        };
-        if stop <= start {
-            return None;
-        }
-        ranges.push((start, stop));
-        at = stop;
-    }
-    Some(ranges)
 }
 
 #[async_trait]

@@ -312,7 +312,7 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
     let ss = image.sector_size() as u64;
     // Holes the file system knows of are not read at all: a sparse 64 GiB file took a minute
     // of reading zeros.
-    let data = crate::convert::file_data_ranges(&file, 0, len);
+    let data = ivdisk_store::file_data_ranges(&file, 0, len);
     let holds_data = move |offset: u64, n: u64| match &data {
         Some(ranges) => {
             let next = ranges.partition_point(|&(_, stop)| stop <= offset);
