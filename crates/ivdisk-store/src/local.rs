@@ -810,8 +810,9 @@ struct Reclaim {
 
 /// The reclaim's search, in `scan`'s read transaction (the state at the open): queue a punch
 /// of every byte range of the segments in `ends` (number, end at the open, file) that no
-/// extent references and holds data, and count the bytes punched (whole blocks) in `found`. `before_punching` runs between the reading and
-/// the punches (a test's delay). Returns false if `abandon` stopped it.
+/// extent references and holds data, and count the bytes punched (whole blocks) in `found`.
+/// `before_punching` runs between the reading and the punches (a test's delay). Returns false
+/// if `abandon` stopped it.
 fn queue_unreferenced(
     scan: &Connection,
     ends: Vec<(u32, u64, Arc<File>)>,
