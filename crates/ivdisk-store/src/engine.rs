@@ -26,6 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures_channel::oneshot;
 use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::omap_overlay::{Lookup, OmapOverlay, WriteBack};
 use crate::{
     check_range, Extent, LockRequest, Locker, ObjectName, OmapPairs, ReadOp, ReadResult, ReadStep,
     SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
@@ -256,6 +257,21 @@ const HEAD_CACHE_SIZE: usize = 1 << 16;
 /// At most this many requests are handled before their replies are sent.
 const ANSWER_BURST: usize = 32;
 const COMMIT_MAX_OPS: usize = 200_000;
+/// Omap changes held in memory (omap_overlay.rs) are written back in pieces, one per commit,
+/// once they take more than this (about 200,000 values of an `omap-packed` image), down to
+/// three quarters of it. The more held, the fewer B-tree pages each value dirties: random
+/// 4 KiB writes over a 32 GiB image went +12% holding 64 Ki values, +30% holding 256 Ki, in
+/// builds without pending rows (docs/BENCHMARKS.md, "Omap values written behind").
+/// `IVDISK_STORE_OMAP_HELD_MAX` (bytes) overrides it, for tests that crash writers in the
+/// middle of pieces and for measurements.
+const OMAP_HELD_MAX: usize = 128 << 20;
+
+fn omap_held_max() -> usize {
+    std::env::var("IVDISK_STORE_OMAP_HELD_MAX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(OMAP_HELD_MAX)
+}
 const COMMIT_MAX_BYTES: u64 = 1 << 30;
 /// Durable commits happen at least this often even without a flush (bounds the loss after a
 /// power cut and lets dead space be punched).
@@ -369,6 +385,13 @@ CREATE TABLE IF NOT EXISTS omap (
     node INTEGER NOT NULL, key BLOB NOT NULL, value BLOB NOT NULL,
     PRIMARY KEY (node, key)
 ) WITHOUT ROWID;
+-- Omap changes of committed transactions not yet written to `omap`, one row per group commit
+-- (omap_overlay.rs); replayed in order at an open. AUTOINCREMENT: a read-only engine tells
+-- new rows from rows it has seen by their numbers, which must not come back after a
+-- write-back deleted every row.
+CREATE TABLE IF NOT EXISTS omap_pending (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, changes BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS snaps (id INTEGER PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS locks (
     name TEXT NOT NULL, lock TEXT NOT NULL, client TEXT NOT NULL, cookie TEXT NOT NULL,
@@ -545,6 +568,18 @@ pub(crate) struct Engine {
     /// then rolled back is simply skipped.
     version: u64,
     version_stored: u64,
+    /// Omap changes not yet in the `omap` table (omap_overlay.rs): a read-write engine's own,
+    /// and those a read-only engine replayed from `omap_pending`.
+    omap: std::cell::RefCell<OmapOverlay>,
+    /// A read-only engine: the write-back generation (`meta` row `omap_generation`, counted
+    /// up by every write-back of all changes) and the last `omap_pending` row `omap` holds,
+    /// and whether the store has that table (stores made before it have none).
+    omap_rows_seen: Option<(i64, i64)>,
+    omap_pending_table: bool,
+    /// The open transaction counted `omap_generation` up already.
+    omap_generation_counted: bool,
+    /// `OMAP_HELD_MAX`, unless overridden (`omap_held_max`).
+    omap_held_max: usize,
 }
 
 /// A failed read of a read-only engine; `transient` if SQLite only could not start the read
@@ -692,6 +727,15 @@ impl Engine {
             heads: Default::default(),
             dirty_heads: Default::default(),
             inline_column: true,
+            omap: Default::default(),
+            omap_rows_seen: None,
+            omap_pending_table: true,
+            omap_held_max: omap_held_max(),
+            omap_generation_counted: false,
+        })
+        .and_then(|mut engine| {
+            engine.replay_omap_pending()?;
+            Ok(engine)
         })
     }
 
@@ -731,11 +775,175 @@ impl Engine {
                 source,
                 connected: true,
             }),
+            omap: Default::default(),
+            omap_rows_seen: None,
+            omap_pending_table: false,
+            omap_held_max: omap_held_max(),
+            omap_generation_counted: false,
         };
         // Fail now on what is no store (or not readable), not at the first read.
         engine.consistent(|e| Ok((e.meta("version")?, None)))?;
         engine.inline_column = Self::has_inline_column(&engine.db)?;
+        engine.omap_pending_table = Self::has_omap_pending_table(&engine.db)?;
         Ok(engine)
+    }
+
+    /// Whether the store has the `omap_pending` table (a read-only open of a store last
+    /// written by an older version may lack it; it then has no pending omap changes either).
+    fn has_omap_pending_table(db: &Connection) -> Result<bool, StoreError> {
+        Ok(db.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table'
+             AND name = 'omap_pending')",
+            [],
+            |r| r.get::<_, bool>(0),
+        )?)
+    }
+
+    /// Hold the omap changes of every `omap_pending` row again, oldest first (at an open, and
+    /// after a lost transaction, whose changes the rollback took out of the table).
+    fn replay_omap_pending(&mut self) -> Result<(), StoreError> {
+        let omap = self.omap.get_mut();
+        omap.clear();
+        let mut stmt = self
+            .db
+            .prepare_cached("SELECT seq, changes FROM omap_pending ORDER BY seq")?;
+        let mut rows = stmt.query([])?;
+        let mut last = 0;
+        while let Some(row) = rows.next()? {
+            last = row.get(0)?;
+            omap.replay(last as u64, blob_at(row, 1)?)?;
+        }
+        drop(rows);
+        drop(stmt);
+        // Row numbers are never used twice (AUTOINCREMENT keeps the highest ever used), so
+        // that a read-only engine following the table tells new rows from old ones.
+        let used: i64 = self.db.query_row(
+            "SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'omap_pending'",
+            [],
+            |r| r.get(0),
+        )?;
+        omap.next_row(used.max(last) as u64 + 1);
+        let generation = Self::omap_generation(&self.db)?;
+        self.omap_rows_seen = Some((generation, last));
+        Ok(())
+    }
+
+    fn omap_generation(db: &Connection) -> Result<i64, StoreError> {
+        Ok(db
+            .query_row(
+                "SELECT value FROM meta WHERE key = 'omap_generation'",
+                [],
+                |r| r.get(0),
+            )
+            .optional()?
+            .unwrap_or(0))
+    }
+
+    /// A read-only engine, at the start of each read transaction: catch up with the rows a
+    /// writer added to `omap_pending`, or replay them all again if it wrote every change back
+    /// since (a later step may have removed in SQL what older rows set). Rows the writer
+    /// deleted one by one were written back or changed again by later rows: what this engine
+    /// still holds of them agrees with SQLite, until it holds too much and starts over.
+    fn follow_omap_pending(&mut self) -> Result<(), StoreError> {
+        if !self.omap_pending_table {
+            return Ok(());
+        }
+        let generation = Self::omap_generation(&self.db)?;
+        match self.omap_rows_seen {
+            Some((seen_generation, last))
+                if seen_generation == generation
+                    && self.omap.get_mut().held().1 <= 2 * self.omap_held_max =>
+            {
+                let omap = self.omap.get_mut();
+                let mut stmt = self.db.prepare_cached(
+                    "SELECT seq, changes FROM omap_pending WHERE seq > ?1 ORDER BY seq",
+                )?;
+                let mut rows = stmt.query([last])?;
+                let mut newest = last;
+                while let Some(row) = rows.next()? {
+                    newest = row.get(0)?;
+                    omap.replay(newest as u64, blob_at(row, 1)?)?;
+                }
+                omap.take_emptied();
+                self.omap_rows_seen = Some((generation, newest));
+                Ok(())
+            }
+            _ => {
+                self.replay_omap_pending()?;
+                self.omap.get_mut().take_emptied();
+                Ok(())
+            }
+        }
+    }
+
+    /// Write every held omap change to the `omap` table, in key order, and delete the pending
+    /// rows, in the open transaction. Done before any step that reads or changes a node's
+    /// omap in SQL as a whole (see omap_overlay.rs), before a SAVEPOINT (whose rollback would
+    /// undo the write-back but not bring the changes back), and at a clean stop.
+    fn write_back_omap(&mut self) -> Result<(), StoreError> {
+        self.begin()?;
+        // Read-only engines beside this one start over from the rows left (see
+        // `follow_omap_pending`): once per transaction is enough, as they see whole ones.
+        if !self.omap_generation_counted {
+            self.db.execute_batch(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('omap_generation',
+                     coalesce((SELECT value FROM meta WHERE key = 'omap_generation'), 0) + 1);",
+            )?;
+            self.omap_generation_counted = true;
+        }
+        if self.omap.get_mut().is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let held = self.omap.get_mut().take_all();
+        let count = held.len();
+        self.store_omap(&held)?;
+        self.db.execute_batch("DELETE FROM omap_pending")?;
+        tracing::debug!(
+            count,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "omap changes written back"
+        );
+        Ok(())
+    }
+
+    /// Write changes taken from the overlay to the `omap` table (in the open transaction).
+    fn store_omap(&self, changes: &[WriteBack]) -> Result<(), StoreError> {
+        let mut set = self
+            .db
+            .prepare_cached("INSERT OR REPLACE INTO omap (node, key, value) VALUES (?1, ?2, ?3)")?;
+        let mut remove = self
+            .db
+            .prepare_cached("DELETE FROM omap WHERE node = ?1 AND key = ?2")?;
+        for ((node, key), value) in changes {
+            match value {
+                Some(value) => set.execute(params![node, key, value])?,
+                None => remove.execute(params![node, key])?,
+            };
+        }
+        Ok(())
+    }
+
+    /// At a commit, past `omap_held_max`: write back the next piece of held changes in key
+    /// order, enough to hold three quarters of it after, and delete the rows this leaves
+    /// unneeded. A piece per commit keeps each commit short, where writing every change back
+    /// at once held the worker for 1.7-1.8 s (about 200,000 changes).
+    fn write_back_omap_piece(&mut self) -> Result<(), StoreError> {
+        let (count, bytes) = self.omap.get_mut().held();
+        if bytes <= self.omap_held_max {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let over = bytes - self.omap_held_max / 4 * 3;
+        let limit = (over as u128 * count as u128 / bytes.max(1) as u128) as usize + 1;
+        let piece = self.omap.get_mut().take_piece(limit);
+        self.store_omap(&piece)?;
+        tracing::debug!(
+            count = piece.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "a piece of the omap changes written back"
+        );
+        Ok(())
     }
 
     /// Create the tables of a new store (a no-op on an existing one).
@@ -844,6 +1052,12 @@ impl Engine {
                 self.commit(true);
             }
             tick_due = self.segments.tick().map(|after| Instant::now() + after);
+        }
+        // A clean stop leaves no omap change pending: nothing to replay at the next open.
+        if self.read_only.is_none() && self.omap.get_mut().pending() {
+            if let Err(e) = self.write_back_omap() {
+                self.lose_transaction(&e);
+            }
         }
         self.commit(true);
         self.finish_durable_points(true);
@@ -1061,11 +1275,11 @@ impl Engine {
                 self.answer(reply, result);
             }
             Request::SnapCreate { reply } => {
-                let result = self.in_operation(|e| e.snap_create());
+                let result = self.in_operation(false, |e| e.snap_create());
                 self.answer(reply, result);
             }
             Request::SnapRemove { snap, reply } => {
-                let result = self.in_operation(|e| e.snap_remove(snap));
+                let result = self.in_operation(true, |e| e.snap_remove(snap));
                 self.answer(reply, result);
             }
             Request::Lock {
@@ -1074,7 +1288,7 @@ impl Engine {
                 request,
                 reply,
             } => {
-                let result = self.in_operation(|e| e.lock(&object, &client, &request));
+                let result = self.in_operation(false, |e| e.lock(&object, &client, &request));
                 self.answer(reply, result);
             }
             Request::Unlock {
@@ -1084,7 +1298,8 @@ impl Engine {
                 cookie,
                 reply,
             } => {
-                let result = self.in_operation(|e| e.unlock(&object, &lock, &client, &cookie));
+                let result =
+                    self.in_operation(false, |e| e.unlock(&object, &lock, &client, &cookie));
                 self.answer(reply, result);
             }
             Request::ListLockers {
@@ -1294,7 +1509,10 @@ impl Engine {
                 r.get::<_, i64>(0)
             });
         let result = match started {
-            Ok(_) => body(self).map_err(permanent),
+            Ok(_) => self
+                .follow_omap_pending()
+                .and_then(|()| body(self))
+                .map_err(permanent),
             Err(e) => Err(Failure {
                 transient: transient(&e),
                 error: e.into(),
@@ -1324,6 +1542,7 @@ impl Engine {
             self.txn_started = Instant::now();
             self.txn_mark = self.segments.mark();
             self.txn_frees = self.frees_pending.len();
+            self.omap_generation_counted = false;
         }
         Ok(())
     }
@@ -1345,7 +1564,7 @@ impl Engine {
             return Err(refused);
         }
         if op.steps.iter().any(|s| matches!(s, WriteStep::Rollback(_))) {
-            return self.in_operation(|e| {
+            return self.in_operation(true, |e| {
                 let head = e.head(object)?;
                 e.write(object, op, head, None)
             });
@@ -1375,10 +1594,12 @@ impl Engine {
         }
         match self.write(object, op, head, Some(pieces)) {
             Ok(outcome) => {
+                self.omap.get_mut().operation_done();
                 self.txn_ops += 1;
                 Ok(outcome)
             }
             Err(e) => {
+                self.omap.get_mut().operation_failed();
                 self.lose_transaction(&e);
                 Err(e)
             }
@@ -1400,18 +1621,38 @@ impl Engine {
         if let Err(rewind) = self.segments.rewind(self.txn_mark) {
             tracing::warn!("could not take back the lost operations' data: {rewind}");
         }
+        self.omap_after_lost_transaction();
     }
 
-    /// Run one mutating operation inside the group transaction, all or nothing.
+    /// The open transaction was rolled back: hold what `omap_pending` still has, no more.
+    fn omap_after_lost_transaction(&mut self) {
+        self.omap.get_mut().operation_failed();
+        if let Err(e) = self.replay_omap_pending() {
+            // Reads would see SQLite's older values of keys changed before the loss: refuse
+            // everything until the store is opened again, as after a failed commit.
+            tracing::error!("could not read back the omap changes not yet written back: {e}");
+            self.omap.get_mut().clear();
+            self.note_lost(&e);
+        }
+    }
+
+    /// Run one mutating operation inside the group transaction, all or nothing. With
+    /// `omap_whole`, the operation may read or rewrite a node's omap in SQL as a whole: the
+    /// held omap changes are written back before the SAVEPOINT, whose rollback would undo a
+    /// write-back inside it but not bring the changes back into memory.
     fn in_operation<T>(
         &mut self,
+        omap_whole: bool,
         body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         self.begin()?;
         // A rollback to the savepoint forgets the cached heads: the rows must hold them first.
         // Failing half-way, some are stored and the rest only cached: the whole transaction
         // goes, as when a commit fails.
-        if let Err(e) = self.store_dirty_heads() {
+        if let Err(e) = self.store_dirty_heads().and_then(|()| match omap_whole {
+            true => self.write_back_omap(),
+            false => Ok(()),
+        }) {
             self.lose_transaction(&e);
             return Err(e);
         }
@@ -1420,11 +1661,16 @@ impl Engine {
         let frees = self.frees_pending.len();
         match body(self) {
             Ok(value) => {
-                self.db.execute_batch("RELEASE op")?;
+                if let Err(e) = self.db.execute_batch("RELEASE op") {
+                    self.omap.get_mut().operation_failed();
+                    return Err(e.into());
+                }
+                self.omap.get_mut().operation_done();
                 self.txn_ops += 1;
                 Ok(value)
             }
             Err(e) => {
+                self.omap.get_mut().operation_failed();
                 self.forget_caches();
                 // SQLite rolls the whole transaction back by itself on some errors
                 // (SQLITE_FULL, SQLITE_IOERR, SQLITE_NOMEM): then every operation since the
@@ -1440,6 +1686,7 @@ impl Engine {
                     self.frees_pending.truncate(self.txn_frees);
                     self.note_lost(&e);
                     self.count_lost_transaction(&e);
+                    self.omap_after_lost_transaction();
                     self.txn_mark
                 } else {
                     self.frees_pending.truncate(frees);
@@ -1469,6 +1716,24 @@ impl Engine {
                     self.segments.sync()?;
                 }
                 data_synced = started.elapsed();
+                let omap = self.omap.get_mut();
+                let (row, changes) = omap.transaction_row();
+                if !changes.is_empty() {
+                    self.db
+                        .prepare_cached("INSERT INTO omap_pending (seq, changes) VALUES (?1, ?2)")?
+                        .execute(params![row as i64, changes])?;
+                    omap.transaction_row_stored();
+                }
+                self.write_back_omap_piece()?;
+                let emptied = self.omap.get_mut().take_emptied();
+                if !emptied.is_empty() {
+                    let mut stmt = self
+                        .db
+                        .prepare_cached("DELETE FROM omap_pending WHERE seq = ?1")?;
+                    for row in emptied {
+                        stmt.execute([row as i64])?;
+                    }
+                }
                 self.store_dirty_heads()?;
                 if self.version != self.version_stored {
                     self.db
@@ -1523,6 +1788,7 @@ impl Engine {
                     tracing::warn!("could not take back the lost operations' data: {rewind}");
                 }
                 self.count_lost_transaction(&e);
+                self.omap_after_lost_transaction();
             }
             self.in_txn = false;
             if committed {
@@ -1830,6 +2096,7 @@ impl Engine {
             "INSERT INTO omap (node, key, value) SELECT ?2, key, value FROM omap WHERE node = ?1",
             params![from, to],
         )?;
+        self.omap.borrow_mut().copy_node(from, to);
         Ok(())
     }
 
@@ -2148,6 +2415,7 @@ impl Engine {
 
     fn delete_node(&mut self, node: i64) -> Result<(), StoreError> {
         self.dirty_heads.borrow_mut().remove(&node);
+        self.omap.borrow_mut().forget_in_operation(node, None);
         self.cut_extents(node, 0, u64::MAX >> 1)?;
         self.db
             .execute("DELETE FROM omap WHERE node = ?1", [node])?;
@@ -2165,6 +2433,18 @@ impl Engine {
         mut head: Option<Node>,
         appended: Option<Vec<Vec<Piece>>>,
     ) -> Result<WriteOutcome, StoreError> {
+        let whole_node_omap = |step: &WriteStep| {
+            matches!(
+                step,
+                WriteStep::OmapRemoveRange { .. }
+                    | WriteStep::OmapClear
+                    | WriteStep::Remove
+                    | WriteStep::Rollback(_)
+            )
+        };
+        if op.steps.iter().any(whole_node_omap) {
+            self.write_back_omap()?;
+        }
         let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
         let mut appended = appended.map(Vec::into_iter);
         let mut append = |segments: &mut Box<dyn Segments>,
@@ -2314,26 +2594,25 @@ impl Engine {
                         None => head.insert(self.create_head(object, seq)?),
                     };
                     let node = h.id;
-                    let mut stmt = self.db.prepare_cached(
-                        "INSERT OR REPLACE INTO omap (node, key, value) VALUES (?1, ?2, ?3)",
-                    )?;
+                    let mut omap = self.omap.borrow_mut();
                     for (key, value) in pairs {
-                        stmt.execute(params![node, key, value])?;
+                        omap.set(node, key.to_vec(), value.to_vec());
                     }
                     changed = true;
                 }
                 WriteStep::OmapRemoveKeys(keys) => {
                     let h = head.as_ref().ok_or_else(|| not_found(object))?;
-                    let mut stmt = self
-                        .db
-                        .prepare_cached("DELETE FROM omap WHERE node = ?1 AND key = ?2")?;
+                    let mut omap = self.omap.borrow_mut();
                     for key in keys {
-                        stmt.execute(params![h.id, key])?;
+                        omap.remove(h.id, key.to_vec());
                     }
                     changed = true;
                 }
                 WriteStep::OmapRemoveRange { start, end } => {
                     let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    self.omap
+                        .borrow_mut()
+                        .forget_in_operation(h.id, Some((start, end)));
                     self.db.execute(
                         "DELETE FROM omap WHERE node = ?1 AND key >= ?2 AND key < ?3",
                         params![h.id, start, end],
@@ -2342,6 +2621,7 @@ impl Engine {
                 }
                 WriteStep::OmapClear => {
                     let h = head.as_ref().ok_or_else(|| not_found(object))?;
+                    self.omap.borrow_mut().forget_in_operation(h.id, None);
                     self.db
                         .execute("DELETE FROM omap WHERE node = ?1", params![h.id])?;
                     changed = true;
@@ -2358,6 +2638,7 @@ impl Engine {
                             };
                             let node = h.id;
                             self.cut_extents(node, 0, u64::MAX >> 1)?;
+                            self.omap.borrow_mut().forget_in_operation(node, None);
                             self.db
                                 .execute("DELETE FROM omap WHERE node = ?1", [node])?;
                             self.copy_node(t.id, node)?;
@@ -2409,11 +2690,20 @@ impl Engine {
                     ReadResult::Extents(self.read_extents(&node, *offset, *len)?)
                 }
                 ReadStep::OmapGetByKeys(keys) => {
+                    let omap = self.omap.borrow();
                     let mut stmt = self
                         .db
                         .prepare_cached("SELECT value FROM omap WHERE node = ?1 AND key = ?2")?;
                     let mut found = Vec::new();
                     for key in keys {
+                        match omap.get(node.id, key) {
+                            Lookup::Value(value) => {
+                                found.push((key, value.to_vec()));
+                                continue;
+                            }
+                            Lookup::Removed => continue,
+                            Lookup::Unknown => {}
+                        }
                         if let Some(value) = stmt
                             .query_row(params![node.id, key], |r| r.get::<_, Vec<u8>>(0))
                             .optional()?
@@ -2432,6 +2722,19 @@ impl Engine {
                     // One more than asked tells whether there is more; SQLite reads a negative
                     // LIMIT as none (a `max` past i64, such as usize::MAX, means all).
                     let limit = i64::try_from(*max).map_or(-1, |m| m.saturating_add(1));
+                    // The changes held in memory in the range go over SQLite's rows; as many
+                    // more rows as they remove are read, so that the first `max + 1` that
+                    // remain are all among those read.
+                    let omap = self.omap.borrow();
+                    let mut held = omap.range(node.id, start, end.as_deref()).peekable();
+                    let removed = omap
+                        .range(node.id, start, end.as_deref())
+                        .filter(|(_, value)| value.is_none())
+                        .count();
+                    let limit = match limit {
+                        -1 => -1,
+                        limit => limit.saturating_add(removed as i64),
+                    };
                     let mut stmt = match end {
                         Some(_) => self.db.prepare_cached(
                             "SELECT key, value FROM omap WHERE node = ?1 AND key >= ?2
@@ -2450,12 +2753,41 @@ impl Engine {
                     // pairs, not into two allocations of its own.
                     let mut pairs = OmapPairs::new();
                     let mut more = false;
-                    while let Some(row) = rows.next()? {
+                    'merge: loop {
+                        let row = rows.next()?;
+                        let row_key = row.map(|row| blob_at(row, 0)).transpose()?;
+                        // Held changes of keys before this row's (all of them after the last).
+                        while let Some(&(key, value)) = held.peek() {
+                            if row_key.is_some_and(|row_key| key >= row_key) {
+                                break;
+                            }
+                            held.next();
+                            if let Some(value) = value {
+                                if pairs.len() == *max {
+                                    more = true;
+                                    break 'merge;
+                                }
+                                pairs.push(key, value);
+                            }
+                        }
+                        let (Some(row), Some(row_key)) = (row, row_key) else {
+                            break;
+                        };
+                        let value = match held.peek() {
+                            Some(&(key, changed)) if key == row_key => {
+                                held.next();
+                                match changed {
+                                    Some(value) => value,
+                                    None => continue,
+                                }
+                            }
+                            _ => blob_at(row, 1)?,
+                        };
                         if pairs.len() == *max {
                             more = true;
                             break;
                         }
-                        pairs.push(blob_at(row, 0)?, blob_at(row, 1)?);
+                        pairs.push(row_key, value);
                     }
                     ReadResult::Omap { pairs, more }
                 }
@@ -3023,6 +3355,157 @@ fn blob_at<'row>(row: &'row rusqlite::Row<'_>, column: usize) -> rusqlite::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemorySegments;
+
+    type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn kv(key: &str, value: &str) -> (Vec<u8>, Vec<u8>) {
+        (key.into(), value.into())
+    }
+
+    fn omap_range(
+        engine: &mut Engine,
+        object: &ObjectName,
+        start: &str,
+        end: Option<&str>,
+        max: usize,
+    ) -> (Pairs, bool) {
+        let op = ReadOp::new().step(ReadStep::OmapGetRange {
+            start: start.into(),
+            end: end.map(Into::into),
+            max,
+        });
+        match engine.read(object, &op).unwrap().pop() {
+            Some(ReadResult::Omap { pairs, more }) => (pairs.to_vec(), more),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn omap_of(engine: &mut Engine, object: &ObjectName) -> Pairs {
+        omap_range(engine, object, "", None, usize::MAX).0
+    }
+
+    fn rows(engine: &Engine, table: &str) -> i64 {
+        engine
+            .db
+            .query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+            .unwrap()
+    }
+
+    /// Omap changes wait in memory and in `omap_pending` (omap_overlay.rs): reads see them
+    /// over SQLite's rows, an open after a stop without write-back (a crash) replays them, a
+    /// lost transaction drops only its own, a clear in the same operation drops the changes
+    /// before it, and a write-back puts them in `omap` and empties `omap_pending`.
+    #[test]
+    fn omap_changes_held_in_front_of_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.sqlite");
+        let open = || {
+            let db = Connection::open(&path).unwrap();
+            let segments = Box::<MemorySegments>::default();
+            Engine::new(db, segments, Arc::new(NoDurability)).unwrap()
+        };
+        let object = ObjectName::new("o").unwrap();
+        let write = |engine: &mut Engine, op: WriteOp| {
+            engine.apply_write(&object, &op).unwrap();
+        };
+        let mut engine = open();
+        write(
+            &mut engine,
+            WriteOp::new().omap_set(vec![kv("a", "1"), kv("b", "1"), kv("c", "1")]),
+        );
+        engine.commit(false);
+        assert_eq!(
+            (rows(&engine, "omap"), rows(&engine, "omap_pending")),
+            (0, 1)
+        );
+        engine.write_back_omap().unwrap();
+        engine.commit(false);
+        assert_eq!(
+            (rows(&engine, "omap"), rows(&engine, "omap_pending")),
+            (3, 0)
+        );
+
+        write(
+            &mut engine,
+            WriteOp::new().omap_set(vec![kv("b", "2"), kv("d", "2")]),
+        );
+        write(
+            &mut engine,
+            WriteOp::new().step(WriteStep::OmapRemoveKeys(vec!["c".into()])),
+        );
+        engine.commit(false);
+        assert_eq!(
+            (rows(&engine, "omap"), rows(&engine, "omap_pending")),
+            (3, 1)
+        );
+        let expected = vec![kv("a", "1"), kv("b", "2"), kv("d", "2")];
+        assert_eq!(omap_of(&mut engine, &object), expected);
+        // Ranges over both: bounds, limits and `more` as over SQLite's rows alone.
+        assert_eq!(
+            omap_range(&mut engine, &object, "b", Some("d"), 9),
+            (expected[1..2].to_vec(), false)
+        );
+        assert_eq!(
+            omap_range(&mut engine, &object, "", None, 1),
+            (expected[..1].to_vec(), true)
+        );
+        assert_eq!(
+            omap_range(&mut engine, &object, "", None, 2),
+            (expected[..2].to_vec(), true)
+        );
+        assert_eq!(
+            omap_range(&mut engine, &object, "", None, 3),
+            (expected.clone(), false)
+        );
+        assert_eq!(
+            omap_range(&mut engine, &object, "c", None, 1),
+            (expected[2..].to_vec(), false)
+        );
+        assert_eq!(
+            omap_range(&mut engine, &object, "d", Some("a"), 9),
+            (vec![], false)
+        );
+        let by_keys = ReadOp::new().step(ReadStep::OmapGetByKeys(vec!["c".into(), "b".into()]));
+        match engine.read(&object, &by_keys).unwrap().pop() {
+            Some(ReadResult::Omap { pairs, .. }) => assert_eq!(pairs.to_vec(), vec![kv("b", "2")]),
+            other => panic!("{other:?}"),
+        }
+
+        // A lost transaction takes its own changes only.
+        write(&mut engine, WriteOp::new().omap_set(vec![kv("a", "lost")]));
+        engine.lose_transaction(&StoreError::Database("a test's loss".into()));
+        assert_eq!(omap_of(&mut engine, &object), expected);
+        // A stop without a write-back, as a crash: the next open replays omap_pending.
+        drop(engine);
+        let mut engine = open();
+        assert_eq!(omap_of(&mut engine, &object), expected);
+
+        // A clear takes the same operation's earlier changes too, not its later ones.
+        let op = WriteOp::new()
+            .omap_set(vec![kv("e", "3")])
+            .step(WriteStep::OmapClear)
+            .omap_set(vec![kv("f", "3")]);
+        write(&mut engine, op);
+        engine.commit(false);
+        assert_eq!(omap_of(&mut engine, &object), vec![kv("f", "3")]);
+        drop(engine);
+        let mut engine = open();
+        assert_eq!(omap_of(&mut engine, &object), vec![kv("f", "3")]);
+
+        // Past the size held, a commit writes everything back.
+        engine.omap_held_max = 0;
+        write(&mut engine, WriteOp::new().omap_set(vec![kv("g", "4")]));
+        engine.commit(false);
+        assert_eq!(
+            (rows(&engine, "omap"), rows(&engine, "omap_pending")),
+            (2, 0)
+        );
+        assert_eq!(
+            omap_of(&mut engine, &object),
+            vec![kv("f", "3"), kv("g", "4")]
+        );
+    }
 
     /// `Engine::referenced` is answered from the partial index: its query must carry the
     /// index's terms exactly, or SQLite reads every extent instead.

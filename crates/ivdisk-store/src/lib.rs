@@ -25,6 +25,7 @@ mod file_ranges;
 mod free_space;
 mod local;
 mod memory;
+mod omap_overlay;
 pub mod process_flock;
 mod types;
 mod wal_check;

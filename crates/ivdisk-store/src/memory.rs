@@ -13,7 +13,7 @@ use crate::StoreError;
 
 /// Segments held in memory; "punching" zeroes the bytes so a read of freed data would show.
 #[derive(Default)]
-struct MemorySegments {
+pub(crate) struct MemorySegments {
     data: Vec<u8>,
     synced: usize,
 }

@@ -268,10 +268,18 @@ impl std::fmt::Display for Histogram {
     }
 }
 
-/// Spawn the writer child; returns it and a channel that gets `()` when it is ready.
+/// Spawn the writer child; returns it and a channel that gets `()` when it is ready. Every
+/// other child holds at most 2 KiB of omap changes in memory (the default is 128 MiB, which
+/// these writes never reach): each of its commits then writes a piece back and deletes the
+/// pending rows it empties, so that kills land in the middle of those too.
 fn spawn_child(root: &Path) -> (std::process::Child, mpsc::Receiver<()>) {
+    static SPAWNED: AtomicU64 = AtomicU64::new(0);
     let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
+    let mut command = Command::new(exe);
+    if SPAWNED.fetch_add(1, Ordering::Relaxed) % 2 == 1 {
+        command.env("IVDISK_STORE_OMAP_HELD_MAX", "2048");
+    }
+    let mut child = command
         .args([TEST_NAME, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, root)
         .stdin(Stdio::null())

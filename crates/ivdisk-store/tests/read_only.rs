@@ -154,9 +154,13 @@ struct Writer {
 
 impl Writer {
     fn spawn(dir: &Path) -> Writer {
+        // At most 64 bytes of omap changes held (less than one change): each commit of the
+        // writer writes a piece back and deletes the pending rows it empties, which the
+        // readers must follow.
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([CHILD_TEST, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, dir)
+            .env("IVDISK_STORE_OMAP_HELD_MAX", "64")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

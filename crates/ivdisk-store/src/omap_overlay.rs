@@ -1,0 +1,541 @@
+//! Omap changes held in memory in front of SQLite's `omap` table, and their encoding for the
+//! `omap_pending` table.
+//!
+//! Why: an `omap-packed` image sets one omap value per 4 KiB write, and one `INSERT OR
+//! REPLACE` per value into a large B-tree rewrites, at every group commit, a page for each
+//! value changed, which SQLite's log and its checkpoints then copy around (docs/BENCHMARKS.md,
+//! "Omap values written behind"). Instead, each group commit stores the changes of its
+//! operations as one row of `omap_pending` (sequential pages, atomic with the rest of the
+//! commit, so nothing new to recover after a crash or a power cut), the engine answers reads
+//! from the changes it holds, and once they pass a size each commit writes the next piece of
+//! them to `omap` in key order (round and round the keys): a page of the B-tree is then
+//! rewritten once for all the changes held on it. A pending row is deleted once none of its
+//! changes is held any more (written back, or changed again by a later row).
+//!
+//! The rows are replayed at the next open, oldest first; replaying a change already written
+//! back writes nothing new. Steps that read or rewrite a node's omap in SQL as a whole (range
+//! removal, clear, object removal, rollback, snapshot removal) first write every held change
+//! back and delete every row (`Engine::write_back_omap`), so that a replay can never bring
+//! back a value such a step removed; a snapshot's clone copies its head's held changes.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use crate::error::StoreError;
+
+/// What the overlay knows of one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lookup<'a> {
+    /// Set to this value.
+    Value(&'a [u8]),
+    /// Removed.
+    Removed,
+    /// Not changed since the last write-back: SQLite has it.
+    Unknown,
+}
+
+/// A held change: the value (`None` removes the key) and the pending row it is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Change {
+    pub(crate) value: Option<Vec<u8>>,
+    row: u64,
+}
+
+type Held = BTreeMap<(i64, Vec<u8>), Change>;
+
+/// A change to write to SQLite's `omap` table: `None` removes the key.
+pub(crate) type WriteBack = ((i64, Vec<u8>), Option<Vec<u8>>);
+
+/// Memory one held change costs besides its key and value (map node, vectors).
+const ENTRY_OVERHEAD: usize = 64;
+
+#[derive(Default)]
+pub(crate) struct OmapOverlay {
+    /// Every change not written back yet: of committed transactions and of the open one.
+    held: Held,
+    held_bytes: usize,
+    /// For each pending row, how many held changes are from it. A row none of whose changes
+    /// is held (each written back or changed again by a later row) is no longer needed.
+    rows: BTreeMap<u64, usize>,
+    /// Rows no longer needed, to delete in the next commit.
+    emptied: Vec<u64>,
+    /// The number of the open transaction's row.
+    txn_row: u64,
+    /// A write-back in pieces goes on after this key (key order, round and round).
+    cursor: Option<(i64, Vec<u8>)>,
+    /// The changes of the operation being applied (dropped if it fails).
+    op: Vec<(i64, Vec<u8>, Option<Vec<u8>>)>,
+    /// The open transaction's changes, encoded for its `omap_pending` row.
+    txn: Vec<u8>,
+}
+
+fn entry_bytes(key: &[u8], value: &Option<Vec<u8>>) -> usize {
+    key.len() + value.as_ref().map_or(0, Vec::len) + ENTRY_OVERHEAD
+}
+
+impl OmapOverlay {
+    /// Set `key` of `node` in the operation being applied.
+    pub(crate) fn set(&mut self, node: i64, key: Vec<u8>, value: Vec<u8>) {
+        self.op.push((node, key, Some(value)));
+    }
+
+    /// Remove `key` of `node` in the operation being applied.
+    pub(crate) fn remove(&mut self, node: i64, key: Vec<u8>) {
+        self.op.push((node, key, None));
+    }
+
+    /// A step of the operation being applied removed `node`'s keys from `start` to `end`
+    /// (exclusive), or all of them: the operation's earlier changes of those keys go too.
+    pub(crate) fn forget_in_operation(&mut self, node: i64, range: Option<(&[u8], &[u8])>) {
+        self.op.retain(|(n, key, _)| {
+            *n != node
+                || range.is_some_and(|(start, end)| key.as_slice() < start || key.as_slice() >= end)
+        });
+    }
+
+    /// `to` became a copy of `from` (a snapshot's clone): the held changes of `from` become
+    /// changes of `to` in the operation being applied.
+    pub(crate) fn copy_node(&mut self, from: i64, to: i64) {
+        let copies: Vec<_> = self
+            .range(from, &[], None)
+            .map(|(key, value)| (to, key.to_vec(), value.map(<[u8]>::to_vec)))
+            .collect();
+        self.op.extend(copies);
+    }
+
+    /// The operation was applied: its changes join the open transaction's.
+    pub(crate) fn operation_done(&mut self) {
+        let op = std::mem::take(&mut self.op);
+        for (node, key, value) in op {
+            encode(&mut self.txn, node, &key, value.as_deref());
+            self.hold(node, key, value, self.txn_row);
+        }
+    }
+
+    /// The operation failed: its changes never happened.
+    pub(crate) fn operation_failed(&mut self) {
+        self.op.clear();
+    }
+
+    fn hold(&mut self, node: i64, key: Vec<u8>, value: Option<Vec<u8>>, row: u64) {
+        self.held_bytes += entry_bytes(&key, &value);
+        *self.rows.entry(row).or_default() += 1;
+        let key_len = key.len();
+        if let Some(old) = self.held.insert((node, key), Change { value, row }) {
+            self.held_bytes -= key_len + old.value.as_ref().map_or(0, Vec::len) + ENTRY_OVERHEAD;
+            self.release_row(old.row);
+        }
+    }
+
+    /// One change of `row` is no longer held.
+    fn release_row(&mut self, row: u64) {
+        if let Some(count) = self.rows.get_mut(&row) {
+            *count -= 1;
+            if *count == 0 {
+                self.rows.remove(&row);
+                self.emptied.push(row);
+            }
+        }
+    }
+
+    /// The open transaction's row: its number and its changes, encoded (empty if none).
+    pub(crate) fn transaction_row(&self) -> (u64, &[u8]) {
+        debug_assert!(self.op.is_empty(), "an operation is still being applied");
+        (self.txn_row, &self.txn)
+    }
+
+    /// The open transaction's row was stored: start the next one in the same buffer (a fresh
+    /// one of tens of megabytes per commit cost the worker 3-4% in page faults).
+    pub(crate) fn transaction_row_stored(&mut self) {
+        self.txn.clear();
+        if self.txn.capacity() > 64 << 20 {
+            self.txn = Vec::new();
+        }
+        self.txn_row += 1;
+    }
+
+    /// Number the next transaction's row `row` (after an open's replay: past every number
+    /// used before).
+    pub(crate) fn next_row(&mut self, row: u64) {
+        self.txn_row = row;
+    }
+
+    /// Rows no longer needed since the last call, to delete in the open transaction.
+    pub(crate) fn take_emptied(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.emptied)
+    }
+
+    /// Up to `limit` held changes, the next ones in key order after the last piece (round
+    /// and round), in key order, to write to SQLite's `omap` table in the open transaction
+    /// (with the rows this empties deleted, `take_emptied`). Pieces in key order dirty each
+    /// page of SQLite's B-tree once for every change held on it.
+    pub(crate) fn take_piece(&mut self, limit: usize) -> Vec<WriteBack> {
+        debug_assert!(self.op.is_empty(), "an operation is still being applied");
+        let after = match &self.cursor {
+            Some(key) => Bound::Excluded(key.clone()),
+            None => Bound::Unbounded,
+        };
+        let mut keys: Vec<(i64, Vec<u8>)> = self
+            .held
+            .range((after, Bound::Unbounded))
+            .take(limit)
+            .map(|(key, _)| key.clone())
+            .collect();
+        if keys.len() < limit && self.cursor.is_some() {
+            let first = keys.first().cloned();
+            let wrapped = self
+                .held
+                .keys()
+                .take_while(|key| first.as_ref() != Some(*key))
+                .take(limit - keys.len())
+                .cloned();
+            let wrapped: Vec<_> = wrapped.collect();
+            keys.extend(wrapped);
+        }
+        self.cursor = keys.last().cloned();
+        keys.sort_unstable();
+        keys.into_iter()
+            .map(|key| {
+                let change = self.held.remove(&key).expect("a key just listed");
+                self.held_bytes -= entry_bytes(&key.1, &change.value);
+                self.release_row(change.row);
+                (key, change.value)
+            })
+            .collect()
+    }
+
+    /// Every held change, in key order, to write to SQLite's `omap` table in the open
+    /// transaction (which also deletes every pending row): the overlay is empty after.
+    pub(crate) fn take_all(&mut self) -> Vec<WriteBack> {
+        debug_assert!(self.op.is_empty(), "an operation is still being applied");
+        self.txn.clear();
+        self.held_bytes = 0;
+        self.rows.clear();
+        self.emptied.clear();
+        self.cursor = None;
+        std::mem::take(&mut self.held)
+            .into_iter()
+            .map(|(key, change)| (key, change.value))
+            .collect()
+    }
+
+    /// Forget everything (the open transaction was lost; the caller replays the pending rows
+    /// that are left).
+    pub(crate) fn clear(&mut self) {
+        self.op.clear();
+        self.txn.clear();
+        self.held.clear();
+        self.held_bytes = 0;
+        self.rows.clear();
+        self.emptied.clear();
+        self.cursor = None;
+    }
+
+    /// Replay `omap_pending` row number `seq` (rows oldest first).
+    pub(crate) fn replay(&mut self, seq: u64, row: &[u8]) -> Result<(), StoreError> {
+        let mut rest = row;
+        while !rest.is_empty() {
+            let (node, key, value, after) = decode(rest)?;
+            self.hold(node, key.to_vec(), value.map(<[u8]>::to_vec), seq);
+            rest = after;
+        }
+        Ok(())
+    }
+
+    /// What the overlay knows of `key` of `node`, for a read (never during an operation).
+    pub(crate) fn get(&self, node: i64, key: &[u8]) -> Lookup<'_> {
+        // A lookup by a borrowed key: the map's keys are owned pairs.
+        let found = self
+            .held
+            .range((
+                Bound::Included((node, key.to_vec())),
+                Bound::Included((node, key.to_vec())),
+            ))
+            .next();
+        match found.map(|(_, change)| &change.value) {
+            Some(Some(v)) => Lookup::Value(v),
+            Some(None) => Lookup::Removed,
+            None => Lookup::Unknown,
+        }
+    }
+
+    /// The held changes of `node` with keys from `start` (inclusive) to `end` (exclusive; none:
+    /// to the end), in key order.
+    pub(crate) fn range<'a>(
+        &'a self,
+        node: i64,
+        start: &[u8],
+        end: Option<&[u8]>,
+    ) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
+        let upper = match end {
+            // An end before the start is an empty range (`BTreeMap::range` would panic).
+            Some(end) => Bound::Excluded((node, end.max(start).to_vec())),
+            None => match node.checked_add(1) {
+                Some(next) => Bound::Excluded((next, Vec::new())),
+                None => Bound::Unbounded,
+            },
+        };
+        self.held
+            .range((Bound::Included((node, start.to_vec())), upper))
+            .map(|((_, key), change)| (key.as_slice(), change.value.as_deref()))
+    }
+
+    /// Whether nothing is held (and no change is waiting for its pending row).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.held.is_empty() && self.txn.is_empty()
+    }
+
+    /// Whether some change or some `omap_pending` row is not written back or deleted yet.
+    pub(crate) fn pending(&self) -> bool {
+        !self.is_empty() || !self.emptied.is_empty()
+    }
+
+    /// Changes held, and about how much memory they take.
+    pub(crate) fn held(&self) -> (usize, usize) {
+        (self.held.len(), self.held_bytes)
+    }
+}
+
+/// One change in a pending row (integers little-endian): `node i64`, `kind u8` (0 set, 1
+/// remove), `key_len u32`, the key, and for a set `value_len u32` and the value.
+fn encode(out: &mut Vec<u8>, node: i64, key: &[u8], value: Option<&[u8]>) {
+    out.extend_from_slice(&node.to_le_bytes());
+    out.push(u8::from(value.is_none()));
+    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    out.extend_from_slice(key);
+    if let Some(value) = value {
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        out.extend_from_slice(value);
+    }
+}
+
+type Decoded<'a> = (i64, &'a [u8], Option<&'a [u8]>, &'a [u8]);
+
+fn decode(row: &[u8]) -> Result<Decoded<'_>, StoreError> {
+    let damaged = || {
+        StoreError::Corrupt(
+            "a row of the table omap_pending (omap changes not yet written back) is damaged; \
+             restore the store from a backup"
+                .to_owned(),
+        )
+    };
+    fn take(buf: &[u8], n: usize) -> Option<(&[u8], &[u8])> {
+        (buf.len() >= n).then(|| buf.split_at(n))
+    }
+    let len = |bytes: &[u8]| u32::from_le_bytes(bytes.try_into().unwrap_or([0; 4])) as usize;
+    let (node, rest) = take(row, 8).ok_or_else(damaged)?;
+    let node = i64::from_le_bytes(node.try_into().map_err(|_| damaged())?);
+    let (kind, rest) = take(rest, 1).ok_or_else(damaged)?;
+    let (key_len, rest) = take(rest, 4).ok_or_else(damaged)?;
+    let (key, rest) = take(rest, len(key_len)).ok_or_else(damaged)?;
+    match kind[0] {
+        0 => {
+            let (value_len, rest) = take(rest, 4).ok_or_else(damaged)?;
+            let (value, rest) = take(rest, len(value_len)).ok_or_else(damaged)?;
+            Ok((node, key, Some(value), rest))
+        }
+        1 => Ok((node, key, None, rest)),
+        _ => Err(damaged()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(s: &str) -> Vec<u8> {
+        s.as_bytes().to_vec()
+    }
+
+    /// The open transaction's row, as the engine stores it.
+    fn stored(o: &mut OmapOverlay) -> (u64, Vec<u8>) {
+        let (seq, row) = o.transaction_row();
+        let row = (seq, row.to_vec());
+        o.transaction_row_stored();
+        row
+    }
+
+    fn done(o: &mut OmapOverlay, node: i64, key: &str, value: Option<&str>) {
+        match value {
+            Some(v) => o.set(node, k(key), k(v)),
+            None => o.remove(node, k(key)),
+        }
+        o.operation_done();
+    }
+
+    #[test]
+    fn reads_see_the_newest_change_and_failed_operations_none() {
+        let mut o = OmapOverlay::default();
+        assert_eq!(o.get(1, b"a"), Lookup::Unknown);
+        done(&mut o, 1, "a", Some("one"));
+        assert_eq!(o.get(1, b"a"), Lookup::Value(b"one"));
+        done(&mut o, 1, "a", None);
+        assert_eq!(o.get(1, b"a"), Lookup::Removed);
+        o.set(1, k("a"), k("lost"));
+        o.set(2, k("b"), k("lost"));
+        o.operation_failed();
+        assert_eq!(o.get(1, b"a"), Lookup::Removed);
+        assert_eq!(o.get(2, b"b"), Lookup::Unknown);
+        assert_eq!(o.held().0, 1);
+    }
+
+    #[test]
+    fn a_transactions_row_replays_to_the_same_state() {
+        let mut o = OmapOverlay::default();
+        done(&mut o, 1, "a", Some("one"));
+        done(&mut o, 2, "b", Some("two"));
+        done(&mut o, 1, "a", Some("three"));
+        let first = stored(&mut o);
+        done(&mut o, 2, "b", None);
+        done(&mut o, 3, "", Some(""));
+        let second = stored(&mut o);
+        assert_eq!(second.0, first.0 + 1);
+        assert!(o.transaction_row().1.is_empty());
+
+        let mut replayed = OmapOverlay::default();
+        replayed.replay(first.0, &first.1).unwrap();
+        assert_eq!(replayed.get(1, b"a"), Lookup::Value(b"three"));
+        assert_eq!(replayed.get(2, b"b"), Lookup::Value(b"two"));
+        replayed.replay(second.0, &second.1).unwrap();
+        assert_eq!(replayed.take_all(), o.take_all());
+        assert!(replayed.is_empty() && o.is_empty());
+        assert_eq!(replayed.held(), (0, 0));
+    }
+
+    #[test]
+    fn a_damaged_row_is_refused() {
+        let mut o = OmapOverlay::default();
+        done(&mut o, 7, "key", Some("value"));
+        let (_, row) = stored(&mut o);
+        for cut in 1..row.len() {
+            let mut fresh = OmapOverlay::default();
+            assert!(
+                matches!(fresh.replay(1, &row[..cut]), Err(StoreError::Corrupt(_))),
+                "{cut}"
+            );
+        }
+        let mut bad_kind = row.clone();
+        bad_kind[8] = 9;
+        assert!(OmapOverlay::default().replay(1, &bad_kind).is_err());
+    }
+
+    #[test]
+    fn ranges_stay_within_their_node_and_bounds() {
+        let mut o = OmapOverlay::default();
+        for (node, key) in [(1, "a"), (1, "b"), (1, "c"), (2, "a"), (i64::MAX, "z")] {
+            done(&mut o, node, key, Some(key));
+        }
+        done(&mut o, 1, "b", None);
+        let keys = |it: Vec<(&[u8], Option<&[u8]>)>| {
+            it.into_iter()
+                .map(|(key, value)| (String::from_utf8_lossy(key).into_owned(), value.is_some()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            keys(o.range(1, b"", None).collect()),
+            [("a".into(), true), ("b".into(), false), ("c".into(), true)]
+        );
+        assert_eq!(
+            keys(o.range(1, b"b", Some(b"c")).collect()),
+            [("b".into(), false)]
+        );
+        assert!(o.range(1, b"c", Some(b"a")).next().is_none());
+        assert_eq!(
+            keys(o.range(i64::MAX, b"", None).collect()),
+            [("z".into(), true)]
+        );
+    }
+
+    #[test]
+    fn whole_node_steps_drop_the_operations_changes_and_copies_carry_held_ones() {
+        let mut o = OmapOverlay::default();
+        done(&mut o, 1, "a", Some("held"));
+        done(&mut o, 1, "b", None);
+        o.set(1, k("c"), k("x"));
+        o.set(1, k("d"), k("x"));
+        o.set(2, k("c"), k("other node"));
+        o.forget_in_operation(1, Some((b"c", b"d")));
+        o.operation_done();
+        assert_eq!(o.get(1, b"c"), Lookup::Unknown);
+        assert_eq!(o.get(1, b"d"), Lookup::Value(b"x"));
+        assert_eq!(o.get(2, b"c"), Lookup::Value(b"other node"));
+        o.set(1, k("e"), k("x"));
+        o.forget_in_operation(1, None);
+        o.operation_done();
+        assert_eq!(o.get(1, b"e"), Lookup::Unknown);
+
+        o.copy_node(1, 9);
+        o.operation_done();
+        assert_eq!(o.get(9, b"a"), Lookup::Value(b"held"));
+        assert_eq!(o.get(9, b"b"), Lookup::Removed);
+        assert_eq!(o.get(9, b"d"), Lookup::Value(b"x"));
+        assert_eq!(o.get(9, b"c"), Lookup::Unknown);
+        // The copies are in the transaction's row, for a replay.
+        let (seq, row) = stored(&mut o);
+        let mut replayed = OmapOverlay::default();
+        replayed.replay(seq, &row).unwrap();
+        assert_eq!(replayed.take_all(), o.take_all());
+    }
+
+    /// Pieces go round the keys in order; a row is unneeded once none of its changes is held
+    /// (written back, or changed again by a later row), and not before.
+    #[test]
+    fn pieces_go_round_and_empty_rows() {
+        let mut o = OmapOverlay::default();
+        o.next_row(10);
+        for key in ["a", "b", "c", "d"] {
+            done(&mut o, 1, key, Some("10"));
+        }
+        assert_eq!(stored(&mut o).0, 10);
+        done(&mut o, 1, "b", Some("11"));
+        done(&mut o, 1, "e", None);
+        assert_eq!(stored(&mut o).0, 11);
+        assert!(o.take_emptied().is_empty());
+
+        let keys = |piece: Vec<WriteBack>| {
+            piece
+                .into_iter()
+                .map(|((_, key), value)| (String::from_utf8(key).unwrap(), value.is_some()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            keys(o.take_piece(2)),
+            [("a".into(), true), ("b".into(), true)]
+        );
+        assert!(o.take_emptied().is_empty(), "row 10 still has c and d");
+        assert_eq!(o.held().0, 3);
+        // Changed again meanwhile: d now in row 12, so row 10 keeps only c.
+        done(&mut o, 1, "d", Some("12"));
+        done(&mut o, 1, "a", Some("12"));
+        assert_eq!(stored(&mut o).0, 12);
+        assert!(o.take_emptied().is_empty());
+        assert_eq!(
+            keys(o.take_piece(2)),
+            [("c".into(), true), ("d".into(), true)]
+        );
+        assert_eq!(o.take_emptied(), [10]);
+        // Round again from the start: a (row 12), then e (row 11), not past the start.
+        assert_eq!(
+            keys(o.take_piece(5)),
+            [("a".into(), true), ("e".into(), false)]
+        );
+        let mut emptied = o.take_emptied();
+        emptied.sort_unstable();
+        assert_eq!(emptied, [11, 12]);
+        assert_eq!(o.held(), (0, 0));
+        assert!(o.take_piece(3).is_empty());
+    }
+
+    #[test]
+    fn held_bytes_follow_replacements() {
+        let mut o = OmapOverlay::default();
+        done(&mut o, 1, "a", Some("0123456789"));
+        let (_, ten) = o.held();
+        done(&mut o, 1, "a", Some("01234"));
+        assert_eq!(o.held(), (1, ten - 5));
+        done(&mut o, 1, "a", None);
+        assert_eq!(o.held(), (1, ten - 10));
+        o.clear();
+        assert_eq!(o.held(), (0, 0));
+    }
+}
