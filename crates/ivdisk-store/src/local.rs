@@ -48,6 +48,22 @@ pub struct LocalStoreOptions {
 /// Start writeback of the active segment every this many appended bytes.
 const WRITEBACK_KICK: u64 = 8 << 20;
 
+/// Appends shorter than this are gathered in memory (`FileSegments::tail`) and written to the
+/// active segment together, once `TAIL_FLUSH` bytes are gathered and before anything relies on
+/// them being in the file (a sync, and so every commit; a rotation; a rewind below them).
+/// Why: under small random writes the worker spent 13% of its time in one `pwrite` per append
+/// (two per operation in the store bench), a system call and page-cache lookups for 2-4 KiB
+/// (docs/BENCHMARKS.md, "Small appends gathered").
+const TAIL_APPEND_MAX: usize = 64 << 10;
+
+/// Gathered appends are written out once they reach this many bytes.
+const TAIL_FLUSH: usize = 256 << 10;
+
+/// Space for gathered appends is allocated ahead (`fallocate`) this many bytes at a time, so
+/// that a small write on a full disk still fails itself, with `NoSpace`, instead of the
+/// commit that writes the tail.
+const RESERVE_STEP: u64 = 64 << 10;
+
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
 /// `fdatasync` short: under random 4 KiB writes through `ivdisk serve` it still took
@@ -140,9 +156,19 @@ struct FileSegments {
     /// worker, with every request behind it, would wait there.
     writeback: Option<Writeback>,
     active: u32,
+    /// Where the next append goes in the active segment (past `tail`).
     len: u64,
+    /// Appends to the active segment not written to its file yet: the bytes of
+    /// `[len - tail.len(), len)` (see `TAIL_APPEND_MAX`). Reads of that range are answered
+    /// from here.
+    tail: Vec<u8>,
+    /// The active segment's blocks are allocated up to here (`fallocate` past its end), so
+    /// writing the tail cannot run out of space.
+    reserved: u64,
+    /// False once the file system refused `fallocate`: appends are then written at once.
+    gather: bool,
     unsynced: u64,
-    /// Writeback of the active segment was started up to here (`append`).
+    /// Writeback of the active segment was started up to here (`write_tail`).
     kicked: u64,
     /// Segments written since the last sync (more than one after a rotation).
     dirty: Vec<u32>,
@@ -324,6 +350,9 @@ impl FileSegments {
             writeback: None,
             active,
             len,
+            tail: Vec::new(),
+            reserved: len,
+            gather: true,
             unsynced: 0,
             kicked: len,
             dirty: Vec::new(),
@@ -443,6 +472,12 @@ impl FileSegments {
     }
 
     fn rotate(&mut self) -> Result<(), StoreError> {
+        self.write_tail()?;
+        if self.reserved > self.len {
+            // Space allocated ahead and not used: given back (ext4 frees blocks past the
+            // end at a truncation to the same size).
+            let _ = self.files[&self.active].set_len(self.len);
+        }
         let next = self.active + 1;
         let path = segment_path(&self.dir, next);
         let file = OpenOptions::new()
@@ -464,6 +499,7 @@ impl FileSegments {
         self.files.insert(next, Arc::new(file));
         self.active = next;
         self.len = 0;
+        self.reserved = 0;
         self.kicked = 0;
         Ok(())
     }
@@ -646,7 +682,80 @@ impl Drop for FileSegments {
 
 impl FileSegments {
     /// Write `data` at `at` of `segment`, a range just taken from the space held for reuse.
+    /// Allocate the active segment's blocks up to at least `end` for the tail; false if the
+    /// file system cannot (then appends are not gathered any more).
+    fn reserve(&mut self, end: u64) -> Result<bool, StoreError> {
+        if !self.gather {
+            return Ok(false);
+        }
+        if end <= self.reserved {
+            return Ok(true);
+        }
+        let from = self.reserved.max(self.len - self.tail.len() as u64);
+        let to = end.next_multiple_of(RESERVE_STEP);
+        match fallocate(
+            &*self.files[&self.active],
+            FallocateFlags::KEEP_SIZE,
+            from,
+            to - from,
+        ) {
+            Ok(()) => {
+                self.reserved = to;
+                Ok(true)
+            }
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP => {
+                tracing::info!(
+                    "the file system cannot allocate space ahead; small appends are written one by one"
+                );
+                self.gather = false;
+                Ok(false)
+            }
+            Err(e) => Err(StoreError::from_io(
+                format!(
+                    "allocating space in {}",
+                    segment_path(&self.dir, self.active).display()
+                ),
+                e.into(),
+            )),
+        }
+    }
+
+    /// Write the tail (appends gathered in memory) to the active segment's file.
+    fn write_tail(&mut self) -> Result<(), StoreError> {
+        if self.tail.is_empty() {
+            return Ok(());
+        }
+        let at = self.len - self.tail.len() as u64;
+        write_in_pieces(&self.files[&self.active], &self.tail, at).map_err(StoreError::io_with(
+            || format!("writing {}", segment_path(&self.dir, self.active).display()),
+        ))?;
+        crate::fault_io::write(|| segment_path(&self.dir, self.active), at, &self.tail);
+        self.tail.clear();
+        self.kick_appended();
+        Ok(())
+    }
+
+    /// Start the disk writes of what was written to the active segment since the last kick
+    /// once that is `WRITEBACK_KICK` bytes, without waiting for them: the commit's
+    /// `fdatasync` (on the worker, every request waiting behind it) then finds little left
+    /// to write. `DONTNEED` starts writeback of dirty pages and drops only pages already
+    /// clean.
+    fn kick_appended(&mut self) {
+        let written = self.len - self.tail.len() as u64;
+        if written - self.kicked.min(written) >= WRITEBACK_KICK {
+            let from = self.kicked.min(written);
+            let file = self.files[&self.active].clone();
+            self.kick_writeback(WritebackJob::Appended(file, from, written - from));
+            self.kicked = written;
+        }
+    }
+
     fn write_reused(&mut self, segment: u32, at: u64, data: &[u8]) -> Result<(), StoreError> {
+        if segment == self.active && at + data.len() as u64 > self.len - self.tail.len() as u64 {
+            // Never so (space is reused only once its death is committed, and every commit
+            // writes the tail first); the tail's later write must not cover this one.
+            self.write_tail()?;
+        }
         let len = data.len() as u64;
         self.last_reuse = Instant::now();
         self.reused.push((segment, at, len));
@@ -907,29 +1016,35 @@ impl Segments for FileSegments {
         if self.len >= SEGMENT_SIZE {
             self.rotate()?;
         }
-        // Appends of whole blocks start on a block boundary (the gap stays a hole), so one odd
-        // append does not leave every later one straddling blocks: a dead range of whole
-        // blocks is punched as it is, without widening queries.
+        // Appends of whole blocks start on a block boundary (the gap stays a hole, or zeros
+        // in the tail: the rest of a block already written), so one odd append does not leave
+        // every later one straddling blocks: a dead range of whole blocks is punched as it
+        // is, without widening queries.
         if data.len().is_multiple_of(BLOCK) && !self.len.is_multiple_of(BLOCK as u64) {
-            self.len = self.len.next_multiple_of(BLOCK as u64);
+            let aligned = self.len.next_multiple_of(BLOCK as u64);
+            if !self.tail.is_empty() {
+                self.tail
+                    .resize(self.tail.len() + (aligned - self.len) as usize, 0);
+            }
+            self.len = aligned;
         }
         let at = self.len;
-        write_in_pieces(&self.files[&self.active], data, at).map_err(StoreError::io_with(
-            || format!("writing {}", segment_path(&self.dir, self.active).display()),
-        ))?;
-        crate::fault_io::write(|| segment_path(&self.dir, self.active), at, data);
-        self.len += data.len() as u64;
-        self.unsynced += data.len() as u64;
-        if self.len - self.kicked.min(self.len) >= WRITEBACK_KICK {
-            // Start the disk writes of what was appended since the last kick now, without
-            // waiting for them: the commit's `fdatasync` (on the worker, every request
-            // waiting behind it) then finds little left to write. `DONTNEED` starts
-            // writeback of dirty pages and drops only pages already clean.
-            let from = self.kicked.min(self.len);
-            let file = self.files[&self.active].clone();
-            self.kick_writeback(WritebackJob::Appended(file, from, self.len - from));
-            self.kicked = self.len;
+        if data.len() < TAIL_APPEND_MAX && self.reserve(at + data.len() as u64)? {
+            self.tail.extend_from_slice(data);
+            self.len += data.len() as u64;
+            if self.tail.len() >= TAIL_FLUSH {
+                self.write_tail()?;
+            }
+        } else {
+            self.write_tail()?;
+            write_in_pieces(&self.files[&self.active], data, at).map_err(StoreError::io_with(
+                || format!("writing {}", segment_path(&self.dir, self.active).display()),
+            ))?;
+            crate::fault_io::write(|| segment_path(&self.dir, self.active), at, data);
+            self.len += data.len() as u64;
+            self.kick_appended();
         }
+        self.unsynced += data.len() as u64;
         if !self.dirty.contains(&self.active) {
             self.dirty.push(self.active);
         }
@@ -941,6 +1056,26 @@ impl Segments for FileSegments {
         let file = self.files.get(&segment).ok_or_else(|| {
             StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
         })?;
+        // The part in the tail (appends not written to the file yet) is copied from there.
+        let tail_at = self.len - self.tail.len() as u64;
+        let end = offset + buf.len() as u64;
+        let buf = if segment == self.active && end > tail_at {
+            let in_file = tail_at.saturating_sub(offset) as usize;
+            let (buf, from_tail) = buf.split_at_mut(in_file.min(buf.len()));
+            let skip = (offset + in_file as u64 - tail_at) as usize;
+            let tail = self.tail.get(skip..skip + from_tail.len()).ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "an extent points past the end of segment {segment}"
+                ))
+            })?;
+            from_tail.copy_from_slice(tail);
+            buf
+        } else {
+            buf
+        };
+        if buf.is_empty() {
+            return Ok(());
+        }
         file.read_exact_at(buf, offset)
             .map_err(StoreError::io_with(|| {
                 format!("reading {}", segment_path(&self.dir, segment).display())
@@ -948,6 +1083,7 @@ impl Segments for FileSegments {
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
+        self.write_tail()?;
         self.unsynced_ahead = 0;
         for n in std::mem::take(&mut self.dirty) {
             self.files[&n].sync_data().map_err(StoreError::io_with(|| {
@@ -1083,6 +1219,23 @@ impl Segments for FileSegments {
         for (segment, at, len) in self.reused.drain(mark.reused.min(self.reused.len())..) {
             self.free.insert(segment, at, at + len);
         }
+        let tail_at = self.len - self.tail.len() as u64;
+        if self.active == mark.segment && mark.offset >= tail_at {
+            // Only appends in the tail are taken back; the file is cut where the tail starts,
+            // dropping what a failed write put past it (on a full disk, its space is wanted).
+            self.tail.truncate((mark.offset - tail_at) as usize);
+            self.files[&self.active]
+                .set_len(tail_at)
+                .map_err(StoreError::io("taking back a failed operation's data"))?;
+            crate::fault_io::set_len(|| segment_path(&self.dir, self.active), tail_at);
+            self.reserved = tail_at;
+            self.unsynced = self
+                .unsynced
+                .saturating_sub(self.len.saturating_sub(mark.offset));
+            self.len = mark.offset;
+            return Ok(());
+        }
+        self.tail.clear();
         while self.active > mark.segment {
             let gone = self.active;
             self.files.remove(&gone);
@@ -1095,6 +1248,7 @@ impl Segments for FileSegments {
             .set_len(mark.offset)
             .map_err(StoreError::io("taking back a failed operation's data"))?;
         crate::fault_io::set_len(|| segment_path(&self.dir, self.active), mark.offset);
+        self.reserved = mark.offset;
         self.unsynced = self
             .unsynced
             .saturating_sub(self.len.saturating_sub(mark.offset));

@@ -1010,3 +1010,70 @@ async fn reopen_after_clean_close_keeps_everything() {
         Err(StoreError::NoSuchSnapshot(s)) if s == snap
     ));
 }
+
+/// Small writes (gathered in memory before they reach the segment file) on a disk that fills
+/// up: the write that does not fit fails itself with `NoSpace`, and nothing acknowledged
+/// before it is lost, flushed or not.
+#[tokio::test]
+async fn full_disk_small_writes_fail_themselves() {
+    let fs = Tmpfs::mount("24m");
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    // Room for the metadata's commits after the data filled the disk: freed at the end.
+    let ballast = fs.path().join("ballast");
+    std::fs::write(&ballast, vec![7u8; 2 * MIB]).unwrap();
+    // Under the size the store gathers, off block boundaries.
+    let len = 60_000;
+    let mut acknowledged = Vec::new();
+    let mut refused = None;
+    for n in 0..1000usize {
+        match store.write(&full_name(n), 0, &pattern(n as u64, len)).await {
+            Ok(_) => acknowledged.push(n),
+            Err(e @ StoreError::NoSpace { .. }) => {
+                refused = Some(e);
+                break;
+            }
+            Err(e) => panic!("write {n}: {e:?}"),
+        }
+        // Every other write: the gathered appends then reach the file at the flushes' commits
+        // (which would lose every write since the last flush, were their space not allocated
+        // ahead), not when they fill the gathering buffer.
+        if n % 2 == 1 {
+            store
+                .flush()
+                .await
+                .unwrap_or_else(|e| panic!("a flush after write {n} (not a write) failed: {e:?}"));
+        }
+    }
+    let refused = refused.expect("24 MiB filled without a write refused");
+    println!(
+        "full disk: {} small writes acknowledged, then: {refused}",
+        acknowledged.len()
+    );
+    assert!(
+        acknowledged.len() >= 100,
+        "only {} writes fit",
+        acknowledged.len()
+    );
+    std::fs::remove_file(&ballast).unwrap();
+    store
+        .flush()
+        .await
+        .expect("the flush after the refused write");
+    for &n in &acknowledged {
+        assert_eq!(
+            store.read(&full_name(n), 0, len as u64).await.unwrap(),
+            pattern(n as u64, len),
+            "acknowledged write {n} reads back wrong"
+        );
+    }
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    for &n in &acknowledged {
+        assert_eq!(
+            store.read(&full_name(n), 0, len as u64).await.unwrap(),
+            pattern(n as u64, len),
+            "acknowledged write {n} reads back wrong after a reopen"
+        );
+    }
+}

@@ -384,3 +384,38 @@ async fn records_overwritten_one_by_one_free_their_blocks() {
 async fn records_under_a_snapshot_are_freed_when_it_is_removed() {
     records_overwritten_one_by_one(true).await;
 }
+
+/// Dead bytes at the end of the active segment are widened over the rest of their block (not
+/// written yet when their commit widens them); appends made into that block after the commit,
+/// before the punch is queued, must survive it.
+#[tokio::test]
+async fn appends_after_a_commit_survive_the_punch_of_the_block_they_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+    for round in 0..50u32 {
+        let dead = ObjectName::new(format!("dead{round}")).unwrap();
+        let live = ObjectName::new(format!("live{round}")).unwrap();
+        // 1.5 KiB: past the inline limit, in the segments, off block boundaries.
+        store.write(&dead, 0, &[1u8; 1536]).await.unwrap();
+        store.remove(&dead).await.unwrap();
+        // Off block boundaries, and long enough to reach past the dead bytes' block.
+        let payload = vec![round as u8 + 2; 3000];
+        // Sent once the flush's commit is likely done, and its log sync not yet.
+        let delay = std::time::Duration::from_micros(200 * (round as u64 % 10));
+        let (flushed, written) = tokio::join!(store.flush(), async {
+            std::thread::sleep(delay);
+            store.write(&live, 0, &payload).await
+        });
+        flushed.unwrap();
+        written.unwrap();
+        store.flush().await.unwrap();
+        // Let the punch thread run.
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        assert_eq!(
+            store.read(&live, 0, 3000).await.unwrap(),
+            payload,
+            "round {round}: a live append was punched out"
+        );
+    }
+}
