@@ -244,15 +244,10 @@ impl OmapOverlay {
 
     /// What the overlay knows of `key` of `node`, for a read (never during an operation).
     pub(crate) fn get(&self, node: i64, key: &[u8]) -> Lookup<'_> {
-        // A lookup by a borrowed key: the map's keys are owned pairs.
-        let found = self
-            .held
-            .range((
-                Bound::Included((node, key.to_vec())),
-                Bound::Included((node, key.to_vec())),
-            ))
-            .next();
-        match found.map(|(_, change)| &change.value) {
+        // The map's keys are owned pairs: one copy of the key to look it up (a range between
+        // two copies cost two copies and two descents).
+        let found = self.held.get(&(node, key.to_vec()));
+        match found.map(|change| &change.value) {
             Some(Some(v)) => Lookup::Value(v),
             Some(None) => Lookup::Removed,
             None => Lookup::Unknown,
