@@ -61,10 +61,8 @@ const TAIL_FLUSH: usize = 256 << 10;
 
 /// Space for gathered appends is allocated ahead (`fallocate`) this many bytes at a time, so
 /// that a small write on a full disk still fails itself, with `NoSpace`, instead of the
-/// commit that writes the tail. At 64 KiB the calls took 3.5% of the worker's time under
-/// random 4 KiB writes through `ivdisk serve` on a 32 GiB image (0.5% at 1 MiB). What is not
-/// used is given back at each sync.
-const RESERVE_STEP: u64 = 1 << 20;
+/// commit that writes the tail.
+const RESERVE_STEP: u64 = 64 << 10;
 
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
@@ -1086,18 +1084,6 @@ impl Segments for FileSegments {
 
     fn sync(&mut self) -> Result<(), StoreError> {
         self.write_tail()?;
-        if self.reserved > self.len {
-            // Space allocated ahead and not used yet goes back at each commit (ext4 frees
-            // blocks past the end at a truncation to the same size), so that an idle store
-            // holds none; the next append allocates again.
-            match self.files[&self.active].set_len(self.len) {
-                Ok(()) => {
-                    crate::fault_io::set_len(|| segment_path(&self.dir, self.active), self.len);
-                    self.reserved = self.len;
-                }
-                Err(e) => tracing::warn!(error = %e, "could not give back space allocated ahead"),
-            }
-        }
         self.unsynced_ahead = 0;
         for n in std::mem::take(&mut self.dirty) {
             self.files[&n].sync_data().map_err(StoreError::io_with(|| {
