@@ -63,6 +63,11 @@ const TAIL_FLUSH: usize = 256 << 10;
 /// that a small write on a full disk still fails itself, with `NoSpace`, instead of the
 /// commit that writes the tail.
 const RESERVE_STEP: u64 = 64 << 10;
+/// Space for the gathered appends is not taken from the last this many bytes of the file
+/// system: the commit that writes them also grows SQLite's log, and on a disk the data
+/// filled to the last block that commit would fail and lose every write since the last
+/// flush. Refused here, the write that does not fit fails itself.
+const METADATA_HEADROOM: u64 = 1 << 20;
 
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
@@ -693,12 +698,25 @@ impl FileSegments {
         }
         let from = self.reserved.max(self.len - self.tail.len() as u64);
         let to = end.next_multiple_of(RESERVE_STEP);
-        match fallocate(
-            &*self.files[&self.active],
-            FallocateFlags::KEEP_SIZE,
-            from,
-            to - from,
-        ) {
+        let file = &*self.files[&self.active];
+        if let Ok(fs) = rustix::fs::fstatvfs(file) {
+            // What this process may use: root may also use the blocks kept for it.
+            let blocks = match rustix::process::geteuid().is_root() {
+                true => fs.f_bfree,
+                false => fs.f_bavail,
+            };
+            let free = blocks.saturating_mul(fs.f_frsize);
+            if free < (to - from).saturating_add(METADATA_HEADROOM) {
+                return Err(StoreError::NoSpace {
+                    context: format!(
+                        "appending to {}: {free} bytes left on its file system, kept for the \
+                         store's metadata",
+                        segment_path(&self.dir, self.active).display()
+                    ),
+                });
+            }
+        }
+        match fallocate(file, FallocateFlags::KEEP_SIZE, from, to - from) {
             Ok(()) => {
                 self.reserved = to;
                 Ok(true)
@@ -1418,6 +1436,9 @@ impl LocalStore {
              PRAGMA temp_store = MEMORY; PRAGMA cache_size = -{META_CACHE_KIB};"
         ))?;
         Engine::init_schema(&db)?;
+        // Extent changes held by the last run go to their table before the segments'
+        // recovery and reclaim read it.
+        Engine::write_back_pending_extents(&db)?;
         db.execute_batch(&format!(
             "PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}"
         ))?;

@@ -10,13 +10,23 @@
 //! from the changes it holds, and once they pass a size each commit writes the next piece of
 //! them to `omap` in key order (round and round the keys): a page of the B-tree is then
 //! rewritten once for all the changes held on it. A pending row is deleted once none of its
-//! changes is held any more (written back, or changed again by a later row).
+//! changes is held any more (written back, or changed again by a later row) and every older
+//! row is deleted: rows are deleted oldest first. A row replays all its changes, also those
+//! later rows changed again, so a newer row deleted before it would leave its older value of
+//! such a key to come back over the value written back.
 //!
 //! The rows are replayed at the next open, oldest first; replaying a change already written
 //! back writes nothing new. Steps that read or rewrite a node's omap in SQL as a whole (range
 //! removal, clear, object removal, rollback, snapshot removal) first write every held change
 //! back and delete every row (`Engine::write_back_omap`), so that a replay can never bring
 //! back a value such a step removed; a snapshot's clone copies its head's held changes.
+//!
+//! The engine holds changed rows of its `extents` table the same way, in a second overlay
+//! whose keys are extent starts (`lo`, big-endian, so that key order is offset order) and
+//! whose pending rows go to `extents_pending` (held_extents.rs). Those changes skip the
+//! operation buffer (`put`): a later step of the same operation must see an earlier step's
+//! extents, and an extent change fails only with its whole transaction, after which the
+//! engine replays the pending rows anyway.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -54,11 +64,10 @@ pub(crate) struct OmapOverlay {
     /// Every change not written back yet: of committed transactions and of the open one.
     held: Held,
     held_bytes: usize,
-    /// For each pending row, how many held changes are from it. A row none of whose changes
-    /// is held (each written back or changed again by a later row) is no longer needed.
+    /// For each pending row not yet deleted, how many held changes are from it. A row none of
+    /// whose changes is held (each written back or changed again by a later row) is no longer
+    /// needed once every older one is deleted (`take_emptied`).
     rows: BTreeMap<u64, usize>,
-    /// Rows no longer needed, to delete in the next commit.
-    emptied: Vec<u64>,
     /// The number of the open transaction's row.
     txn_row: u64,
     /// A write-back in pieces goes on after this key (key order, round and round).
@@ -103,6 +112,56 @@ impl OmapOverlay {
         self.op.extend(copies);
     }
 
+    /// Set (`Some`) or remove `key` of `node` in the open transaction at once, seen by the
+    /// next read, without the operation buffer (the extents overlay: see the module's
+    /// documentation).
+    pub(crate) fn put(&mut self, node: i64, key: Vec<u8>, value: Option<Vec<u8>>) {
+        debug_assert!(
+            self.op.is_empty(),
+            "an operation's buffered changes would reorder"
+        );
+        encode(&mut self.txn, node, &key, value.as_deref());
+        self.hold(node, key, value, self.txn_row);
+    }
+
+    /// Take the held changes of `keys` (all held) out of the overlay, releasing their rows.
+    fn take_keys(&mut self, keys: Vec<(i64, Vec<u8>)>) -> Vec<WriteBack> {
+        keys.into_iter()
+            .map(|key| {
+                let change = self.held.remove(&key).expect("a key just listed");
+                self.held_bytes -= entry_bytes(&key.1, &change.value);
+                self.release_row(change.row);
+                (key, change.value)
+            })
+            .collect()
+    }
+
+    /// Every held change of `node`, in key order, to write to SQLite in the open transaction
+    /// (with the rows this empties deleted, `take_emptied`): that node's rows in SQLite are
+    /// then complete, for a step that reads them there (a snapshot's clone copying them).
+    /// Rows that still hold older changes of the node replay them before newer ones, to
+    /// the same values as written back.
+    pub(crate) fn take_node(&mut self, node: i64) -> Vec<WriteBack> {
+        debug_assert!(self.op.is_empty(), "an operation is still being applied");
+        let keys: Vec<(i64, Vec<u8>)> = self
+            .range(node, &[], None)
+            .map(|(key, _)| (node, key.to_vec()))
+            .collect();
+        self.take_keys(keys)
+    }
+
+    /// Every held change, in key order (for rebuilding an index of them).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (i64, &[u8], Option<&[u8]>)> + '_ {
+        self.held
+            .iter()
+            .map(|((node, key), change)| (*node, key.as_slice(), change.value.as_deref()))
+    }
+
+    /// Whether some change of `node` is held.
+    pub(crate) fn holds_node(&self, node: i64) -> bool {
+        self.range(node, &[], None).next().is_some()
+    }
+
     /// The operation was applied: its changes join the open transaction's.
     pub(crate) fn operation_done(&mut self) {
         let op = std::mem::take(&mut self.op);
@@ -130,11 +189,7 @@ impl OmapOverlay {
     /// One change of `row` is no longer held.
     fn release_row(&mut self, row: u64) {
         if let Some(count) = self.rows.get_mut(&row) {
-            *count -= 1;
-            if *count == 0 {
-                self.rows.remove(&row);
-                self.emptied.push(row);
-            }
+            *count = count.saturating_sub(1);
         }
     }
 
@@ -160,9 +215,19 @@ impl OmapOverlay {
         self.txn_row = row;
     }
 
-    /// Rows no longer needed since the last call, to delete in the open transaction.
+    /// Rows no longer needed, oldest first, to delete in the open transaction: the oldest
+    /// rows none of whose changes is held, up to the first that still holds one (see the
+    /// module's documentation), and never the open transaction's.
     pub(crate) fn take_emptied(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.emptied)
+        let mut emptied = Vec::new();
+        while let Some((&row, &count)) = self.rows.first_key_value() {
+            if count > 0 || row >= self.txn_row {
+                break;
+            }
+            self.rows.remove(&row);
+            emptied.push(row);
+        }
+        emptied
     }
 
     /// Up to `limit` held changes, the next ones in key order after the last piece (round
@@ -194,14 +259,7 @@ impl OmapOverlay {
         }
         self.cursor = keys.last().cloned();
         keys.sort_unstable();
-        keys.into_iter()
-            .map(|key| {
-                let change = self.held.remove(&key).expect("a key just listed");
-                self.held_bytes -= entry_bytes(&key.1, &change.value);
-                self.release_row(change.row);
-                (key, change.value)
-            })
-            .collect()
+        self.take_keys(keys)
     }
 
     /// Every held change, in key order, to write to SQLite's `omap` table in the open
@@ -211,7 +269,6 @@ impl OmapOverlay {
         self.txn.clear();
         self.held_bytes = 0;
         self.rows.clear();
-        self.emptied.clear();
         self.cursor = None;
         std::mem::take(&mut self.held)
             .into_iter()
@@ -227,7 +284,6 @@ impl OmapOverlay {
         self.held.clear();
         self.held_bytes = 0;
         self.rows.clear();
-        self.emptied.clear();
         self.cursor = None;
     }
 
@@ -261,7 +317,7 @@ impl OmapOverlay {
         node: i64,
         start: &[u8],
         end: Option<&[u8]>,
-    ) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
+    ) -> impl DoubleEndedIterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
         let upper = match end {
             // An end before the start is an empty range (`BTreeMap::range` would panic).
             Some(end) => Bound::Excluded((node, end.max(start).to_vec())),
@@ -282,7 +338,7 @@ impl OmapOverlay {
 
     /// Whether some change or some `omap_pending` row is not written back or deleted yet.
     pub(crate) fn pending(&self) -> bool {
-        !self.is_empty() || !self.emptied.is_empty()
+        !self.is_empty() || !self.rows.is_empty()
     }
 
     /// Changes held, and about how much memory they take.
@@ -309,8 +365,8 @@ type Decoded<'a> = (i64, &'a [u8], Option<&'a [u8]>, &'a [u8]);
 fn decode(row: &[u8]) -> Result<Decoded<'_>, StoreError> {
     let damaged = || {
         StoreError::Corrupt(
-            "a row of the table omap_pending (omap changes not yet written back) is damaged; \
-             restore the store from a backup"
+            "a row of the table omap_pending or extents_pending (changes not yet written back) \
+             is damaged; restore the store from a backup"
                 .to_owned(),
         )
     };
@@ -519,6 +575,49 @@ mod tests {
         assert_eq!(emptied, [11, 12]);
         assert_eq!(o.held(), (0, 0));
         assert!(o.take_piece(3).is_empty());
+    }
+
+    /// A row whose changes are all written back stays until every older row is deleted: an
+    /// older row still needed for one key also replays its superseded value of another, which
+    /// the newer row must then replay over (a replay of the rows left after a crash).
+    #[test]
+    fn rows_are_deleted_oldest_first() {
+        let mut o = OmapOverlay::default();
+        o.next_row(1);
+        done(&mut o, 1, "k", Some("old"));
+        done(&mut o, 1, "l", Some("x"));
+        let first = stored(&mut o);
+        done(&mut o, 1, "k", Some("new"));
+        let second = stored(&mut o);
+        // Key order: k first, so row 2 (k's newest) empties while row 1 holds l.
+        let piece = o.take_piece(1);
+        assert_eq!(piece, [((1, k("k")), Some(k("new")))]);
+        assert!(o.take_emptied().is_empty(), "row 2 must outlive row 1");
+        let mut replayed = OmapOverlay::default();
+        replayed.replay(first.0, &first.1).unwrap();
+        replayed.replay(second.0, &second.1).unwrap();
+        assert_eq!(replayed.get(1, b"k"), Lookup::Value(b"new"));
+        assert_eq!(o.take_piece(1), [((1, k("l")), Some(k("x")))]);
+        assert_eq!(o.take_emptied(), [1, 2]);
+        assert!(!o.pending());
+    }
+
+    /// The open transaction's row is never deleted before it is stored, even once a
+    /// write-back of its node took every change it had so far.
+    #[test]
+    fn the_open_transactions_row_is_never_emptied() {
+        let mut o = OmapOverlay::default();
+        o.next_row(5);
+        o.put(1, k("a"), Some(k("v")));
+        assert_eq!(o.take_node(1).len(), 1);
+        assert!(o.take_emptied().is_empty());
+        o.put(1, k("b"), Some(k("w")));
+        let (seq, row) = stored(&mut o);
+        assert_eq!(seq, 5);
+        let mut replayed = OmapOverlay::default();
+        replayed.replay(seq, &row).unwrap();
+        assert_eq!(replayed.get(1, b"b"), Lookup::Value(b"w"));
+        assert!(o.take_emptied().is_empty(), "row 5 still holds b");
     }
 
     #[test]
