@@ -71,15 +71,18 @@ stop_cluster() {
   return 1
 }
 
-# The background build of the fuzz target while it runs (see the tests below).
+# The background build of the fuzz target while it runs (see the tests below), and the file
+# its exit status goes to when it ends.
 FUZZ_BUILD_PID=
+FUZZ_BUILD_STATUS=
 
 on_exit() {
   local rc=$?
   # no second Ctrl-C in the middle of the cleanup (stop is bounded: SIGKILL after 20 s)
   trap '' INT TERM HUP
-  if [[ -n $FUZZ_BUILD_PID ]]; then
-    # A run that failed before the fuzz step: its build is not wanted any more.
+  if [[ -n $FUZZ_BUILD_PID && ! -e $FUZZ_BUILD_STATUS ]]; then
+    # A run that failed before the fuzz step: its build is not wanted any more. (Once its
+    # status is written it has ended, and its pid may be another process's by now.)
     pkill -TERM -P "$FUZZ_BUILD_PID" 2>/dev/null || true
     kill -TERM "$FUZZ_BUILD_PID" 2>/dev/null || true
   fi
@@ -170,9 +173,19 @@ fi
 # running when the fuzz step began (about 3 minutes of waiting on a fresh machine).
 # Its own target directory (fuzz/target), so no lock is shared with the builds below; the
 # fuzz step waits for it.
+# Its exit status goes to a file, not to `wait`: a 2-core machine has pid_max 32768, the
+# tests' processes and threads (Ceph's among them) go through more pids than that, and once
+# the shell forks a later child with the build's pid, `wait` on that pid returns the later
+# child's status (a CI run failed so with the build's log ending in `Finished`).
 mkdir -p "$ROOT/target"
 FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
-nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 &
+FUZZ_BUILD_STATUS=$ROOT/target/fuzz-build.status
+rm -f "$FUZZ_BUILD_STATUS"
+(
+  rc=0
+  nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 || rc=$?
+  echo "$rc" >"$FUZZ_BUILD_STATUS"
+) &
 FUZZ_BUILD_PID=$!
 
 log "cargo fmt --check"
@@ -351,12 +364,15 @@ fi
 log "fuzz the header parser for ${IVDISK_FUZZ_SECONDS:-60} s (cargo-fuzz, nightly)"
 # Installs the nightly toolchain and cargo-fuzz when missing; a crash fails the run and leaves
 # the input in fuzz/artifacts/header_parse/.
-if ! wait "$FUZZ_BUILD_PID"; then
-  FUZZ_BUILD_PID=
-  sed 's/^/  fuzz build: /' "$FUZZ_BUILD_LOG" >&2
-  die "building the fuzz target failed (log above, and in $FUZZ_BUILD_LOG)"
-fi
+while [[ ! -s $FUZZ_BUILD_STATUS ]] && kill -0 "$FUZZ_BUILD_PID" 2>/dev/null; do
+  sleep 1
+done
 FUZZ_BUILD_PID=
+fuzz_build_rc=$(cat "$FUZZ_BUILD_STATUS" 2>/dev/null || echo "none (the build ended without one)")
+if [[ $fuzz_build_rc != 0 ]]; then
+  sed 's/^/  fuzz build: /' "$FUZZ_BUILD_LOG" >&2
+  die "building the fuzz target failed, exit status $fuzz_build_rc (log above, and in $FUZZ_BUILD_LOG)"
+fi
 scripts/fuzz-header
 
 if [[ ${IVDISK_NO_CEPH:-} == 1 ]]; then
