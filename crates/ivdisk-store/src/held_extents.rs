@@ -166,19 +166,16 @@ impl HeldExtents {
         node: i64,
         hi: u64,
     ) -> impl Iterator<Item = Result<(u64, Held), StoreError>> + '_ {
-        self.overlay
-            .range(node, &[], Some(&key(hi)))
-            .rev()
-            .map(|(k, value)| {
-                let lo = u64::from_be_bytes(k.try_into().map_err(|_| {
-                    StoreError::Corrupt("a held extent change has a damaged key".into())
-                })?);
-                let held = match value {
-                    Some(v) => lookup(Lookup::Value(v))?,
-                    None => Held::Removed,
-                };
-                Ok((lo, held))
-            })
+        self.overlay.below(node, &key(hi)).map(|(k, value)| {
+            let lo = u64::from_be_bytes(k.try_into().map_err(|_| {
+                StoreError::Corrupt("a held extent change has a damaged key".into())
+            })?);
+            let held = match value {
+                Some(v) => lookup(Lookup::Value(v))?,
+                None => Held::Removed,
+            };
+            Ok((lo, held))
+        })
     }
 
     /// Whether some change of `node` is held.
@@ -224,6 +221,17 @@ impl HeldExtents {
     pub(crate) fn take_piece(&mut self, limit: usize) -> Result<Vec<ExtentWriteBack>, StoreError> {
         let piece = self.overlay.take_piece(limit);
         self.written_back(piece)
+    }
+
+    /// See `OmapOverlay::take_oldest`.
+    pub(crate) fn take_oldest(&mut self, max: usize) -> Result<Vec<ExtentWriteBack>, StoreError> {
+        let oldest = self.overlay.take_oldest(max);
+        self.written_back(oldest)
+    }
+
+    /// See `OmapOverlay::pending_bytes`.
+    pub(crate) fn pending_bytes(&self) -> usize {
+        self.overlay.pending_bytes()
     }
 
     /// See `OmapOverlay::take_all`.
