@@ -979,13 +979,12 @@ impl Engine {
     /// At a commit, past `pending_max` bytes of `extents_pending` rows: write back what the
     /// oldest rows still hold (see `OmapOverlay::take_oldest`).
     fn write_back_oldest_extents(&mut self) -> Result<(), StoreError> {
+        let started = Instant::now();
         let extents = self.extents.get_mut();
-        let max = pending_max(extents.held().1, self.omap_held_max);
-        if extents.pending_bytes() <= max {
+        let oldest = extents.take_oldest(pending_max(extents.held().1, self.omap_held_max))?;
+        if oldest.is_empty() {
             return Ok(());
         }
-        let started = Instant::now();
-        let oldest = extents.take_oldest(max)?;
         self.store_extents(
             &oldest,
             started,
@@ -1131,13 +1130,12 @@ impl Engine {
     /// At a commit, past `pending_max` bytes of `omap_pending` rows: write back what the
     /// oldest rows still hold (see `OmapOverlay::take_oldest`).
     fn write_back_oldest_omap(&mut self) -> Result<(), StoreError> {
+        let started = Instant::now();
         let omap = self.omap.get_mut();
-        let max = pending_max(omap.held().1, self.omap_held_max);
-        if omap.pending_bytes() <= max {
+        let oldest = omap.take_oldest(pending_max(omap.held().1, self.omap_held_max));
+        if oldest.is_empty() {
             return Ok(());
         }
-        let started = Instant::now();
-        let oldest = omap.take_oldest(max);
         self.store_omap(&oldest)?;
         log_written_back(
             oldest.len(),

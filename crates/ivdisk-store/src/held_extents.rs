@@ -229,11 +229,6 @@ impl HeldExtents {
         self.written_back(oldest)
     }
 
-    /// See `OmapOverlay::pending_bytes`.
-    pub(crate) fn pending_bytes(&self) -> usize {
-        self.overlay.pending_bytes()
-    }
-
     /// See `OmapOverlay::take_all`.
     pub(crate) fn take_all(&mut self) -> Result<Vec<ExtentWriteBack>, StoreError> {
         let all = self.overlay.take_all();

@@ -64,13 +64,10 @@ pub(crate) struct OmapOverlay {
     /// Every change not written back yet: of committed transactions and of the open one.
     held: Held,
     held_bytes: usize,
-    /// For each pending row not yet deleted, how many held changes are from it. A row none of
-    /// whose changes is held (each written back or changed again by a later row) is no longer
-    /// needed once every older one is deleted (`take_emptied`).
-    rows: BTreeMap<u64, usize>,
-    /// The size of each pending row not yet deleted, as stored, and their sum: what the
-    /// pending-changes table holds (`take_oldest` bounds it).
-    row_bytes: BTreeMap<u64, usize>,
+    /// Each pending row not yet deleted (and the open transaction's, once it holds a change).
+    rows: BTreeMap<u64, PendingRow>,
+    /// The bytes of every stored row in `rows`: what the pending-changes table holds
+    /// (`take_oldest` bounds it).
     pending_bytes: usize,
     /// The number of the open transaction's row.
     txn_row: u64,
@@ -80,6 +77,17 @@ pub(crate) struct OmapOverlay {
     op: Vec<(i64, Vec<u8>, Option<Vec<u8>>)>,
     /// The open transaction's changes, encoded for its `omap_pending` row.
     txn: Vec<u8>,
+}
+
+/// What the overlay knows of one pending row.
+#[derive(Default, Clone, Copy)]
+struct PendingRow {
+    /// How many held changes are from it. A row none of whose changes is held (each written
+    /// back or changed again by a later row) is no longer needed once every older one is
+    /// deleted (`take_emptied`).
+    held: usize,
+    /// Its size as stored (0 until it is).
+    bytes: usize,
 }
 
 fn entry_bytes(key: &[u8], value: &Option<Vec<u8>>) -> usize {
@@ -186,7 +194,7 @@ impl OmapOverlay {
 
     fn hold(&mut self, node: i64, key: Vec<u8>, value: Option<Vec<u8>>, row: u64) {
         self.held_bytes += entry_bytes(&key, &value);
-        *self.rows.entry(row).or_default() += 1;
+        self.rows.entry(row).or_default().held += 1;
         let key_len = key.len();
         if let Some(old) = self.held.insert((node, key), Change { value, row }) {
             self.held_bytes -= key_len + old.value.as_ref().map_or(0, Vec::len) + ENTRY_OVERHEAD;
@@ -196,8 +204,8 @@ impl OmapOverlay {
 
     /// One change of `row` is no longer held.
     fn release_row(&mut self, row: u64) {
-        if let Some(count) = self.rows.get_mut(&row) {
-            *count = count.saturating_sub(1);
+        if let Some(pending) = self.rows.get_mut(&row) {
+            pending.held = pending.held.saturating_sub(1);
         }
     }
 
@@ -219,7 +227,7 @@ impl OmapOverlay {
     }
 
     fn note_row_bytes(&mut self, row: u64, bytes: usize) {
-        *self.row_bytes.entry(row).or_default() += bytes;
+        self.rows.entry(row).or_default().bytes += bytes;
         self.pending_bytes += bytes;
     }
 
@@ -234,12 +242,12 @@ impl OmapOverlay {
     /// module's documentation), and never the open transaction's.
     pub(crate) fn take_emptied(&mut self) -> Vec<u64> {
         let mut emptied = Vec::new();
-        while let Some((&row, &count)) = self.rows.first_key_value() {
+        while let Some((&row, &PendingRow { held: count, bytes })) = self.rows.first_key_value() {
             if count > 0 || row >= self.txn_row {
                 break;
             }
             self.rows.remove(&row);
-            self.pending_bytes -= self.row_bytes.remove(&row).unwrap_or(0);
+            self.pending_bytes -= bytes;
             emptied.push(row);
         }
         emptied
@@ -295,7 +303,7 @@ impl OmapOverlay {
         let target = max / 4 * 3;
         let mut left = self.pending_bytes;
         let mut last = None;
-        for (&row, &bytes) in &self.row_bytes {
+        for (&row, &PendingRow { bytes, .. }) in &self.rows {
             if left <= target || row >= self.txn_row {
                 break;
             }
@@ -315,7 +323,8 @@ impl OmapOverlay {
     }
 
     /// The bytes of the pending rows not deleted yet.
-    pub(crate) fn pending_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn pending_bytes(&self) -> usize {
         self.pending_bytes
     }
 
@@ -326,7 +335,6 @@ impl OmapOverlay {
         self.txn.clear();
         self.held_bytes = 0;
         self.rows.clear();
-        self.row_bytes.clear();
         self.pending_bytes = 0;
         self.cursor = None;
         std::mem::take(&mut self.held)
@@ -343,7 +351,6 @@ impl OmapOverlay {
         self.held.clear();
         self.held_bytes = 0;
         self.rows.clear();
-        self.row_bytes.clear();
         self.pending_bytes = 0;
         self.cursor = None;
     }
