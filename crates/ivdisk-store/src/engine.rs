@@ -853,7 +853,7 @@ impl Engine {
         let last = each_pending_row(&self.db, "extents_pending", 0, |seq, row| {
             extents.replay(seq, row)
         })?;
-        extents.index_places()?;
+        extents.index_places();
         let used: i64 = self.db.query_row(
             "SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'extents_pending'",
             [],
@@ -876,7 +876,7 @@ impl Engine {
         let started = Instant::now();
         let mut held = HeldExtents::default();
         each_pending_row(db, "extents_pending", 0, |seq, row| held.replay(seq, row))?;
-        let changes = held.take_all()?;
+        let changes = held.take_all();
         let tx = db.unchecked_transaction()?;
         Self::store_extents_in(db, &changes)?;
         db.execute_batch(
@@ -945,7 +945,7 @@ impl Engine {
             return Ok(());
         }
         let started = Instant::now();
-        let held = self.extents.get_mut().take_all()?;
+        let held = self.extents.get_mut().take_all();
         self.db.execute_batch("DELETE FROM extents_pending")?;
         self.store_extents(&held, started, "every held extent change written back")
     }
@@ -968,7 +968,7 @@ impl Engine {
         let Some(limit) = piece_limit(held, self.omap_held_max) else {
             return Ok(());
         };
-        let piece = self.extents.get_mut().take_piece(limit)?;
+        let piece = self.extents.get_mut().take_piece(limit);
         self.store_extents(
             &piece,
             started,
@@ -981,7 +981,7 @@ impl Engine {
     fn write_back_oldest_extents(&mut self) -> Result<(), StoreError> {
         let started = Instant::now();
         let extents = self.extents.get_mut();
-        let oldest = extents.take_oldest(pending_max(extents.held().1, self.omap_held_max))?;
+        let oldest = extents.take_oldest(pending_max(extents.held().1, self.omap_held_max));
         if oldest.is_empty() {
             return Ok(());
         }
@@ -1055,7 +1055,7 @@ impl Engine {
                         })?;
                     extents.take_emptied();
                     if self.extent_rows_seen != seen {
-                        extents.index_places()?;
+                        extents.index_places();
                     }
                 }
                 Ok(())
@@ -2114,7 +2114,7 @@ impl Engine {
         let mut rows = stmt.query(params![seg, to as i64])?;
         while let Some(row) = rows.next()? {
             let (node, lo) = (row.get::<_, i64>(3)?, row.get::<_, i64>(4)? as u64);
-            if !matches!(extents.get(node, lo)?, Held::Unknown) {
+            if !matches!(extents.get(node, lo), Held::Unknown) {
                 continue;
             }
             let start = row.get::<_, i64>(0)? as u64;
@@ -2324,7 +2324,7 @@ impl Engine {
         // `to` may hold some too: a node removed with its rows' removals still held leaves
         // its id to the next node made (SQLite reuses the highest rowid once it is gone).
         for node in [from, to] {
-            let held = self.extents.get_mut().take_node(node)?;
+            let held = self.extents.get_mut().take_node(node);
             Self::store_extents_in(&self.db, &held)?;
         }
         self.db.execute(
@@ -2408,11 +2408,9 @@ impl Engine {
             if !self.extents_direct {
                 if e_lo < lo {
                     let before = stored.sub(0, lo - e_lo);
-                    self.extents
-                        .get_mut()
-                        .put(node, e_lo, Some((lo, &before)))?;
+                    self.extents.get_mut().put(node, e_lo, Some((lo, before)));
                 } else if !refilled_here {
-                    self.extents.get_mut().put(node, e_lo, None)?;
+                    self.extents.get_mut().put(node, e_lo, None);
                 }
             } else if e_lo < lo {
                 // The part before the cut keeps its row (same key, same place in the
@@ -2477,9 +2475,9 @@ impl Engine {
         // An extent held from `lo` or before to `hi` or after is the only one in the range
         // (any other would overlap it): no seek in SQLite (a rewrite of a range written
         // since the last write-back).
-        if let Some(Ok((e_lo, Held::Extent(e_hi, stored)))) = held.peek() {
-            if *e_lo <= lo && *e_hi >= hi {
-                return Ok(vec![(*e_lo, *e_hi, stored.clone())]);
+        if let Some((e_lo, Some(extent))) = held.peek() {
+            if *e_lo <= lo && extent.hi >= hi {
+                return Ok(vec![(*e_lo, extent.hi, extent.stored.clone())]);
             }
         }
         let mut stmt = self.db.prepare_cached(
@@ -2494,11 +2492,7 @@ impl Engine {
                 Some(r) => Some(r.get::<_, i64>(0)? as u64),
                 None => None,
             };
-            let held_lo = match held.peek() {
-                Some(Ok((held_lo, _))) => Some(*held_lo),
-                Some(Err(_)) => return Err(held.next().expect("peeked").expect_err("an error")),
-                None => None,
-            };
+            let held_lo = held.peek().map(|(held_lo, _)| *held_lo);
             let (e_lo, e_hi, stored) = match (row_lo, held_lo) {
                 (None, None) => break,
                 (Some(r_lo), h) if h.is_none_or(|h_lo| r_lo > h_lo) => {
@@ -2513,9 +2507,9 @@ impl Engine {
                         // SQLite's row of a held key is out of date.
                         row = rows.next()?;
                     }
-                    match held.next().expect("peeked")? {
-                        (_, Held::Extent(e_hi, stored)) => (h_lo, e_hi, stored),
-                        _ => continue,
+                    match held.next().expect("peeked") {
+                        (_, Some(extent)) => (h_lo, extent.hi, extent.stored.clone()),
+                        (_, None) => continue,
                     }
                 }
                 (Some(_), None) => unreachable!("handled above"),
@@ -2582,7 +2576,7 @@ impl Engine {
         data: &[u8],
     ) -> Result<bool, StoreError> {
         if !self.extents_direct {
-            let exact = match self.extents.get_mut().get(node, lo)? {
+            let exact = match self.extents.get_mut().get(node, lo) {
                 Held::Extent(e_hi, Stored::Inline(_)) => e_hi == hi,
                 Held::Extent(..) | Held::Removed => false,
                 Held::Unknown => self
@@ -2598,7 +2592,7 @@ impl Engine {
             if exact {
                 self.extents
                     .get_mut()
-                    .put(node, lo, Some((hi, &Stored::Inline(data.to_vec()))))?;
+                    .put(node, lo, Some((hi, Stored::Inline(data.to_vec()))));
             }
             return Ok(exact);
         }
@@ -2627,10 +2621,10 @@ impl Engine {
         let mut patched = old.to_vec();
         patched[skip as usize..skip as usize + data.len()].copy_from_slice(data);
         if !self.extents_direct {
-            return self
-                .extents
+            self.extents
                 .get_mut()
-                .put(node, lo, Some((hi, &Stored::Inline(patched))));
+                .put(node, lo, Some((hi, Stored::Inline(patched))));
+            return Ok(());
         }
         self.db
             .prepare_cached("UPDATE extents SET inline = ?3 WHERE node = ?1 AND lo = ?2")?
@@ -2648,10 +2642,10 @@ impl Engine {
         piece: &Piece,
     ) -> Result<(), StoreError> {
         if !self.extents_direct {
-            return self
-                .extents
+            self.extents
                 .get_mut()
-                .put(node, lo, Some((hi, &Stored::Segment(*piece))));
+                .put(node, lo, Some((hi, Stored::Segment(*piece))));
+            return Ok(());
         }
         self.db
             .prepare_cached(
@@ -2691,7 +2685,10 @@ impl Engine {
         stored: &Stored,
     ) -> Result<(), StoreError> {
         if !self.extents_direct {
-            return self.extents.get_mut().put(node, lo, Some((hi, stored)));
+            self.extents
+                .get_mut()
+                .put(node, lo, Some((hi, stored.clone())));
+            return Ok(());
         }
         let mut stmt = self.db.prepare_cached(
             "INSERT OR REPLACE INTO extents (node, lo, hi, seg, seg_off, blob, blob_end, inline)

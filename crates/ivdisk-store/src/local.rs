@@ -246,8 +246,12 @@ fn start_writeback_now(job: &WritebackJob) {
 /// reporting (virtio-balloon; this project's machines) free blocks of that order are the ones
 /// handed back to the host, and the copy into such a folio ran at about 0.5 GB/s, against
 /// 3.5-4 GB/s in 1 MiB pieces (docs/BENCHMARKS.md, "4 MiB store writes in 1 MiB pieces").
-/// One more system call per MiB costs nothing measurable.
-const WRITE_PIECE: u64 = 1 << 20;
+/// On a later VM (Intel, 2026-12-02) 1 MiB folios crawled too: the worker spent 42% of the
+/// machine's samples copying 4 MiB writes into them, at 0.5-0.7 GB/s; in 64 KiB pieces
+/// 4 MiB store writes ran at 1.9-2.1 GB/s and 1 MiB ones 1.0-1.9 -> 2.0-2.2 GB/s, with 256
+/// KiB pieces close behind (docs/BENCHMARKS.md, "Extent overlay keys as integers; segment
+/// writes in 64 KiB pieces"). Sixteen system calls per MiB cost nothing measurable there.
+const WRITE_PIECE: u64 = 64 << 10;
 
 /// `write_all_at` in aligned pieces of at most `WRITE_PIECE` (see there).
 fn write_in_pieces(file: &File, data: &[u8], at: u64) -> std::io::Result<()> {

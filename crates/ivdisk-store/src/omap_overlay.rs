@@ -22,7 +22,8 @@
 //! back a value such a step removed; a snapshot's clone copies its head's held changes.
 //!
 //! The engine holds changed rows of its `extents` table the same way, in a second overlay
-//! whose keys are extent starts (`lo`, big-endian, so that key order is offset order) and
+//! (the same machinery, `Overlay`, over other key and value types: `OverlayKey`,
+//! `OverlayValue`) whose keys are extent starts (`u64`; big-endian in a pending row) and
 //! whose pending rows go to `extents_pending` (held_extents.rs). Those changes skip the
 //! operation buffer (`put`): a later step of the same operation must see an earlier step's
 //! extents, and an extent change fails only with its whole transaction, after which the
@@ -33,11 +34,78 @@ use std::ops::Bound;
 
 use crate::error::StoreError;
 
+/// A key of an overlay's map, after the node: an omap key's bytes, or an extent's start.
+///
+/// Why not bytes for both: the extents overlay is looked up several times per small write,
+/// and with owned byte keys each comparison was a `memcmp` behind a pointer (about a fifth of
+/// the store worker's time in the store bench at 4 KiB, docs/BENCHMARKS.md).
+pub(crate) trait OverlayKey: Ord + Clone {
+    /// What callers look keys up by (`[u8]` for bytes).
+    type Ref: ?Sized + Ord;
+    /// The lowest key: a node's changes start at `(node, MIN)`.
+    const MIN: Self;
+    fn owned(key: &Self::Ref) -> Self;
+    fn borrowed(&self) -> &Self::Ref;
+    /// Its length in a pending row.
+    fn key_len(&self) -> usize;
+    /// Its bytes in a pending row.
+    fn write_key(&self, out: &mut Vec<u8>);
+    fn read_key(bytes: &[u8]) -> Result<Self, StoreError>;
+}
+
+/// A value of an overlay's map: an omap value's bytes, or a held extent.
+pub(crate) trait OverlayValue: Clone {
+    /// What reads see of it (`[u8]` for bytes).
+    type Ref: ?Sized;
+    fn borrowed(&self) -> &Self::Ref;
+    /// Its length in a pending row.
+    fn value_len(&self) -> usize;
+    /// Its bytes in a pending row.
+    fn write_value(&self, out: &mut Vec<u8>);
+    fn read_value(bytes: &[u8]) -> Result<Self, StoreError>;
+}
+
+impl OverlayKey for Vec<u8> {
+    type Ref = [u8];
+    const MIN: Self = Vec::new();
+    fn owned(key: &[u8]) -> Self {
+        key.to_vec()
+    }
+    fn borrowed(&self) -> &[u8] {
+        self
+    }
+    fn key_len(&self) -> usize {
+        self.len()
+    }
+    fn write_key(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+    fn read_key(bytes: &[u8]) -> Result<Self, StoreError> {
+        Ok(bytes.to_vec())
+    }
+}
+
+impl OverlayValue for Vec<u8> {
+    type Ref = [u8];
+    fn borrowed(&self) -> &[u8] {
+        self
+    }
+    fn value_len(&self) -> usize {
+        self.len()
+    }
+    fn write_value(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+    fn read_value(bytes: &[u8]) -> Result<Self, StoreError> {
+        Ok(bytes.to_vec())
+    }
+}
+
 /// What the overlay knows of one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lookup<'a> {
+pub(crate) enum Lookup<'a, T: ?Sized> {
     /// Set to this value.
-    Value(&'a [u8]),
+    Value(&'a T),
     /// Removed.
     Removed,
     /// Not changed since the last write-back: SQLite has it.
@@ -46,23 +114,25 @@ pub(crate) enum Lookup<'a> {
 
 /// A held change: the value (`None` removes the key) and the pending row it is in.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Change {
-    pub(crate) value: Option<Vec<u8>>,
+pub(crate) struct Change<V> {
+    pub(crate) value: Option<V>,
     row: u64,
 }
 
-type Held = BTreeMap<(i64, Vec<u8>), Change>;
-
-/// A change to write to SQLite's `omap` table: `None` removes the key.
-pub(crate) type WriteBack = ((i64, Vec<u8>), Option<Vec<u8>>);
+/// A change to write to SQLite's table: `None` removes the key.
+pub(crate) type WriteBack<K = Vec<u8>, V = Vec<u8>> = ((i64, K), Option<V>);
 
 /// Memory one held change costs besides its key and value (map node, vectors).
 const ENTRY_OVERHEAD: usize = 64;
 
-#[derive(Default)]
-pub(crate) struct OmapOverlay {
+/// The overlay of the `omap` table.
+pub(crate) type OmapOverlay = Overlay<Vec<u8>, Vec<u8>>;
+
+/// Changes held in front of one SQLite table, with their pending rows (see the module's
+/// documentation).
+pub(crate) struct Overlay<K, V> {
     /// Every change not written back yet: of committed transactions and of the open one.
-    held: Held,
+    held: BTreeMap<(i64, K), Change<V>>,
     held_bytes: usize,
     /// Each pending row not yet deleted (and the open transaction's, once it holds a change).
     rows: BTreeMap<u64, PendingRow>,
@@ -72,11 +142,26 @@ pub(crate) struct OmapOverlay {
     /// The number of the open transaction's row.
     txn_row: u64,
     /// A write-back in pieces goes on after this key (key order, round and round).
-    cursor: Option<(i64, Vec<u8>)>,
+    cursor: Option<(i64, K)>,
     /// The changes of the operation being applied (dropped if it fails).
-    op: Vec<(i64, Vec<u8>, Option<Vec<u8>>)>,
-    /// The open transaction's changes, encoded for its `omap_pending` row.
+    op: Vec<(i64, K, Option<V>)>,
+    /// The open transaction's changes, encoded for its pending row.
     txn: Vec<u8>,
+}
+
+impl<K, V> Default for Overlay<K, V> {
+    fn default() -> Self {
+        Overlay {
+            held: BTreeMap::new(),
+            held_bytes: 0,
+            rows: BTreeMap::new(),
+            pending_bytes: 0,
+            txn_row: 0,
+            cursor: None,
+            op: Vec::new(),
+            txn: Vec::new(),
+        }
+    }
 }
 
 /// What the overlay knows of one pending row.
@@ -90,27 +175,27 @@ struct PendingRow {
     bytes: usize,
 }
 
-fn entry_bytes(key: &[u8], value: &Option<Vec<u8>>) -> usize {
-    key.len() + value.as_ref().map_or(0, Vec::len) + ENTRY_OVERHEAD
+fn entry_bytes<K: OverlayKey, V: OverlayValue>(key: &K, value: &Option<V>) -> usize {
+    key.key_len() + value.as_ref().map_or(0, V::value_len) + ENTRY_OVERHEAD
 }
 
-impl OmapOverlay {
+impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
     /// Set `key` of `node` in the operation being applied.
-    pub(crate) fn set(&mut self, node: i64, key: Vec<u8>, value: Vec<u8>) {
+    pub(crate) fn set(&mut self, node: i64, key: K, value: V) {
         self.op.push((node, key, Some(value)));
     }
 
     /// Remove `key` of `node` in the operation being applied.
-    pub(crate) fn remove(&mut self, node: i64, key: Vec<u8>) {
+    pub(crate) fn remove(&mut self, node: i64, key: K) {
         self.op.push((node, key, None));
     }
 
     /// A step of the operation being applied removed `node`'s keys from `start` to `end`
     /// (exclusive), or all of them: the operation's earlier changes of those keys go too.
-    pub(crate) fn forget_in_operation(&mut self, node: i64, range: Option<(&[u8], &[u8])>) {
+    pub(crate) fn forget_in_operation(&mut self, node: i64, range: Option<(&K::Ref, &K::Ref)>) {
         self.op.retain(|(n, key, _)| {
             *n != node
-                || range.is_some_and(|(start, end)| key.as_slice() < start || key.as_slice() >= end)
+                || range.is_some_and(|(start, end)| key.borrowed() < start || key.borrowed() >= end)
         });
     }
 
@@ -118,26 +203,26 @@ impl OmapOverlay {
     /// changes of `to` in the operation being applied.
     pub(crate) fn copy_node(&mut self, from: i64, to: i64) {
         let copies: Vec<_> = self
-            .range(from, &[], None)
-            .map(|(key, value)| (to, key.to_vec(), value.map(<[u8]>::to_vec)))
+            .node_range(from, Bound::Unbounded)
+            .map(|((_, key), change)| (to, key.clone(), change.value.clone()))
             .collect();
         self.op.extend(copies);
     }
 
     /// Set (`Some`) or remove `key` of `node` in the open transaction at once, seen by the
     /// next read, without the operation buffer (the extents overlay: see the module's
-    /// documentation).
-    pub(crate) fn put(&mut self, node: i64, key: Vec<u8>, value: Option<Vec<u8>>) {
+    /// documentation). Returns the value it held for the key before, if it held one.
+    pub(crate) fn put(&mut self, node: i64, key: K, value: Option<V>) -> Option<V> {
         debug_assert!(
             self.op.is_empty(),
             "an operation's buffered changes would reorder"
         );
-        encode(&mut self.txn, node, &key, value.as_deref());
-        self.hold(node, key, value, self.txn_row);
+        encode(&mut self.txn, node, &key, value.as_ref());
+        self.hold(node, key, value, self.txn_row)
     }
 
     /// Take the held changes of `keys` (all held) out of the overlay, releasing their rows.
-    fn take_keys(&mut self, keys: Vec<(i64, Vec<u8>)>) -> Vec<WriteBack> {
+    fn take_keys(&mut self, keys: Vec<(i64, K)>) -> Vec<WriteBack<K, V>> {
         keys.into_iter()
             .map(|key| {
                 let change = self.held.remove(&key).expect("a key just listed");
@@ -153,27 +238,31 @@ impl OmapOverlay {
     /// then complete, for a step that reads them there (a snapshot's clone copying them).
     /// Rows that still hold older changes of the node replay them before newer ones, to
     /// the same values as written back.
-    pub(crate) fn take_node(&mut self, node: i64) -> Vec<WriteBack> {
+    pub(crate) fn take_node(&mut self, node: i64) -> Vec<WriteBack<K, V>> {
         debug_assert!(self.op.is_empty(), "an operation is still being applied");
-        let keys: Vec<(i64, Vec<u8>)> = self
-            .range(node, &[], None)
-            .map(|(key, _)| (node, key.to_vec()))
+        let keys: Vec<(i64, K)> = self
+            .node_range(node, Bound::Unbounded)
+            .map(|(key, _)| key.clone())
             .collect();
         self.take_keys(keys)
     }
 
     /// Every held change, in key order (for rebuilding an index of them).
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (i64, &[u8], Option<&[u8]>)> + '_ {
-        self.held
-            .iter()
-            .map(|((node, key), change)| (*node, key.as_slice(), change.value.as_deref()))
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (i64, &K::Ref, Option<&V::Ref>)> + '_ {
+        self.held.iter().map(|((node, key), change)| {
+            (
+                *node,
+                key.borrowed(),
+                change.value.as_ref().map(V::borrowed),
+            )
+        })
     }
 
     /// Whether some change of `node` is held.
     pub(crate) fn holds_node(&self, node: i64) -> bool {
         // One descent (a bounded range takes two, see `below`).
         self.held
-            .range((node, Vec::new())..)
+            .range((node, K::MIN)..)
             .next()
             .is_some_and(|((n, _), _)| *n == node)
     }
@@ -182,7 +271,7 @@ impl OmapOverlay {
     pub(crate) fn operation_done(&mut self) {
         let op = std::mem::take(&mut self.op);
         for (node, key, value) in op {
-            encode(&mut self.txn, node, &key, value.as_deref());
+            encode(&mut self.txn, node, &key, value.as_ref());
             self.hold(node, key, value, self.txn_row);
         }
     }
@@ -192,14 +281,16 @@ impl OmapOverlay {
         self.op.clear();
     }
 
-    fn hold(&mut self, node: i64, key: Vec<u8>, value: Option<Vec<u8>>, row: u64) {
+    /// Hold `value` for `key` of `node`, from pending row `row`; returns the value held
+    /// before, if any.
+    fn hold(&mut self, node: i64, key: K, value: Option<V>, row: u64) -> Option<V> {
         self.held_bytes += entry_bytes(&key, &value);
         self.rows.entry(row).or_default().held += 1;
-        let key_len = key.len();
-        if let Some(old) = self.held.insert((node, key), Change { value, row }) {
-            self.held_bytes -= key_len + old.value.as_ref().map_or(0, Vec::len) + ENTRY_OVERHEAD;
-            self.release_row(old.row);
-        }
+        let key_len = key.key_len();
+        let old = self.held.insert((node, key), Change { value, row })?;
+        self.held_bytes -= key_len + old.value.as_ref().map_or(0, V::value_len) + ENTRY_OVERHEAD;
+        self.release_row(old.row);
+        old.value
     }
 
     /// One change of `row` is no longer held.
@@ -254,16 +345,16 @@ impl OmapOverlay {
     }
 
     /// Up to `limit` held changes, the next ones in key order after the last piece (round
-    /// and round), in key order, to write to SQLite's `omap` table in the open transaction
-    /// (with the rows this empties deleted, `take_emptied`). Pieces in key order dirty each
-    /// page of SQLite's B-tree once for every change held on it.
-    pub(crate) fn take_piece(&mut self, limit: usize) -> Vec<WriteBack> {
+    /// and round), in key order, to write to SQLite's table in the open transaction (with
+    /// the rows this empties deleted, `take_emptied`). Pieces in key order dirty each page
+    /// of SQLite's B-tree once for every change held on it.
+    pub(crate) fn take_piece(&mut self, limit: usize) -> Vec<WriteBack<K, V>> {
         debug_assert!(self.op.is_empty(), "an operation is still being applied");
         let after = match &self.cursor {
             Some(key) => Bound::Excluded(key.clone()),
             None => Bound::Unbounded,
         };
-        let mut keys: Vec<(i64, Vec<u8>)> = self
+        let mut keys: Vec<(i64, K)> = self
             .held
             .range((after, Bound::Unbounded))
             .take(limit)
@@ -295,7 +386,7 @@ impl OmapOverlay {
     /// and under random 4 KiB writes through `ivdisk serve` to a 2 GiB image the table grew
     /// by 10 MiB a second, without end. An old row's changes are mostly changed again by
     /// later rows: few are left to write back.
-    pub(crate) fn take_oldest(&mut self, max: usize) -> Vec<WriteBack> {
+    pub(crate) fn take_oldest(&mut self, max: usize) -> Vec<WriteBack<K, V>> {
         debug_assert!(self.op.is_empty(), "an operation is still being applied");
         if self.pending_bytes <= max {
             return Vec::new();
@@ -313,7 +404,7 @@ impl OmapOverlay {
         let Some(last) = last else {
             return Vec::new();
         };
-        let keys: Vec<(i64, Vec<u8>)> = self
+        let keys: Vec<(i64, K)> = self
             .held
             .iter()
             .filter(|(_, change)| change.row <= last)
@@ -324,13 +415,13 @@ impl OmapOverlay {
 
     /// The bytes of the pending rows not deleted yet.
     #[cfg(test)]
-    fn pending_bytes(&self) -> usize {
+    pub(crate) fn pending_bytes(&self) -> usize {
         self.pending_bytes
     }
 
-    /// Every held change, in key order, to write to SQLite's `omap` table in the open
-    /// transaction (which also deletes every pending row): the overlay is empty after.
-    pub(crate) fn take_all(&mut self) -> Vec<WriteBack> {
+    /// Every held change, in key order, to write to SQLite's table in the open transaction
+    /// (which also deletes every pending row): the overlay is empty after.
+    pub(crate) fn take_all(&mut self) -> Vec<WriteBack<K, V>> {
         debug_assert!(self.op.is_empty(), "an operation is still being applied");
         self.txn.clear();
         self.held_bytes = 0;
@@ -355,28 +446,47 @@ impl OmapOverlay {
         self.cursor = None;
     }
 
-    /// Replay `omap_pending` row number `seq` (rows oldest first).
+    /// Replay pending row number `seq` (rows oldest first).
     pub(crate) fn replay(&mut self, seq: u64, row: &[u8]) -> Result<(), StoreError> {
         self.note_row_bytes(seq, row.len());
         let mut rest = row;
         while !rest.is_empty() {
             let (node, key, value, after) = decode(rest)?;
-            self.hold(node, key.to_vec(), value.map(<[u8]>::to_vec), seq);
+            let value = value.map(V::read_value).transpose()?;
+            self.hold(node, K::read_key(key)?, value, seq);
             rest = after;
         }
         Ok(())
     }
 
     /// What the overlay knows of `key` of `node`, for a read (never during an operation).
-    pub(crate) fn get(&self, node: i64, key: &[u8]) -> Lookup<'_> {
-        // The map's keys are owned pairs: one copy of the key to look it up (a range between
-        // two copies cost two copies and two descents).
-        let found = self.held.get(&(node, key.to_vec()));
+    pub(crate) fn get(&self, node: i64, key: &K::Ref) -> Lookup<'_, V::Ref> {
+        // The map's keys are owned pairs: one owned copy of the key to look it up (a range
+        // between two copies cost two copies and two descents).
+        let found = self.held.get(&(node, K::owned(key)));
         match found.map(|change| &change.value) {
-            Some(Some(v)) => Lookup::Value(v),
+            Some(Some(v)) => Lookup::Value(v.borrowed()),
             Some(None) => Lookup::Removed,
             None => Lookup::Unknown,
         }
+    }
+
+    /// The held changes of `node` from `start` on, in key order.
+    fn node_range(
+        &self,
+        node: i64,
+        start: Bound<K>,
+    ) -> impl DoubleEndedIterator<Item = (&(i64, K), &Change<V>)> + '_ {
+        let lower = match start {
+            Bound::Included(key) => Bound::Included((node, key)),
+            Bound::Excluded(key) => Bound::Excluded((node, key)),
+            Bound::Unbounded => Bound::Included((node, K::MIN)),
+        };
+        let upper = match node.checked_add(1) {
+            Some(next) => Bound::Excluded((next, K::MIN)),
+            None => Bound::Unbounded,
+        };
+        self.held.range((lower, upper))
     }
 
     /// The held changes of `node` with keys from `start` (inclusive) to `end` (exclusive; none:
@@ -384,37 +494,38 @@ impl OmapOverlay {
     pub(crate) fn range<'a>(
         &'a self,
         node: i64,
-        start: &[u8],
-        end: Option<&[u8]>,
-    ) -> impl DoubleEndedIterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
+        start: &K::Ref,
+        end: Option<&K::Ref>,
+    ) -> impl DoubleEndedIterator<Item = (&'a K::Ref, Option<&'a V::Ref>)> + 'a {
+        let lower = Bound::Included((node, K::owned(start)));
         let upper = match end {
             // An end before the start is an empty range (`BTreeMap::range` would panic).
-            Some(end) => Bound::Excluded((node, end.max(start).to_vec())),
+            Some(end) => Bound::Excluded((node, K::owned(end.max(start)))),
             None => match node.checked_add(1) {
-                Some(next) => Bound::Excluded((next, Vec::new())),
+                Some(next) => Bound::Excluded((next, K::MIN)),
                 None => Bound::Unbounded,
             },
         };
         self.held
-            .range((Bound::Included((node, start.to_vec())), upper))
-            .map(|((_, key), change)| (key.as_slice(), change.value.as_deref()))
+            .range((lower, upper))
+            .map(|((_, key), change)| (key.borrowed(), change.value.as_ref().map(V::borrowed)))
     }
 
     /// The held changes of `node` with keys below `end`, from the highest key down.
     ///
-    /// As `range(node, &[], Some(end)).rev()`, in one descent of the map where that took
+    /// As `range(node, MIN, Some(end)).rev()`, in one descent of the map where that took
     /// two (a range finds both of its ends; the map's first leaf, this range's other end,
     /// stays in the CPU's caches). Walking down from `end` is every extent lookup's first step.
     pub(crate) fn below<'a>(
         &'a self,
         node: i64,
-        end: &[u8],
-    ) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
+        end: &K::Ref,
+    ) -> impl Iterator<Item = (&'a K::Ref, Option<&'a V::Ref>)> + 'a {
         self.held
-            .range((Bound::Unbounded, Bound::Excluded((node, end.to_vec()))))
+            .range((Bound::Unbounded, Bound::Excluded((node, K::owned(end)))))
             .rev()
             .take_while(move |((n, _), _)| *n == node)
-            .map(|((_, key), change)| (key.as_slice(), change.value.as_deref()))
+            .map(|((_, key), change)| (key.borrowed(), change.value.as_ref().map(V::borrowed)))
     }
 
     /// Whether nothing is held (and no change is waiting for its pending row).
@@ -422,7 +533,7 @@ impl OmapOverlay {
         self.held.is_empty() && self.txn.is_empty()
     }
 
-    /// Whether some change or some `omap_pending` row is not written back or deleted yet.
+    /// Whether some change or some pending row is not written back or deleted yet.
     pub(crate) fn pending(&self) -> bool {
         !self.is_empty() || !self.rows.is_empty()
     }
@@ -435,44 +546,51 @@ impl OmapOverlay {
 
 /// One change in a pending row (integers little-endian): `node i64`, `kind u8` (0 set, 1
 /// remove), `key_len u32`, the key, and for a set `value_len u32` and the value.
-fn encode(out: &mut Vec<u8>, node: i64, key: &[u8], value: Option<&[u8]>) {
+fn encode<K: OverlayKey, V: OverlayValue>(
+    out: &mut Vec<u8>,
+    node: i64,
+    key: &K,
+    value: Option<&V>,
+) {
     out.extend_from_slice(&node.to_le_bytes());
     out.push(u8::from(value.is_none()));
-    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    out.extend_from_slice(key);
+    out.extend_from_slice(&(key.key_len() as u32).to_le_bytes());
+    key.write_key(out);
     if let Some(value) = value {
-        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        out.extend_from_slice(value);
+        out.extend_from_slice(&(value.value_len() as u32).to_le_bytes());
+        value.write_value(out);
     }
 }
 
 type Decoded<'a> = (i64, &'a [u8], Option<&'a [u8]>, &'a [u8]);
 
+/// The error of a damaged pending row.
+pub(crate) fn damaged_row() -> StoreError {
+    StoreError::Corrupt(
+        "a row of the table omap_pending or extents_pending (changes not yet written back) is \
+         damaged; restore the store from a backup"
+            .to_owned(),
+    )
+}
+
 fn decode(row: &[u8]) -> Result<Decoded<'_>, StoreError> {
-    let damaged = || {
-        StoreError::Corrupt(
-            "a row of the table omap_pending or extents_pending (changes not yet written back) \
-             is damaged; restore the store from a backup"
-                .to_owned(),
-        )
-    };
     fn take(buf: &[u8], n: usize) -> Option<(&[u8], &[u8])> {
         (buf.len() >= n).then(|| buf.split_at(n))
     }
     let len = |bytes: &[u8]| u32::from_le_bytes(bytes.try_into().unwrap_or([0; 4])) as usize;
-    let (node, rest) = take(row, 8).ok_or_else(damaged)?;
-    let node = i64::from_le_bytes(node.try_into().map_err(|_| damaged())?);
-    let (kind, rest) = take(rest, 1).ok_or_else(damaged)?;
-    let (key_len, rest) = take(rest, 4).ok_or_else(damaged)?;
-    let (key, rest) = take(rest, len(key_len)).ok_or_else(damaged)?;
+    let (node, rest) = take(row, 8).ok_or_else(damaged_row)?;
+    let node = i64::from_le_bytes(node.try_into().map_err(|_| damaged_row())?);
+    let (kind, rest) = take(rest, 1).ok_or_else(damaged_row)?;
+    let (key_len, rest) = take(rest, 4).ok_or_else(damaged_row)?;
+    let (key, rest) = take(rest, len(key_len)).ok_or_else(damaged_row)?;
     match kind[0] {
         0 => {
-            let (value_len, rest) = take(rest, 4).ok_or_else(damaged)?;
-            let (value, rest) = take(rest, len(value_len)).ok_or_else(damaged)?;
+            let (value_len, rest) = take(rest, 4).ok_or_else(damaged_row)?;
+            let (value, rest) = take(rest, len(value_len)).ok_or_else(damaged_row)?;
             Ok((node, key, Some(value), rest))
         }
         1 => Ok((node, key, None, rest)),
-        _ => Err(damaged()),
+        _ => Err(damaged_row()),
     }
 }
 
@@ -505,7 +623,7 @@ mod tests {
         let mut o = OmapOverlay::default();
         assert_eq!(o.get(1, b"a"), Lookup::Unknown);
         done(&mut o, 1, "a", Some("one"));
-        assert_eq!(o.get(1, b"a"), Lookup::Value(b"one"));
+        assert_eq!(o.get(1, b"a"), Lookup::Value(&b"one"[..]));
         done(&mut o, 1, "a", None);
         assert_eq!(o.get(1, b"a"), Lookup::Removed);
         o.set(1, k("a"), k("lost"));
@@ -531,8 +649,8 @@ mod tests {
 
         let mut replayed = OmapOverlay::default();
         replayed.replay(first.0, &first.1).unwrap();
-        assert_eq!(replayed.get(1, b"a"), Lookup::Value(b"three"));
-        assert_eq!(replayed.get(2, b"b"), Lookup::Value(b"two"));
+        assert_eq!(replayed.get(1, b"a"), Lookup::Value(&b"three"[..]));
+        assert_eq!(replayed.get(2, b"b"), Lookup::Value(&b"two"[..]));
         replayed.replay(second.0, &second.1).unwrap();
         assert_eq!(replayed.take_all(), o.take_all());
         assert!(replayed.is_empty() && o.is_empty());
@@ -609,8 +727,8 @@ mod tests {
         o.forget_in_operation(1, Some((b"c", b"d")));
         o.operation_done();
         assert_eq!(o.get(1, b"c"), Lookup::Unknown);
-        assert_eq!(o.get(1, b"d"), Lookup::Value(b"x"));
-        assert_eq!(o.get(2, b"c"), Lookup::Value(b"other node"));
+        assert_eq!(o.get(1, b"d"), Lookup::Value(&b"x"[..]));
+        assert_eq!(o.get(2, b"c"), Lookup::Value(&b"other node"[..]));
         o.set(1, k("e"), k("x"));
         o.forget_in_operation(1, None);
         o.operation_done();
@@ -618,9 +736,9 @@ mod tests {
 
         o.copy_node(1, 9);
         o.operation_done();
-        assert_eq!(o.get(9, b"a"), Lookup::Value(b"held"));
+        assert_eq!(o.get(9, b"a"), Lookup::Value(&b"held"[..]));
         assert_eq!(o.get(9, b"b"), Lookup::Removed);
-        assert_eq!(o.get(9, b"d"), Lookup::Value(b"x"));
+        assert_eq!(o.get(9, b"d"), Lookup::Value(&b"x"[..]));
         assert_eq!(o.get(9, b"c"), Lookup::Unknown);
         // The copies are in the transaction's row, for a replay.
         let (seq, row) = stored(&mut o);
@@ -697,7 +815,7 @@ mod tests {
         let mut replayed = OmapOverlay::default();
         replayed.replay(first.0, &first.1).unwrap();
         replayed.replay(second.0, &second.1).unwrap();
-        assert_eq!(replayed.get(1, b"k"), Lookup::Value(b"new"));
+        assert_eq!(replayed.get(1, b"k"), Lookup::Value(&b"new"[..]));
         assert_eq!(o.take_piece(1), [((1, k("l")), Some(k("x")))]);
         assert_eq!(o.take_emptied(), [1, 2]);
         assert!(!o.pending());
@@ -747,7 +865,7 @@ mod tests {
         assert_eq!(o.take_emptied(), (1..=last).collect::<Vec<_>>());
         assert_eq!(o.pending_bytes(), left);
         assert_eq!(o.get(9, b"header"), Lookup::Unknown, "written back");
-        assert_eq!(o.get(1, b"a"), Lookup::Value(b"a6"));
+        assert_eq!(o.get(1, b"a"), Lookup::Value(&b"a6"[..]));
 
         // The rows left replay to what the overlay still holds.
         let mut replayed = OmapOverlay::default();
@@ -775,7 +893,7 @@ mod tests {
         assert_eq!(seq, 5);
         let mut replayed = OmapOverlay::default();
         replayed.replay(seq, &row).unwrap();
-        assert_eq!(replayed.get(1, b"b"), Lookup::Value(b"w"));
+        assert_eq!(replayed.get(1, b"b"), Lookup::Value(&b"w"[..]));
         assert!(o.take_emptied().is_empty(), "row 5 still holds b");
     }
 
