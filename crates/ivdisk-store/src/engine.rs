@@ -267,6 +267,42 @@ const COMMIT_MAX_OPS: usize = 200_000;
 /// middle of pieces and for measurements.
 const OMAP_HELD_MAX: usize = 128 << 20;
 
+/// Once no write came for this long, a read-write engine compacts its metadata
+/// (`Engine::compact_step`): it writes back everything the overlays hold, a piece at a time
+/// (their pending rows' pages become free for later writes), rebuilds the database without
+/// its free pages if it is mostly free and small (`Engine::vacuum_if_mostly_free`), and
+/// truncates SQLite's log (`PRAGMA wal_checkpoint(TRUNCATE)`). Why: the metadata files only
+/// grew otherwise. Random 4 KiB writes through `ivdisk serve` to a 2 GiB image left 178 MB
+/// of database and 287 MB of log, and after a discard of the whole disk, whose data then
+/// took 120 KB, both stayed as large (docs/BENCHMARKS.md, "Metadata given back when
+/// idle"). `IVDISK_STORE_COMPACT_IDLE_MS` overrides it (tests).
+const COMPACT_IDLE: Duration = Duration::from_secs(10);
+/// Held changes written back per compaction step, and the pause between steps: each step is
+/// one short transaction (10-60 ms), and requests that come meanwhile are handled between
+/// steps (a write stops the compaction until the store is idle again).
+const COMPACT_WRITE_BACK_PIECE: usize = 8 << 10;
+const COMPACT_PAUSE: Duration = Duration::from_millis(5);
+/// The database is rebuilt without its free pages only if they are at least this many bytes
+/// and three times what is in use, and what is in use is at most `COMPACT_VACUUM_LIVE_MAX`
+/// (the rebuild holds it in memory and stalls the worker while it copies it: about 10 ms per
+/// MB). A store whose metadata is mostly in use keeps its free pages for later writes.
+/// Builds with the `fault-io` feature (the store's own tests, which write little) rebuild from
+/// 256 KiB of free pages.
+const COMPACT_FREE_MIN: u64 = if cfg!(feature = "fault-io") {
+    256 << 10
+} else {
+    16 << 20
+};
+const COMPACT_VACUUM_LIVE_MAX: u64 = 64 << 20;
+
+fn compact_idle() -> Duration {
+    std::env::var("IVDISK_STORE_COMPACT_IDLE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(COMPACT_IDLE)
+}
+
 /// How many of `count` held changes (taking `bytes`) the next piece writes back: none while
 /// at most `max` bytes are held, else enough to hold three quarters of `max` after.
 fn piece_limit((count, bytes): (usize, usize), max: usize) -> Option<usize> {
@@ -612,6 +648,28 @@ pub(crate) struct Engine {
     /// has that table.
     extent_rows_seen: i64,
     extents_pending_table: bool,
+    /// Metadata compaction (`compact_step`): whether one is due (something changed since
+    /// the last), when the last write came, and whether commits write back a piece of the
+    /// held changes whatever their size (set while compacting).
+    compaction: Compaction,
+}
+
+struct Compaction {
+    due: bool,
+    last_write: Instant,
+    idle: Duration,
+    draining: bool,
+}
+
+impl Compaction {
+    fn new(due: bool) -> Compaction {
+        Compaction {
+            due,
+            last_write: Instant::now(),
+            idle: compact_idle(),
+            draining: false,
+        }
+    }
 }
 
 /// A failed read of a read-only engine; `transient` if SQLite only could not start the read
@@ -768,6 +826,9 @@ impl Engine {
             extents_direct: false,
             extent_rows_seen: 0,
             extents_pending_table: true,
+            // Due at the open too: a store stopped by a crash, or by a build without
+            // compaction, may hold a large log and free pages.
+            compaction: Compaction::new(true),
         })
         .and_then(|mut engine| {
             engine.replay_omap_pending()?;
@@ -821,6 +882,7 @@ impl Engine {
             extents_direct: false,
             extent_rows_seen: 0,
             extents_pending_table: false,
+            compaction: Compaction::new(false),
         };
         // Fail now on what is no store (or not readable), not at the first read.
         engine.consistent(|e| Ok((e.meta("version")?, None)))?;
@@ -965,7 +1027,11 @@ impl Engine {
     fn write_back_extents_piece(&mut self) -> Result<(), StoreError> {
         let started = Instant::now();
         let held = self.extents.get_mut().held();
-        let Some(limit) = piece_limit(held, self.omap_held_max) else {
+        let limit = match self.compaction.draining {
+            true => (held.0 > 0).then_some(COMPACT_WRITE_BACK_PIECE),
+            false => piece_limit(held, self.omap_held_max),
+        };
+        let Some(limit) = limit else {
             return Ok(());
         };
         let piece = self.extents.get_mut().take_piece(limit);
@@ -1113,7 +1179,12 @@ impl Engine {
     /// unneeded. A piece per commit keeps each commit short, where writing every change back
     /// at once held the worker for 1.7-1.8 s (about 200,000 changes).
     fn write_back_omap_piece(&mut self) -> Result<(), StoreError> {
-        let Some(limit) = piece_limit(self.omap.get_mut().held(), self.omap_held_max) else {
+        let held = self.omap.get_mut().held();
+        let limit = match self.compaction.draining {
+            true => (held.0 > 0).then_some(COMPACT_WRITE_BACK_PIECE),
+            false => piece_limit(held, self.omap_held_max),
+        };
+        let Some(limit) = limit else {
             return Ok(());
         };
         let started = Instant::now();
@@ -1250,7 +1321,11 @@ impl Engine {
             {
                 self.commit(true);
             }
-            tick_due = self.segments.tick().map(|after| Instant::now() + after);
+            let after = match (self.segments.tick(), self.compact_step()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            tick_due = after.map(|after| Instant::now() + after);
         }
         // A clean stop leaves no omap or extent change pending: nothing to replay at the
         // next open (and nothing an older build would not know to replay).
@@ -1267,6 +1342,13 @@ impl Engine {
         self.commit(true);
         self.finish_durable_points(true);
         self.send_answers();
+        // A process that removed most objects and stops (`ivdisk delete`) leaves a small
+        // database, as an idle one would (SQLite truncates the log as it closes).
+        if self.read_only.is_none() && self.lost.is_none() && !self.in_txn {
+            if let Err(e) = self.vacuum_if_mostly_free() {
+                tracing::warn!("rebuilding the store's metadata without its free pages: {e}");
+            }
+        }
         if let Some(wal_sync) = self.wal_sync.take() {
             drop(wal_sync.jobs);
             let _ = wal_sync.thread.join();
@@ -1461,6 +1543,13 @@ impl Engine {
     fn handle(&mut self, request: Request) {
         if self.read_only.is_some() {
             return self.handle_read_only(request);
+        }
+        if matches!(
+            request,
+            Request::Write { .. } | Request::SnapCreate { .. } | Request::SnapRemove { .. }
+        ) {
+            self.compaction.due = true;
+            self.compaction.last_write = Instant::now();
         }
         match request {
             Request::Write { object, op, reply } => {
@@ -1923,6 +2012,99 @@ impl Engine {
 
     /// Commit the open transaction after syncing the data it references; with `durable`, also
     /// sync the database log and return the space of data that is now dead for good.
+    /// One step of the metadata compaction (see `COMPACT_IDLE`) of a read-write engine, once
+    /// no write came for that long and nothing is left to commit: a commit that writes back a
+    /// piece of what the overlays hold; once they hold nothing, the rebuild of a mostly free
+    /// database and a checkpoint that truncates the log, which end it until the next write.
+    /// Returns how soon it wants to be called again.
+    fn compact_step(&mut self) -> Option<Duration> {
+        if self.read_only.is_some() || !self.compaction.due {
+            return None;
+        }
+        let idle = self.compaction.last_write.elapsed();
+        if idle < self.compaction.idle {
+            return Some(self.compaction.idle - idle);
+        }
+        if self.in_txn || !self.durable_points.is_empty() || !self.frees_pending.is_empty() {
+            // The loop commits these first, within `DURABLE_INTERVAL`.
+            return Some(Duration::from_millis(100));
+        }
+        if self.omap.get_mut().pending() || self.extents.get_mut().pending() {
+            let held = |e: &mut Engine| e.omap.get_mut().held().0 + e.extents.get_mut().held().0;
+            let before = held(self);
+            self.compaction.draining = true;
+            let begun = self.begin();
+            if begun.is_ok() {
+                self.commit(false);
+            }
+            self.compaction.draining = false;
+            let after = held(self);
+            if let Err(e) = begun {
+                tracing::warn!("compacting the store's metadata: {e}");
+            } else if after < before || (after == 0 && self.lost.is_none()) {
+                // Progress, or only emptied pending rows left, which that commit deleted.
+                return Some(COMPACT_PAUSE);
+            }
+            // A failed commit says so itself (and the next flush reports it): not retried
+            // until the next write.
+            self.compaction.due = false;
+            return None;
+        }
+        self.compaction.due = false;
+        if let Err(e) = self.vacuum_if_mostly_free() {
+            tracing::warn!("rebuilding the store's metadata without its free pages: {e}");
+        }
+        // Readers in other processes hold the log while they read: wait for none of them
+        // (the worker would stall its requests), try again after the next write.
+        let _ = self.db.busy_timeout(Duration::ZERO);
+        let checkpoint = self
+            .db
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                r.get::<_, i64>(0)
+            });
+        let _ = self.db.busy_timeout(Duration::from_secs(5));
+        match checkpoint {
+            Ok(0) => tracing::debug!("store metadata compacted: log truncated"),
+            Ok(_) => tracing::debug!("store metadata compacted; a reader kept the log"),
+            Err(e) => tracing::warn!("truncating the store's metadata log: {e}"),
+        }
+        None
+    }
+
+    /// Rebuild the database without its free pages (`VACUUM`; the file shrinks at the
+    /// checkpoint after) if they are many and most of it (see `COMPACT_FREE_MIN`): objects were
+    /// removed, or a disk discarded. Why not SQLite's incremental vacuum, which frees pages a
+    /// few at a time: a database has it only if made with it, and one that was took random
+    /// 4 KiB writes through `ivdisk serve` from 32-42k to 24-28k a second (its map of page
+    /// parents, kept up to date on every page a write moves; docs/BENCHMARKS.md, "Metadata
+    /// given back when idle").
+    fn vacuum_if_mostly_free(&mut self) -> Result<(), StoreError> {
+        let pragma = |name: &str| -> Result<u64, StoreError> {
+            let n: i64 = self
+                .db
+                .query_row(&format!("PRAGMA {name}"), [], |r| r.get(0))?;
+            Ok(n.max(0) as u64)
+        };
+        let page = pragma("page_size")?;
+        let (pages, free) = (pragma("page_count")?, pragma("freelist_count")?);
+        let (free_bytes, live_bytes) = (free * page, pages.saturating_sub(free) * page);
+        if free_bytes < COMPACT_FREE_MIN
+            || free_bytes < 3 * live_bytes
+            || live_bytes > COMPACT_VACUUM_LIVE_MAX
+        {
+            return Ok(());
+        }
+        let started = Instant::now();
+        self.db.execute_batch("VACUUM")?;
+        tracing::debug!(
+            free_bytes,
+            live_bytes,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "store metadata rebuilt without its free pages"
+        );
+        Ok(())
+    }
+
     fn commit(&mut self, durable: bool) {
         // Whether the transaction's operations are in the database (a failure after its
         // COMMIT loses none of them).

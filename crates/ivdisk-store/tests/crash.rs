@@ -36,6 +36,8 @@ const CHILD_ENV: &str = "IVDISK_CRASH_CHILD";
 const ROUNDS_ENV: &str = "IVDISK_CRASH_ROUNDS";
 const SEED_ENV: &str = "IVDISK_CRASH_SEED";
 const READY: &str = "IVDISK_CRASH_CHILD_READY";
+/// The store's idle time before it compacts its metadata (read by the store as it opens).
+const COMPACT_IDLE_ENV: &str = "IVDISK_STORE_COMPACT_IDLE_MS";
 
 const OBJECTS: usize = 8;
 /// Concurrent writer chains in the child (each owns objects `t` and `t + WRITERS`).
@@ -155,6 +157,7 @@ fn child_main(root: PathBuf) -> ! {
         println!("{READY}");
         std::io::stdout().flush().unwrap();
 
+        let compacting = std::env::var(COMPACT_IDLE_ENV).is_ok_and(|v| v == "0");
         let mut tasks = Vec::new();
         for t in 0..WRITERS {
             let (store, acked, acked_file) = (store.clone(), acked.clone(), acked_file.clone());
@@ -171,6 +174,9 @@ fn child_main(root: PathBuf) -> ! {
                     acked_file
                         .write_all_at(&g.to_le_bytes(), 8 * k as u64)
                         .unwrap();
+                    if compacting {
+                        tokio::time::sleep(Duration::from_millis(rng.below(4))).await;
+                    }
                 }
             }));
         }
@@ -271,13 +277,20 @@ impl std::fmt::Display for Histogram {
 /// Spawn the writer child; returns it and a channel that gets `()` when it is ready. Every
 /// other child holds at most 2 KiB of omap changes in memory (the default is 128 MiB, which
 /// these writes never reach): each of its commits then writes a piece back and deletes the
-/// pending rows it empties, so that kills land in the middle of those too.
+/// pending rows it empties, so that kills land in the middle of those too. Every third child
+/// compacts its store's metadata whenever no write is waiting (idle time 0 instead of 10 s;
+/// its writers pause 0..3 ms after each operation): write-backs of everything held, rebuilds
+/// without free pages and log truncations run between the writes, and kills land in them.
 fn spawn_child(root: &Path) -> (std::process::Child, mpsc::Receiver<()>) {
     static SPAWNED: AtomicU64 = AtomicU64::new(0);
     let exe = std::env::current_exe().unwrap();
     let mut command = Command::new(exe);
-    if SPAWNED.fetch_add(1, Ordering::Relaxed) % 2 == 1 {
+    let spawned = SPAWNED.fetch_add(1, Ordering::Relaxed);
+    if spawned % 2 == 1 {
         command.env("IVDISK_STORE_OMAP_HELD_MAX", "2048");
+    }
+    if spawned % 3 == 2 {
+        command.env(COMPACT_IDLE_ENV, "0");
     }
     let mut child = command
         .args([TEST_NAME, "--exact", "--nocapture", "--test-threads=1"])

@@ -259,6 +259,11 @@ struct Plan {
     seed: u64,
     /// Flush every 0.3..2 s instead of every 0..40 ms.
     rare_flushes: bool,
+    /// The store compacts its metadata whenever no write is waiting (its idle time 0 instead
+    /// of 10 s): write-backs of held changes, rebuilds without free pages and log
+    /// truncations run between the writes (which pause 0..3 ms each), so that cuts land in
+    /// them too.
+    compacting: bool,
 }
 
 /// Open the store on `live`, check it against the models, then write until `shared.stop`.
@@ -272,6 +277,11 @@ async fn run_round(
     ready: mpsc::Sender<()>,
     plan: Plan,
 ) -> Result<([u64; OBJECTS], RecoveryReport, Arc<LocalStore>), String> {
+    // Read by the store as it opens (one test per process: no other store opens meanwhile).
+    std::env::set_var(
+        "IVDISK_STORE_COMPACT_IDLE_MS",
+        if plan.compacting { "0" } else { "10000" },
+    );
     let store = LocalStore::open_with(
         live,
         &LocalStoreOptions {
@@ -327,6 +337,9 @@ async fn run_round(
                     .map_err(|e| format!("operation {g} on object {k} failed: {e}"))?;
                 shared.acked[k].store(g, Ordering::SeqCst);
                 next[which] += 1;
+                if plan.compacting {
+                    tokio::time::sleep(Duration::from_millis(rng.below(4))).await;
+                }
             }
             Ok::<(), String>(())
         }));
@@ -383,6 +396,7 @@ struct Totals {
     cut_while_creating: u64,
     long: u64,
     rare_flushes: u64,
+    compacting: u64,
     checkpoints: u64,
     open_check_time: Duration,
     image_time: Duration,
@@ -485,6 +499,8 @@ fn power_loss_consistency() {
             (false, false) => Duration::from_millis(rng.between(10, 150)),
         };
         totals.rare_flushes += rare_flushes as u64;
+        let compacting = round % 3 == 1;
+        totals.compacting += compacting as u64;
         totals.early += early as u64;
         totals.long += long as u64;
         let cutter = {
@@ -531,6 +547,7 @@ fn power_loss_consistency() {
                 create: !created,
                 seed: rng.next(),
                 rare_flushes,
+                compacting,
             },
         ));
         // A round that failed before the writers started: release the cut thread.
@@ -618,7 +635,7 @@ fn power_loss_consistency() {
     println!(
         "power-loss test: {} cuts keeping synced writes only, {} also keeping a random subset of \
          the unsynced ones ({} early, in opening/recovery, {} of them while creating the store; {} after a long run; {} with rare \
-         flushes) in {:.1} s ({:.1} s opening, checking and writing, {:.1} s closing and building disk images); final \
+         flushes; {} compacting between writes) in {:.1} s ({:.1} s opening, checking and writing, {:.1} s closing and building disk images); final \
          generations {:?}",
         totals.cuts[0],
         totals.cuts[1],
@@ -626,6 +643,7 @@ fn power_loss_consistency() {
         totals.cut_while_creating,
         totals.long,
         totals.rare_flushes,
+        totals.compacting,
         elapsed.as_secs_f64(),
         totals.open_check_time.as_secs_f64(),
         totals.image_time.as_secs_f64(),
