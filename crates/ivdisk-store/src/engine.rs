@@ -102,6 +102,11 @@ pub(crate) trait Durability: Send + Sync {
     fn instant(&self) -> bool {
         false
     }
+    /// Bytes this process may still use on the file system holding the database, if it has
+    /// one.
+    fn space_left(&self) -> Option<u64> {
+        None
+    }
 }
 
 pub(crate) struct NoDurability;
@@ -166,6 +171,16 @@ impl Durability for WalFile {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(StoreError::io(format!("opening {}", self.wal.display()))(e)),
         }
+    }
+
+    fn space_left(&self) -> Option<u64> {
+        let fs = rustix::fs::statvfs(self.wal.parent()?).ok()?;
+        // Root may also use the blocks kept for it.
+        let blocks = match rustix::process::geteuid().is_root() {
+            true => fs.f_bfree,
+            false => fs.f_bavail,
+        };
+        Some(blocks.saturating_mul(fs.f_frsize))
     }
 }
 
@@ -2093,6 +2108,14 @@ impl Engine {
             || live_bytes > COMPACT_VACUUM_LIVE_MAX
         {
             return Ok(());
+        }
+        // The rebuild writes what is in use into the log before the database shrinks: on a
+        // file system short of that (and of room for the next commits after), it waits.
+        if let Some(left) = self.durability.space_left() {
+            if left < 2 * live_bytes + COMPACT_FREE_MIN {
+                tracing::debug!(left, live_bytes, "no room to rebuild the store's metadata");
+                return Ok(());
+            }
         }
         let started = Instant::now();
         self.db.execute_batch("VACUUM")?;

@@ -40,7 +40,7 @@ pub use coalesce::CoalescingStore;
 pub use error::StoreError;
 pub use ext::ObjectStoreExt;
 pub use file_ranges::file_data_ranges;
-pub use local::{LocalStore, LocalStoreOptions, RecoveryReport};
+pub use local::{DiskUsage, LocalStore, LocalStoreOptions, RecoveryReport};
 pub use memory::MemoryStore;
 pub use types::*;
 

@@ -38,6 +38,15 @@ use crate::StoreError;
 /// A data segment is closed and a new one started past this size.
 pub const SEGMENT_SIZE: u64 = 1 << 30;
 
+/// Bytes a local store takes on its file system ([`LocalStore::disk_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskUsage {
+    /// Allocated to the data segments.
+    pub data: u64,
+    /// Allocated to the metadata database and its log.
+    pub metadata: u64,
+}
+
 /// Options for [`LocalStore::open_with`].
 #[derive(Debug, Clone, Default)]
 pub struct LocalStoreOptions {
@@ -1615,6 +1624,44 @@ impl LocalStore {
             self.2.clone(),
             self.3.clone(),
         )
+    }
+
+    /// What the store in `dir` takes on its file system: the blocks allocated to its data
+    /// segments and to its metadata files (holes cost nothing). Reads only file sizes, so it
+    /// works whoever has the store open. `NotFound` if `dir` holds no store.
+    pub fn disk_usage(dir: impl AsRef<Path>) -> Result<DiskUsage, StoreError> {
+        let dir = dir.as_ref();
+        let allocated = |path: &Path| -> Result<u64, StoreError> {
+            match std::fs::symlink_metadata(path) {
+                Ok(m) => Ok(m.blocks() * 512),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+                Err(e) => Err(StoreError::io(format!("reading {}", path.display()))(e)),
+            }
+        };
+        let meta = dir.join("meta.sqlite");
+        if !meta.is_file() {
+            return Err(StoreError::NotFound {
+                object: format!("a local store in {}", dir.display()),
+            });
+        }
+        let mut metadata = 0;
+        for name in ["meta.sqlite", "meta.sqlite-wal", "meta.sqlite-shm"] {
+            metadata += allocated(&dir.join(name))?;
+        }
+        let segments = dir.join("data");
+        let mut data = 0;
+        let entries = match std::fs::read_dir(&segments) {
+            Ok(entries) => Some(entries),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(StoreError::io(format!("listing {}", segments.display()))(e)),
+        };
+        for entry in entries.into_iter().flatten() {
+            let entry = entry.map_err(StoreError::io_with(|| {
+                format!("listing {}", segments.display())
+            }))?;
+            data += allocated(&entry.path())?;
+        }
+        Ok(DiskUsage { data, metadata })
     }
 
     /// What opening found after an unclean stop (all zero after a clean one).

@@ -49,6 +49,47 @@ async fn fill(store: &LocalStore, i: usize) {
     }
 }
 
+/// A read-only store reads all along while the writer beside it writes back, rebuilds its
+/// database and truncates its log (the truncation does not wait for the reader: it comes at a
+/// later idle time once the reader is gone), and the writer answers at once after.
+async fn reader_beside_a_compacting_writer(path: &Path) {
+    let writer = LocalStore::open(path).unwrap();
+    for i in (0..OBJECTS).filter(|&i| i != KEPT) {
+        fill(&writer, i).await;
+    }
+    writer.flush().await.unwrap();
+    let reader = LocalStore::open_read_only(path).unwrap();
+    check_kept(&reader).await;
+    for i in (0..OBJECTS).filter(|&i| i != KEPT) {
+        writer.remove(&name(i)).await.unwrap();
+    }
+    writer.flush().await.unwrap();
+    // Reads for three idle times: the compaction runs meanwhile.
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut reads = 0;
+    while Instant::now() < until {
+        check_kept(&reader).await;
+        assert!(
+            reader.stat(&name(0)).await.unwrap().is_none(),
+            "a removed object came back for the reader"
+        );
+        reads += 1;
+    }
+    let started = Instant::now();
+    fill(&writer, 1).await;
+    let write_time = started.elapsed();
+    assert!(
+        write_time < Duration::from_secs(5),
+        "{WRITES} writes took {write_time:?} after the compaction beside a reader"
+    );
+    drop(reader);
+    writer.flush().await.unwrap();
+    let (db, wal) = wait_for_compaction(path, u64::MAX).await;
+    println!("beside a reader: {reads} checks of the kept object; then database {db}, log {wal}");
+    check_kept(&writer).await;
+    writer.remove(&name(1)).await.unwrap();
+}
+
 async fn check_kept(store: &LocalStore) {
     let data = store
         .read(&name(KEPT), 0, (2 * WRITES * BLOCK) as u64)
@@ -143,6 +184,8 @@ async fn an_idle_store_gives_its_metadata_space_back() {
     assert_eq!(data, block(0, 0));
     assert_eq!(store.omap_all(&name(0)).await.unwrap().len(), WRITES);
     drop(store);
+
+    reader_beside_a_compacting_writer(&path).await;
 
     // A store that removes most objects and stops before it is idle (`ivdisk delete`) leaves
     // a small database too.

@@ -415,6 +415,18 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     Ok(())
 }
 
+/// What a local image's store takes on its file system (data and metadata allocated, holes
+/// free); `None` for other stores (RADOS: `rbd du`-like sums would read every object's size)
+/// and for LUKS files.
+fn disk_usage(uri: &ImageUri) -> Option<ivdisk_store::DiskUsage> {
+    match uri {
+        ImageUri::Local { dir } if dir.is_dir() => ivdisk_store::LocalStore::disk_usage(dir)
+            .map_err(|e| tracing::debug!("disk usage of {}: {e}", dir.display()))
+            .ok(),
+        _ => None,
+    }
+}
+
 /// `ivdisk info rbd://...`: what librbd stores and the LUKS header at its start, read raw
 /// without a passphrase.
 fn info_rbd(args: InfoArgs, rt: &Runtime) -> Result<()> {
@@ -504,8 +516,13 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
         }
     };
     let lock = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
+    let usage = disk_usage(&uri);
     if args.json {
         let mut value = info_json(&uri, &info);
+        value["disk_usage"] = usage.map_or(
+            Value::Null,
+            |u| json!({"data": u.data, "metadata": u.metadata, "total": u.data + u.metadata}),
+        );
         value["snapshot"] = snapshot
             .as_ref()
             .map_or(Value::Null, crate::snapshots::snapshot_json);
@@ -521,6 +538,17 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
                     format!("{} (id {}, read-only)", snap.name, snap.id),
                 ),
             );
+        }
+        if let Some(u) = usage {
+            lines.push((
+                "disk usage",
+                format!(
+                    "{} ({} data, {} metadata)",
+                    human_size(u.data + u.metadata),
+                    human_size(u.data),
+                    human_size(u.metadata)
+                ),
+            ));
         }
         lines.push((
             "writer lock",

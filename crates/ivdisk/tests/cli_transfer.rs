@@ -799,3 +799,38 @@ fn commands_that_fail_on_a_full_disk_leave_nothing_behind() {
     let gone = fails(&["info", t]);
     assert!(gone.contains("does not exist"), "{gone}");
 }
+
+/// `ivdisk info` of a local image says what its store takes on disk: the data it was given
+/// (encrypted, nothing for all-zero chunks, which import skips) and its metadata.
+#[test]
+fn info_shows_what_a_local_image_takes_on_disk() {
+    let f = Fixture::new();
+    let dense = random(8 << 20, 77);
+    let (full, _) = f.import("dense", &dense);
+    let (empty, _) = f.import("zeros", &vec![0u8; 8 << 20]);
+    let usage = |image: &Path| {
+        let shown = info(image);
+        let u = &shown["disk_usage"];
+        let (data, metadata) = (u["data"].as_u64().unwrap(), u["metadata"].as_u64().unwrap());
+        assert_eq!(u["total"].as_u64(), Some(data + metadata), "{shown}");
+        assert!(metadata > 0, "{shown}");
+        (data, metadata)
+    };
+    let (data, _) = usage(&full);
+    assert!(
+        (8 << 20..12 << 20).contains(&data),
+        "8 MiB imported, {data} bytes of data on disk"
+    );
+    let (data, _) = usage(&empty);
+    assert!(
+        data < 1 << 20,
+        "8 MiB of zeros imported, {data} bytes of data on disk"
+    );
+    let text = ivdisk(&["info", p(&full)]);
+    let out = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("disk usage:") && l.contains("data") && l.contains("metadata")),
+        "{out}"
+    );
+}
