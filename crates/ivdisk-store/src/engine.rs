@@ -309,6 +309,10 @@ const COMPACT_FREE_MIN: u64 = if cfg!(feature = "fault-io") {
     16 << 20
 };
 const COMPACT_VACUUM_LIVE_MAX: u64 = 64 << 20;
+/// On a file system with less room than this, an idle store only truncates its log (which
+/// gives space back): a write-back commit could fail for lack of space there, and a failed
+/// commit makes the next flush report operations lost, though none would be.
+const COMPACT_ROOM_MIN: u64 = 64 << 20;
 
 fn compact_idle() -> Duration {
     std::env::var("IVDISK_STORE_COMPACT_IDLE_MS")
@@ -2044,7 +2048,11 @@ impl Engine {
             // The loop commits these first, within `DURABLE_INTERVAL`.
             return Some(Duration::from_millis(100));
         }
-        if self.omap.get_mut().pending() || self.extents.get_mut().pending() {
+        let roomy = self
+            .durability
+            .space_left()
+            .is_none_or(|left| left >= COMPACT_ROOM_MIN);
+        if roomy && (self.omap.get_mut().pending() || self.extents.get_mut().pending()) {
             let held = |e: &mut Engine| e.omap.get_mut().held().0 + e.extents.get_mut().held().0;
             let before = held(self);
             self.compaction.draining = true;
@@ -2066,7 +2074,11 @@ impl Engine {
             return None;
         }
         self.compaction.due = false;
-        if let Err(e) = self.vacuum_if_mostly_free() {
+        if !roomy {
+            tracing::debug!(
+                "the store's file system is nearly full: its metadata log is only truncated"
+            );
+        } else if let Err(e) = self.vacuum_if_mostly_free() {
             tracing::warn!("rebuilding the store's metadata without its free pages: {e}");
         }
         // Readers in other processes hold the log while they read: wait for none of them

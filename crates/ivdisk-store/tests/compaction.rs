@@ -9,6 +9,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use ivdisk_store::small_fs::SmallFileSystem;
 use ivdisk_store::{
     LocalStore, LocalStoreOptions, ObjectName, ObjectStore, ObjectStoreExt, WriteOp,
 };
@@ -88,6 +89,36 @@ async fn reader_beside_a_compacting_writer(path: &Path) {
     println!("beside a reader: {reads} checks of the kept object; then database {db}, log {wal}");
     check_kept(&writer).await;
     writer.remove(&name(1)).await.unwrap();
+}
+
+/// On a file system with no room left, an idle store leaves what it holds as it is (a
+/// write-back commit could fail there for lack of space, and the next flush would report
+/// operations lost): flushes go on succeeding, the data reads back, and once space is freed
+/// the store writes again.
+async fn on_a_full_file_system(dir: &Path) {
+    let fs = SmallFileSystem::mount(&dir.join("small"), "40m");
+    let path = fs.path().join("s");
+    let store = LocalStore::open_with(&path, &LocalStoreOptions { create: true }).unwrap();
+    for i in 0..4 {
+        fill(&store, i).await;
+    }
+    store.flush().await.unwrap();
+    let filler = fs.fill("filler");
+    // Six idle times: compaction is due, and only truncates the log if it can.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    store
+        .flush()
+        .await
+        .expect("a flush after idle times on a full file system");
+    let data = store.read(&name(2), 0, BLOCK as u64).await.unwrap();
+    assert_eq!(data, block(2, 0));
+    assert_eq!(store.omap_all(&name(2)).await.unwrap().len(), WRITES);
+    std::fs::remove_file(filler).unwrap();
+    fill(&store, 5).await;
+    store.flush().await.unwrap();
+    drop(store);
+    let store = LocalStore::open(&path).unwrap();
+    assert_eq!(store.omap_all(&name(5)).await.unwrap().len(), WRITES);
 }
 
 async fn check_kept(store: &LocalStore) {
@@ -186,6 +217,7 @@ async fn an_idle_store_gives_its_metadata_space_back() {
     drop(store);
 
     reader_beside_a_compacting_writer(&path).await;
+    on_a_full_file_system(dir.path()).await;
 
     // A store that removes most objects and stops before it is idle (`ivdisk delete`) leaves
     // a small database too.
