@@ -314,10 +314,10 @@ const COMPACT_VACUUM_LIVE_MAX: u64 = 64 << 20;
 /// feature (the store's own tests) compact whatever the room, so that `tests/compaction.rs`
 /// sees a write-back commit fail for lack of space and lose nothing (`only_write_back` in
 /// `Engine::commit`).
-const COMPACT_ROOM_MIN: u64 = if cfg!(feature = "fault-io") {
-    0
+const COMPACT_ROOM_MIN: Option<u64> = if cfg!(feature = "fault-io") {
+    None
 } else {
-    64 << 20
+    Some(64 << 20)
 };
 
 fn compact_idle() -> Duration {
@@ -2054,10 +2054,8 @@ impl Engine {
             // The loop commits these first, within `DURABLE_INTERVAL`.
             return Some(Duration::from_millis(100));
         }
-        let roomy = self
-            .durability
-            .space_left()
-            .is_none_or(|left| left >= COMPACT_ROOM_MIN);
+        let roomy = COMPACT_ROOM_MIN
+            .is_none_or(|min| self.durability.space_left().is_none_or(|left| left >= min));
         if roomy && (self.omap.get_mut().pending() || self.extents.get_mut().pending()) {
             let held = |e: &mut Engine| e.omap.get_mut().held().0 + e.extents.get_mut().held().0;
             let before = held(self);
