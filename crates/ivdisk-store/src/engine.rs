@@ -109,6 +109,16 @@ pub(crate) trait Durability: Send + Sync {
     }
 }
 
+/// Bytes of a file system this process may still use: root may also use the blocks kept for
+/// it.
+pub(crate) fn usable_bytes(fs: &rustix::fs::StatVfs) -> u64 {
+    let blocks = match rustix::process::geteuid().is_root() {
+        true => fs.f_bfree,
+        false => fs.f_bavail,
+    };
+    blocks.saturating_mul(fs.f_frsize)
+}
+
 pub(crate) struct NoDurability;
 impl Durability for NoDurability {
     fn sync_wal(&self) -> Result<(), StoreError> {
@@ -175,12 +185,7 @@ impl Durability for WalFile {
 
     fn space_left(&self) -> Option<u64> {
         let fs = rustix::fs::statvfs(self.wal.parent()?).ok()?;
-        // Root may also use the blocks kept for it.
-        let blocks = match rustix::process::geteuid().is_root() {
-            true => fs.f_bfree,
-            false => fs.f_bavail,
-        };
-        Some(blocks.saturating_mul(fs.f_frsize))
+        Some(usable_bytes(&fs))
     }
 }
 

@@ -713,12 +713,7 @@ impl FileSegments {
         let to = end.next_multiple_of(RESERVE_STEP);
         let file = &*self.files[&self.active];
         if let Ok(fs) = rustix::fs::fstatvfs(file) {
-            // What this process may use: root may also use the blocks kept for it.
-            let blocks = match rustix::process::geteuid().is_root() {
-                true => fs.f_bfree,
-                false => fs.f_bavail,
-            };
-            let free = blocks.saturating_mul(fs.f_frsize);
+            let free = crate::engine::usable_bytes(&fs);
             if free < (to - from).saturating_add(METADATA_HEADROOM) {
                 return Err(StoreError::NoSpace {
                     context: format!(
