@@ -83,8 +83,9 @@ enum Command {
         images::layouts_help()
     ))]
     Create(images::CreateArgs),
-    /// Show an image's size, cipher, layout, keyslots and writer lock (no passphrase needed);
-    /// for rbd:// images, size and librbd encryption format.
+    /// Show an image's size, cipher, layout, keyslots, writer lock and, for a local image, what
+    /// its store takes on disk (no passphrase needed); for rbd:// images, size and librbd
+    /// encryption format.
     #[command(
         after_help = "Example:\n  ivdisk info disk.ivd\n  ivdisk info 'rados://rbd/vm1?conf=/etc/ceph/ceph.conf' --json | jq .size\n  ivdisk info 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf'   # a librbd image: size, LUKS format"
     )]
