@@ -64,7 +64,7 @@ pub(crate) fn available() -> bool {
 }
 
 /// The features of the 512-bit code, whatever the environment says.
-fn cpu_has_zmm() -> bool {
+pub(super) fn cpu_has_zmm() -> bool {
     cpu_has_ymm()
         && std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
