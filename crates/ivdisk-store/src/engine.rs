@@ -1053,15 +1053,21 @@ impl Engine {
         Ok(())
     }
 
+    /// How many of an overlay's `held` changes (count, bytes) the next piece writes back, if
+    /// any: enough to come back under `omap_held_max`, or, while a compaction drains the
+    /// overlays, the next `COMPACT_WRITE_BACK_PIECE` of whatever is held.
+    fn write_back_limit(&self, held: (usize, usize)) -> Option<usize> {
+        match self.compaction.draining {
+            true => (held.0 > 0).then_some(COMPACT_WRITE_BACK_PIECE),
+            false => piece_limit(held, self.omap_held_max),
+        }
+    }
+
     /// As `write_back_omap_piece`, for held extent changes.
     fn write_back_extents_piece(&mut self) -> Result<(), StoreError> {
         let started = Instant::now();
         let held = self.extents.get_mut().held();
-        let limit = match self.compaction.draining {
-            true => (held.0 > 0).then_some(COMPACT_WRITE_BACK_PIECE),
-            false => piece_limit(held, self.omap_held_max),
-        };
-        let Some(limit) = limit else {
+        let Some(limit) = self.write_back_limit(held) else {
             return Ok(());
         };
         let piece = self.extents.get_mut().take_piece(limit);
@@ -1210,11 +1216,7 @@ impl Engine {
     /// at once held the worker for 1.7-1.8 s (about 200,000 changes).
     fn write_back_omap_piece(&mut self) -> Result<(), StoreError> {
         let held = self.omap.get_mut().held();
-        let limit = match self.compaction.draining {
-            true => (held.0 > 0).then_some(COMPACT_WRITE_BACK_PIECE),
-            false => piece_limit(held, self.omap_held_max),
-        };
-        let Some(limit) = limit else {
+        let Some(limit) = self.write_back_limit(held) else {
             return Ok(());
         };
         let started = Instant::now();
