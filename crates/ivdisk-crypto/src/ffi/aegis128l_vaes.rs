@@ -346,9 +346,10 @@ fn crypt4_vaes<const JOINED: bool>(
             let at = outputs[lane].wrapping_add(off);
             let j = &joined[lane];
             // SAFETY (of each store): each message's output holds `len` bytes and `off + 64
-            // <= len`; a joined store ends where row `off` starts, or stores only the words
-            // inside the output. Unaligned stores (joined ones are aligned). In place, this
-            // block's loads came before, and the next block's.
+            // <= len`. A joined store covers the line from `back` bytes before row `off` to
+            // `back` bytes before its end: inside the output once `off > 0`, and the first
+            // line's store writes only the output's words. Unaligned stores (joined ones are
+            // aligned). In place, this block's loads came before, and the next block's.
             unsafe {
                 if !JOINED {
                     _mm512_storeu_si512(at.cast(), outs[lane]);
