@@ -10,13 +10,16 @@
 //! first, as the image engine's reads make them do); both on buffers that stay in the cache.
 //! Suites with metadata also encrypt 16 sectors into slots (`<suite>/encrypt-slots/16`, and
 //! `encrypt-slots+16/16` 16 bytes past a cache line; `encrypt_sectors_to_slots`, the
-//! `unaligned` layout's form), out of place.
+//! `unaligned` layout's form), out of place. `<suite>/encrypt-cold/256` and `decrypt-cold/256`
+//! run 1 MiB out of place between buffers that are not in the cache (64 pairs in turn).
 
 use std::time::Duration;
 
 use cpu_time::ThreadTime;
 use criterion::measurement::{Measurement, ValueFormatter};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{
+    criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
+};
 use ivdisk_crypto::{
     insecure_cipher_with_sector_number_nonces, new_cipher, CipherParams, ImageId, SectorCipher,
     Suite, VolumeKey,
@@ -87,6 +90,7 @@ fn bench_cipher(c: &mut Criterion<ThreadCpuTime>, name: &str, cipher: &dyn Secto
             })
         });
     }
+    bench_cold(&mut group, cipher);
     if cipher.metadata_len() > 0 {
         // Into the slots of the `unaligned` layout (each sector's ciphertext, then its
         // metadata), as its writes do: a buffer reused every iteration, so in the cache as
@@ -112,6 +116,95 @@ fn bench_cipher(c: &mut Criterion<ThreadCpuTime>, name: &str, cipher: &dyn Secto
     }
     group.finish();
 }
+
+/// Runs of 256 sectors (1 MiB) out of place between buffers that are not in the cache, as the
+/// image's library calls meet them from 1 MiB up (a caller's buffer, fresh memory):
+/// `encrypt-cold/256` encrypts from one of [`COLD_BUFFERS`] sources into its target
+/// (`encrypt_sectors_to`), `decrypt-cold/256` back (`decrypt_sectors_to`), the next pair each
+/// iteration. What the cipher pays for memory shows against `encrypt/256` and `decrypt/256`.
+fn bench_cold(group: &mut BenchmarkGroup<'_, ThreadCpuTime>, cipher: &dyn SectorCipher) {
+    let run = 256;
+    let mut pairs = ColdPairs::new(run * SECTOR, run * cipher.metadata_len());
+    group.throughput(Throughput::Bytes((run * SECTOR) as u64));
+    let mut next = 0;
+    group.bench_with_input(BenchmarkId::new("encrypt-cold", run), &run, |b, _| {
+        b.iter(|| {
+            pairs.seal(cipher, next);
+            next += 1;
+        })
+    });
+    // Every target sealed, whether or not the case above ran.
+    for i in 0..COLD_BUFFERS {
+        pairs.seal(cipher, i);
+    }
+    group.bench_with_input(BenchmarkId::new("decrypt-cold", run), &run, |b, _| {
+        b.iter(|| {
+            pairs.open(cipher, next);
+            next += 1;
+        })
+    });
+}
+
+/// [`COLD_BUFFERS`] sources and targets of `len` bytes, and each pair's metadata.
+struct ColdPairs {
+    sources: Vec<u8>,
+    targets: Vec<u8>,
+    metadata: Vec<u8>,
+    len: usize,
+    meta_len: usize,
+}
+
+impl ColdPairs {
+    fn new(len: usize, meta_len: usize) -> ColdPairs {
+        // Every page written here, so none is first touched inside an iteration.
+        ColdPairs {
+            sources: vec![0x5a; COLD_BUFFERS * len],
+            targets: vec![0x3c; COLD_BUFFERS * len],
+            metadata: vec![0; COLD_BUFFERS * meta_len],
+            len,
+            meta_len,
+        }
+    }
+
+    /// Where pair `i` (taken round) starts in the sources and targets, and in the metadata.
+    fn at(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (d, m) = (
+            (i % COLD_BUFFERS) * self.len,
+            (i % COLD_BUFFERS) * self.meta_len,
+        );
+        (d..d + self.len, m..m + self.meta_len)
+    }
+
+    /// Encrypt pair `i`'s source into its target.
+    fn seal(&mut self, cipher: &dyn SectorCipher, i: usize) {
+        let (d, m) = self.at(i);
+        cipher
+            .encrypt_sectors_to(
+                FIRST_SECTOR,
+                &self.sources[d.clone()],
+                &mut self.targets[d],
+                &mut self.metadata[m],
+            )
+            .unwrap();
+    }
+
+    /// Decrypt pair `i`'s target into its source.
+    fn open(&mut self, cipher: &dyn SectorCipher, i: usize) {
+        let (d, m) = self.at(i);
+        cipher
+            .decrypt_sectors_to(
+                FIRST_SECTOR,
+                &self.targets[d.clone()],
+                &mut self.sources[d],
+                &self.metadata[m],
+            )
+            .unwrap();
+    }
+}
+
+/// Buffer pairs `bench_cold` goes round: 64 MiB each way, past the 2 MiB of L2 a core has on
+/// the machines measured and most of the L3 a core gets on a shared host.
+const COLD_BUFFERS: usize = 64;
 
 /// Sectors per run into slots: 64 KiB, the size where the image engine's overhead is measured
 /// first (issue 6).
