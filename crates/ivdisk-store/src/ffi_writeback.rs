@@ -23,3 +23,43 @@ pub(crate) fn start_writeback_of_dirty(file: &File, offset: u64, len: u64) {
         libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
     };
 }
+
+/// Pages of `[offset, offset + len)` of `file` in the page cache (`cachestat(2)`, Linux 6.5;
+/// a kernel without it answers `ENOSYS`). For tests that check what the segments leave there.
+#[cfg(test)]
+pub(crate) fn cached_pages(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    // The same number on every architecture (the tables were unified before it came).
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let range = Range { off: offset, len };
+    let mut stat = Stat::default();
+    // SAFETY: `range` and `stat` are live, properly aligned `repr(C)` structs of the layout
+    // the kernel reads and writes (`struct cachestat_range`, `struct cachestat`); the
+    // descriptor is owned by `file`, which outlives the call.
+    let done = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0u32,
+        )
+    };
+    if done != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stat.nr_cache)
+}
