@@ -34,11 +34,11 @@ pub(crate) fn available() -> bool {
 }
 
 /// Run four messages of equal length (a multiple of 64 bytes) through AEGIS-128L (in place or
-/// out of place, per message) under one key, with their own nonces and associated data of 32 bytes or less. Encrypting returns
-/// the four tags; decrypting returns each tag as computed from the recovered plaintext, for the
-/// caller to compare with the stored one (and to zero the messages that do not match). `None`
-/// when the CPU lacks the features or the shapes do not fit: the caller then goes one message at
-/// a time.
+/// out of place, per message) under one key, with their own nonces and associated data of 32
+/// bytes or less. Encrypting returns the four tags; decrypting returns each tag as computed
+/// from the recovered plaintext, for the caller to compare with the stored one (and to zero the
+/// messages that do not match). `None` when the CPU lacks the features or the shapes do not
+/// fit: the caller then goes one message at a time.
 pub(crate) fn crypt4(
     key: &[u8; 16],
     nonces: [&[u8; 16]; LANES],
@@ -52,7 +52,9 @@ pub(crate) fn crypt4(
     match width()? {
         // SAFETY: width Zmm means the CPU has AVX-512F/BW, VAES and AES-NI, the features of
         // `crypt4_vaes`; the shapes it relies on were checked by `fits`.
-        Width::Zmm => Some(unsafe { crypt4_zmm(key, nonces, aads, data, encrypt) }),
+        Width::Zmm => {
+            Some(unsafe { crypt4_zmm(key, nonces, aads, data, encrypt, joined_stores()) })
+        }
         // SAFETY: width Ymm means the CPU has AVX2, VAES and AES-NI, the features of
         // `crypt4_ymm`; the shapes it relies on were checked by `fits`.
         Width::Ymm => Some(unsafe { crypt4_ymm(key, nonces, aads, data, encrypt) }),
@@ -93,9 +95,29 @@ unsafe fn crypt4_ymm(
     [t01[0], t01[1], t23[0], t23[1]]
 }
 
+/// Whether the 512-bit kernel stores out-of-place outputs that start inside a cache line in
+/// whole lines (`crypt4_vaes::<true>`): on Intel CPUs; `IVDISK_CRYPTO_JOINED_STORES=1` or `=0`
+/// decides instead (benchmarks). Decided once per process.
+///
+/// Why by vendor: measured on the two CPUs this project runs on, the joining pays on one and
+/// costs on the other (docs/BENCHMARKS.md, "joined stores only on Intel"). On an Intel Xeon,
+/// 64 KiB into `unaligned` slots took 3.5-4.0 us joined against 5.3-5.7 us with stores across
+/// two lines; on an AMD EPYC (Zen 4) it took 3.2-3.3 us joined against 2.7-2.8 us, and a 1 MiB
+/// decryption into a buffer 16 bytes into a line 51-55 us against 43-44 us.
+pub(crate) fn joined_stores() -> bool {
+    static JOINED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *JOINED.get_or_init(
+        || match std::env::var("IVDISK_CRYPTO_JOINED_STORES").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => super::xts_vaes::cpu_vendor_is_intel(),
+        },
+    )
+}
+
 /// `crypt4_vaes` in the variant for where the outputs start: out of place, when one starts
-/// inside a cache line (every other slot of an `unaligned` run, 4096 + 32 bytes each, does),
-/// the one whose stores cross no line.
+/// inside a cache line (every other slot of an `unaligned` run, 4096 + 32 bytes each, does)
+/// and `prefer_joined` ([`joined_stores`]), the one whose stores cross no line.
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW, VAES and AES-NI.
@@ -106,6 +128,7 @@ unsafe fn crypt4_zmm(
     aads: [&[u8]; LANES],
     data: &mut [Io<'_>; LANES],
     encrypt: bool,
+    prefer_joined: bool,
 ) -> [[u8; 16]; LANES] {
     let ptrs = data.each_mut().map(|d| d.as_ptrs());
     let starts = ptrs.map(|(_, t)| t as usize % 64);
@@ -114,7 +137,11 @@ unsafe fn crypt4_zmm(
     // us not). Joined rows move whole 8-byte words: outputs at odd places keep the plain
     // stores too.
     let in_place = ptrs.iter().all(|&(s, t)| s == t.cast_const());
-    if in_place || starts.iter().all(|&s| s == 0) || starts.iter().any(|s| !s.is_multiple_of(8)) {
+    if !prefer_joined
+        || in_place
+        || starts.iter().all(|&s| s == 0)
+        || starts.iter().any(|s| !s.is_multiple_of(8))
+    {
         crypt4_vaes::<false>(key, nonces, aads, data, encrypt)
     } else {
         crypt4_vaes::<true>(key, nonces, aads, data, encrypt)
@@ -541,8 +568,13 @@ mod tests {
     #[test]
     fn four_lanes_store_outputs_at_any_alignment() {
         if super::super::xts_vaes::cpu_has_zmm() {
-            // SAFETY: the CPU has AVX-512F/BW, VAES and AES-NI (checked).
-            outputs_at_any_alignment(|k, n, a, d, e| unsafe { crypt4_zmm(k, n, a, d, e) });
+            // Both store variants, whichever this CPU's vendor gets.
+            for joined in [true, false] {
+                // SAFETY: the CPU has AVX-512F/BW, VAES and AES-NI (checked).
+                outputs_at_any_alignment(|k, n, a, d, e| unsafe {
+                    crypt4_zmm(k, n, a, d, e, joined)
+                });
+            }
         } else {
             eprintln!("512-bit kernel skipped: the CPU lacks AVX-512/VAES");
         }

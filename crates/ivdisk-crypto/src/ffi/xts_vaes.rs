@@ -63,6 +63,22 @@ pub(crate) fn available() -> bool {
     width().is_some()
 }
 
+/// Whether CPUID names Intel as the CPU's maker (choices measured to differ between makers).
+pub(super) fn cpu_vendor_is_intel() -> bool {
+    &cpu_vendor() == b"GenuineIntel"
+}
+
+/// The CPU maker's name from CPUID leaf 0 ("GenuineIntel", "AuthenticAMD", ...).
+fn cpu_vendor() -> [u8; 12] {
+    let leaf = std::arch::x86_64::__cpuid(0);
+    // In EBX, EDX, ECX, in that order.
+    let mut name = [0u8; 12];
+    name[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
+    name[4..8].copy_from_slice(&leaf.edx.to_le_bytes());
+    name[8..].copy_from_slice(&leaf.ecx.to_le_bytes());
+    name
+}
+
 /// The features of the 512-bit code, whatever the environment says.
 pub(super) fn cpu_has_zmm() -> bool {
     cpu_has_ymm()
@@ -586,6 +602,22 @@ fn crypt_unit_zmm(
 mod tests {
     use super::*;
     use openssl::symm::{Cipher, Crypter, Mode};
+
+    #[test]
+    fn cpu_vendor_matches_proc_cpuinfo() {
+        let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") else {
+            eprintln!("skipped: no /proc/cpuinfo");
+            return;
+        };
+        let vendor = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("vendor_id"))
+            .and_then(|rest| rest.split(':').nth(1))
+            .map(str::trim)
+            .expect("a vendor_id line in /proc/cpuinfo");
+        assert_eq!(&cpu_vendor(), vendor.as_bytes());
+        assert_eq!(cpu_vendor_is_intel(), vendor == "GenuineIntel");
+    }
 
     /// OpenSSL's XTS of one data unit.
     fn openssl_xts(key: &[u8], tweak: &[u8; 16], data: &[u8], encrypt: bool) -> Vec<u8> {
