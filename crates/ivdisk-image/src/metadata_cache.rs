@@ -360,22 +360,31 @@ impl MetadataCache {
     }
 
     fn insert_known(&self, shard: &mut Shard, key: (u64, u32), content: Box<[u8]>) {
-        if shard.known >= self.shard_capacity {
-            // Any known block will do (the map's order is arbitrary): the cache is clean, and
-            // an evicted block costs one load when it is used again.
+        if let Some(Block::Known(known)) = shard.blocks.get_mut(&key) {
+            *known = content;
+            return;
+        }
+        // Any known block of another object will do (the map's order is arbitrary): the
+        // cache is clean, and an evicted block costs one load when it is used again. Not one
+        // of this object's: those may be what the operation being built needs next (a write's
+        // partial blocks, found known before its whole blocks went in; the other blocks of one
+        // load). Evicting one of them made a write across several blocks leave a partial
+        // block behind, which `omap-packed` cannot store (the write failed), or, with fewer
+        // blocks per shard than a write touches, load them again for ever (the write never
+        // ended). So a shard may hold one object's blocks beyond its capacity.
+        while shard.known >= self.shard_capacity {
             let victim = shard
                 .blocks
                 .iter()
-                .find(|(k, b)| **k != key && matches!(b, Block::Known(_)))
+                .find(|(k, b)| k.0 != key.0 && matches!(b, Block::Known(_)))
                 .map(|(k, _)| *k);
-            if let Some(victim) = victim {
-                shard.blocks.remove(&victim);
-                shard.known -= 1;
-            }
+            let Some(victim) = victim else {
+                break;
+            };
+            shard.blocks.remove(&victim);
+            shard.known -= 1;
         }
-        if let Some(Block::Known(_)) = shard.blocks.insert(key, Block::Known(content)) {
-            return;
-        }
+        shard.blocks.insert(key, Block::Known(content));
         shard.known += 1;
     }
 
@@ -879,8 +888,78 @@ mod tests {
                 prepare(&cache, object * SHARDS as u64, &mut steps);
             }
         }
+        // The last object's four blocks (one object may go past the capacity), no other.
         let shard = cache.shard(0);
-        assert_eq!(shard.known, 1);
-        assert_eq!(shard.blocks.len(), 1);
+        assert_eq!(shard.known, 4);
+        assert_eq!(shard.blocks.len(), 4);
+        assert!(shard.blocks.keys().all(|k| k.0 == 63 * SHARDS as u64));
+    }
+
+    #[test]
+    fn a_write_across_blocks_keeps_its_partial_blocks_with_one_block_per_shard() {
+        let cache =
+            MetadataCache::new(REGION, 4 * BLOCK, BLOCK as u64, SHARDS * BLOCK).expect("capacity");
+        // Another object of the same shard holds its one block.
+        let other = SHARDS as u64;
+        assert!(prepare(&cache, other, &mut vec![meta_write(0, &[9; BLOCK])]).is_none());
+        // The end of block 0, all of block 1, the start of block 2: 0 and 2 are loaded first.
+        let steps = vec![data_write(), meta_write(BLOCK - 32, &[1; BLOCK + 64])];
+        let (range, loads) = cache
+            .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+            .expect("blocks 0 and 2 are not known");
+        assert_eq!(range, 0..3 * BLOCK);
+        let stored: Vec<u8> = (0..3 * BLOCK).map(|i| (i % 251) as u8).collect();
+        cache.finish_loads(0, &loads, &range, Some(&stored));
+        assert!(
+            cache
+                .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+                .is_none(),
+            "every block the write needs whole stays known"
+        );
+        let mut built = steps.clone();
+        assert!(prepare(&cache, 0, &mut built).is_none());
+        assert_eq!(
+            metadata_writes(&built),
+            vec![(0, BLOCK), (BLOCK as u64, BLOCK), (2 * BLOCK as u64, BLOCK)],
+            "whole blocks only"
+        );
+        let mut expected = stored.clone();
+        expected[BLOCK - 32..2 * BLOCK + 32].fill(1);
+        let written: Vec<u8> = built[1..]
+            .iter()
+            .flat_map(|s| match s {
+                WriteStep::Write { data, .. } => data.clone(),
+                _ => panic!("metadata writes only"),
+            })
+            .collect();
+        assert!(
+            written == expected,
+            "the blocks as loaded, with the write over them"
+        );
+        // The other object's block made room; this object's blocks are all known.
+        let shard = cache.shard(0);
+        assert!(shard.blocks.keys().all(|k| k.0 == 0));
+        assert_eq!(shard.known, 3);
+    }
+
+    #[test]
+    fn a_whole_block_going_in_evicts_none_of_the_same_writes_partial_blocks() {
+        // Two blocks per shard, both known: blocks 0 and 2 of object 0.
+        let cache = MetadataCache::new(REGION, 4 * BLOCK, BLOCK as u64, 2 * SHARDS * BLOCK)
+            .expect("capacity");
+        for b in [0, 2] {
+            assert!(prepare(&cache, 0, &mut vec![meta_write(b * BLOCK, &[2; BLOCK])]).is_none());
+        }
+        let mut steps = vec![data_write(), meta_write(BLOCK - 32, &[1; BLOCK + 64])];
+        assert!(cache
+            .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+            .is_none());
+        // Block 1 goes in whole: it must not push block 0 or 2 out before they are rebuilt.
+        assert!(prepare(&cache, 0, &mut steps).is_none());
+        assert_eq!(
+            metadata_writes(&steps),
+            vec![(0, BLOCK), (BLOCK as u64, BLOCK), (2 * BLOCK as u64, BLOCK)],
+            "whole blocks only"
+        );
     }
 }

@@ -473,3 +473,79 @@ async fn omap_packed_with_the_smallest_cache_loses_no_write() {
     }
     image.close().await.unwrap();
 }
+
+/// Writes across several values (the end of one, a whole one, the start of the next) with the
+/// smallest cache: each needs its two partial values known while its whole one goes in. Evicting
+/// one of them in between made the write fail (a partial value cannot be stored) or load for
+/// ever; a timeout turns the second into a failure here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn omap_packed_writes_across_values_with_the_smallest_cache() {
+    let store = Arc::new(BlockStore::new());
+    let objects = 8;
+    let options = common::options(
+        objects * OBJECT_SIZE,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        SS as u32,
+        OBJECT_SIZE,
+    );
+    Image::create_on(store.clone(), "across", &options, PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let uncached = OpenOptions {
+        metadata_cache_bytes: 0,
+        ..OpenOptions::default()
+    };
+    let image = Arc::new(
+        Image::open_on(store.clone(), "across", PASS, &uncached)
+            .await
+            .unwrap(),
+    );
+    // Sectors 8..44 of every stride of 64: half of value 0, value 1, three quarters of value
+    // 2. Each of 8 tasks takes every eighth stride, three passes.
+    const STRIDE: u64 = 64;
+    const FIRST: u64 = 8;
+    const COUNT: u64 = 36;
+    let value = |lba: u64, pass: u8| (lba as u8).wrapping_mul(5).wrapping_add(pass + 1);
+    let strides = objects * OBJECT_SIZE / SS / STRIDE;
+    let tasks: Vec<_> = (0..8u64)
+        .map(|t| {
+            let image = image.clone();
+            tokio::spawn(async move {
+                for pass in 0..3u8 {
+                    for stride in (t..strides).step_by(8) {
+                        let lba = stride * STRIDE + FIRST;
+                        let data: Vec<u8> = (lba..lba + COUNT)
+                            .flat_map(|l| sector(value(l, pass)))
+                            .collect();
+                        image.write(lba * SS, &data).await.unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    let all = async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(120), all)
+        .await
+        .expect("every write ends");
+    Arc::into_inner(image).unwrap().close().await.unwrap();
+    let image = Image::open_on(store.clone(), "across", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    for lba in 0..strides * STRIDE {
+        let written = (FIRST..FIRST + COUNT).contains(&(lba % STRIDE));
+        let expected = sector(if written { value(lba, 2) } else { 0 });
+        assert!(
+            read_sector(&image, lba).await == expected,
+            "sector {lba} does not hold its last write"
+        );
+    }
+    image.close().await.unwrap();
+}

@@ -64,10 +64,12 @@ pub struct ServeArgs {
     /// The export's name (clients asking for "" get it too).
     #[arg(long, default_value = "", value_name = "NAME")]
     export_name: String,
-    /// Memory for per-sector metadata of object-end images, held while serving for writing
-    /// (the writer lock keeps other writers out): small reads then fetch only their data, and
-    /// on RADOS small writes send whole 4 KiB metadata blocks instead of a read-modify-write.
-    /// 64 MiB covers 8 GiB of 4 KiB sectors; 0 turns it off.
+    /// Memory for per-sector metadata of `object-end`, `omap-packed` and `omap-tail` images,
+    /// held while serving for writing (the writer lock keeps other writers out): small reads
+    /// then fetch only their data, and small writes send whole metadata blocks or values
+    /// instead of a read-modify-write. 64 MiB covers 8 GiB of 4 KiB sectors; past that, blocks
+    /// are evicted and loaded again when used. 0 turns it off for `object-end`; `omap-packed`
+    /// and `omap-tail`, which write whole values only, keep a minimal one.
     #[arg(long, default_value_t = 64, value_name = "MiB")]
     metadata_cache_mib: usize,
     #[command(flatten)]
