@@ -407,13 +407,13 @@ async fn flip_stored(store: &BlockStore, object: &str, offset: u64) {
         .unwrap();
 }
 
-/// `omap-packed` with the smallest cache (asked for none: it keeps one value per shard):
-/// concurrent writes of single sectors over more runs than it holds, so values are evicted
-/// and loaded again before writes, read back after a reopen.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn omap_packed_with_the_smallest_cache_loses_no_write() {
+/// An `omap-packed` image of `objects` objects on a store of its own, open for writing with the
+/// smallest cache (asked for none: it keeps one value per shard).
+async fn omap_packed_with_the_smallest_cache(
+    name: &str,
+    objects: u64,
+) -> (Arc<BlockStore>, Arc<Image>) {
     let store = Arc::new(BlockStore::new());
-    let objects = 8;
     let options = common::options(
         objects * OBJECT_SIZE,
         Suite::DEFAULT,
@@ -421,7 +421,7 @@ async fn omap_packed_with_the_smallest_cache_loses_no_write() {
         SS as u32,
         OBJECT_SIZE,
     );
-    Image::create_on(store.clone(), "small", &options, PASS)
+    Image::create_on(store.clone(), name, &options, PASS)
         .await
         .unwrap()
         .close()
@@ -431,11 +431,19 @@ async fn omap_packed_with_the_smallest_cache_loses_no_write() {
         metadata_cache_bytes: 0,
         ..OpenOptions::default()
     };
-    let image = Arc::new(
-        Image::open_on(store.clone(), "small", PASS, &uncached)
-            .await
-            .unwrap(),
-    );
+    let image = Image::open_on(store.clone(), name, PASS, &uncached)
+        .await
+        .unwrap();
+    (store, Arc::new(image))
+}
+
+/// `omap-packed` with the smallest cache (asked for none: it keeps one value per shard):
+/// concurrent writes of single sectors over more runs than it holds, so values are evicted
+/// and loaded again before writes, read back after a reopen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn omap_packed_with_the_smallest_cache_loses_no_write() {
+    let objects = 8;
+    let (store, image) = omap_packed_with_the_smallest_cache("small", objects).await;
     // 8 objects x 16 runs = 128 runs, against 64 values in memory. Every task writes its
     // own sectors (t, t + 16, ...), two passes, so the runs it shares with the others see
     // writes from several tasks in flight at once.
@@ -480,30 +488,8 @@ async fn omap_packed_with_the_smallest_cache_loses_no_write() {
 /// ever; a timeout turns the second into a failure here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn omap_packed_writes_across_values_with_the_smallest_cache() {
-    let store = Arc::new(BlockStore::new());
     let objects = 8;
-    let options = common::options(
-        objects * OBJECT_SIZE,
-        Suite::DEFAULT,
-        LayoutKind::OmapPacked,
-        SS as u32,
-        OBJECT_SIZE,
-    );
-    Image::create_on(store.clone(), "across", &options, PASS)
-        .await
-        .unwrap()
-        .close()
-        .await
-        .unwrap();
-    let uncached = OpenOptions {
-        metadata_cache_bytes: 0,
-        ..OpenOptions::default()
-    };
-    let image = Arc::new(
-        Image::open_on(store.clone(), "across", PASS, &uncached)
-            .await
-            .unwrap(),
-    );
+    let (store, image) = omap_packed_with_the_smallest_cache("across", objects).await;
     // Sectors 8..44 of every stride of 64: half of value 0, value 1, three quarters of value
     // 2. Each of 8 tasks takes every eighth stride, three passes.
     const STRIDE: u64 = 64;
