@@ -821,7 +821,7 @@ pub fn convert(args: ConvertArgs, rt: &Runtime) -> Result<()> {
     let closed = source.close(rt);
     let report = result?;
     closed?;
-    println!("{report}");
+    outln!("{report}");
     Ok(())
 }
 

@@ -441,7 +441,7 @@ fn info_rbd(args: InfoArgs, rt: &Runtime) -> Result<()> {
     let luks = info.luks.as_ref();
     let encryption = luks.map_or("none", |l| l.format.name());
     if args.json {
-        println!(
+        outln!(
             "{}",
             json!({
                 "image": uri.to_string(),
@@ -486,7 +486,7 @@ fn info_rbd(args: InfoArgs, rt: &Runtime) -> Result<()> {
             ]);
         }
     }
-    println!("{}", aligned(&lines));
+    outln!("{}", aligned(&lines));
     Ok(())
 }
 
@@ -527,7 +527,7 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
             .as_ref()
             .map_or(Value::Null, crate::snapshots::snapshot_json);
         value["lock"] = lock.as_ref().map_or(Value::Null, locker_json);
-        println!("{value}");
+        outln!("{value}");
     } else {
         let mut lines = info_lines(&uri, &info);
         if let Some(snap) = &snapshot {
@@ -554,7 +554,7 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
             "writer lock",
             lock.as_ref().map_or("none".to_owned(), describe_locker),
         ));
-        println!("{}", aligned(&lines));
+        outln!("{}", aligned(&lines));
     }
     Ok(())
 }

@@ -539,7 +539,7 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
         HeaderCommand::Dump { image, json } => {
             let (header, _) = read_header(&image)?;
             if json {
-                println!("{}", header.to_json());
+                outln!("{}", header.to_json());
             } else {
                 print_dump(&header);
             }
@@ -605,46 +605,46 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
 }
 
 fn print_dump(header: &Header) {
-    println!("LUKS header version {}", header.version());
-    println!("UUID:      {}", header.uuid());
+    outln!("LUKS header version {}", header.version());
+    outln!("UUID:      {}", header.uuid());
     if !header.label().is_empty() {
-        println!("Label:     {}", header.label());
+        outln!("Label:     {}", header.label());
     }
     if header.version() == 2 {
-        println!("Seqid:     {}", header.seqid());
+        outln!("Seqid:     {}", header.seqid());
     }
     match header.segment() {
         Ok(s) => {
-            println!("Cipher:    {}", s.cipher);
-            println!("Sector:    {} bytes", s.sector_size);
-            println!(
+            outln!("Cipher:    {}", s.cipher);
+            outln!("Sector:    {} bytes", s.sector_size);
+            outln!(
                 "Data:      offset {} bytes, size {}",
                 s.offset,
                 s.size.map_or("dynamic".into(), |n| format!("{n} bytes"))
             );
         }
-        Err(e) => println!("Data:      unusable: {e}"),
+        Err(e) => outln!("Data:      unusable: {e}"),
     }
     match header.image_params() {
-        Ok(Some(p)) => println!(
+        Ok(Some(p)) => outln!(
             "Image:     ivdisk format {}, layout {}, object size {}, id {}",
             p.format_version,
             p.layout,
             p.object_size,
             hex::encode(p.image_id.0)
         ),
-        Ok(None) => println!("Image:     (a LUKS volume not made by ivdisk)"),
-        Err(e) => println!("Image:     unusable: {e}"),
+        Ok(None) => outln!("Image:     (a LUKS volume not made by ivdisk)"),
+        Err(e) => outln!("Image:     unusable: {e}"),
     }
     if let Some(m) = header.metadata() {
         let reqs = m.config.mandatory_requirements();
         if !reqs.is_empty() {
-            println!("Requires:  {}", reqs.join(", "));
+            outln!("Requires:  {}", reqs.join(", "));
         }
     }
-    println!("Keyslots:");
+    outln!("Keyslots:");
     for k in header.keyslots() {
-        println!(
+        outln!(
             "  {:>2}: {} ({}), {}-bit key, area {}+{}",
             k.id,
             k.kdf,

@@ -16,6 +16,18 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `println!` for the commands' output. When the reader of standard output has gone
+/// (`ivdisk snap ls disk.ivd | head -1`), the process ends as `ls` or `cat` would there: at
+/// once, quietly, with the status a shell shows for SIGPIPE (141); `println!` would panic with a
+/// backtrace. Any other failure to write (a full disk behind `> FILE`) is an error message
+/// and status 1. A command prints its report once its work is done, so ending there loses
+/// nothing.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::print_line(format_args!($($arg)*))
+    };
+}
+
 mod backup;
 mod control;
 mod convert;
@@ -197,11 +209,13 @@ fn list_suites(json: bool) {
                 })
             })
             .collect();
-        println!("{}", serde_json::Value::Array(list));
+        outln!("{}", serde_json::Value::Array(list));
     } else {
-        println!(
+        outln!(
             "{:<18} {:>8} {:>10}  summary",
-            "suite", "metadata", "key bytes"
+            "suite",
+            "metadata",
+            "key bytes"
         );
         for s in Suite::ALL {
             let keys = s
@@ -210,7 +224,7 @@ fn list_suites(json: bool) {
                 .map(|k| k.to_string())
                 .collect::<Vec<_>>()
                 .join("/");
-            println!(
+            outln!(
                 "{:<18} {:>7}B {:>10}  {}",
                 s.name(),
                 s.metadata_len(),
@@ -218,6 +232,19 @@ fn list_suites(json: bool) {
                 s.summary()
             );
         }
+    }
+}
+
+/// [`outln!`]'s work.
+fn print_line(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("ivdisk: writing to standard output failed: {e}");
+        std::process::exit(1);
     }
 }
 

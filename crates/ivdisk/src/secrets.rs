@@ -273,9 +273,9 @@ pub fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
 /// Print `value` as one line of JSON, or `text`.
 pub fn print(json: bool, value: serde_json::Value, text: String) {
     if json {
-        println!("{value}");
+        outln!("{value}");
     } else {
-        println!("{text}");
+        outln!("{text}");
     }
 }
 

@@ -525,15 +525,24 @@ fn announce(
             ready["qemu_object"] = object.into();
         }
         ready["export"] = args.export_name.clone().into();
-        println!("{ready}");
+        say(&ready.to_string());
     } else {
-        println!(
+        say(&format!(
             "Serving {what}{}) on {address}\n{}",
             if read_only { ", read-only" } else { "" },
             attach_hints(address, &args.export_name, read_only, tls)
-        );
+        ));
     }
     notify_service_manager(&format!("READY=1\nSTATUS=serving on {address}"));
+}
+
+/// Print the ready line or the attach hints. A reader of standard output that has gone
+/// (`ivdisk serve ... --json | head -1` in a script) does not stop the server: its clients
+/// matter more than the announcement.
+fn say(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}").and_then(|()| out.flush());
 }
 
 /// Tell systemd how the server is doing, as `sd_notify(3)` does: a datagram to the socket in

@@ -127,12 +127,12 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 Err(e) => return Err(flat(e)),
             };
             if args.json {
-                println!(
+                outln!(
                     "{}",
                     json!({"image": uri.to_string(), "snapshot": snapshot_json(&snap)})
                 );
             } else {
-                println!(
+                outln!(
                     "created snapshot {uri}@{} ({}); open it read-only as {uri}@{}",
                     snap.name,
                     human_size(snap.size),
@@ -144,16 +144,16 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             let uri = ImageUri::parse(&args.image).map_err(flat)?;
             let snaps = rt.block_on(Image::snapshots(&uri)).map_err(flat)?;
             if args.json {
-                println!(
+                outln!(
                     "{}",
                     Value::Array(snaps.iter().map(snapshot_json).collect())
                 );
             } else if snaps.is_empty() {
-                println!("image {uri} has no snapshots");
+                outln!("image {uri} has no snapshots");
             } else {
-                println!("{:<24} {:>6} {:>12}  created (UTC)", "name", "id", "size");
+                outln!("{:<24} {:>6} {:>12}  created (UTC)", "name", "id", "size");
                 for s in &snaps {
-                    println!(
+                    outln!(
                         "{:<24} {:>6} {:>12}  {}",
                         s.name,
                         s.id,
@@ -174,9 +174,9 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 Err(e) => return Err(flat(e)),
             }
             if args.json {
-                println!("{}", json!({"image": uri.to_string(), "removed": name}));
+                outln!("{}", json!({"image": uri.to_string(), "removed": name}));
             } else {
-                println!("removed snapshot {uri}@{name}");
+                outln!("removed snapshot {uri}@{name}");
             }
         }
         SnapCommand::Rollback(args) => {
@@ -202,12 +202,12 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             bar.finish_and_clear();
             let snap = snap?;
             if args.json {
-                println!(
+                outln!(
                     "{}",
                     json!({"image": uri.to_string(), "rolled_back_to": snapshot_json(&snap)})
                 );
             } else {
-                println!(
+                outln!(
                     "image {uri} rolled back to snapshot {} ({})",
                     snap.name,
                     human_size(snap.size)

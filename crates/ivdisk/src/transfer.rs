@@ -507,7 +507,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     if to_stdout {
         eprintln!("{report}");
     } else {
-        println!("{report}");
+        outln!("{report}");
     }
     Ok(())
 }
@@ -647,14 +647,14 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
     let offsets: Vec<u64> = report.bad_lbas.iter().map(|l| l * ss).collect();
     let ok = report.bad_lbas.is_empty();
     if json {
-        println!(
+        outln!(
             "{}",
             json!({"image": uri.to_string(), "sector_size": ss,
                    "sectors_checked": report.sectors_checked, "bad_lbas": report.bad_lbas,
                    "bad_offsets": offsets, "ok": ok, "authenticated": report.authenticated})
         );
     } else if ok {
-        println!(
+        outln!(
             "image {uri}: {} sector(s) of {ss} bytes checked ({}), all {}",
             report.sectors_checked,
             human_size(report.sectors_checked * ss),
@@ -665,14 +665,14 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
             }
         );
     } else {
-        println!(
+        outln!(
             "image {uri}: {} of {} sector(s) of {ss} bytes failed authentication (changed, \
              moved or damaged in the store); they read as errors, the rest is intact:",
             report.bad_lbas.len(),
             report.sectors_checked
         );
         for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
-            println!("  LBA {lba} (byte offset {offset})");
+            outln!("  LBA {lba} (byte offset {offset})");
         }
     }
     if !report.authenticated {

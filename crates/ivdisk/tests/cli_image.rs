@@ -545,3 +545,43 @@ fn a_directory_of_other_files_is_not_an_image() {
         .collect();
     assert_eq!(left, ["cat.jpg"]);
 }
+
+/// `ivdisk info disk.ivd | head -1`, and output redirected to a full disk: a reader that went
+/// away ends the command quietly with SIGPIPE's status, as `ls` ends there (it panicked with a
+/// backtrace before), and a write that fails otherwise is an error message, not a panic.
+#[test]
+fn output_to_a_closed_pipe_or_a_full_disk_is_no_panic() {
+    let f = Fixture::new();
+    let image = f.path("disk.ivd");
+    f.create(&image, "1M", &[]);
+    for args in [
+        vec!["info", p(&image)],
+        vec!["suites"],
+        vec!["snap", "ls", p(&image)],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        // The reader is gone before the command writes a byte, as when `head` has exited.
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+            .args(&args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+        assert!(err.is_empty(), "{args:?}: {err}");
+    }
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["info", p(&image)])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("writing to standard output failed"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
