@@ -2,8 +2,9 @@
 //! with every write, truncation, sync and delete of a named file reported to `fault_io`, the
 //! only way to see SQLite's file IO. Everything else is passed through unchanged.
 //!
-//! `unsafe` is confined to the crate's two FFI modules: this one (SQLite's C VFS interface)
-//! and `ffi_writeback.rs` (one `sync_file_range` call). Each shim file is a
+//! `unsafe` is confined to the crate's three FFI modules: this one (SQLite's C VFS
+//! interface), `ffi_writeback.rs` (one `sync_file_range` call) and `ffi_heap.rs`
+//! (`malloc_trim`). Each shim file is a
 //! `ShimFile` (SQLite allocates `szOsFile` bytes for it) holding the `unix` VFS's own file
 //! object, allocated with `sqlite3_malloc`, and the file's path.
 #![allow(unsafe_code)]

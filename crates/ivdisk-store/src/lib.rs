@@ -18,6 +18,7 @@ mod ext;
 pub mod fault_io;
 #[cfg(not(feature = "fault-io"))]
 mod fault_io;
+mod ffi_heap;
 #[cfg(feature = "fault-io")]
 pub mod ffi_vfs;
 mod ffi_writeback;
