@@ -17,7 +17,7 @@ use serde_json::json;
 use crate::images::flat;
 use crate::secrets::{new_secret, old_secret, print, read_key_file, with_spinner, PbkdfArgs};
 
-/// What IMAGE may be for `header backup` and `header restore`.
+/// What IMAGE may be for `header dump`, `header backup` and `header restore`.
 const HEADER_IMAGE_HELP: &str = "A LUKS header file or LUKS volume (a file or block device), or \
     an ivdisk image: a local store directory (PATH or file:PATH), rados://POOL/IMAGE?conf=PATH&\
     id=CLIENT&namespace=NS, mem:NAME";
@@ -78,10 +78,11 @@ pub enum HeaderCommand {
     },
     /// Show the header: version, data segment, image parameters, keyslots.
     #[command(
-        after_help = "Example:\n  ivdisk header dump disk.hdr\n  ivdisk header dump disk.hdr --json | jq .keyslots"
+        after_help = "Example:\n  ivdisk header dump disk.hdr\n  ivdisk header dump disk.ivd\n  ivdisk header dump 'rados://rbd/vm1?id=admin' --json | jq .keyslots"
     )]
     Dump {
-        image: PathBuf,
+        #[arg(help = HEADER_IMAGE_HELP)]
+        image: String,
         #[arg(long)]
         json: bool,
     },
@@ -320,6 +321,19 @@ fn header_target(text: &str) -> HeaderTarget {
     }
 }
 
+/// The header of an ivdisk image (its header object), for `header dump`: read as the
+/// backup would be, so a dump shows exactly what `header backup` would save.
+fn read_image_header(uri: &ImageUri) -> Result<Header> {
+    let rt = crate::runtime()?;
+    let (bytes, _) = rt.block_on(Image::backup_header(uri)).map_err(flat)?;
+    let header = Header::read(&ivdisk_header::MemoryHeaderIo(bytes))
+        .with_context(|| format!("{uri}: the header cannot be read"))?;
+    if let Some(w) = header.warning() {
+        eprintln!("ivdisk: warning: {uri}: {w}");
+    }
+    Ok(header)
+}
+
 /// `header backup` of an ivdisk image: its header object's region into a new file, sparse
 /// (the unused keyslot area is zeros and stays a hole).
 fn backup_image_header(uri: &ImageUri, backup: &Path, json: bool) -> Result<()> {
@@ -537,7 +551,10 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             );
         }
         HeaderCommand::Dump { image, json } => {
-            let (header, _) = read_header(&image)?;
+            let header = match header_target(&image) {
+                HeaderTarget::Image(uri) => read_image_header(&uri)?,
+                HeaderTarget::File(path) => read_header(&path)?.0,
+            };
             if json {
                 outln!("{}", header.to_json());
             } else {

@@ -463,6 +463,10 @@ fn a_header_backup_brings_back_a_destroyed_header() {
     let dump: Value =
         serde_json::from_slice(&ok_bytes(&["header", "dump", p(&backup), "--json"])).unwrap();
     assert_eq!(dump["image"]["image_id"], id);
+    // `header dump` of the image itself reads its header object: the same header.
+    let direct: Value =
+        serde_json::from_slice(&ok_bytes(&["header", "dump", p(&image), "--json"])).unwrap();
+    assert_eq!(direct, dump);
     let err = fails(&["header", "backup", p(&image), p(&backup)]);
     assert!(err.contains("must not exist"), "{err}");
 
@@ -497,6 +501,8 @@ fn a_header_backup_brings_back_a_destroyed_header() {
             .unwrap();
     });
     let err = fails(&["info", p(&image)]);
+    assert!(err.contains("ivdisk header restore"), "{err}");
+    let err = fails(&["header", "dump", p(&image)]);
     assert!(err.contains("ivdisk header restore"), "{err}");
     exits(2, &["verify", p(&image), "--passphrase-file", p(&f.pw)]);
 
