@@ -68,6 +68,12 @@ pub(crate) fn pbkdf2(
     iterations: u32,
     out: &mut [u8],
 ) -> Result<(), HeaderError> {
+    if iterations > PBKDF2_MAX_ITERATIONS {
+        return Err(HeaderError::Kdf(format!(
+            "pbkdf2-{hash}: {iterations} iterations, more than the {PBKDF2_MAX_ITERATIONS} \
+             OpenSSL can count"
+        )));
+    }
     openssl::pkcs5::pbkdf2_hmac(secret, salt, iterations as usize, hash.openssl(), out)
         .map_err(|e| HeaderError::Kdf(format!("pbkdf2-{hash}: {e}")))
 }
@@ -105,6 +111,9 @@ pub const ARGON2_MIN_MEMORY_KIB: u32 = 32;
 pub const ARGON2_MAX_MEMORY_KIB: u32 = 4 * 1024 * 1024;
 pub const ARGON2_MAX_PARALLEL: u32 = 4;
 pub const PBKDF2_MIN_ITERATIONS: u32 = 1000;
+/// OpenSSL's PBKDF2 counts iterations in a C `int` (cryptsetup's OpenSSL backend has the same
+/// bound): more is refused, never passed on.
+pub const PBKDF2_MAX_ITERATIONS: u32 = i32::MAX as u32;
 
 impl Pbkdf {
     /// The `kdf.type` name in a LUKS2 keyslot.
@@ -151,6 +160,11 @@ impl Pbkdf {
             Pbkdf::Pbkdf2 { iterations: 0, .. } => Err(HeaderError::Metadata(
                 "pbkdf2 iterations must be at least 1".into(),
             )),
+            Pbkdf::Pbkdf2 { iterations, .. } if iterations > PBKDF2_MAX_ITERATIONS => {
+                Err(HeaderError::Metadata(format!(
+                    "pbkdf2 iterations out of range: {iterations} (at most {PBKDF2_MAX_ITERATIONS})"
+                )))
+            }
             Pbkdf::Pbkdf2 { .. } => Ok(()),
             Pbkdf::Argon2 {
                 time,
@@ -246,9 +260,10 @@ impl PbkdfRequest {
         match self.kind {
             PbkdfKind::Pbkdf2 => {
                 let iterations = match self.forced_iterations {
-                    Some(n) if n < PBKDF2_MIN_ITERATIONS => {
+                    Some(n) if !(PBKDF2_MIN_ITERATIONS..=PBKDF2_MAX_ITERATIONS).contains(&n) => {
                         return Err(HeaderError::InvalidParameter(format!(
-                            "pbkdf2 needs at least {PBKDF2_MIN_ITERATIONS} iterations (got {n})"
+                            "pbkdf2 needs {PBKDF2_MIN_ITERATIONS}..={PBKDF2_MAX_ITERATIONS} \
+                             iterations (got {n})"
                         )))
                     }
                     Some(n) => n,
@@ -332,7 +347,8 @@ fn calibrate_pbkdf2(hash: Hash, key_len: usize, target: Duration) -> Result<u32,
         )?;
         if elapsed >= Duration::from_millis(50) || trial >= 1 << 30 {
             let per_iteration = elapsed.as_secs_f64() / trial as f64;
-            let iterations = (target.as_secs_f64() / per_iteration).min(u32::MAX as f64) as u32;
+            let iterations =
+                (target.as_secs_f64() / per_iteration).min(PBKDF2_MAX_ITERATIONS as f64) as u32;
             return Ok(iterations.max(PBKDF2_MIN_ITERATIONS));
         }
         trial *= 4;
@@ -434,6 +450,29 @@ mod tests {
             iterations: 0,
         };
         assert!(zero.check_limits().is_err());
+        // OpenSSL's count is a C int: a header asking for more is refused, not a panic.
+        let too_many = Pbkdf::Pbkdf2 {
+            hash: Hash::Sha256,
+            iterations: PBKDF2_MAX_ITERATIONS + 1,
+        };
+        assert!(matches!(
+            too_many.check_limits(),
+            Err(HeaderError::Metadata(_))
+        ));
+        let mut out = [0u8; 32];
+        assert!(matches!(
+            too_many.derive(b"pw", b"salt", &mut out),
+            Err(HeaderError::Kdf(_))
+        ));
+        let forced = PbkdfRequest {
+            kind: PbkdfKind::Pbkdf2,
+            forced_iterations: Some(u32::MAX),
+            ..PbkdfRequest::default()
+        };
+        assert!(matches!(
+            forced.calibrate(32),
+            Err(HeaderError::InvalidParameter(_))
+        ));
     }
 
     #[test]

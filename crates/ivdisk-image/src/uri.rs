@@ -102,7 +102,25 @@ impl ImageUri {
                 name: name.to_owned(),
             });
         }
-        let path = text.strip_prefix("file:").unwrap_or(text);
+        let path = match text.strip_prefix("file:") {
+            // `file://HOST/PATH` (RFC 8089): only this machine's files, `file:///PATH` and
+            // `file://localhost/PATH`; another host's name is not a directory here.
+            Some(rest) if rest.starts_with("//") => {
+                let after = &rest[2..];
+                if after.starts_with('/') {
+                    after
+                } else if after.starts_with("localhost/") {
+                    &after["localhost".len()..]
+                } else {
+                    return Err(bad(
+                        "`file://HOST/PATH` names another machine's file; write file:PATH, \
+                         file:///ABSOLUTE/PATH or a plain path",
+                    ));
+                }
+            }
+            Some(rest) => rest,
+            None => text,
+        };
         if path.is_empty() {
             return Err(bad("the path is empty"));
         }
@@ -182,6 +200,22 @@ impl ImageUri {
     ) -> Result<Arc<dyn ObjectStore>, ImageError> {
         let image = self.to_string();
         match self {
+            // `DIR@SNAP` names snapshot SNAP of DIR unless DIR@SNAP exists, so a new store
+            // directory named so would shadow a snapshot, or be shadowed by one later.
+            ImageUri::Local { dir }
+                if create
+                    && !dir.exists()
+                    && dir
+                        .file_name()
+                        .is_some_and(|n| n.as_encoded_bytes().contains(&b'@')) =>
+            {
+                Err(ImageError::InvalidUri {
+                    uri: image,
+                    reason: "a new local image's directory name must not contain '@' \
+                             (IMAGE@SNAP names a snapshot of IMAGE)"
+                        .into(),
+                })
+            }
             ImageUri::Local { dir } => open_local(dir, create, read_only).map_err(|e| match e {
                 ivdisk_store::StoreError::Io { source, .. }
                     if !create && source.kind() == std::io::ErrorKind::NotFound =>
@@ -390,6 +424,18 @@ mod tests {
             ImageUri::parse("file:/a/b").unwrap(),
             ImageUri::Local { dir: "/a/b".into() }
         );
+        // RFC 8089's forms of a local file; another host's is refused, not made here.
+        for local in ["file:///a/b", "file://localhost/a/b"] {
+            assert_eq!(
+                ImageUri::parse(local).unwrap(),
+                ImageUri::Local { dir: "/a/b".into() },
+                "{local}"
+            );
+        }
+        assert!(matches!(
+            ImageUri::parse("file://otherhost/a/b"),
+            Err(ImageError::InvalidUri { .. })
+        ));
         assert_eq!(
             ImageUri::parse("mem:x").unwrap(),
             ImageUri::Memory { name: "x".into() }

@@ -1770,7 +1770,13 @@ impl ReadOnlyMeta {
 
     /// `file:` URI of the database with `query` (the path percent-encoded).
     fn uri(&self, query: &str) -> String {
-        let mut uri = String::from("file:");
+        // An absolute path goes after an empty authority (`file://` + `/...`): written right
+        // after `file:`, a path that starts with `//` would be read as an authority.
+        let mut uri = String::from(if self.path.is_absolute() {
+            "file://"
+        } else {
+            "file:"
+        });
         for &b in self.path.as_os_str().as_bytes() {
             match b {
                 b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'/' | b'.' | b'_' | b'-' | b'~' => {

@@ -203,6 +203,14 @@ fn open_write(path: &Path) -> Result<File> {
 }
 
 fn read_header(path: &Path) -> Result<(Header, File)> {
+    if path.is_dir() {
+        // Most likely a local ivdisk image: `ivdisk key` works on LUKS files only.
+        bail!(
+            "{0} is a directory, not a LUKS header file or volume; if it is an ivdisk image, \
+             its passphrases are changed with `ivdisk passphrase add/remove/change {0}`",
+            path.display()
+        );
+    }
     let file = open_read(path)?;
     let header = Header::read(&file).map_err(|e| match e {
         HeaderError::NotLuks => anyhow::anyhow!("{}: {e}", path.display()),
@@ -524,6 +532,7 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 object_size: 4 << 20,
                 image_id: ImageId(image_id),
             });
+            let made_here = !file.exists();
             let mut out = OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -537,9 +546,18 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                         file.display()
                     )
                 })?;
-            let header = with_spinner("benchmarking the key derivation", || {
+            let header = match with_spinner("benchmarking the key derivation", || {
                 Header::format(&mut out, &spec, &key, &passphrase)
-            })?;
+            }) {
+                Ok(header) => header,
+                // Never leave a file behind that looks like a header and is not one.
+                Err(e) if made_here => {
+                    let _ = std::fs::remove_file(&file);
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("formatting {} (removed again)", file.display())));
+                }
+                Err(e) => return Err(e.into()),
+            };
             print(
                 json,
                 json!({"file": file, "uuid": header.uuid(), "keyslot": 0, "cipher": suite.name()}),

@@ -406,6 +406,7 @@ enum Sink {
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
     let to_stdout = args.file == Path::new("-");
+    let mut replacing = false;
     if to_stdout {
         if std::io::stdout().is_terminal() {
             bail!(
@@ -427,7 +428,17 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 args.file.display()
             );
         }
+        replacing = true;
     }
+    // A file replaced (--force) stays as it was until the export is complete: the export goes
+    // into a new file beside it, renamed over it at the end.
+    let target = if replacing {
+        let name = args.file.file_name().unwrap_or_default().to_string_lossy();
+        args.file
+            .with_file_name(format!(".{name}.ivdisk-export-{}", std::process::id()))
+    } else {
+        args.file.clone()
+    };
     let image = open_read_only_at(rt, &uri, snapshot.as_deref(), &args.passphrase)?;
     let size = image.size();
     let mut sink = if to_stdout {
@@ -441,17 +452,17 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             .create(true)
             .create_new(!args.force)
             .truncate(true)
-            .open(&args.file)
-            .with_context(|| format!("cannot create {}", args.file.display()))?;
+            .open(&target)
+            .with_context(|| format!("cannot create {}", target.display()))?;
         // Every byte not written below stays a hole: the file reads as zeros there.
         if let Err(e) = file.set_len(size) {
             // An empty file must not pass for an export either.
-            let _ = std::fs::remove_file(&args.file);
+            let _ = std::fs::remove_file(&target);
             return Err(anyhow::Error::new(e).context(format!(
                 "setting the size of {} to {size} bytes, the image's (the file system may not \
                  hold a file this large: export to another one, or to standard output with -); \
                  the file was removed",
-                args.file.display()
+                target.display()
             )));
         }
         Sink::File(file)
@@ -462,9 +473,15 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     bar.finish_and_clear();
     let finished = copied.and_then(|written| {
         match &mut sink {
-            Sink::File(file) => file
-                .sync_all()
-                .with_context(|| format!("syncing {}", args.file.display()))?,
+            Sink::File(file) => {
+                file.sync_all()
+                    .with_context(|| format!("syncing {}", target.display()))?;
+                if replacing {
+                    std::fs::rename(&target, &args.file).with_context(|| {
+                        format!("renaming {} to {}", target.display(), args.file.display())
+                    })?;
+                }
+            }
             Sink::Stdout(out) => out.flush().context("writing to standard output")?,
         }
         Ok(written)
@@ -474,11 +491,18 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         Err(e) => {
             if let Sink::File(_) = sink {
                 // An incomplete export must not pass for a copy of the image.
-                let _ = std::fs::remove_file(&args.file);
-                return Err(e.context(format!(
-                    "exporting image {uri} failed; the incomplete {} was removed",
-                    args.file.display()
-                )));
+                let _ = std::fs::remove_file(&target);
+                return Err(e.context(if replacing {
+                    format!(
+                        "exporting image {uri} failed; {} was left as it was",
+                        args.file.display()
+                    )
+                } else {
+                    format!(
+                        "exporting image {uri} failed; the incomplete {} was removed",
+                        args.file.display()
+                    )
+                }));
             }
             return Err(e.context(format!(
                 "exporting image {uri} failed; standard output got an incomplete copy"

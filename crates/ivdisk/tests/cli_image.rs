@@ -2,7 +2,7 @@
 //! binary on local-backend images in a temporary directory, passphrase files, exit codes
 //! (1 for errors, 2 for usage errors) and messages.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -198,6 +198,46 @@ fn create_refuses_an_existing_image_and_leaves_it_alone() {
     let after = info(&image);
     assert_eq!(after["image_id"], first["image_id"]);
     assert_eq!(after["size"], 64u64 << 20);
+}
+
+/// `DISK@NAME` means snapshot NAME of DISK: a new local image is not made under such a name,
+/// where it would hide the snapshot (before, `export disk@monday` then read the new, empty
+/// image), and nothing is left behind.
+#[test]
+fn create_refuses_a_name_that_reads_as_a_snapshot() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "64M", &[]);
+    let at = format!("{}@monday", p(&image));
+    ok(&["snap", "create", &at]);
+    let mut args = vec![
+        "create",
+        &at,
+        "--size",
+        "64M",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(err.contains("must not contain '@'"), "{err}");
+    assert!(!Path::new(&at).exists(), "{at} was made");
+    let snaps = json(&["snap", "ls", p(&image)]);
+    assert!(snaps.to_string().contains("monday"), "{snaps}");
+    ok(&["snap", "rm", &at]);
+}
+
+/// A path written `//tmp/...` is the same directory as `/tmp/...`, for the read-only opens
+/// (SQLite URIs) too: before, they read `//tmp` as a URI's authority and failed.
+#[test]
+fn a_path_with_two_leading_slashes_is_the_same_path() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    let doubled = PathBuf::from(format!("/{}", p(&image)));
+    assert!(p(&doubled).starts_with("//"));
+    f.create(&doubled, "64M", &[]);
+    assert_eq!(json(&["info", p(&doubled)])["size"], 64u64 << 20);
+    assert_eq!(info(&image)["size"], 64u64 << 20);
 }
 
 #[test]

@@ -260,3 +260,56 @@ fn missing_passphrase_without_a_terminal_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--key-file"));
 }
+
+/// Costs OpenSSL cannot count (PBKDF2's iterations are a C int) are refused before anything is
+/// written: no panic, no 16 MiB file of zeros left where the header was to be, and a later
+/// format of the same name works without --force.
+#[test]
+fn impossible_kdf_costs_are_refused_and_leave_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let pass = key(dir.path(), "pass", b"correct horse");
+    let header = dir.path().join("disk.hdr");
+    let mut args = vec!["header", "format", p(&header), "--size", "64M"];
+    args.extend(["--key-file", p(&pass)]);
+    args.extend([
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "3000000000",
+    ]);
+    let err = fails(&args);
+    assert!(err.contains("2147483647"), "{err}");
+    assert!(
+        !header.exists(),
+        "a failed format left {}",
+        header.display()
+    );
+    format_header(&header, &pass);
+
+    let mut args = vec!["key", "add", p(&header), "--key-file", p(&pass)];
+    let new = key(dir.path(), "new", b"battery staple");
+    args.extend(["--new-key-file", p(&new)]);
+    args.extend([
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "2147483648",
+    ]);
+    let err = fails(&args);
+    assert!(err.contains("2147483647"), "{err}");
+    assert_eq!(keyslot_ids(&header), vec![0]);
+}
+
+/// `ivdisk key` is for LUKS files; on an ivdisk image (a directory) it says what to use.
+#[test]
+fn key_commands_on_an_ivdisk_image_point_to_passphrase() {
+    let dir = tempfile::tempdir().unwrap();
+    let pass = key(dir.path(), "pass", b"correct horse");
+    let image = dir.path().join("disk.ivd");
+    let mut args = vec!["create", p(&image), "--size", "64M"];
+    args.extend(["--passphrase-file", p(&pass)]);
+    args.extend(FAST);
+    ok(&args);
+    let err = fails(&["key", "test", p(&image), "--key-file", p(&pass)]);
+    assert!(err.contains("ivdisk passphrase"), "{err}");
+}

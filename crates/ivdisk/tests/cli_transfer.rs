@@ -164,14 +164,7 @@ fn import_then_export_gives_the_same_bytes_with_holes() {
     let err = fails(&["export", p(&image), p(&out), "--passphrase-file", p(&f.pw)]);
     assert!(err.contains("exists") && err.contains("--force"), "{err}");
     std::fs::write(&out, b"old").unwrap();
-    let report = json(&[
-        "export",
-        p(&image),
-        p(&out),
-        "--force",
-        "--passphrase-file",
-        p(&f.pw),
-    ]);
+    let report = json(&export_over(&image, &out, &f.pw));
     assert_eq!(report["size"], rounded);
     assert_eq!(report["sparse"], true);
     assert!(std::fs::read(&out).unwrap() == exported);
@@ -336,6 +329,17 @@ fn verify_names_exactly_the_tampered_sectors() {
     assert!(err.contains("integrity check failed"), "{err}");
     assert!(err.contains("ivdisk verify"), "{err}");
     assert!(!out.exists(), "an incomplete export was left behind");
+    // With --force over a file that exists, a failed export leaves that file as it was.
+    std::fs::write(&out, b"precious").unwrap();
+    let err = fails(&export_over(&image, &out, &f.pw));
+    assert!(err.contains("left as it was"), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    let leftovers: Vec<_> = std::fs::read_dir(out.parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("ivdisk-export"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 
     // Anything else is exit code 2: a wrong passphrase, a missing image.
     let wrong = f.file("wrong", b"incorrect horse\n");
@@ -839,4 +843,16 @@ fn info_shows_what_a_local_image_takes_on_disk() {
             .any(|l| l.starts_with("disk usage:") && l.contains("data") && l.contains("metadata")),
         "{out}"
     );
+}
+
+/// `ivdisk export IMAGE FILE --force` with the passphrase file `pw`.
+fn export_over<'a>(image: &'a Path, file: &'a Path, pw: &'a Path) -> [&'a str; 6] {
+    [
+        "export",
+        p(image),
+        p(file),
+        "--force",
+        "--passphrase-file",
+        p(pw),
+    ]
 }
