@@ -41,8 +41,8 @@ use zeroize::Zeroizing;
 use crate::images::{flat, human_size, parse_image_at, parse_uri, FormatArgs};
 use crate::secrets::{prompt_twice, with_spinner, NewPassphraseArgs, PassphraseArgs};
 use crate::transfer::{
-    all_zero, chunk_size, delete_half_made, progress, source_len, store_dir_to_make,
-    unlock_read_only, IN_FLIGHT,
+    all_zero, chunk_size, delete_half_made, interrupted, interrupted_error, progress, source_len,
+    stop_copies_on_signals, store_dir_to_make, unlock_read_only, IN_FLIGHT,
 };
 
 /// The body of `ivdisk convert --help` (main.rs adds the suites and layouts).
@@ -60,8 +60,8 @@ pub fn after_help() -> String {
      --sector-size, --object-size, key derivation options). Its size is SRC's size rounded up \
      to DST's sector size (the added bytes read as zeros). Ranges SRC reports unallocated are \
      not read, and all-zero chunks are not written (an unwritten sector reads as zeros). Then \
-     every byte of DST is read back and compared with SRC; if any differs, or the copy fails, \
-     DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
+     every byte of DST is read back and compared with SRC; if any differs, or the copy fails or \
+     is stopped by Ctrl-C (SIGINT) or SIGTERM, DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
      exists is refused unless --force, which deletes it (an ivdisk image; never a file) once \
      SRC is open. SRC and DST may not be the same image.\n\n\
      Passphrases: SRC's comes from --passphrase-file/--key-file or the terminal, and protects \
@@ -652,7 +652,7 @@ async fn copy(
 ) -> Result<Copied> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = stream::iter(pieces)
-        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
         .map(|piece| {
             let (source, image, name) = (source.clone(), image.clone(), name.to_owned());
             tokio::spawn(async move {
@@ -689,6 +689,7 @@ async fn copy(
     }
     match error {
         Some(e) => Err(e),
+        None if interrupted() => Err(interrupted_error()),
         None => Ok(copied),
     }
 }
@@ -724,7 +725,7 @@ async fn verify(
     };
     // In order (`buffered`): the first difference met is the first in the image.
     let mut tasks = stream::iter(pieces)
-        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
         .map(|piece| {
             let (source, image, name) = (source.clone(), image.clone(), name.to_owned());
             let skipped = skip(&piece);
@@ -769,6 +770,9 @@ async fn verify(
                 return Err(e);
             }
         }
+    }
+    if interrupted() {
+        return Err(interrupted_error());
     }
     Ok(None)
 }
@@ -871,6 +875,8 @@ fn convert_open(
         .context("--force: deleting the existing DST failed")?;
     }
     let made_dir = store_dir_to_make(dst);
+    // Before the image exists: a signal from here on deletes it again.
+    stop_copies_on_signals(rt)?;
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(dst, &options, &secret)),

@@ -161,6 +161,38 @@ pub(crate) fn source_len(path: &Path, file: &mut File) -> Result<u64> {
         .with_context(|| format!("reading the size of {}", path.display()))
 }
 
+/// Set once SIGINT or SIGTERM arrives after [`stop_copies_on_signals`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// From here on SIGINT and SIGTERM do not kill the process: they stop the copy of `import` or
+/// `convert` between pieces (those in flight finish), whose caller then deletes the half-made
+/// image as after any failed copy. Killed instead, the process would leave an image that
+/// looks complete, holds part of the data, and verifies.
+pub(crate) fn stop_copies_on_signals(rt: &Runtime) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let _runtime = rt.enter();
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    rt.spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        INTERRUPTED.store(true, Ordering::Relaxed);
+    });
+    Ok(())
+}
+
+/// Whether a copy must stop: a signal came (see [`stop_copies_on_signals`]).
+pub(crate) fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
+/// The error of a copy stopped by a signal.
+pub(crate) fn interrupted_error() -> anyhow::Error {
+    anyhow::anyhow!("interrupted (SIGINT or SIGTERM)")
+}
+
 pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
     let mut file = File::open(&args.file)
@@ -186,6 +218,8 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
         );
     }
     let made_dir = store_dir_to_make(&uri);
+    // Before the image exists: a signal from here on deletes it again.
+    stop_copies_on_signals(rt)?;
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(&uri, &options, &passphrase)),
@@ -324,7 +358,7 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
     };
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = stream::iter(pieces(0, len, chunk))
-        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
         .map(|(offset, n)| {
             let (image, file) = (image.clone(), file.clone());
             let read = holds_data(offset, n);
@@ -370,6 +404,7 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
     }
     match error {
         Some(e) => Err(e),
+        None if interrupted() => Err(interrupted_error()),
         None => Ok(written),
     }
 }

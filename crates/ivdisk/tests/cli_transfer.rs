@@ -856,3 +856,55 @@ fn export_over<'a>(image: &'a Path, file: &'a Path, pw: &'a Path) -> [&'a str; 6
         p(pw),
     ]
 }
+
+/// Ctrl-C (SIGINT) or SIGTERM amid `import` or `convert`: the copy stops and the half-made
+/// image is deleted, as after any failed copy; before, the process died and left an image
+/// that looked complete, held part of the data, and verified. The signal comes at a few
+/// moments; whichever the copy had reached, the image is either complete or gone.
+#[test]
+fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
+    let f = Fixture::new();
+    let disk = random(384 << 20, 11);
+    let raw = f.file("big.raw", &disk);
+    let mut interrupted = 0;
+    for (round, delay_ms) in [200u64, 350, 500, 800, 1200].into_iter().enumerate() {
+        for (command, signal) in [("import", "-INT"), ("convert", "-TERM")] {
+            let image = f.path(&format!("{command}-{round}"));
+            let mut args = vec![command, p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
+            args.extend(FAST);
+            let child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+                .args(&args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+            let _ = Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status();
+            let out = child.wait_with_output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            if out.status.success() {
+                let (_, exported) = f.export(&image, &format!("{command}-{round}.raw"));
+                assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
+            } else if out.status.code().is_none() {
+                // Killed before it took the signals over, which it does before it makes the
+                // image: none was made.
+                assert!(!image.exists(), "{command} left {}", image.display());
+            } else {
+                // Not killed by the signal: a clear error, and the image is gone.
+                assert_eq!(
+                    out.status.code(),
+                    Some(1),
+                    "{command} after {delay_ms} ms: {err}"
+                );
+                assert!(err.contains("interrupted"), "{err}");
+                assert!(err.contains("was deleted"), "{err}");
+                assert!(!image.exists(), "{command} left {}", image.display());
+                interrupted += 1;
+            }
+        }
+    }
+    // At least one signal must land amid a copy for the test to say anything.
+    assert!(interrupted > 0, "every copy ended before its signal");
+}
