@@ -103,7 +103,7 @@ pub enum HeaderCommand {
     /// Write a header backup back over the header of a LUKS header or volume, or of an ivdisk
     /// image (also when its header object is damaged or missing).
     #[command(
-        after_help = "Example:\n  ivdisk header restore disk.ivd disk.ivd.header\n  ivdisk header restore disk.hdr disk.hdr.backup\n\nFor an ivdisk image the restore takes the image's writer lock: it is refused while a writer has the image open (stop it; if it died, `ivdisk lock break IMAGE`). The keyslots of the backup replace the current ones: passphrases added since the backup stop working, removed ones work again. The count of writes kept for aes-gcm-random images is never lowered."
+        after_help = "Example:\n  ivdisk header restore disk.ivd disk.ivd.header\n  ivdisk header restore disk.hdr disk.hdr.backup\n\nFor an ivdisk image the restore takes the image's writer lock: it is refused while a writer has the image open (stop it; if it died, `ivdisk lock break IMAGE`). The keyslots of the backup replace the current ones: passphrases added since the backup stop working, removed ones work again. The size recorded in the backup comes back too (a resize since is undone; the restore says so). The count of writes kept for aes-gcm-random images is never lowered."
     )]
     Restore {
         #[arg(help = HEADER_IMAGE_HELP)]
@@ -408,9 +408,20 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
         .read_to_end(&mut bytes)
         .with_context(|| format!("reading {}", backup.display()))?;
     let rt = crate::runtime()?;
+    // The header holds the image's size: a backup made before a resize brings the old size
+    // back, which the user is told.
+    let size_before = rt.block_on(Image::info(uri)).ok().map(|i| i.size);
     let restored = rt
         .block_on(Image::restore_header(uri, &bytes, force))
         .map_err(flat)?;
+    let size_after = rt.block_on(Image::info(uri)).ok().map(|i| i.size);
+    let size_note = match (size_before, size_after) {
+        (Some(before), Some(after)) if before != after => format!(
+            "; the image's size is now {after} bytes, as when the backup was made (it was \
+             {before}: `ivdisk resize {uri} --size {before}` brings it back)"
+        ),
+        _ => String::new(),
+    };
     let info = &restored.restored;
     let image_id = hex::encode(info.image_id.0);
     let (replaced, note) = match &restored.replaced {
@@ -434,10 +445,11 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
     print(
         json,
         json!({"image": uri.to_string(), "backup": backup, "uuid": info.uuid,
-               "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced}),
+               "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced,
+               "size": size_after, "size_before": size_before}),
         format!(
             "header of image id {image_id} (LUKS UUID {}) restored to image {uri} from {}{note}; \
-             keyslots: {}",
+             keyslots: {}{size_note}",
             info.uuid,
             backup.display(),
             info.keyslots

@@ -532,6 +532,23 @@ fn a_header_backup_brings_back_a_destroyed_header() {
         json(&["header", "restore", p(&image), p(&backup)])["replaced"],
         "same"
     );
+    // The header holds the size: a backup from before a resize brings the old size back,
+    // and the restore says so.
+    let size = info(&image)["size"].as_u64().unwrap();
+    let grown = (size + (64 << 20)).to_string();
+    let mut args = vec!["resize", p(&image), "--size", &grown];
+    args.extend(["--passphrase-file", p(&f.pw)]);
+    ok_bytes(&args);
+    let restored = json(&["header", "restore", p(&image), p(&backup)]);
+    assert_eq!(restored["size"], size);
+    assert_eq!(restored["size_before"], size + (64 << 20));
+    ok_bytes(&args);
+    let text = String::from_utf8(ok_bytes(&["header", "restore", p(&image), p(&backup)])).unwrap();
+    assert!(text.contains("size is now"), "{text}");
+    assert!(
+        text.contains(&format!("--size {}", size + (64 << 20))),
+        "{text}"
+    );
 }
 
 #[test]
