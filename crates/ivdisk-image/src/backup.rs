@@ -624,7 +624,21 @@ impl Image {
         {
             return Err(missing_header(store, uri, &image, "a backup").await);
         }
-        backup_in(image, store, header_object, options, path, progress).await
+        // The snapshots read without the writer lock are kept from being removed meanwhile
+        // (`readers.rs`); a name not in the table is refused by the backup itself.
+        let mut marks = Vec::new();
+        if options.snapshot.is_some() {
+            let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
+            for name in options.snapshot.iter().chain(&options.since) {
+                if let Some(snap) = table.find(name) {
+                    let shown = format!("{image}@{name}");
+                    marks.extend(crate::readers::mark_reader(uri, &shown, Some(snap.id))?);
+                }
+            }
+        }
+        let summary = backup_in(image, store, header_object, options, path, progress).await;
+        drop(marks);
+        summary
     }
 
     /// [`Image::backup`] of the image `name` in an open store (see [`Image::open_on`]).

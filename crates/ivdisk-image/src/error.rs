@@ -109,6 +109,18 @@ pub enum ImageError {
     #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {image}@NAME`), nothing was deleted", names.len(), names.join(", "))]
     HasSnapshots { image: String, names: Vec<String> },
 
+    /// A removal (`delete`, `snap rm`) refused: another open reads what it would remove (a
+    /// read-only open writes nothing to the store, so only its mark tells; see
+    /// `ivdisk_store::reader_marks`). `pids` are the processes found holding it open.
+    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first, nothing was removed", ivdisk_store::reader_marks::describe_processes(pids))]
+    OpenByReaders { image: String, pids: Vec<u32> },
+
+    /// An open to read refused: another process is removing the image or the snapshot.
+    #[error(
+        "image {image} is being removed by another process (`ivdisk delete` or `ivdisk snap rm`)"
+    )]
+    RemovalUnderway { image: String },
+
     /// The stored data does not have the shape the header describes.
     #[error("image {image}: {reason}")]
     Corrupt { image: String, reason: String },

@@ -176,6 +176,11 @@ pub(crate) struct Inner {
     pub(crate) nonces_reserved: AtomicU64,
     pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
     pub(crate) header_change: tokio::sync::Mutex<()>,
+    /// A read-only open's mark that keeps what it reads from being removed (`readers.rs`).
+    pub(crate) reader_mark: std::sync::Mutex<Option<ivdisk_store::reader_marks::ReaderMark>>,
+    /// Where the image was opened from, when opened by address: a writer's snapshot
+    /// removal asks that store for the snapshot's readers (`readers.rs`).
+    pub(crate) uri: std::sync::OnceLock<ImageUri>,
     /// A LUKS volume made by another tool (cryptsetup file, librbd image): no resize.
     pub(crate) foreign: bool,
     /// Opened at this snapshot (name, id): reads go to the snapshot, writes are refused.
@@ -312,14 +317,16 @@ impl Image {
         options: &CreateOptions,
         passphrase: &[u8],
     ) -> Result<Image, ImageError> {
-        Image::create_with(
+        let created = Image::create_with(
             uri.to_string(),
             uri.image_name(),
             options,
             passphrase,
             || uri.open_store(true),
         )
-        .await
+        .await?;
+        let _ = created.inner.uri.set(uri.clone());
+        Ok(created)
     }
 
     /// [`Image::create`] of the image `image_name` (shown as `image`) in the store that
@@ -437,11 +444,44 @@ impl Image {
         }
         // Read-only (a snapshot always is): the store too, so that a local image opens on a
         // read-only directory and beside a writer in another process.
-        let store = match options.read_only || options.snapshot.is_some() {
+        let read_only = options.read_only || options.snapshot.is_some();
+        let store = match read_only {
             true => uri.open_store_read_only().await?,
             false => uri.open_store(false).await?,
         };
-        Image::open_in(image, store, uri.image_name(), passphrase, options).await
+        let opened = Image::open_in(image, store, uri.image_name(), passphrase, options).await?;
+        let _ = opened.inner.uri.set(uri.clone());
+        if read_only {
+            opened.mark_reader(uri).await?;
+        }
+        Ok(opened)
+    }
+
+    /// Keep what this read-only open reads from being removed by another open while it is
+    /// open (`readers.rs`). Once marked, it checks that what it opened is still there: a
+    /// removal that ended before the mark was taken went unseen.
+    async fn mark_reader(&self, uri: &ImageUri) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let shown = match &inner.snapshot {
+            Some((name, _)) => format!("{}@{name}", inner.name),
+            None => inner.name.clone(),
+        };
+        let Some(mark) = crate::readers::mark_reader(uri, &shown, self.snapshot_id())? else {
+            return Ok(());
+        };
+        // (`NotFound` once the header object is gone.)
+        let table =
+            SnapshotTable::read(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
+        if let Some((name, id)) = &inner.snapshot {
+            if table.find(name).map(|s| s.id) != Some(*id) {
+                return Err(ImageError::SnapshotNotFound {
+                    image: inner.name.clone(),
+                    snapshot: name.clone(),
+                });
+            }
+        }
+        *inner.reader_mark.lock().unwrap_or_else(|e| e.into_inner()) = Some(mark);
+        Ok(())
     }
 
     /// [`Image::open`] of the image `image_name` (shown as `image`) in an open store (also
@@ -631,6 +671,8 @@ impl Image {
             nonces_reserved: AtomicU64::new(spec.nonces_reserved),
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
+            reader_mark: std::sync::Mutex::new(None),
+            uri: std::sync::OnceLock::new(),
             foreign: spec.foreign,
             snapshot: spec.snapshot,
             has_snap_context: AtomicBool::new(spec.snap_context.is_some()),
@@ -652,6 +694,14 @@ impl Image {
             self.flush().await
         };
         self.inner.writes_allowed.store(false, Ordering::Release);
+        // A reader's mark goes as a writer's lock does (clones of this handle read no more).
+        drop(
+            self.inner
+                .reader_mark
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
         let lock = self
             .inner
             .lock
@@ -831,6 +881,14 @@ impl Image {
                 names: snapshots.snapshots.into_iter().map(|s| s.name).collect(),
             });
         }
+        // Held to the end: no reader opens it meanwhile.
+        let _readers_held_off = match crate::readers::hold_off_readers(uri, &image, None) {
+            Ok(hold) => hold,
+            Err(e) => {
+                drop(lock.release().await);
+                return Err(e);
+            }
+        };
         let objects = store
             .list(&data_object_prefix(&parsed.params.image_id))
             .await

@@ -35,6 +35,7 @@ mod object_map;
 mod on_store;
 mod range_lock;
 mod read_reply;
+mod readers;
 mod snapshot;
 mod uri;
 mod write_payload;

@@ -383,7 +383,20 @@ impl Image {
         let _change = inner.header_change.lock().await;
         let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
         let store = inner.store.as_ref();
-        let removed = remove_record(store, &inner.header_object, &inner.name, name).await;
+        let removed = async {
+            let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
+            // Held to the end: no reader opens it meanwhile (`readers.rs`).
+            let _readers_held_off = match (table.find(name), inner.uri.get()) {
+                (Some(snap), Some(uri)) => crate::readers::hold_off_readers(
+                    uri,
+                    &format!("{}@{name}", inner.name),
+                    Some(snap.id),
+                )?,
+                _ => None,
+            };
+            remove_record(store, &inner.header_object, &inner.name, name).await
+        }
+        .await;
         // Whatever happened, writes carry the context the stored table gives now.
         let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
         self.write_under(&table);
@@ -393,14 +406,31 @@ impl Image {
 
     /// Remove a snapshot of an image no one has open for writing; the data only it kept is
     /// freed.
+    /// Refused while another open reads the snapshot (on stores that tell).
     pub async fn remove_snapshot(uri: &ImageUri, name: &str) -> Result<(), ImageError> {
         let locked = lock_image(uri).await?;
-        let result = remove_record(
-            locked.store.as_ref(),
-            &locked.header_object,
-            &locked.image,
-            name,
-        )
+        let result = async {
+            let table =
+                SnapshotTable::read(locked.store.as_ref(), &locked.header_object, &locked.image)
+                    .await?;
+            // Held to the end: no reader opens it meanwhile. (No such snapshot: the removal
+            // says so.)
+            let _readers_held_off = match table.find(name) {
+                Some(snap) => crate::readers::hold_off_readers(
+                    uri,
+                    &format!("{}@{name}", locked.image),
+                    Some(snap.id),
+                )?,
+                None => None,
+            };
+            remove_record(
+                locked.store.as_ref(),
+                &locked.header_object,
+                &locked.image,
+                name,
+            )
+            .await
+        }
         .await;
         let released = locked.lock.release().await;
         result?;

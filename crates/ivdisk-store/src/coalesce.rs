@@ -466,6 +466,15 @@ fn duplicate(e: &StoreError) -> StoreError {
             path: path.clone(),
             pid: pid.clone(),
         },
+        OpenByReaders { path, what, pids } => OpenByReaders {
+            path: path.clone(),
+            what: what.clone(),
+            pids: pids.clone(),
+        },
+        RemovalUnderway { path, what } => RemovalUnderway {
+            path: path.clone(),
+            what: what.clone(),
+        },
         ReadOnly { what } => ReadOnly { what: what.clone() },
         NotWritable { path, reason } => NotWritable {
             path: path.clone(),

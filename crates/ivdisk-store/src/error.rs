@@ -73,6 +73,24 @@ pub enum StoreError {
     )]
     AlreadyOpen { path: String, pid: String },
 
+    /// A removal (of the image, or of a snapshot) refused because readers have what it would
+    /// remove open (`reader_marks`); `pids` are the processes found holding it (empty when
+    /// they could not be told, for example another user's).
+    #[error(
+        "{what} in the store at {path} is open read-only by {}; stop that reader (an `ivdisk \
+         serve --read-only`, an export, a backup) first",
+        crate::reader_marks::describe_processes(pids)
+    )]
+    OpenByReaders {
+        path: String,
+        what: String,
+        pids: Vec<u32>,
+    },
+
+    /// A reader refused because another open is removing what it would read (`reader_marks`).
+    #[error("{what} in the store at {path} is being removed by another process")]
+    RemovalUnderway { path: String, what: String },
+
     /// A change (a write, a snapshot, a lock) asked of a store opened read-only.
     #[error("{what}: refused, the store was opened read-only")]
     ReadOnly { what: String },

@@ -19,6 +19,7 @@ pub mod fault_io;
 #[cfg(not(feature = "fault-io"))]
 mod fault_io;
 mod ffi_heap;
+mod ffi_range_lock;
 #[cfg(feature = "fault-io")]
 pub mod ffi_vfs;
 mod ffi_writeback;
@@ -29,6 +30,7 @@ mod local;
 mod memory;
 mod omap_overlay;
 pub mod process_flock;
+pub mod reader_marks;
 mod types;
 mod wal_check;
 

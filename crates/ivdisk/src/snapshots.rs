@@ -28,7 +28,7 @@ pub enum SnapCommand {
     Ls(ListArgs),
     /// Remove a snapshot; the data only it kept is freed.
     #[command(
-        after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server removes it (through its control socket)."
+        after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server removes it (through its control socket). Refused (local images) while another command reads the snapshot (`ivdisk serve IMAGE@SNAP`, an export, a backup), naming that process."
     )]
     Rm(SnapArgs),
     /// Put IMAGE back to a snapshot (its data and its size); later snapshots stay.

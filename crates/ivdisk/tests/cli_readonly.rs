@@ -153,7 +153,9 @@ struct Server {
 
 impl Server {
     fn start(f: &Fixture, image: &Path, extra: &[&str]) -> Server {
-        let socket = f.path(&format!("nbd-{}.sock", extra.len()));
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let socket = f.path(&format!("nbd-{n}.sock"));
         let mut child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
             .arg("serve")
             .arg(image)
@@ -431,4 +433,79 @@ fn reading_commands_work_beside_a_running_server() {
     ]);
     assert!(!out.status.success());
     server.stop();
+}
+
+/// qemu-img's copy of what `server` serves.
+fn read_served(f: &Fixture, server: &Server, name: &str) -> Vec<u8> {
+    let out = f.path(name);
+    let converted = tool(
+        "qemu-img",
+        &["convert", "-f", "raw", "-O", "raw", server.uri(), p(&out)],
+    );
+    assert!(
+        converted.status.success(),
+        "qemu-img convert: {}",
+        String::from_utf8_lossy(&converted.stderr)
+    );
+    std::fs::read(&out).unwrap()
+}
+
+/// A read-only open writes nothing to the store, so only its mark keeps what it reads: `snap
+/// rm` of a served snapshot and `delete` of an image served read-only are refused, naming the
+/// server's process, and the server goes on serving the data. A snapshot no one reads goes
+/// meanwhile; once the server stops, the others go too.
+#[test]
+fn a_served_image_or_snapshot_is_not_removed_under_its_reader() {
+    let f = Fixture::new();
+    let disk = raw_disk();
+    let image = import(&f, "disk", &disk);
+    let at = |snap: &str| format!("{}@{snap}", p(&image));
+    ok(&["snap", "create", &at("kept")]);
+    ok(&["snap", "create", &at("other")]);
+
+    let server = Server::start(&f, Path::new(&at("kept")), &[]);
+    assert_eq!(server.ready["read_only"], true, "{}", server.ready);
+    let pid = server.child.id();
+    let err = fails(&["snap", "rm", &at("kept")]);
+    assert!(
+        err.contains(&format!("open read-only by process {pid}")),
+        "{err}"
+    );
+    assert!(err.contains("nothing was removed"), "{err}");
+    // With a writer serving the image, `snap rm` asks that server, which refuses too.
+    let writer = Server::start(&f, &image, &[]);
+    assert_eq!(writer.ready["read_only"], false, "{}", writer.ready);
+    let err = fails(&["snap", "rm", &at("kept")]);
+    assert!(
+        err.contains(&format!("open read-only by process {pid}")),
+        "{err}"
+    );
+    ok(&["snap", "rm", &at("other")]);
+    writer.stop();
+    let names: Vec<Value> = json(&["snap", "ls", p(&image)])
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert_same(
+        &read_served(&f, &server, "kept.raw"),
+        &disk,
+        "served snapshot",
+    );
+    server.stop();
+    ok(&["snap", "rm", &at("kept")]);
+
+    let server = Server::start(&f, &image, &["--read-only"]);
+    let pid = server.child.id();
+    let err = fails(&["delete", p(&image), "--yes"]);
+    assert!(
+        err.contains(&format!("open read-only by process {pid}")),
+        "{err}"
+    );
+    assert_eq!(json(&["info", p(&image)])["size"], disk.len() as u64);
+    assert_same(&read_served(&f, &server, "head.raw"), &disk, "served image");
+    server.stop();
+    ok(&["delete", p(&image), "--yes"]);
+    let err = fails(&["info", p(&image)]);
+    assert!(err.contains("does not exist"), "{err}");
 }
