@@ -126,8 +126,23 @@ impl ImageUri {
         }
         if let Some((scheme, _)) = path.split_once("://") {
             return Err(bad(&format!(
-                "unknown scheme `{scheme}://` (known: file:, rados://, mem:)"
+                "unknown scheme `{scheme}://` (known: file:, rados://, mem:; librbd's own \
+                 images: rbd://)"
             )));
+        }
+        // `rados:pool/image` is a slip for `rados://pool/image`, not a new local directory
+        // (unless one by that name exists).
+        for scheme in ["rados", "rbd"] {
+            let slip = path
+                .strip_prefix(scheme)
+                .and_then(|rest| rest.strip_prefix(':'));
+            if let Some(rest) = slip.filter(|_| !Path::new(path).exists()) {
+                return Err(bad(&format!(
+                    "did you mean {scheme}://{}? (a local path starting `{scheme}:` must \
+                     exist already)",
+                    rest.trim_start_matches('/')
+                )));
+            }
         }
         Ok(ImageUri::Local {
             dir: PathBuf::from(path),
@@ -468,6 +483,8 @@ mod tests {
             "mem:",
             "s3://bucket/x",
             "file:",
+            "rados:rbd/vm1",
+            "rbd:/rbd/vm1",
         ] {
             let err = ImageUri::parse(bad).unwrap_err();
             assert!(
@@ -475,5 +492,7 @@ mod tests {
                 "{bad:?} gave {err}"
             );
         }
+        let err = ImageUri::parse("rados:rbd/vm1").unwrap_err().to_string();
+        assert!(err.contains("did you mean rados://rbd/vm1?"), "{err}");
     }
 }

@@ -172,7 +172,7 @@ pub struct CreateArgs {
     image: String,
     /// Size, e.g. 10G, 512M (binary units K, M, G, T, P, E); a multiple of the sector size,
     /// below 8E (NBD clients hold sizes as signed 64-bit numbers).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size_arg, allow_hyphen_values = true)]
     size: u64,
     #[command(flatten)]
     format: FormatArgs,
@@ -198,7 +198,7 @@ pub struct ResizeArgs {
     #[arg(help = IMAGE_HELP)]
     image: String,
     /// The new size, e.g. 20G; a multiple of the sector size.
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size_arg, allow_hyphen_values = true)]
     size: u64,
     /// Allow a smaller size: the data past the new end is destroyed.
     #[arg(long)]

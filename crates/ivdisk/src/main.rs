@@ -110,7 +110,7 @@ enum Command {
     Resize(images::ResizeArgs),
     /// Delete an image: its data objects, then its header (asks first unless --yes).
     #[command(
-        after_help = "Example:\n  ivdisk delete disk.ivd\n  ivdisk delete rados://rbd/vm1 --yes"
+        after_help = "Example:\n  ivdisk delete disk.ivd\n  ivdisk delete rados://rbd/vm1 --yes\n\nRefused while the image has snapshots, while a writer holds it, and (local images) while another command reads it (`ivdisk serve --read-only`, an export, a verify), naming that process."
     )]
     Delete(images::DeleteArgs),
     /// The image's writer lock (one writer per image): show it, or break a dead writer's.
@@ -166,29 +166,45 @@ enum Command {
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<u64> {
+    const UNITS: [&str; 7] = ["", "K", "M", "G", "T", "P", "E"];
     let text = text.trim();
+    if text.starts_with('-') {
+        bail!("size '{text}': a size cannot be negative");
+    }
+    if text.get(..2).is_some_and(|p| p.eq_ignore_ascii_case("0x")) {
+        bail!("size '{text}': write sizes in decimal, with an optional unit K, M, G, T, P, E");
+    }
     let split = text
-        .find(|c: char| !c.is_ascii_digit())
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(text.len());
-    let (digits, unit) = text.split_at(split);
-    let n: u64 = digits.parse().with_context(|| {
-        format!("size '{text}': expected a number with an optional unit K, M, G, T, P, E")
-    })?;
-    let shift = match unit
+    let (number, unit) = text.split_at(split);
+    let unit_letter = unit
         .trim()
         .to_ascii_uppercase()
         .trim_end_matches("IB")
         .trim_end_matches('B')
-    {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        "P" => 50,
-        "E" => 60,
-        other => bail!("size '{text}': unknown unit '{other}', expected K, M, G, T, P or E"),
+        .to_owned();
+    let Some(power) = UNITS.iter().position(|u| *u == unit_letter) else {
+        bail!("size '{text}': unknown unit '{unit_letter}', expected K, M, G, T, P or E");
     };
+    let shift = 10 * power as u32;
+    if number.contains('.') {
+        // The same size in the largest smaller unit that holds it whole, if one does.
+        let exact = number.parse::<f64>().ok().and_then(|v| {
+            (0..power).rev().find_map(|smaller| {
+                let whole = v * 2f64.powi(10 * (power - smaller) as i32);
+                (whole.fract() == 0.0 && whole < 9e15)
+                    .then(|| format!(" (write {whole}{})", UNITS[smaller]))
+            })
+        });
+        bail!(
+            "size '{text}': whole numbers only{}",
+            exact.unwrap_or_default()
+        );
+    }
+    let n: u64 = number.parse().with_context(|| {
+        format!("size '{text}': expected a number with an optional unit K, M, G, T, P, E")
+    })?;
     n.checked_mul(1 << shift)
         .with_context(|| format!("size '{text}' is too large"))
 }
@@ -319,6 +335,21 @@ mod tests {
             .to_string()
             .contains("unknown unit"));
         assert!(parse_size("G").is_err());
+        let said = |text: &str| parse_size(text).unwrap_err().to_string();
+        assert!(said("-5").contains("cannot be negative"), "{}", said("-5"));
+        assert!(said("0x1000").contains("decimal"), "{}", said("0x1000"));
+        assert!(said("1.5G").contains("(write 1536M)"), "{}", said("1.5G"));
+        assert!(said("0.5K").contains("(write 512)"), "{}", said("0.5K"));
+        assert!(
+            said("1.3").contains("whole numbers only"),
+            "{}",
+            said("1.3")
+        );
+        assert!(
+            said("1.2.3M").contains("whole numbers only"),
+            "{}",
+            said("1.2.3M")
+        );
         assert!(parse_size("99999999999T")
             .unwrap_err()
             .to_string()

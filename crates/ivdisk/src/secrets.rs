@@ -85,7 +85,7 @@ fn read_secret_files(
     let Some(path) = passphrase_file else {
         return Ok(None);
     };
-    let mut data = read_key_file(path)?;
+    let mut data = read_secret_file(path, "passphrase file")?;
     if data.ends_with(b"\n") {
         data.pop();
         if data.ends_with(b"\r") {
@@ -194,6 +194,11 @@ impl NewPassphraseArgs {
 
 /// A secret from a file (all of it, as cryptsetup) or standard input.
 pub fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
+    read_secret_file(path, "key file")
+}
+
+/// All of the file `path` (or standard input), which messages call `what`.
+fn read_secret_file(path: &Path, what: &str) -> Result<Zeroizing<Vec<u8>>> {
     let mut data = Zeroizing::new(Vec::new());
     if path == Path::new("-") {
         std::io::stdin()
@@ -202,19 +207,19 @@ pub fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
             .context("reading the passphrase from standard input")?;
     } else {
         File::open(path)
-            .with_context(|| format!("cannot open {}", path.display()))?
+            .with_context(|| format!("cannot open {what} {}", path.display()))?
             .take(MAX_KEY_FILE + 1)
             .read_to_end(&mut data)
-            .with_context(|| format!("reading key file {}", path.display()))?;
+            .with_context(|| format!("reading {what} {}", path.display()))?;
     }
     if data.len() as u64 > MAX_KEY_FILE {
         bail!(
-            "key file {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
+            "{what} {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
             path.display()
         );
     }
     if data.is_empty() {
-        bail!("key file {} is empty", path.display());
+        bail!("{what} {} is empty", path.display());
     }
     Ok(data)
 }

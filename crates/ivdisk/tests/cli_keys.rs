@@ -261,6 +261,42 @@ fn missing_passphrase_without_a_terminal_is_a_clear_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--key-file"));
 }
 
+/// A passphrase file that cannot be used is called a passphrase file (a key file keeps its own
+/// name), and the image is not created.
+#[test]
+fn an_unusable_passphrase_file_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("disk");
+    let missing = dir.path().join("missing.txt");
+    let empty = key(dir.path(), "empty.txt", b"");
+    for (file, said) in [
+        (&missing, "cannot open passphrase file"),
+        (&empty, "is empty"),
+    ] {
+        let err = fails(&[
+            "create",
+            p(&image),
+            "--size",
+            "1M",
+            "--passphrase-file",
+            p(file),
+        ]);
+        assert!(err.contains(said), "{err}");
+        assert!(err.contains("passphrase file"), "{err}");
+        assert!(!err.contains("key file"), "{err}");
+        assert!(!image.exists(), "{err}");
+    }
+    let err = fails(&[
+        "create",
+        p(&image),
+        "--size",
+        "1M",
+        "--key-file",
+        p(&missing),
+    ]);
+    assert!(err.contains("cannot open key file"), "{err}");
+}
+
 /// Costs OpenSSL cannot count (PBKDF2's iterations are a C int) are refused before anything is
 /// written: no panic, no 16 MiB file of zeros left where the header was to be, and a later
 /// format of the same name works without --force.
