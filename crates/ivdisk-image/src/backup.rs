@@ -571,9 +571,10 @@ fn refuse_luks_file(uri: &ImageUri, instead: &str) -> Result<(), ImageError> {
         Some(path) => Err(ImageError::InvalidParameter {
             image: uri.to_string(),
             reason: format!(
-                "{} is a LUKS file made by another tool (cryptsetup), not an ivdisk image; \
-                 backups and restores are of ivdisk images: {instead}",
-                path.display()
+                "{} is {}, not an ivdisk image; backups and restores are of ivdisk images: \
+                 {instead}",
+                path.display(),
+                crate::foreign::describe_file(path)
             ),
         }),
         None => Ok(()),
@@ -736,7 +737,16 @@ async fn write_file(
     progress: impl FnMut(BackupProgress),
 ) -> Result<BackupSummary, ImageError> {
     let partial = partial_path(path);
-    let file = File::create(&partial).map_err(file_io(&partial, "creating it"))?;
+    // The header's keyslots are in it: material for guessing a passphrase offline.
+    let file = std::os::unix::fs::OpenOptionsExt::mode(
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true),
+        0o600,
+    )
+    .open(&partial)
+    .map_err(file_io(&partial, "creating it"))?;
     let written = write_backup(
         source,
         options,

@@ -865,6 +865,16 @@ impl Image {
         uri: &ImageUri,
         mut progress: impl FnMut(u64, u64),
     ) -> Result<(), ImageError> {
+        if let Some(path) = crate::foreign::luks_file_path(uri) {
+            return Err(ImageError::InvalidParameter {
+                image: uri.to_string(),
+                reason: format!(
+                    "this is {}, not an ivdisk image: delete it as a file (rm); nothing was \
+                     deleted",
+                    crate::foreign::describe_file(path)
+                ),
+            });
+        }
         // Holding the writer lock keeps a writer from opening while its objects go.
         let crate::snapshot::Locked {
             image,

@@ -342,8 +342,19 @@ fn open_local(
     if !dir.join("meta.sqlite").exists() {
         // Never scatter a store's files into a directory that holds something else; and do
         // not tell to create an image where that would be refused.
+        // (A store's own files without its database: another process is creating it.)
+        const STORE_FILES: [&str; 6] = [
+            "LOCK",
+            "meta.sqlite",
+            "meta.sqlite-wal",
+            "meta.sqlite-shm",
+            "data",
+            "CLEAN",
+        ];
         let occupied = match std::fs::read_dir(dir) {
-            Ok(mut entries) => entries.next().is_some(),
+            Ok(entries) => entries
+                .flatten()
+                .any(|e| !STORE_FILES.iter().any(|f| e.file_name() == *f)),
             Err(_) => create && dir.exists(),
         };
         if occupied {

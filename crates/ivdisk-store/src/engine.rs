@@ -914,8 +914,26 @@ impl Engine {
             extents_pending_table: false,
             compaction: Compaction::new(false),
         };
-        // Fail now on what is no store (or not readable), not at the first read.
-        engine.consistent(|e| Ok((e.meta("version")?, None)))?;
+        // Fail now on what is no store (or not readable), not at the first read. A database
+        // without the schema, or without its version yet, is a store another process is
+        // creating: no store (yet), not a damaged one.
+        let version = engine.consistent(|e| {
+            if !Self::has_table(&e.db, "meta")? {
+                return Ok((None, None));
+            }
+            let version =
+                e.db.query_row("SELECT value FROM meta WHERE key = 'version'", [], |r| {
+                    r.get::<_, i64>(0)
+                })
+                .optional()?;
+            Ok((version, None))
+        })?;
+        if version.is_none() {
+            return Err(StoreError::Io {
+                context: "the metadata database holds no store (yet)".into(),
+                source: std::io::ErrorKind::NotFound.into(),
+            });
+        }
         engine.inline_column = Self::has_inline_column(&engine.db)?;
         engine.omap_pending_table = Self::has_table(&engine.db, "omap_pending")?;
         engine.extents_pending_table = Self::has_table(&engine.db, "extents_pending")?;
@@ -1829,9 +1847,11 @@ impl Engine {
             .map_err(|e| permanent(e.into()))?;
         // The read transaction starts at the first read: done here, so that SQLite's refusals
         // to start one for now (busy, a log being recovered) are told from real failures.
+        // (The schema, not a table of the store: a database another process is creating may
+        // have none yet, which the body is to tell.)
         let started = self
             .db
-            .query_row("SELECT value FROM meta WHERE key = 'version'", [], |r| {
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
                 r.get::<_, i64>(0)
             });
         let result = match started {

@@ -1582,7 +1582,17 @@ impl LocalStore {
             dir: dir.join("data"),
             files: RefCell::default(),
         };
-        let engine = Engine::new_read_only(Box::new(source), Box::new(segments))?;
+        let engine =
+            Engine::new_read_only(Box::new(source), Box::new(segments)).map_err(|e| match e {
+                // Being created by another process.
+                StoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    StoreError::Io {
+                        context: format!("{} holds no ivdisk store", dir.display()),
+                        source,
+                    }
+                }
+                other => other,
+            })?;
         let (handle, worker) = EngineHandle::spawn(engine, "ivdisk-local-store-ro")?;
         let link = Arc::new(ReaderLink(handle.clone()));
         let mut readers = READERS.lock().unwrap_or_else(|e| e.into_inner());

@@ -778,3 +778,27 @@ async fn a_writer_in_this_process_beside_readers() {
     drop(writer);
     assert_eq!(read_gens(&reader).await, [4; OBJECTS]);
 }
+
+/// A database another process is still creating (no schema yet, or no version row yet) is no
+/// store yet for a reader: the open says the directory holds none (NotFound), not that SQLite
+/// failed, so `ivdisk create` racing with another goes on to the writer's lock, which tells.
+#[test]
+fn a_store_being_created_reads_as_none_yet() {
+    for schema in [
+        "",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER);",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = rusqlite::Connection::open(dir.path().join("meta.sqlite")).unwrap();
+        db.execute_batch(schema).unwrap();
+        drop(db);
+        match LocalStore::open_read_only(dir.path()) {
+            Err(StoreError::Io { context, source }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::NotFound, "{context}");
+                assert!(context.contains("holds no ivdisk store"), "{context}");
+            }
+            Err(e) => panic!("schema {schema:?}: expected no store, got {e}"),
+            Ok(_) => panic!("schema {schema:?}: opened"),
+        }
+    }
+}

@@ -209,16 +209,18 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let made_dir = crate::transfer::store_dir_to_make(&uri);
     let result = rt.block_on(Image::restore_backup(&args.file, &uri, |p| bar.update(p)));
     bar.bar.finish_and_clear();
-    let summary =
-        result.map_err(
-            |e| match crate::transfer::remove_made_dir(made_dir.as_deref()) {
-                removed if removed.is_empty() => flat(e),
-                removed => flat(e).context(format!(
-                    "restoring {} into {uri} failed; what it wrote was removed{removed}",
-                    args.file.display()
-                )),
-            },
-        )?;
+    let summary = result.map_err(|e| {
+        match crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(
+            made_dir.as_deref(),
+            &e,
+        )) {
+            removed if removed.is_empty() => flat(e),
+            removed => flat(e).context(format!(
+                "restoring {} into {uri} failed; what it wrote was removed{removed}",
+                args.file.display()
+            )),
+        }
+    })?;
     let mut value = summary_json(&summary);
     value["image"] = json!(uri.to_string());
     value["file"] = json!(args.file);

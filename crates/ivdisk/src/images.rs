@@ -387,12 +387,15 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
             })
         },
     )
-    .map_err(
-        |e| match crate::transfer::remove_made_dir(made_dir.as_deref()) {
+    .map_err(|e| {
+        match crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(
+            made_dir.as_deref(),
+            &e,
+        )) {
             removed if removed.is_empty() => flat(e),
             removed => flat(e).context(format!("creating {uri} failed{removed}")),
-        },
-    )?;
+        }
+    })?;
     drop(passphrase);
     let info = info_of(rt, &uri)?;
     print(
@@ -610,6 +613,11 @@ pub fn resize(args: ResizeArgs, rt: &Runtime) -> Result<()> {
 
 pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
+    if uri.luks_file().is_some() {
+        // The delete refuses a file (a LUKS volume, or no image at all), saying what it is;
+        // before `info`, which fails on a file that is no LUKS volume.
+        rt.block_on(Image::delete(&uri, |_, _| {})).map_err(flat)?;
+    }
     let info = info_of(rt, &uri)?;
     let question = format!(
         "Delete image {uri} ({}, {})? All of its data is destroyed",

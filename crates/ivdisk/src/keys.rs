@@ -4,7 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -350,6 +350,8 @@ fn backup_image_header(uri: &ImageUri, backup: &Path, json: bool) -> Result<()> 
     let out = OpenOptions::new()
         .write(true)
         .create_new(true)
+        // Keyslots: material for guessing the passphrase offline (cryptsetup: 0400).
+        .mode(0o600)
         .open(backup)
         .with_context(|| {
             format!(
@@ -605,6 +607,8 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 .read(true)
                 .write(true)
                 .create_new(true)
+                // Keyslots: material for guessing the passphrase offline (cryptsetup: 0400).
+                .mode(0o600)
                 .open(&backup)
                 .with_context(|| {
                     format!(

@@ -12,7 +12,7 @@
 
 use std::fs::File;
 use std::io::{IsTerminal, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -322,6 +322,25 @@ pub(crate) fn delete_half_made(
     }
 }
 
+/// `made_dir`, unless `e` says another process has the image there: it won a race to create
+/// it in the directory this command made, which is then that process's to keep (removing it
+/// deleted the winner's image, or let a third command open a second writer beside it).
+pub(crate) fn made_dir_unless_taken<'a>(
+    made_dir: Option<&'a Path>,
+    e: &ImageError,
+) -> Option<&'a Path> {
+    let taken = matches!(
+        e,
+        ImageError::Exists { .. }
+            | ImageError::Locked { .. }
+            | ImageError::Store {
+                source: ivdisk_store::StoreError::AlreadyOpen { .. },
+                ..
+            }
+    );
+    made_dir.filter(|_| !taken)
+}
+
 /// Remove `made_dir`, the local store directory a failed command made for its new image
 /// ([`store_dir_to_make`]), once the image in it is gone; what happened, as the end of a
 /// sentence ("" if the command failed before the directory was made).
@@ -487,6 +506,8 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             .create(true)
             .create_new(!args.force)
             .truncate(true)
+            // The plaintext of an encrypted disk: its owner's only, as cryptsetup's backups.
+            .mode(0o600)
             .open(&target)
             .with_context(|| format!("cannot create {}", target.display()))?;
         // Every byte not written below stays a hole: the file reads as zeros there.

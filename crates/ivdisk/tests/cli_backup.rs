@@ -64,6 +64,10 @@ fn a_backup_restores_into_a_new_directory_and_reads_the_same() {
     assert_eq!(made["objects"], 3, "{made}");
     assert_eq!(made["removed"], 0);
     assert_eq!(made["bytes"], std::fs::metadata(&file).unwrap().len());
+    // The header's keyslots are in it: for the owner only.
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
     assert!(made["data_bytes"].as_u64().unwrap() >= 2 * OBJECT + 1000);
     assert!(made["seconds"].is_f64());
     assert!(hex64(&made["sha256"]), "{made}");

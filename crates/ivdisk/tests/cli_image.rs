@@ -392,6 +392,21 @@ fn delete_asks_for_yes_then_removes_the_image() {
     // The directory can hold a new image afterwards.
     let again = f.create(&image, "32M", &[]);
     assert_eq!(info(&image)["image_id"], again["image_id"]);
+
+    // A LUKS file is not an ivdisk image: refused as one, and left alone.
+    let luks = f.path("luks.img");
+    let mut args = vec!["header", "format", p(&luks), "--size", "16M", "--key-file"];
+    args.push(p(&f.pw));
+    args.extend(FAST);
+    ok(&args);
+    let err = fails(&["delete", p(&luks), "--yes"]);
+    assert!(err.contains("LUKS file"), "{err}");
+    assert!(err.contains("rm"), "{err}");
+    assert!(luks.is_file());
+    let notes = f.file("notes.txt", b"not a disk");
+    let err = fails(&["delete", p(&notes), "--yes"]);
+    assert!(err.contains("neither an ivdisk image"), "{err}");
+    assert_eq!(std::fs::read(&notes).unwrap(), b"not a disk");
 }
 
 #[test]
@@ -624,4 +639,45 @@ fn output_to_a_closed_pipe_or_a_full_disk_is_no_panic() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("writing to standard output failed"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Creates of one new path at once: one wins, the others say another process has it or it
+/// exists (never the store's internals, such as SQLite's "no such table"), and the image opens.
+#[test]
+fn concurrent_creates_of_one_path_leave_one_image_and_clear_errors() {
+    let f = Fixture::new();
+    for round in 0..6 {
+        let image = f.path(&format!("race-{round}"));
+        let racers: Vec<_> = (0..4)
+            .map(|_| {
+                Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+                    .args(["create", p(&image), "--size", "1M", "--passphrase-file"])
+                    .arg(&f.pw)
+                    .args(FAST)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<_> = racers
+            .into_iter()
+            .map(|r| r.wait_with_output().unwrap())
+            .collect();
+        let errors: Vec<String> = outs
+            .iter()
+            .filter(|o| !o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+            .collect();
+        assert_eq!(errors.len(), 3, "round {round}: {errors:?}");
+        for err in &errors {
+            assert!(
+                err.contains("already open for writing by process")
+                    || err.contains("already exists"),
+                "round {round}: {err}"
+            );
+        }
+        assert_eq!(info(&image)["size"], 1u64 << 20);
+    }
 }

@@ -231,6 +231,9 @@ fn header_backup_and_restore_through_the_command_line() {
     let pw = key(dir.path(), "pw", b"pw");
     format_header(&hdr, &pw);
     ok(&["header", "backup", p(&hdr), p(&backup)]);
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&backup).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "keyslots: for the owner only");
     assert!(fails(&["header", "backup", p(&hdr), p(&backup)]).contains("must not exist"));
 
     // Both copies gone: the error says how to recover, and the backup does it.

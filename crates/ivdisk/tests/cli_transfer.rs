@@ -129,6 +129,8 @@ fn import_then_export_gives_the_same_bytes_with_holes() {
 
     let (out, exported) = f.export(&image, "out.raw");
     assert_eq!(exported.len() as u64, rounded);
+    // Plaintext: for its owner only.
+    assert_eq!(std::fs::metadata(&out).unwrap().mode() & 0o777, 0o600);
     assert!(
         exported[..disk.len()] == disk[..],
         "the export differs from the imported file"
@@ -463,6 +465,8 @@ fn a_header_backup_brings_back_a_destroyed_header() {
     assert_eq!(saved["image_id"], id);
     assert_eq!(saved["bytes"], 16u64 << 20);
     assert_eq!(std::fs::metadata(&backup).unwrap().len(), 16 << 20);
+    // Keyslots: for the owner only.
+    assert_eq!(std::fs::metadata(&backup).unwrap().mode() & 0o777, 0o600);
     // A LUKS2 header file: `header dump` reads it and finds the image's parameters.
     let dump: Value =
         serde_json::from_slice(&ok_bytes(&["header", "dump", p(&backup), "--json"])).unwrap();

@@ -45,6 +45,20 @@ pub(crate) fn luks_file_path(uri: &ImageUri) -> Option<&Path> {
     }
 }
 
+/// What the regular file `path` is, for messages that refuse it as an ivdisk image: "a LUKS
+/// file (...)" when it starts with the LUKS magic, else "a file that is no image".
+pub(crate) fn describe_file(path: &Path) -> &'static str {
+    let mut magic = [0u8; 6];
+    let is_luks = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && magic == ivdisk_header::binary::MAGIC_PRIMARY;
+    match is_luks {
+        true => "a LUKS file (made by cryptsetup or `ivdisk header format`)",
+        false => "a file that is neither an ivdisk image (a directory) nor a LUKS volume",
+    }
+}
+
 fn io_error(image: &str, context: String) -> impl FnOnce(io::Error) -> ImageError + '_ {
     move |source| ImageError::Store {
         image: image.to_owned(),
