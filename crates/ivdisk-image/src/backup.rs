@@ -1543,7 +1543,27 @@ impl Image {
         // local store directory.
         let checked = check_file(path, &mut progress)?;
         let create = checked.description.kind == BackupKind::Full;
-        let store = uri.open_store(create).await?;
+        let store = match uri.open_store(create).await {
+            // An increment goes onto the image its earlier backups were restored into.
+            Err(ImageError::NotFound { .. }) if !create => {
+                return Err(ImageError::InvalidParameter {
+                    image: image.clone(),
+                    reason: format!(
+                        "{} is an incremental backup (the changes since snapshot `{}`): it \
+                         applies onto the image that the backups before it were restored \
+                         into, and there is no image here; restore the full backup into it \
+                         first, then the increments in order",
+                        path.display(),
+                        checked
+                            .description
+                            .base
+                            .as_ref()
+                            .map_or("?", |b| b.snapshot.as_str())
+                    ),
+                })
+            }
+            other => other?,
+        };
         restore_checked(image, store, &name, path, checked, progress, started).await
     }
 

@@ -156,6 +156,14 @@ fn what(s: &BackupSummary) -> String {
 }
 
 pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
+    if args.file == std::path::Path::new("-") {
+        // Not a file named '-' (as before): a backup only exists once complete (renamed
+        // from FILE.partial), which a stream cannot promise.
+        anyhow::bail!(
+            "a backup is written to a file (FILE.partial, renamed when complete), not to \
+             standard output; give a file name, and copy the file where it goes (scp, rsync)"
+        );
+    }
     let (uri, snapshot) = parse_image_at(&args.image)?;
     if args.since.is_some() && snapshot.is_none() {
         anyhow::bail!(

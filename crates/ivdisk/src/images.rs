@@ -345,7 +345,14 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
                 human_size(info.object_size)
             ),
         ),
-        ("keyslots", keyslots.join(", ")),
+        (
+            "keyslots",
+            match keyslots.is_empty() {
+                // After `passphrase remove --force` of the last one.
+                true => "none: no passphrase opens this image".to_owned(),
+                false => keyslots.join(", "),
+            },
+        ),
         ("image id", hex::encode(info.image_id.0)),
         (
             "snapshots",

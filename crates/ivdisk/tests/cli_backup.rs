@@ -170,6 +170,16 @@ fn snapshots_and_increments() {
     let err = fails(&["backup", p(&image), p(&fx.path("x")), "--since", "one"]);
     assert!(err.contains("IMAGE@SNAP"), "{err}");
 
+    // An increment onto no image: says to restore the full backup first (and makes nothing).
+    let nowhere = fx.path("nowhere.ivd");
+    let err = fails(&["restore", p(&inc), p(&nowhere)]);
+    assert!(err.contains("incremental backup"), "{err}");
+    assert!(err.contains("restore the full backup"), "{err}");
+    assert!(!nowhere.exists());
+    // Standard output is no backup file.
+    let err = fails(&["backup", &at("one"), "-"]);
+    assert!(err.contains("not to standard output"), "{err}");
+
     let copy = fx.path("copy.ivd");
     ok(&["restore", p(&one), p(&copy)]);
     assert_eq!(fx.exported(p(&copy), "copy1.raw"), disk);

@@ -14,7 +14,9 @@ use serde_json::Value;
 
 mod common;
 
-use common::{exits, fails, ivdisk, json, ok_bytes, p, random, Fixture, DIE_HOLDING_LOCK, FAST};
+use common::{
+    exits, fails, ivdisk, json, ok, ok_bytes, p, random, Fixture, DIE_HOLDING_LOCK, FAST,
+};
 
 /// 16 sectors of 4096 bytes per object: small images still span many objects.
 const OBJECT: u64 = 64 << 10;
@@ -452,6 +454,14 @@ fn passphrases_are_added_changed_and_removed() {
     let err = fails(&["passphrase", "add", p(&image), "--key-file", p(&three)]);
     assert!(err.contains("--new-passphrase-file"), "{err}");
     assert_eq!(info(&image)["keyslots"], serde_json::json!([1]));
+
+    // With --force the last one goes; `info` says nothing opens the image any more.
+    let mut args = vec!["passphrase", "remove", p(&image), "--key-file", p(&three)];
+    args.push("--force");
+    let removed = json(&args);
+    assert_eq!(removed["keyslots"], serde_json::json!([]));
+    let text = ok(&["info", p(&image)]);
+    assert!(text.contains("no passphrase opens this image"), "{text}");
 }
 
 #[test]
