@@ -5,7 +5,7 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use ivdisk_image::{
@@ -21,7 +21,7 @@ pub fn backup_help() -> &'static str {
      No passphrase is needed: the file holds the image's header (its keyslots) and the \
      ciphertext and per-sector metadata of the sectors ever written, nothing decrypted; holes \
      and unwritten sectors take no space. It is written to FILE.partial and renamed when \
-     complete, and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
+     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
      The head is read under the writer lock (refused while the image is served for writing); \
      a snapshot (IMAGE@SNAP) is read without it, with the size it had. With --since OLDER, only \
      the objects that changed between snapshot OLDER and SNAP go in (an incremental backup, \
@@ -178,8 +178,31 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
         overwrite: args.force,
     };
     let mut bar = Bar::new(args.json);
-    let result = rt.block_on(Image::backup(&uri, &options, &args.file, |p| bar.update(p)));
+    // SIGINT or SIGTERM stops the backup (its future is dropped at an await: the writer lock
+    // of a head backup is released as it drops) and its FILE.partial is removed, as after a
+    // failed backup; killed outright, the process left it behind.
+    let finished = rt
+        .block_on(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut interrupt = signal(SignalKind::interrupt())?;
+            let mut terminate = signal(SignalKind::terminate())?;
+            let backup = Image::backup(&uri, &options, &args.file, |p| bar.update(p));
+            Ok::<_, std::io::Error>(tokio::select! {
+                result = backup => Some(result),
+                _ = interrupt.recv() => None,
+                _ = terminate.recv() => None,
+            })
+        })
+        .context("installing the SIGINT and SIGTERM handlers")?;
     bar.bar.finish_and_clear();
+    let Some(result) = finished else {
+        let partial = ivdisk_image::partial_path(&args.file);
+        let _ = std::fs::remove_file(&partial);
+        anyhow::bail!(
+            "interrupted (SIGINT or SIGTERM): no backup was made, and {} was removed",
+            partial.display()
+        );
+    };
     let summary = result.map_err(|e| backup_error(e, &uri))?;
     let mut value = summary_json(&summary);
     value["image"] = json!(uri.to_string());

@@ -204,3 +204,52 @@ fn help_shows_examples() {
         assert!(help.contains("--json"), "{command}: {help}");
     }
 }
+
+/// Ctrl-C (SIGINT) or SIGTERM amid a backup: it stops, and its FILE.partial is removed, as
+/// after a failed backup (killed outright, the process left it behind); no FILE either.
+/// The signal comes at a few moments; whichever the backup had reached, the file is either
+/// complete (restore checks its digest) or absent.
+#[test]
+fn a_signal_amid_a_backup_leaves_no_partial_file() {
+    let fx = Fixture::new();
+    let disk = random(256 << 20, 31);
+    let image = fx.imported("big.ivd", &disk, "aegis128l-random");
+    let mut interrupted = 0;
+    for (round, delay_ms) in [100u64, 200, 350, 600, 1000].into_iter().enumerate() {
+        let signal = ["-INT", "-TERM"][round % 2];
+        let file = fx.path(&format!("big-{round}.ivdbak"));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+            .args(["backup", p(&image), p(&file)])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = std::process::Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let partial = ivdisk_image::partial_path(&file);
+        assert!(
+            !partial.exists(),
+            "round {round}: {} left; {err}",
+            partial.display()
+        );
+        if out.status.success() {
+            let restored = fx.path(&format!("restored-{round}.ivd"));
+            ok(&["restore", p(&file), p(&restored)]);
+        } else if out.status.code().is_some() {
+            assert_eq!(out.status.code(), Some(1), "round {round}: {err}");
+            assert!(err.contains("interrupted"), "{err}");
+            assert!(!file.exists(), "round {round}: {err}");
+            interrupted += 1;
+        } else {
+            // Killed before it took the signals over, which it does before it writes.
+            assert!(!file.exists(), "round {round}");
+        }
+    }
+    assert!(interrupted > 0, "every backup ended before its signal");
+    // The image's writer lock went with each stopped backup.
+    assert!(json(&["info", p(&image)])["lock"].is_null());
+}
