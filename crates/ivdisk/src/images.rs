@@ -405,11 +405,18 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     })?;
     drop(passphrase);
     let info = info_of(rt, &uri)?;
+    let fleeting = match uri {
+        ImageUri::Memory { .. } => {
+            "\nnote: a mem: image lives in this process's memory: it is gone now that ivdisk \
+             exits (tests and benchmarks use it inside one process)"
+        }
+        _ => "",
+    };
     print(
         args.json,
         info_json(&uri, &info),
         format!(
-            "created image {uri}: {}, cipher {}, layout {}, {}-byte sectors, {} objects, keyslot {}",
+            "created image {uri}: {}, cipher {}, layout {}, {}-byte sectors, {} objects, keyslot {}{fleeting}",
             human_size(info.size),
             info.suite,
             info.layout,

@@ -560,7 +560,8 @@ fn image_addresses_are_checked() {
     let mut args = vec!["create", "mem:scratch", "--size", "1M", "--passphrase-file"];
     args.push(p(&f.pw));
     args.extend(FAST);
-    ok(&args);
+    let said = ok(&args);
+    assert!(said.contains("gone now that ivdisk exits"), "{said}");
     assert!(fails(&["info", "mem:scratch"]).contains("does not exist"));
 }
 
