@@ -3,6 +3,7 @@
 //! side, file format included, is `ivdisk_image`'s `backup.rs`).
 
 use std::io::IsTerminal;
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
@@ -180,18 +181,29 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
     let mut bar = Bar::new(args.json);
     // SIGINT or SIGTERM stops the backup (its future is dropped at an await: the writer lock
     // of a head backup is released as it drops) and its FILE.partial is removed, as after a
-    // failed backup; killed outright, the process left it behind.
+    // failed backup; killed outright, the process left it behind. Once FILE.partial has been
+    // renamed to FILE the backup is made: then it finishes.
+    let identity =
+        |path: &std::path::Path| std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
+    let file_before = identity(&args.file);
     let finished = rt
         .block_on(async {
             use tokio::signal::unix::{signal, SignalKind};
             let mut interrupt = signal(SignalKind::interrupt())?;
             let mut terminate = signal(SignalKind::terminate())?;
-            let backup = Image::backup(&uri, &options, &args.file, |p| bar.update(p));
-            Ok::<_, std::io::Error>(tokio::select! {
-                result = backup => Some(result),
-                _ = interrupt.recv() => None,
-                _ = terminate.recv() => None,
-            })
+            let mut backup =
+                std::pin::pin!(Image::backup(&uri, &options, &args.file, |p| bar.update(p)));
+            tokio::select! {
+                biased;
+                result = &mut backup => return Ok(Some(result)),
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+            // (The backup is not running meanwhile: it waits at an await.)
+            if identity(&args.file) != file_before {
+                return Ok(Some(backup.await));
+            }
+            Ok::<_, std::io::Error>(None)
         })
         .context("installing the SIGINT and SIGTERM handlers")?;
     bar.bar.finish_and_clear();

@@ -237,6 +237,7 @@ fn a_signal_amid_a_backup_leaves_no_partial_file() {
             partial.display()
         );
         if out.status.success() {
+            // (Also when the signal came after the file was renamed into place: it is made.)
             let restored = fx.path(&format!("restored-{round}.ivd"));
             ok(&["restore", p(&file), p(&restored)]);
         } else if out.status.code().is_some() {
