@@ -46,6 +46,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -738,15 +739,13 @@ async fn write_file(
 ) -> Result<BackupSummary, ImageError> {
     let partial = partial_path(path);
     // The header's keyslots are in it: material for guessing a passphrase offline.
-    let file = std::os::unix::fs::OpenOptionsExt::mode(
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true),
-        0o600,
-    )
-    .open(&partial)
-    .map_err(file_io(&partial, "creating it"))?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&partial)
+        .map_err(file_io(&partial, "creating it"))?;
     let written = write_backup(
         source,
         options,

@@ -53,7 +53,7 @@ pub(crate) fn hold_off_readers(
 ) -> Result<Option<RemovalHold>, ImageError> {
     match uri {
         ImageUri::Local { dir } => {
-            reader_marks::hold_off_readers(dir, snapshot.map(|s| target(Some(s))))
+            reader_marks::hold_off_readers(dir, snapshot.map(ReadTarget::Snapshot))
                 .map(Some)
                 .map_err(refused(shown))
         }

@@ -383,19 +383,13 @@ impl Image {
         let _change = inner.header_change.lock().await;
         let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
         let store = inner.store.as_ref();
-        let removed = async {
-            let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
-            // Held to the end: no reader opens it meanwhile (`readers.rs`).
-            let _readers_held_off = match (table.find(name), inner.uri.get()) {
-                (Some(snap), Some(uri)) => crate::readers::hold_off_readers(
-                    uri,
-                    &format!("{}@{name}", inner.name),
-                    Some(snap.id),
-                )?,
-                _ => None,
-            };
-            remove_record(store, &inner.header_object, &inner.name, name).await
-        }
+        let removed = remove_record(
+            store,
+            &inner.header_object,
+            &inner.name,
+            name,
+            inner.uri.get(),
+        )
         .await;
         // Whatever happened, writes carry the context the stored table gives now.
         let table = SnapshotTable::read(store, &inner.header_object, &inner.name).await?;
@@ -405,32 +399,16 @@ impl Image {
     }
 
     /// Remove a snapshot of an image no one has open for writing; the data only it kept is
-    /// freed.
-    /// Refused while another open reads the snapshot (on stores that tell).
+    /// freed. Refused while another open reads the snapshot (on stores that tell).
     pub async fn remove_snapshot(uri: &ImageUri, name: &str) -> Result<(), ImageError> {
         let locked = lock_image(uri).await?;
-        let result = async {
-            let table =
-                SnapshotTable::read(locked.store.as_ref(), &locked.header_object, &locked.image)
-                    .await?;
-            // Held to the end: no reader opens it meanwhile. (No such snapshot: the removal
-            // says so.)
-            let _readers_held_off = match table.find(name) {
-                Some(snap) => crate::readers::hold_off_readers(
-                    uri,
-                    &format!("{}@{name}", locked.image),
-                    Some(snap.id),
-                )?,
-                None => None,
-            };
-            remove_record(
-                locked.store.as_ref(),
-                &locked.header_object,
-                &locked.image,
-                name,
-            )
-            .await
-        }
+        let result = remove_record(
+            locked.store.as_ref(),
+            &locked.header_object,
+            &locked.image,
+            name,
+            Some(uri),
+        )
         .await;
         let released = locked.lock.release().await;
         result?;
@@ -539,11 +517,14 @@ impl Image {
     }
 }
 
+/// Remove snapshot `name`: its record, then its store snapshot. Refused while another open
+/// reads it, where the store at `uri` keeps readers' marks (`readers.rs`).
 async fn remove_record(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     image: &str,
     name: &str,
+    uri: Option<&ImageUri>,
 ) -> Result<(), ImageError> {
     let table = SnapshotTable::read(store, header_object, image).await?;
     let snap = table
@@ -552,6 +533,13 @@ async fn remove_record(
             image: image.to_owned(),
             snapshot: name.to_owned(),
         })?;
+    // Held to the end: no reader opens it meanwhile.
+    let _readers_held_off = match uri {
+        Some(uri) => {
+            crate::readers::hold_off_readers(uri, &format!("{image}@{name}"), Some(snap.id))?
+        }
+        None => None,
+    };
     // The record goes first: a crash in between leaves an unreferenced store snapshot
     // (space), never a record whose data is gone.
     let op = WriteOp::new()
