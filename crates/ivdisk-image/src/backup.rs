@@ -634,7 +634,15 @@ impl Image {
             for name in options.snapshot.iter().chain(&options.since) {
                 if let Some(snap) = table.find(name) {
                     let shown = format!("{image}@{name}");
-                    marks.extend(crate::readers::mark_reader(uri, &shown, Some(snap.id))?);
+                    let mark = crate::readers::mark_reader(
+                        uri,
+                        store.as_ref(),
+                        &header_object,
+                        &shown,
+                        Some(snap.id),
+                    )
+                    .await?;
+                    marks.extend(mark);
                 }
             }
         }

@@ -115,6 +115,12 @@ pub enum ImageError {
     #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first, nothing was removed", ivdisk_store::reader_marks::describe_processes(pids))]
     OpenByReaders { image: String, pids: Vec<u32> },
 
+    /// A removal refused: clients of a RADOS image's store read the image or the snapshot
+    /// (they watch its header object, `readers.rs`). `readers` describes each: its process and
+    /// host, or a watcher that did not answer.
+    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first, nothing was removed", readers.join("; "))]
+    WatchedByReaders { image: String, readers: Vec<String> },
+
     /// An open to read refused: another process is removing the image or the snapshot.
     #[error(
         "image {image} is being removed by another process (`ivdisk delete` or `ivdisk snap rm`)"

@@ -177,7 +177,7 @@ pub(crate) struct Inner {
     pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
     pub(crate) header_change: tokio::sync::Mutex<()>,
     /// A read-only open's mark that keeps what it reads from being removed (`readers.rs`).
-    pub(crate) reader_mark: std::sync::Mutex<Option<ivdisk_store::reader_marks::ReaderMark>>,
+    pub(crate) reader_mark: std::sync::Mutex<Option<crate::readers::ReaderHold>>,
     /// Where the image was opened from, when opened by address: a writer's snapshot
     /// removal asks that store for the snapshot's readers (`readers.rs`).
     pub(crate) uri: std::sync::OnceLock<ImageUri>,
@@ -466,7 +466,15 @@ impl Image {
             Some((name, _)) => format!("{}@{name}", inner.name),
             None => inner.name.clone(),
         };
-        let Some(mark) = crate::readers::mark_reader(uri, &shown, self.snapshot_id())? else {
+        let Some(mark) = crate::readers::mark_reader(
+            uri,
+            inner.store.as_ref(),
+            &inner.header_object,
+            &shown,
+            self.snapshot_id(),
+        )
+        .await?
+        else {
             return Ok(());
         };
         // (`NotFound` once the header object is gone.)
@@ -892,7 +900,10 @@ impl Image {
             });
         }
         // Held to the end: no reader opens it meanwhile.
-        let _readers_held_off = match crate::readers::hold_off_readers(uri, &image, None) {
+        let readers_held_off =
+            crate::readers::hold_off_readers(uri, store.as_ref(), &header_object, &image, None)
+                .await;
+        let _readers_held_off = match readers_held_off {
             Ok(hold) => hold,
             Err(e) => {
                 drop(lock.release().await);

@@ -536,7 +536,9 @@ async fn remove_record(
     // Held to the end: no reader opens it meanwhile.
     let _readers_held_off = match uri {
         Some(uri) => {
-            crate::readers::hold_off_readers(uri, &format!("{image}@{name}"), Some(snap.id))?
+            let shown = format!("{image}@{name}");
+            crate::readers::hold_off_readers(uri, store, header_object, &shown, Some(snap.id))
+                .await?
         }
         None => None,
     };
@@ -544,7 +546,10 @@ async fn remove_record(
     // (space), never a record whose data is gone.
     let op = WriteOp::new()
         .step(WriteStep::AssertExists)
-        .step(WriteStep::OmapRemoveKeys(vec![record_key(name)]))
+        .step(WriteStep::OmapRemoveKeys(vec![
+            record_key(name),
+            crate::readers::REMOVING_KEY.to_vec(),
+        ]))
         .omap_set(vec![(
             SNAP_SEQ_KEY.to_vec(),
             table.seq.to_string().into_bytes(),

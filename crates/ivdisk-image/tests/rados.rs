@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{run_all, Backend, Case, PASS};
 use ivdisk_crypto::Suite;
-use ivdisk_image::{Image, ImageError, LayoutKind, OpenOptions};
+use ivdisk_image::{header_object_name, Image, ImageError, LayoutKind, OpenOptions};
+use ivdisk_store::{ObjectName, WriteOp};
 
 const OPS: usize = 300;
 
@@ -238,4 +239,85 @@ async fn concurrent_writes_in_one_object_read_back_after_merging() {
         all == expected,
         "the reopened image reads back something else"
     );
+}
+
+/// A reader that opens while a removal is recorded in the header (as `delete` and `snap rm`
+/// record theirs before asking the watchers) gives up; a record whose writer lock is gone (a
+/// removal that failed or crashed) counts for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_gives_up_while_a_removal_is_recorded() {
+    let Some(uri) = common::rados_uri("removing") else {
+        return;
+    };
+    let options = common::options(
+        1 << 20,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        4096,
+        64 << 10,
+    );
+    let writer = Image::create(&uri, &options, PASS).await.unwrap();
+    let holder = Image::lock_holder(&uri).await.unwrap().expect("held");
+    let header = ObjectName::new(header_object_name(uri.image_name())).unwrap();
+    let record = |what: &str| {
+        WriteOp::new().omap_set(vec![(
+            b"ivdisk.removing".to_vec(),
+            format!("{} {what}", holder.cookie).into_bytes(),
+        )])
+    };
+    let snapshot = writer.create_snapshot("kept").await.unwrap();
+    let at_snapshot = OpenOptions {
+        snapshot: Some("kept".into()),
+        ..OpenOptions::read_only()
+    };
+
+    // The removal of another snapshot keeps no one from reading this one or the head.
+    let other = format!("snap:{}", snapshot.id + 1);
+    writer
+        .store()
+        .write_op(&header, record(&other))
+        .await
+        .unwrap();
+    let reader = Image::open(&uri, PASS, &at_snapshot).await.unwrap();
+    reader.close().await.unwrap();
+    // The removal of this snapshot does.
+    let this = format!("snap:{}", snapshot.id);
+    writer
+        .store()
+        .write_op(&header, record(&this))
+        .await
+        .unwrap();
+    let refused = Image::open(&uri, PASS, &at_snapshot).await;
+    assert!(
+        matches!(&refused, Err(ImageError::RemovalUnderway { image }) if image.ends_with("@kept")),
+        "{refused:?}"
+    );
+    Image::open(&uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    // The removal of the image refuses every reader.
+    writer
+        .store()
+        .write_op(&header, record("head"))
+        .await
+        .unwrap();
+    for options in [&at_snapshot, &OpenOptions::read_only()] {
+        let refused = Image::open(&uri, PASS, options).await;
+        assert!(
+            matches!(refused, Err(ImageError::RemovalUnderway { .. })),
+            "{refused:?}"
+        );
+    }
+
+    // The writer lock the record names is gone: the record is void.
+    writer.close().await.unwrap();
+    let reader = Image::open(&uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    reader.close().await.unwrap();
+    Image::remove_snapshot(&uri, "kept").await.unwrap();
+    Image::delete(&uri, |_, _| {}).await.unwrap();
 }

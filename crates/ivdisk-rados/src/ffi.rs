@@ -4,7 +4,8 @@
 //! What it covers: a cluster handle (config, connect, instance id), io contexts (pool,
 //! namespace, read snapshot, self-managed snapshot write context), compound write and read
 //! operations submitted asynchronously with their completions bridged to futures, self-managed
-//! snapshots, the exclusive advisory lock calls, and object listing. The store module builds
+//! snapshots, the exclusive advisory lock calls, object listing, and watch/notify (a watch
+//! that acknowledges every notify with a fixed reply; a notify that collects the replies). The store module builds
 //! the ivdisk semantics on top; this module only makes librados' calls memory-safe.
 //!
 //! How an asynchronous operation stays sound: everything librados writes into after submission
@@ -264,7 +265,43 @@ mod sys {
             nspace_size: *mut usize,
         ) -> c_int;
         pub fn rados_nobjects_list_close(ctx: rados_list_ctx_t);
+
+        pub fn rados_watch3(
+            io: rados_ioctx_t,
+            o: *const c_char,
+            cookie: *mut u64,
+            watchcb: rados_watchcb2_t,
+            watcherrcb: rados_watcherrcb_t,
+            timeout: u32,
+            arg: *mut c_void,
+        ) -> c_int;
+        pub fn rados_unwatch2(io: rados_ioctx_t, cookie: u64) -> c_int;
+        pub fn rados_watch_flush(cluster: rados_t) -> c_int;
+        pub fn rados_notify2(
+            io: rados_ioctx_t,
+            o: *const c_char,
+            buf: *const c_char,
+            buf_len: c_int,
+            timeout_ms: u64,
+            reply_buffer: *mut *mut c_char,
+            reply_buffer_len: *mut usize,
+        ) -> c_int;
+        pub fn rados_notify_ack(
+            io: rados_ioctx_t,
+            o: *const c_char,
+            notify_id: u64,
+            cookie: u64,
+            buf: *const c_char,
+            buf_len: c_int,
+        ) -> c_int;
     }
+
+    /// A notify received on a watched object: (arg, notify id, watch cookie, notifier's
+    /// id, payload, payload length).
+    pub type rados_watchcb2_t =
+        Option<unsafe extern "C" fn(*mut c_void, u64, u64, u64, *mut c_void, usize)>;
+    /// A watch's session failed: (arg, watch cookie, negative errno).
+    pub type rados_watcherrcb_t = Option<unsafe extern "C" fn(*mut c_void, u64, c_int)>;
 }
 
 /// A negative librados return value, as a positive errno.
@@ -596,6 +633,198 @@ impl Drop for IoCtx {
         // SAFETY: created by rados_ioctx_create; no operation is being submitted (we own it),
         // and librados keeps in-flight operations' state alive on its own.
         unsafe { sys::rados_ioctx_destroy(self.raw) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Watch and notify
+
+/// What a watch's callback needs, at a fixed heap address for the watch's life (librados
+/// passes it back as the callback's argument).
+struct WatchContext {
+    io: sys::rados_ioctx_t,
+    oid: CString,
+    /// What every notify is acknowledged with.
+    reply: Vec<u8>,
+}
+
+/// A watch on an object that acknowledges every notify with a fixed reply; unregistered on
+/// drop. Holds its io context (and through it the cluster) alive.
+pub struct Watch {
+    io: Arc<IoCtx>,
+    cookie: u64,
+    context: *mut WatchContext,
+}
+
+// SAFETY: `context` is only read (by librados' callback thread, and freed in `Drop` after the
+// watch is unregistered and its callbacks flushed); the io context is thread-safe.
+unsafe impl Send for Watch {}
+// SAFETY: no `&self` method touches `context`.
+unsafe impl Sync for Watch {}
+
+unsafe extern "C" fn on_notify(
+    arg: *mut c_void,
+    notify_id: u64,
+    cookie: u64,
+    _notifier: u64,
+    _data: *mut c_void,
+    _data_len: usize,
+) {
+    // SAFETY: `arg` is the `WatchContext` leaked by `IoCtx::watch`, freed only after the watch
+    // is unregistered and librados' callbacks are flushed, so it is alive here.
+    let context = unsafe { &*arg.cast::<WatchContext>() };
+    let len = context.reply.len().min(c_int::MAX as usize) as c_int;
+    // SAFETY: valid io context (the `Watch` holds it), live C string and reply buffer; the
+    // ack is sent asynchronously and librados copies the reply. A failed ack only makes this
+    // watch count as unanswered at the notifier, which then refuses to go on.
+    let _ = unsafe {
+        sys::rados_notify_ack(
+            context.io,
+            context.oid.as_ptr(),
+            notify_id,
+            cookie,
+            context.reply.as_ptr().cast(),
+            len,
+        )
+    };
+}
+
+unsafe extern "C" fn on_watch_error(_arg: *mut c_void, cookie: u64, err: c_int) {
+    // librados re-establishes the watch when it can; meanwhile a notifier may not see it.
+    tracing::warn!(
+        cookie,
+        error = %Errno(-err),
+        "a RADOS watch lost its session; a removal may not see this reader until it is back"
+    );
+}
+
+/// The answers to a notify: every watcher that acknowledged it (its client's global id and
+/// its reply), and the global ids of those that did not answer in time.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct NotifyReplies {
+    pub acks: Vec<(u64, Vec<u8>)>,
+    pub timeouts: Vec<u64>,
+}
+
+/// Decode a notify's reply buffer (its format is documented at `rados_notify2` in
+/// librados.h: le32 count, {le64 gid, le64 cookie, le32 length, payload} acks, le32 count,
+/// {le64 gid, le64 cookie} timeouts). `None` when it is cut short.
+pub fn decode_notify_replies(buf: &[u8]) -> Option<NotifyReplies> {
+    fn take<'a>(buf: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (buf.get(..n)?, buf.get(n..)?);
+        *buf = rest;
+        Some(head)
+    }
+    fn u32_le(buf: &mut &[u8]) -> Option<u32> {
+        Some(u32::from_le_bytes(take(buf, 4)?.try_into().ok()?))
+    }
+    fn u64_le(buf: &mut &[u8]) -> Option<u64> {
+        Some(u64::from_le_bytes(take(buf, 8)?.try_into().ok()?))
+    }
+    let mut buf = buf;
+    let mut replies = NotifyReplies::default();
+    for _ in 0..u32_le(&mut buf)? {
+        let gid = u64_le(&mut buf)?;
+        let _cookie = u64_le(&mut buf)?;
+        let len = u32_le(&mut buf)? as usize;
+        replies.acks.push((gid, take(&mut buf, len)?.to_vec()));
+    }
+    for _ in 0..u32_le(&mut buf)? {
+        replies.timeouts.push(u64_le(&mut buf)?);
+        let _cookie = u64_le(&mut buf)?;
+    }
+    Some(replies)
+}
+
+impl IoCtx {
+    /// Watch `oid` (which must exist), answering every notify with `reply` (blocking). The
+    /// OSDs drop the watch `timeout` after this client stops answering (it died, say).
+    pub fn watch(
+        self: &Arc<Self>,
+        oid: &CStr,
+        reply: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Watch, Errno> {
+        let context = Box::into_raw(Box::new(WatchContext {
+            io: self.raw,
+            oid: oid.to_owned(),
+            reply,
+        }));
+        let mut cookie = 0u64;
+        // SAFETY: valid io context, live C string and out-pointer; `context` stays allocated
+        // until the watch is unregistered (`Watch::drop`) or registering failed (below).
+        let r = unsafe {
+            sys::rados_watch3(
+                self.raw,
+                oid.as_ptr(),
+                &mut cookie,
+                Some(on_notify),
+                Some(on_watch_error),
+                timeout.as_secs().clamp(1, u32::MAX as u64) as u32,
+                context.cast(),
+            )
+        };
+        if let Err(e) = Errno::check(r) {
+            // SAFETY: registering failed, so librados holds no reference to `context`; it
+            // came from Box::into_raw above and is reclaimed once.
+            drop(unsafe { Box::from_raw(context) });
+            return Err(e);
+        }
+        Ok(Watch {
+            io: self.clone(),
+            cookie,
+            context,
+        })
+    }
+
+    /// Notify the watchers of `oid` with an empty payload and collect their replies
+    /// (blocking, up to `timeout` for watchers that do not answer).
+    pub fn notify(&self, oid: &CStr, timeout: Duration) -> Result<NotifyReplies, Errno> {
+        let mut reply: *mut c_char = ptr::null_mut();
+        let mut reply_len = 0usize;
+        // SAFETY: valid io context, live C string, an empty payload, valid out-pointers.
+        let r = unsafe {
+            sys::rados_notify2(
+                self.raw,
+                oid.as_ptr(),
+                ptr::null(),
+                0,
+                timeout.as_millis().min(u64::MAX as u128) as u64,
+                &mut reply,
+                &mut reply_len,
+            )
+        };
+        // The buffer is set even when some watchers timed out (ETIMEDOUT).
+        let decoded = if reply.is_null() {
+            None
+        } else {
+            // SAFETY: librados allocated `reply_len` bytes at `reply`.
+            let bytes = unsafe { std::slice::from_raw_parts(reply.cast::<u8>(), reply_len) };
+            let decoded = decode_notify_replies(bytes);
+            // SAFETY: allocated by librados for this call, freed once.
+            unsafe { sys::rados_buffer_free(reply) };
+            decoded
+        };
+        match (Errno::check(r), decoded) {
+            (Ok(_) | Err(Errno(libc::ETIMEDOUT)), Some(replies)) => Ok(replies),
+            (Err(e), _) => Err(e),
+            (Ok(_), None) => Err(Errno(libc::EBADMSG)),
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // SAFETY: the cookie came from a successful rados_watch3 on this io context.
+        let r = unsafe { sys::rados_unwatch2(self.io.raw, self.cookie) };
+        if r < 0 {
+            tracing::debug!(error = %Errno(-r), "unwatching a RADOS object");
+        }
+        // SAFETY: a valid, connected cluster handle (the io context holds it alive). After
+        // this, no callback of the unregistered watch runs any more.
+        unsafe { sys::rados_watch_flush(self.io._cluster.raw) };
+        // SAFETY: from Box::into_raw in `IoCtx::watch`; librados no longer refers to it.
+        drop(unsafe { Box::from_raw(self.context) });
     }
 }
 
@@ -1075,5 +1304,37 @@ impl Drop for ReadOp {
         // SAFETY: created by rados_create_read_op, released once, after its completion ran
         // (or if it was never submitted).
         unsafe { sys::rados_release_read_op(self.raw) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notify_replies_decode_as_librados_documents_them() {
+        let mut buf = Vec::new();
+        buf.extend(2u32.to_le_bytes());
+        for (gid, cookie, reply) in [(4101u64, 7u64, &b"one"[..]), (4102, 9, b"")] {
+            buf.extend(gid.to_le_bytes());
+            buf.extend(cookie.to_le_bytes());
+            buf.extend((reply.len() as u32).to_le_bytes());
+            buf.extend(reply);
+        }
+        buf.extend(1u32.to_le_bytes());
+        buf.extend(4103u64.to_le_bytes());
+        buf.extend(11u64.to_le_bytes());
+        let replies = decode_notify_replies(&buf).unwrap();
+        assert_eq!(
+            replies,
+            NotifyReplies {
+                acks: vec![(4101, b"one".to_vec()), (4102, Vec::new())],
+                timeouts: vec![4103],
+            }
+        );
+        // Cut anywhere short of the end: refused, never read past.
+        for len in 0..buf.len() {
+            assert_eq!(decode_notify_replies(&buf[..len]), None, "cut at {len}");
+        }
     }
 }

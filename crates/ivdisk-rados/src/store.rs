@@ -7,9 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use futures_channel::oneshot;
 use ivdisk_store::{
-    check_range, Extent, LockRequest, Locker, ObjectName, ObjectStore, ObjectStoreExt, OmapPairs,
-    ReadOp, ReadResult, ReadStep, SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome,
-    WriteStep, MAX_OBJECT_SIZE,
+    check_range, Extent, LockRequest, Locker, NotifyReplies, ObjectName, ObjectStore,
+    ObjectStoreExt, OmapPairs, ReadOp, ReadResult, ReadStep, SnapContext, SnapId, Stat, StoreError,
+    Watch, WriteOp, WriteOutcome, WriteStep, MAX_OBJECT_SIZE,
 };
 
 use crate::ffi::{self, Cluster, Errno, IoCtx, SlotResult};
@@ -855,6 +855,41 @@ impl ObjectStore for RadosStore {
         Ok(())
     }
 
+    async fn watch(
+        &self,
+        object: &ObjectName,
+        reply: Vec<u8>,
+    ) -> Result<Option<Watch>, StoreError> {
+        let (io, oid) = (self.control.clone(), cstring(object));
+        match blocking("watching", move || io.watch(&oid, reply, WATCH_TIMEOUT)).await? {
+            Ok(watch) => Ok(Some(Watch::new(watch))),
+            Err(e) => Err(self.error(object, "watching", e)),
+        }
+    }
+
+    async fn notify(
+        &self,
+        object: &ObjectName,
+        timeout: Duration,
+    ) -> Result<NotifyReplies, StoreError> {
+        let (io, oid) = (self.control.clone(), cstring(object));
+        match blocking("notifying", move || io.notify(&oid, timeout)).await? {
+            Ok(answers) => Ok(NotifyReplies {
+                replies: answers
+                    .acks
+                    .into_iter()
+                    .map(|(gid, reply)| (format!("client.{gid}"), reply))
+                    .collect(),
+                unanswered: answers
+                    .timeouts
+                    .into_iter()
+                    .map(|gid| format!("client.{gid}"))
+                    .collect(),
+            }),
+            Err(e) => Err(self.error(object, "notifying the watchers of", e)),
+        }
+    }
+
     fn client_id(&self) -> &str {
         &self.client
     }
@@ -869,6 +904,10 @@ impl ObjectStore for RadosStore {
         false
     }
 }
+
+/// How long the OSDs keep a watch of a client that stopped answering (died, say): Ceph's own
+/// default (`osd_client_watch_timeout`).
+const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Extra keys asked for when an omap range starts at a key holding a NUL byte (the OSD caps
 /// the listing at its per-request limit anyway).

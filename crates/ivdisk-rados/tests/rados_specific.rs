@@ -282,3 +282,50 @@ async fn inflight_bytes_budget_widened_from_the_config() {
     assert_eq!(budget(own()).await, small);
     assert_eq!(budget(with(20, own())).await, small + small / 1000 * 20);
 }
+
+/// Watches answer a notify from another client with their reply, until they are dropped;
+/// a notify on a missing object fails `NotFound`, as does a watch on one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_answer_notifies_until_dropped() {
+    skip_without_ceph!();
+    let (reader, remover) = (common::open().await, common::open().await);
+    let object = name("watch", "header");
+    remover
+        .write_op(&object, WriteOp::new().write(0, b"h".to_vec()))
+        .await
+        .unwrap();
+    let timeout = Duration::from_secs(5);
+    // The replies to a notify, sorted; every watcher answers.
+    let replies = || async {
+        let answers = remover.notify(&object, timeout).await.unwrap();
+        assert!(answers.unanswered.is_empty(), "{answers:?}");
+        assert!(answers.replies.iter().all(|(c, _)| c == reader.client_id()));
+        let mut replies: Vec<Vec<u8>> = answers.replies.into_iter().map(|(_, r)| r).collect();
+        replies.sort();
+        replies
+    };
+    assert!(replies().await.is_empty());
+
+    let watch = |reply: &[u8]| reader.watch(&object, reply.to_vec());
+    let first = watch(b"one").await.unwrap().unwrap();
+    let second = watch(b"two").await.unwrap().unwrap();
+    assert_eq!(replies().await, [b"one".to_vec(), b"two".to_vec()]);
+    drop(first);
+    assert_eq!(replies().await, [b"two".to_vec()]);
+    drop(second);
+    assert!(replies().await.is_empty());
+
+    let missing = name("watch", "missing");
+    assert!(matches!(
+        reader.watch(&missing, Vec::new()).await,
+        Err(StoreError::NotFound { .. })
+    ));
+    assert!(matches!(
+        remover.notify(&missing, timeout).await,
+        Err(StoreError::NotFound { .. })
+    ));
+    remover
+        .write_op(&object, WriteOp::new().step(WriteStep::Remove))
+        .await
+        .unwrap();
+}

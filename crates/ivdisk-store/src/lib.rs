@@ -115,6 +115,28 @@ pub trait ObjectStore: Send + Sync {
     /// Make every operation completed before this call durable.
     async fn flush(&self) -> Result<(), StoreError>;
 
+    /// Register this client as a watcher of `object` (which must exist) that answers every
+    /// [`ObjectStore::notify`] on it with `reply`, until the returned [`Watch`] is dropped; a
+    /// watcher whose client dies stops counting after the store's watch timeout. `None`: this
+    /// store keeps no watchers, so a notify finds none (the local and memory backends keep
+    /// this default: within one machine, `reader_marks` does the job watches do on RADOS).
+    async fn watch(
+        &self,
+        _object: &ObjectName,
+        _reply: Vec<u8>,
+    ) -> Result<Option<Watch>, StoreError> {
+        Ok(None)
+    }
+
+    /// Ask every watcher of `object` for its reply, waiting up to `timeout` for the slow.
+    async fn notify(
+        &self,
+        _object: &ObjectName,
+        _timeout: std::time::Duration,
+    ) -> Result<NotifyReplies, StoreError> {
+        Ok(NotifyReplies::default())
+    }
+
     /// This client's identity, as lock holders are named.
     fn client_id(&self) -> &str;
 
@@ -161,8 +183,8 @@ pub trait ObjectStore: Send + Sync {
 /// changes. Generic wrappers put their parameters first: `impl[S: ObjectStore] Wrapper<S> {
 /// ... }`; a store in another field names it after the type: `impl[] Newtype, 0 { ... }`.
 /// The provided methods (`distinguishes_holes`, `write_unit`, `merges_operations`)
-/// keep their defaults unless the braces define them; `lost_transactions` and `list_at` are
-/// passed on.
+/// keep their defaults unless the braces define them; `lost_transactions`, `list_at`, `watch`
+/// and `notify` are passed on.
 // `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
 // whole impl (the wrapper's own methods first, then the forwarded ones) under the attribute.
 #[macro_export]
@@ -230,6 +252,20 @@ macro_rules! object_store_forwarding_to_inner {
         }
         async fn flush(&self) -> Result<(), $crate::StoreError> {
             self.$inner.flush().await
+        }
+        async fn watch(
+            &self,
+            object: &$crate::ObjectName,
+            reply: Vec<u8>,
+        ) -> Result<Option<$crate::Watch>, $crate::StoreError> {
+            self.$inner.watch(object, reply).await
+        }
+        async fn notify(
+            &self,
+            object: &$crate::ObjectName,
+            timeout: std::time::Duration,
+        ) -> Result<$crate::NotifyReplies, $crate::StoreError> {
+            self.$inner.notify(object, timeout).await
         }
         fn client_id(&self) -> &str {
             self.$inner.client_id()

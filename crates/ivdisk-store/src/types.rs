@@ -434,6 +434,36 @@ pub enum ReadResult {
     },
 }
 
+/// A registration made by [`crate::ObjectStore::watch`]: the watcher counts while this value
+/// lives and stops counting when it is dropped.
+pub struct Watch(
+    // Held only for its `Drop`, which ends the registration.
+    #[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>,
+);
+
+impl Watch {
+    /// Wrap a backend's registration, which ends the watch when dropped.
+    pub fn new(registration: impl std::any::Any + Send + Sync) -> Watch {
+        Watch(Box::new(registration))
+    }
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Watch")
+    }
+}
+
+/// The answers to [`crate::ObjectStore::notify`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NotifyReplies {
+    /// Each watcher that answered: its client (as [`crate::ObjectStore::client_id`] names
+    /// clients) and its reply.
+    pub replies: Vec<(String, Vec<u8>)>,
+    /// The clients of the watchers that did not answer in time (dead, or cut off).
+    pub unanswered: Vec<String>,
+}
+
 /// An advisory lock holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Locker {
