@@ -403,7 +403,7 @@ fn open_image(
         handle: Handle::Image(image),
         secret: Some(secret),
         kind: kind.into(),
-        name: uri.to_string(),
+        name: crate::images::image_at(uri, snapshot),
     })
 }
 

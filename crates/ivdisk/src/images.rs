@@ -264,6 +264,14 @@ pub fn parse_image_at(text: &str) -> Result<(ImageUri, Option<String>)> {
     ImageUri::parse_with_snapshot(text).map_err(flat)
 }
 
+/// `IMAGE` or `IMAGE@SNAP`: what a command reads, as its messages name it.
+pub fn image_at(uri: &ImageUri, snapshot: Option<&str>) -> String {
+    match snapshot {
+        Some(name) => format!("{uri}@{name}"),
+        None => uri.to_string(),
+    }
+}
+
 /// The image's header, without a passphrase.
 pub fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
     rt.block_on(Image::info(uri)).map_err(flat)

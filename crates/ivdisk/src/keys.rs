@@ -782,8 +782,31 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             json,
         } => {
             let (header, device) = read_header(&image)?;
-            let (slot, _) = unlock(&header, &device, &unlock_args)
-                .with_context(|| image.display().to_string())?;
+            let (slot, _) = match unlock(&header, &device, &unlock_args) {
+                Ok(unlocked) => unlocked,
+                Err(e) => {
+                    // A script asks for the answer, and "no" is one: said on stdout as "yes"
+                    // is (and by the exit status); other failures are errors only.
+                    let mismatch = e.chain().any(|cause| {
+                        matches!(
+                            cause.downcast_ref::<HeaderError>(),
+                            Some(
+                                HeaderError::WrongPassphrase { .. }
+                                    | HeaderError::KeyslotMismatch { .. }
+                                    | HeaderError::VolumeKeyMismatch
+                            )
+                        )
+                    });
+                    if json && mismatch {
+                        let reason = format!("{e:#}");
+                        outln!(
+                            "{}",
+                            json!({"image": image, "keyslot": null, "ok": false, "reason": reason})
+                        );
+                    }
+                    return Err(e.context(image.display().to_string()));
+                }
+            };
             let text = match slot {
                 Some(s) => format!("keyslot {s} opens with this passphrase"),
                 None => "the volume key matches".to_owned(),

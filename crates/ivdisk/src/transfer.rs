@@ -28,7 +28,8 @@ use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
 
 use crate::images::{
-    flat, human_size, info_of, parse_image_at, parse_uri, refuse_existing, FormatArgs, IMAGE_HELP,
+    flat, human_size, image_at, info_of, parse_image_at, parse_uri, refuse_existing, FormatArgs,
+    IMAGE_HELP,
 };
 use crate::secrets::{with_spinner, PassphraseArgs};
 
@@ -139,7 +140,7 @@ pub struct ImportArgs {
     format: FormatArgs,
     #[command(flatten)]
     passphrase: PassphraseArgs,
-    /// Print JSON: image, file, size, bytes, bytes_written, seconds; no progress bar.
+    /// Print JSON: image, file, size, bytes, bytes_written, seconds, cipher, layout, sector_size; no progress bar.
     #[arg(long)]
     json: bool,
 }
@@ -226,6 +227,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     )
     .map_err(flat)?;
     drop(passphrase);
+    let (suite, layout, sector_size) = (image.suite(), image.layout(), image.sector_size());
     let bar = progress(bytes, "importing", args.json);
     let started = Instant::now();
     let target = NewImage {
@@ -238,12 +240,14 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     crate::secrets::print(
         args.json,
         json!({"image": uri.to_string(), "file": args.file, "size": size, "bytes": bytes,
-               "bytes_written": written, "seconds": seconds}),
+               "bytes_written": written, "seconds": seconds, "cipher": suite.name(),
+               "layout": layout.name(), "sector_size": sector_size}),
         format!(
-            "imported {} ({}) into image {uri} in {seconds:.1} s: {} written, the rest zeros \
-             left unwritten",
+            "imported {} ({}) into image {uri} ({suite}, layout {}, {sector_size}-byte sectors) \
+             in {seconds:.1} s: {} written, the rest zeros left unwritten",
             args.file.display(),
             human_size(bytes),
+            layout.name(),
             human_size(written)
         ),
     );
@@ -443,7 +447,7 @@ pub struct ExportArgs {
     force: bool,
     #[command(flatten)]
     passphrase: PassphraseArgs,
-    /// Print JSON: image, file, size, bytes_written, seconds, sparse; no progress bar. With
+    /// Print JSON: image, snapshot, file, size, bytes_written, seconds, sparse; no progress bar. With
     /// FILE "-" the report goes to standard error.
     #[arg(long)]
     json: bool,
@@ -459,13 +463,14 @@ enum Sink {
 
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
+    let shown = image_at(&uri, snapshot.as_deref());
     let to_stdout = args.file == Path::new("-");
     let mut replacing = false;
     if to_stdout {
         if std::io::stdout().is_terminal() {
             bail!(
                 "not writing the disk's bytes to a terminal: redirect standard output (ivdisk \
-                 export {uri} - > FILE), or name a file"
+                 export {shown} - > FILE), or name a file"
             );
         }
     } else if let Ok(meta) = std::fs::symlink_metadata(&args.file) {
@@ -478,7 +483,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         if !meta.is_file() {
             bail!(
                 "{} is not a regular file; export writes a raw file (to write a block device, \
-                 ivdisk export {uri} - > DEVICE)",
+                 ivdisk export {shown} - > DEVICE)",
                 args.file.display()
             );
         }
@@ -550,29 +555,29 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 let _ = std::fs::remove_file(&target);
                 return Err(e.context(if replacing {
                     format!(
-                        "exporting image {uri} failed; {} was left as it was",
+                        "exporting image {shown} failed; {} was left as it was",
                         args.file.display()
                     )
                 } else {
                     format!(
-                        "exporting image {uri} failed; the incomplete {} was removed",
+                        "exporting image {shown} failed; the incomplete {} was removed",
                         args.file.display()
                     )
                 }));
             }
             return Err(e.context(format!(
-                "exporting image {uri} failed; standard output got an incomplete copy"
+                "exporting image {shown} failed; standard output got an incomplete copy"
             )));
         }
     };
     let seconds = started.elapsed().as_secs_f64();
     let report = if args.json {
-        json!({"image": uri.to_string(), "file": args.file, "size": size,
+        json!({"image": uri.to_string(), "snapshot": snapshot, "file": args.file, "size": size,
                "bytes_written": written, "seconds": seconds, "sparse": !to_stdout})
         .to_string()
     } else {
         format!(
-            "exported image {uri} ({}) to {} in {seconds:.1} s: {} of data written{}",
+            "exported image {shown} ({}) to {} in {seconds:.1} s: {} of data written{}",
             human_size(size),
             if to_stdout {
                 "standard output".to_owned()
@@ -694,7 +699,7 @@ pub struct VerifyArgs {
     image: String,
     #[command(flatten)]
     passphrase: PassphraseArgs,
-    /// Print JSON: image, sector_size, sectors_checked, bad_lbas, bad_offsets, ok,
+    /// Print JSON: image, snapshot, sector_size, sectors_checked, bad_lbas, bad_offsets, ok,
     /// authenticated; no progress bar.
     #[arg(long)]
     json: bool,
@@ -719,6 +724,7 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         Ok(parsed) => parsed,
         Err(e) => exit_with(2, &e),
     };
+    let shown = image_at(&uri, snapshot.as_deref());
     let report = match check(&uri, snapshot.as_deref(), &args.passphrase, json, rt) {
         Ok(report) => report,
         Err(e) => exit_with(2, &e),
@@ -729,13 +735,13 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
     if json {
         outln!(
             "{}",
-            json!({"image": uri.to_string(), "sector_size": ss,
+            json!({"image": uri.to_string(), "snapshot": snapshot, "sector_size": ss,
                    "sectors_checked": report.sectors_checked, "bad_lbas": report.bad_lbas,
                    "bad_offsets": offsets, "ok": ok, "authenticated": report.authenticated})
         );
     } else if ok {
         outln!(
-            "image {uri}: {} sector(s) of {ss} bytes checked ({}), all {}",
+            "image {shown}: {} sector(s) of {ss} bytes checked ({}), all {}",
             report.sectors_checked,
             human_size(report.sectors_checked * ss),
             if report.authenticated {
@@ -746,7 +752,7 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         );
     } else {
         outln!(
-            "image {uri}: {} of {} sector(s) of {ss} bytes failed authentication (changed, \
+            "image {shown}: {} of {} sector(s) of {ss} bytes failed authentication (changed, \
              moved or damaged in the store); they read as errors, the rest is intact:",
             report.bad_lbas.len(),
             report.sectors_checked

@@ -224,6 +224,18 @@ fn create_refuses_a_name_that_reads_as_a_snapshot() {
     assert!(!Path::new(&at).exists(), "{at} was made");
     let snaps = json(&["snap", "ls", p(&image)]);
     assert!(snaps.to_string().contains("monday"), "{snaps}");
+    // What reads the snapshot names it (before, the reports named the image alone).
+    let verified = json(&["verify", &at, "--passphrase-file", p(&f.pw)]);
+    assert_eq!(verified["image"].as_str(), Some(p(&image)), "{verified}");
+    assert_eq!(verified["snapshot"].as_str(), Some("monday"), "{verified}");
+    let said = ok(&["verify", &at, "--passphrase-file", p(&f.pw)]);
+    assert!(said.starts_with(&format!("image {at}: ")), "{said}");
+    let exported = f.path("monday.raw");
+    let said = ok(&["export", &at, p(&exported), "--passphrase-file", p(&f.pw)]);
+    assert!(
+        said.starts_with(&format!("exported image {at} (")),
+        "{said}"
+    );
     ok(&["snap", "rm", &at]);
 }
 

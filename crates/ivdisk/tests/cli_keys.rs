@@ -31,6 +31,16 @@ fn fails(args: &[&str]) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
+/// A command that exits with status 1: its (stdout, stderr).
+fn exits_1(args: &[&str]) -> (String, String) {
+    let out = ivdisk(args);
+    assert_eq!(out.status.code(), Some(1), "ivdisk {args:?}");
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
 fn key(dir: &Path, name: &str, content: &[u8]) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, content).unwrap();
@@ -126,6 +136,19 @@ fn keyslot_lifecycle_through_the_command_line() {
         err.contains("no keyslot matches this passphrase (2 keyslot(s) tried)"),
         "{err}"
     );
+    // With --json, "no" is an answer on stdout too (and the exit status says it).
+    let (out, err) = exits_1(&["key", "test", p(&hdr), "--key-file", p(&wrong), "--json"]);
+    let answer: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(answer["ok"], false, "{answer}");
+    assert_eq!(answer["keyslot"], Value::Null, "{answer}");
+    assert!(
+        answer["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no keyslot matches"),
+        "{answer}"
+    );
+    assert!(err.contains("no keyslot matches"), "{err}");
 
     let mut args = vec![
         "key",
@@ -209,6 +232,25 @@ fn volume_key_file_recovers_access() {
     let wrong_vk = key(dir.path(), "wrong_vk", &[0x12; 16]);
     let err = fails(&["key", "test", p(&hdr), "--volume-key-file", p(&wrong_vk)]);
     assert!(err.contains("volume key does not match"), "{err}");
+    let (out, _) = exits_1(&[
+        "key",
+        "test",
+        p(&hdr),
+        "--volume-key-file",
+        p(&wrong_vk),
+        "--json",
+    ]);
+    assert!(out.contains(r#""ok":false"#), "{out}");
+    // A failure that is no answer (no such file) prints nothing on stdout.
+    let (out, _) = exits_1(&[
+        "key",
+        "test",
+        p(&dir.path().join("none")),
+        "--key-file",
+        p(&lost),
+        "--json",
+    ]);
+    assert_eq!(out, "");
     let mut args = vec![
         "key",
         "add",

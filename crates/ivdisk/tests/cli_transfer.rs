@@ -128,6 +128,14 @@ fn import_then_export_gives_the_same_bytes_with_holes() {
     let shown = info(&image);
     assert_eq!(shown["size"], rounded);
     assert_eq!(shown["object_size"], OBJECT);
+    // The report says what was made, as info does.
+    for field in ["cipher", "layout", "sector_size"] {
+        assert_eq!(
+            imported[field], shown[field],
+            "{field}: {imported} vs {shown}"
+        );
+    }
+    assert_eq!(imported["cipher"], "aegis128l-random");
 
     let (out, exported) = f.export(&image, "out.raw");
     assert_eq!(exported.len() as u64, rounded);
