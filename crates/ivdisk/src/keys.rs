@@ -509,13 +509,11 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             if bytes == 0 || bytes % sector_size as u64 != 0 {
                 bail!("--size {size}: must be a non-zero multiple of the {sector_size}-byte sector size");
             }
+            // As `ivdisk create` chooses.
             let layout = layout.unwrap_or_else(|| {
-                if suite.metadata_len() == 0 {
-                    "none"
-                } else {
-                    "object-end"
-                }
-                .to_owned()
+                ivdisk_image::LayoutKind::default_for(suite.metadata_len())
+                    .name()
+                    .to_owned()
             });
             let fits = layout
                 .parse::<ivdisk_image::LayoutKind>()

@@ -95,6 +95,9 @@ fn keyslot_lifecycle_through_the_command_line() {
     args.extend(FAST);
     let made: Value = serde_json::from_str(&ok(&args)).unwrap();
     assert_eq!(made["keyslot"], 0);
+    // The layout `ivdisk create` would choose for the default suite.
+    let dump: Value = serde_json::from_str(&ok(&["header", "dump", "--json", p(&hdr)])).unwrap();
+    assert_eq!(dump["image"]["layout"], "omap-packed", "{dump}");
     assert!(fails(&[
         "header",
         "format",
