@@ -881,7 +881,7 @@ fn convert_open(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(dst, &options, &secret)),
     )
-    .map_err(flat)?;
+    .map_err(crate::images::flat_create)?;
     drop(secret);
 
     let chunk = chunk_size(&image);

@@ -255,6 +255,22 @@ pub fn flat(e: ImageError) -> anyhow::Error {
     anyhow::anyhow!("{e}")
 }
 
+/// [`flat`] for a failed `Image::create`: a refusal because another process holds the new
+/// image's store says what that process most likely does, as the image was not there a
+/// moment before: it creates the same image.
+pub fn flat_create(e: ImageError) -> anyhow::Error {
+    match &e {
+        ImageError::Store {
+            image,
+            source: ivdisk_store::StoreError::AlreadyOpen { pid, .. },
+        } => anyhow::anyhow!(
+            "image {image}: process {pid} is creating it too (or has just created it and holds \
+             it open); this command made nothing"
+        ),
+        _ => flat(e),
+    }
+}
+
 pub fn parse_uri(text: &str) -> Result<ImageUri> {
     ImageUri::parse(text).map_err(flat)
 }
@@ -407,8 +423,8 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
             made_dir.as_deref(),
             &e,
         )) {
-            removed if removed.is_empty() => flat(e),
-            removed => flat(e).context(format!("creating {uri} failed{removed}")),
+            removed if removed.is_empty() => flat_create(e),
+            removed => flat_create(e).context(format!("creating {uri} failed{removed}")),
         }
     })?;
     drop(passphrase);

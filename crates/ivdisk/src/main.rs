@@ -298,6 +298,23 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// An error and its causes on one line, as anyhow's `{:#}` writes them, but a cause that the
+/// text so far already ends with is not written again (errors whose message includes their
+/// source's: "cannot listen on X: No such file or directory (os error 2)").
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if text.is_empty() {
+            text = said;
+        } else if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+    }
+    text
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -311,7 +328,7 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ivdisk: {e:#}");
+            eprintln!("ivdisk: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
@@ -320,6 +337,19 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_text_says_each_cause_once() {
+        let source = || std::io::Error::from_raw_os_error(libc::ENOENT);
+        let said = source().to_string();
+        // A cause its context already ends with.
+        let e = anyhow::Error::new(source()).context(format!("cannot listen on s.sock: {said}"));
+        assert_eq!(error_text(&e), format!("cannot listen on s.sock: {said}"));
+        // A cause it does not.
+        let e = anyhow::Error::new(source()).context("reading disk.raw");
+        assert_eq!(error_text(&e), format!("reading disk.raw: {said}"));
+        assert_eq!(error_text(&e), format!("{e:#}"));
+    }
 
     #[test]
     fn sizes_parse_with_binary_units() {

@@ -225,7 +225,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(&uri, &options, &passphrase)),
     )
-    .map_err(flat)?;
+    .map_err(crate::images::flat_create)?;
     drop(passphrase);
     let (suite, layout, sector_size) = (image.suite(), image.layout(), image.sector_size());
     let bar = progress(bytes, "importing", args.json);
@@ -778,7 +778,7 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
 
 fn exit_with(code: i32, e: &anyhow::Error) -> ! {
     std::io::stdout().flush().ok();
-    eprintln!("ivdisk: {e:#}");
+    eprintln!("ivdisk: {}", crate::error_text(e));
     std::process::exit(code)
 }
 

@@ -659,6 +659,7 @@ fn output_to_a_closed_pipe_or_a_full_disk_is_no_panic() {
 #[test]
 fn concurrent_creates_of_one_path_leave_one_image_and_clear_errors() {
     let f = Fixture::new();
+    let mut told_of_the_creator = 0;
     for round in 0..6 {
         let image = f.path(&format!("race-{round}"));
         let racers: Vec<_> = (0..4)
@@ -686,11 +687,18 @@ fn concurrent_creates_of_one_path_leave_one_image_and_clear_errors() {
         assert_eq!(errors.len(), 3, "round {round}: {errors:?}");
         for err in &errors {
             assert!(
-                err.contains("already open for writing by process")
+                err.contains("is creating it too (or has just created it")
+                    || err.contains("already open for writing by process")
                     || err.contains("already exists"),
                 "round {round}: {err}"
             );
         }
         assert_eq!(info(&image)["size"], 1u64 << 20);
+        told_of_the_creator += errors
+            .iter()
+            .filter(|e| e.contains("is creating it too"))
+            .count();
     }
+    // Losers that meet the winner at work are told so (not "stop it first").
+    assert!(told_of_the_creator > 0);
 }
