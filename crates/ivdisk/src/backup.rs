@@ -54,7 +54,7 @@ pub struct BackupArgs {
     /// Overwrite FILE if it exists.
     #[arg(long)]
     force: bool,
-    /// Print JSON: image, file, kind, snapshot, base, image_id, suite, layout, size, objects,
+    /// Print JSON: image, file, kind, snapshot, base, image_id, cipher, layout, size, objects,
     /// removed, data_bytes, bytes, seconds, sha256; no progress bar.
     #[arg(long)]
     json: bool,
@@ -68,7 +68,7 @@ pub struct RestoreArgs {
     /// (a new local store directory), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS,
     /// mem:NAME.
     image: String,
-    /// Print JSON: image, file, kind, snapshot, base, image_id, suite, layout, size, objects,
+    /// Print JSON: image, file, kind, snapshot, base, image_id, cipher, layout, size, objects,
     /// removed, data_bytes, bytes, seconds, sha256; no progress bar.
     #[arg(long)]
     json: bool,
@@ -125,7 +125,7 @@ fn summary_json(s: &BackupSummary) -> Value {
         "snapshot": d.snapshot,
         "base": d.base.as_ref().map(|b| json!({"snapshot": b.snapshot, "size": b.size})),
         "image_id": d.image_id,
-        "suite": d.suite,
+        "cipher": d.suite,
         "layout": d.layout,
         "size": d.size,
         "objects": s.objects,

@@ -138,6 +138,7 @@ pub enum KeyCommand {
         new_key_slot: Option<u32>,
         #[command(flatten)]
         pbkdf: PbkdfArgs,
+        /// Print JSON: image, keyslot (the new one), keyslots (all in use).
         #[arg(long)]
         json: bool,
     },
@@ -157,6 +158,7 @@ pub enum KeyCommand {
         /// removing --key-slot without any passphrase.
         #[arg(long)]
         force: bool,
+        /// Print JSON: image, removed (the keyslot), keyslots (those left).
         #[arg(long)]
         json: bool,
     },
@@ -176,6 +178,7 @@ pub enum KeyCommand {
         key_slot: Option<u32>,
         #[command(flatten)]
         pbkdf: PbkdfArgs,
+        /// Print JSON: image, keyslot, keyslots (all in use).
         #[arg(long)]
         json: bool,
     },
@@ -723,7 +726,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let slot = file.add(&key, &secret, new_key_slot, &request)?;
             print(
                 json,
-                json!({"image": image, "keyslot": slot}),
+                json!({"image": image, "keyslot": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} added"),
             );
         }
@@ -751,7 +754,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             file.remove(slot, force)?;
             print(
                 json,
-                json!({"image": image, "removed": slot}),
+                json!({"image": image, "removed": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} removed"),
             );
         }
@@ -770,7 +773,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let slot = file.change(&old, &new, key_slot, &request)?;
             print(
                 json,
-                json!({"image": image, "keyslot": slot}),
+                json!({"image": image, "keyslot": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} now opens with the new passphrase"),
             );
         }

@@ -61,6 +61,8 @@ fn a_backup_restores_into_a_new_directory_and_reads_the_same() {
     assert_eq!(made["image"], p(&image));
     assert_eq!(made["file"], p(&file));
     assert_eq!(made["size"], 10 * OBJECT);
+    // Named as create, info, import and convert name it.
+    assert_eq!(made["cipher"], "aes-gcm-random", "{made}");
     assert_eq!(made["objects"], 3, "{made}");
     assert_eq!(made["removed"], 0);
     assert_eq!(made["bytes"], std::fs::metadata(&file).unwrap().len());

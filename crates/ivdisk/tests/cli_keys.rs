@@ -123,6 +123,7 @@ fn keyslot_lifecycle_through_the_command_line() {
     let added: Value = serde_json::from_str(&ok(&args)).unwrap();
     assert_eq!(added["keyslot"], 1);
     assert_eq!(keyslot_ids(&hdr), vec![0, 1]);
+    assert_eq!(added["keyslots"], serde_json::json!([0, 1]), "{added}");
 
     let tested: Value = serde_json::from_str(&ok(&[
         "key",
