@@ -745,7 +745,12 @@ impl Inner {
             }
         }
         if !failed.is_empty() {
-            tracing::error!(image = %self.name, lbas = ?failed, "sectors failed authentication");
+            tracing::error!(
+                target: crate::INTEGRITY_LOG_TARGET,
+                image = %self.name,
+                lbas = ?failed,
+                "sectors failed authentication"
+            );
         }
         Ok(failed)
     }

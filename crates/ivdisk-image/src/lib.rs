@@ -59,3 +59,8 @@ pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
 pub use write_payload::{PayloadPlacement, WritePayload};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};
+
+/// The `tracing` target of the log line naming sectors that failed authentication on a read
+/// (level ERROR). A server's log is where those go; a command that reports them in its own
+/// result (export, convert) may turn the target off so that they are not said twice.
+pub const INTEGRITY_LOG_TARGET: &str = "ivdisk::integrity";

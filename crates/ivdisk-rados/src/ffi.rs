@@ -690,11 +690,15 @@ unsafe extern "C" fn on_notify(
 }
 
 unsafe extern "C" fn on_watch_error(_arg: *mut c_void, cookie: u64, err: c_int) {
-    // librados re-establishes the watch when it can; meanwhile a notifier may not see it.
+    // librados re-establishes watches across reconnections and PG moves by itself; this is
+    // called when it could not (this client was cut off for longer than the watch timeout):
+    // the watch is gone, and with it what kept removals off. Not re-registered (yet): said.
     tracing::warn!(
         cookie,
         error = %Errno(-err),
-        "a RADOS watch lost its session; a removal may not see this reader until it is back"
+        "a RADOS watch was lost (this client was cut off from its OSD for longer than the \
+         watch timeout): `ivdisk delete` or `snap rm` no longer sees this reader; reopen it \
+         to be seen again"
     );
 }
 

@@ -316,16 +316,24 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    // Usage errors exit with clap's 2; everything else that fails exits with 1.
+    let cli = Cli::parse();
+    // Without IVDISK_LOG: warnings and errors. Sectors that fail authentication are logged
+    // where a server runs; the other commands report them in their result (an export's error
+    // names the first one, verify lists them all), not a second time as log lines.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "warn".to_owned(),
+        _ => format!("warn,{}=off", ivdisk_image::INTEGRITY_LOG_TARGET),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("IVDISK_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    // Usage errors exit with clap's 2; everything else that fails exits with 1.
-    match run(Cli::parse()) {
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ivdisk: {}", error_text(&e));

@@ -339,6 +339,8 @@ fn verify_names_exactly_the_tampered_sectors() {
     let out = f.path("damaged.raw");
     let err = fails(&["export", p(&image), p(&out), "--passphrase-file", p(&f.pw)]);
     assert!(err.contains("integrity check failed"), "{err}");
+    // Said once, in the error, not also as log lines (those are for a server's log).
+    assert!(!err.contains("ERROR"), "{err}");
     assert!(err.contains("ivdisk verify"), "{err}");
     assert!(!out.exists(), "an incomplete export was left behind");
     // With --force over a file that exists, a failed export leaves that file as it was.
