@@ -5,7 +5,8 @@
 //! namespace, read snapshot, self-managed snapshot write context), compound write and read
 //! operations submitted asynchronously with their completions bridged to futures, self-managed
 //! snapshots, the exclusive advisory lock calls, object listing, and watch/notify (a watch
-//! that acknowledges every notify with a fixed reply; a notify that collects the replies). The store module builds
+//! that acknowledges every notify with a fixed reply and is registered again when librados
+//! loses it; a notify that collects the replies). The store module builds
 //! the ivdisk semantics on top; this module only makes librados' calls memory-safe.
 //!
 //! How an asynchronous operation stays sound: everything librados writes into after submission
@@ -26,7 +27,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
 use std::io;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_channel::oneshot;
@@ -639,28 +640,93 @@ impl Drop for IoCtx {
 // ---------------------------------------------------------------------------------------------
 // Watch and notify
 
-/// What a watch's callback needs, at a fixed heap address for the watch's life (librados
-/// passes it back as the callback's argument).
+/// What a watch's callbacks need: shared by the [`Watch`] and any thread re-registering it,
+/// at a fixed address for as long as librados may call back with it (its argument).
 struct WatchContext {
-    io: sys::rados_ioctx_t,
+    /// Holds the cluster alive for the threads that re-register the watch.
+    io: Arc<IoCtx>,
     oid: CString,
     /// What every notify is acknowledged with.
     reply: Vec<u8>,
+    /// Seconds the OSD keeps the watch of a client that stopped answering.
+    timeout: u32,
+    state: Mutex<WatchState>,
 }
 
-/// A watch on an object that acknowledges every notify with a fixed reply; unregistered on
-/// drop. Holds its io context (and through it the cluster) alive.
-pub struct Watch {
-    io: Arc<IoCtx>,
+struct WatchState {
+    /// The current registration (0: none, between a loss and its re-registration).
     cookie: u64,
-    context: *mut WatchContext,
+    /// The `Watch` is gone: register nothing any more.
+    dropped: bool,
 }
 
-// SAFETY: `context` is only read (by librados' callback thread, and freed in `Drop` after the
-// watch is unregistered and its callbacks flushed); the io context is thread-safe.
-unsafe impl Send for Watch {}
-// SAFETY: no `&self` method touches `context`.
-unsafe impl Sync for Watch {}
+impl WatchContext {
+    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Register a watch with this context as the callbacks' argument; its cookie.
+    fn register(self: &Arc<Self>) -> Result<u64, Errno> {
+        let mut cookie = 0u64;
+        // SAFETY: valid io context, live C string and out-pointer; the argument points at
+        // this context, which stays allocated while librados may call back with it: the
+        // `Watch` holds it until its last registration is unregistered and the callbacks
+        // are flushed (`Unregistering::run`).
+        Errno::check(unsafe {
+            sys::rados_watch3(
+                self.io.raw,
+                self.oid.as_ptr(),
+                &mut cookie,
+                Some(on_notify),
+                Some(on_watch_error),
+                self.timeout,
+                Arc::as_ptr(self).cast_mut().cast(),
+            )
+        })?;
+        Ok(cookie)
+    }
+
+    /// After librados reported registration `lost` gone: unregister it and register anew,
+    /// retrying every second while the OSDs do not take it, until the `Watch` is dropped.
+    fn reregister(self: Arc<Self>, lost: u64) {
+        let mut expected = lost;
+        let mut failures = 0u32;
+        loop {
+            {
+                let mut state = self.state();
+                if state.dropped || state.cookie != expected {
+                    return;
+                }
+                if expected != 0 {
+                    // SAFETY: a cookie of a registration on this io context; librados.h asks
+                    // for an errored watch to be unregistered before watching again.
+                    unsafe { sys::rados_unwatch2(self.io.raw, expected) };
+                    (state.cookie, expected) = (0, 0);
+                }
+                match self.register() {
+                    Ok(cookie) => {
+                        state.cookie = cookie;
+                        tracing::warn!(lost, cookie, "a lost RADOS watch is registered again");
+                        return;
+                    }
+                    Err(e) => {
+                        if failures == 0 {
+                            tracing::warn!(error = %e, "registering a lost RADOS watch again failed; retrying every second");
+                        }
+                        failures += 1;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+}
+
+/// A watch on an object that acknowledges every notify with a fixed reply; registered again
+/// if librados loses it, unregistered on drop. Holds its io context (and the cluster) alive.
+pub struct Watch {
+    context: Arc<WatchContext>,
+}
 
 unsafe extern "C" fn on_notify(
     arg: *mut c_void,
@@ -670,16 +736,16 @@ unsafe extern "C" fn on_notify(
     _data: *mut c_void,
     _data_len: usize,
 ) {
-    // SAFETY: `arg` is the `WatchContext` leaked by `IoCtx::watch`, freed only after the watch
-    // is unregistered and librados' callbacks are flushed, so it is alive here.
+    // SAFETY: `arg` is the `WatchContext` of a registration, alive while librados may call
+    // back with it (see `WatchContext::register`).
     let context = unsafe { &*arg.cast::<WatchContext>() };
     let len = context.reply.len().min(c_int::MAX as usize) as c_int;
-    // SAFETY: valid io context (the `Watch` holds it), live C string and reply buffer; the
-    // ack is sent asynchronously and librados copies the reply. A failed ack only makes this
-    // watch count as unanswered at the notifier, which then refuses to go on.
+    // SAFETY: valid io context, live C string and reply buffer; the ack is sent
+    // asynchronously and librados copies the reply. A failed ack only makes this watch count
+    // as unanswered at the notifier, which then refuses to go on.
     let _ = unsafe {
         sys::rados_notify_ack(
-            context.io,
+            context.io.raw,
             context.oid.as_ptr(),
             notify_id,
             cookie,
@@ -689,17 +755,30 @@ unsafe extern "C" fn on_notify(
     };
 }
 
-unsafe extern "C" fn on_watch_error(_arg: *mut c_void, cookie: u64, err: c_int) {
+unsafe extern "C" fn on_watch_error(arg: *mut c_void, cookie: u64, err: c_int) {
     // librados re-establishes watches across reconnections and PG moves by itself; this is
-    // called when it could not (this client was cut off for longer than the watch timeout):
-    // the watch is gone, and with it what kept removals off. Not re-registered (yet): said.
+    // called when it could not (this client was cut off from the OSD for longer than the
+    // watch timeout): the watch is gone, and with it what kept removals off until it is
+    // registered again, from a thread of our own (not librados' callback thread).
     tracing::warn!(
         cookie,
         error = %Errno(-err),
-        "a RADOS watch was lost (this client was cut off from its OSD for longer than the \
-         watch timeout): `ivdisk delete` or `snap rm` no longer sees this reader; reopen it \
-         to be seen again"
+        "a RADOS watch was lost (cut off from its OSD for longer than the watch timeout); \
+         registering it again"
     );
+    let context = arg.cast::<WatchContext>().cast_const();
+    // SAFETY: `arg` is a live `Arc<WatchContext>`'s pointer (see `WatchContext::register`);
+    // one more strong count for the thread, taken back by `from_raw`.
+    let context = unsafe {
+        Arc::increment_strong_count(context);
+        Arc::from_raw(context)
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("ivdisk-rewatch".into())
+        .spawn(move || context.reregister(cookie))
+    {
+        tracing::warn!(error = %e, "no thread to register a lost RADOS watch again");
+    }
 }
 
 /// The answers to a notify: every watcher that acknowledged it (its client's global id and
@@ -749,36 +828,21 @@ impl IoCtx {
         reply: Vec<u8>,
         timeout: Duration,
     ) -> Result<Watch, Errno> {
-        let context = Box::into_raw(Box::new(WatchContext {
-            io: self.raw,
+        let context = Arc::new(WatchContext {
+            io: self.clone(),
             oid: oid.to_owned(),
             reply,
-        }));
-        let mut cookie = 0u64;
-        // SAFETY: valid io context, live C string and out-pointer; `context` stays allocated
-        // until the watch is unregistered (`Watch::drop`) or registering failed (below).
-        let r = unsafe {
-            sys::rados_watch3(
-                self.raw,
-                oid.as_ptr(),
-                &mut cookie,
-                Some(on_notify),
-                Some(on_watch_error),
-                timeout.as_secs().clamp(1, u32::MAX as u64) as u32,
-                context.cast(),
-            )
-        };
-        if let Err(e) = Errno::check(r) {
-            // SAFETY: registering failed, so librados holds no reference to `context`; it
-            // came from Box::into_raw above and is reclaimed once.
-            drop(unsafe { Box::from_raw(context) });
-            return Err(e);
-        }
-        Ok(Watch {
-            io: self.clone(),
-            cookie,
-            context,
-        })
+            timeout: timeout.as_secs().clamp(1, u32::MAX as u64) as u32,
+            state: Mutex::new(WatchState {
+                cookie: 0,
+                dropped: false,
+            }),
+        });
+        // Held across the registration: a loss reported at once waits for its cookie.
+        let mut state = context.state();
+        state.cookie = context.register()?;
+        drop(state);
+        Ok(Watch { context })
     }
 
     /// Notify the watchers of `oid` with an empty payload and collect their replies
@@ -817,18 +881,68 @@ impl IoCtx {
     }
 }
 
-impl Drop for Watch {
-    fn drop(&mut self) {
-        // SAFETY: the cookie came from a successful rados_watch3 on this io context.
-        let r = unsafe { sys::rados_unwatch2(self.io.raw, self.cookie) };
-        if r < 0 {
-            tracing::debug!(error = %Errno(-r), "unwatching a RADOS object");
+/// How long dropping a [`Watch`] waits for its unregistration: it is a round trip to the
+/// OSD, which waits for OSDs that are down (without an op timeout, for ever). After this the
+/// drop returns and the unregistration goes on by itself; if the client goes away first, the
+/// OSD drops the watch after its timeout.
+const UNWATCH_WAIT: Duration = Duration::from_secs(10);
+
+/// A dropped watch's context on its way to the thread that unregisters the watch.
+struct Unregistering {
+    context: Arc<WatchContext>,
+}
+
+impl Unregistering {
+    fn run(self) {
+        let cookie = {
+            let mut state = self.context.state();
+            state.dropped = true;
+            state.cookie
+        };
+        if cookie != 0 {
+            // SAFETY: the cookie came from a successful rados_watch3 on this io context.
+            let r = unsafe { sys::rados_unwatch2(self.context.io.raw, cookie) };
+            if r < 0 {
+                tracing::debug!(error = %Errno(-r), "unwatching a RADOS object");
+            }
         }
         // SAFETY: a valid, connected cluster handle (the io context holds it alive). After
-        // this, no callback of the unregistered watch runs any more.
-        unsafe { sys::rados_watch_flush(self.io._cluster.raw) };
-        // SAFETY: from Box::into_raw in `IoCtx::watch`; librados no longer refers to it.
-        drop(unsafe { Box::from_raw(self.context) });
+        // this, no callback of an unregistered watch runs any more, and with `dropped` set
+        // nothing registers one: the context may go.
+        unsafe { sys::rados_watch_flush(self.context.io._cluster.raw) };
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let job = Unregistering {
+            context: self.context.clone(),
+        };
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name("ivdisk-unwatch".into())
+            .spawn(move || {
+                job.run();
+                let _ = done.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                if finished.recv_timeout(UNWATCH_WAIT).is_err() {
+                    tracing::warn!(
+                        "a RADOS watch is not unregistered yet (are OSDs down?); going on, the \
+                         OSD drops it when it comes back or after its timeout"
+                    );
+                }
+            }
+            // A failed spawn drops the closure unrun: unregister here, however long it takes.
+            Err(e) => {
+                tracing::debug!(error = %e, "unwatching without a thread");
+                Unregistering {
+                    context: self.context.clone(),
+                }
+                .run();
+            }
+        }
     }
 }
 

@@ -354,3 +354,54 @@ async fn a_pool_over_its_quota_is_no_space_at_once_until_the_quota_is_lifted() {
     }
     assert_eq!(store.read(&name("quota", n), 0, 5).await.unwrap(), b"after");
 }
+
+/// A reader's watch dropped while every OSD is down (a read-only image closed in an outage):
+/// the drop returns after a bounded wait instead of waiting for the OSDs, and the watch is
+/// gone once they are back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kills OSDs of the cluster in IVDISK_CEPH_DIR; run by scripts/test-all.sh"]
+async fn a_watch_dropped_while_the_osds_are_down_does_not_hang() {
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let (reader, remover) = (common::open().await, common::open().await);
+    let object = name("watch-outage", 0);
+    remover
+        .write_op(&object, WriteOp::new().write(0, b"h".to_vec()))
+        .await
+        .unwrap();
+    let watch = reader.watch(&object, b"r".to_vec()).await.unwrap().unwrap();
+    let notify = |timeout| remover.notify(&object, timeout);
+    assert_eq!(
+        notify(Duration::from_secs(5)).await.unwrap().replies.len(),
+        1
+    );
+
+    let mut guard = RestartOnPanic { armed: true };
+    kill_all_osds();
+    let started = Instant::now();
+    tokio::task::spawn_blocking(move || drop(watch))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(30),
+        "dropping the watch took {took:?} with the OSDs down"
+    );
+    start_all_osds();
+    guard.armed = false;
+
+    let gone_by = Instant::now() + Duration::from_secs(90);
+    loop {
+        let answers = notify(Duration::from_secs(5)).await.unwrap();
+        if answers.replies.is_empty() && answers.unanswered.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < gone_by,
+            "the dropped watch still answers: {answers:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

@@ -1,0 +1,134 @@
+//! Readers of RADOS images keep them from being removed (crates/ivdisk-image/src/readers.rs):
+//! here, a reader whose watch the OSD dropped while its process was paused (as a VM host or
+//! a stopped container pauses one) is seen again once it runs: its watch is registered
+//! again, and `snap rm` refuses once more.
+//!
+//! The cluster comes from the environment as for the other Ceph tests (`CEPH_CONF`,
+//! `IVDISK_RADOS_POOL`); `IVDISK_NO_CEPH=1` skips this test loudly. It takes about a minute:
+//! the OSD keeps a silent client's watch for 30 s.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{fails, ok, p, Fixture, FAST};
+
+/// The pool, or `None` (skip) with IVDISK_NO_CEPH=1; `CEPH_CONF` names the cluster.
+fn pool() -> Option<String> {
+    if std::env::var("IVDISK_NO_CEPH").as_deref() == Ok("1") {
+        eprintln!("IVDISK_NO_CEPH=1: no Ceph cluster, the RADOS readers test is SKIPPED");
+        return None;
+    }
+    assert!(
+        std::env::var_os("CEPH_CONF").is_some(),
+        "this test needs a Ceph cluster: run `eval \"$(scripts/ceph-dev-cluster start)\"` \
+         (which exports CEPH_CONF), or set IVDISK_NO_CEPH=1 to skip it"
+    );
+    Some(std::env::var("IVDISK_RADOS_POOL").unwrap_or_else(|_| "rbd".into()))
+}
+
+/// A server process, killed (and continued first, if paused) when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // (Exited already, after the test's SIGTERM: nothing to continue or kill.)
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn signal(child: &Child, which: &str) {
+    let status = Command::new("kill")
+        .args([which, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {which}");
+}
+
+/// Removes the test's image (and its snapshot) at the end, also when the test fails.
+struct Cleanup(String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = common::ivdisk(&["snap", "rm", &format!("{}@kept", self.0)]);
+        let _ = common::ivdisk(&["delete", &self.0, "--yes"]);
+    }
+}
+
+#[test]
+fn a_paused_reader_is_seen_again_once_it_runs() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let name = format!("readers-{}", std::process::id());
+    let image = format!("rados://{pool}/{name}");
+    let mut args = vec![
+        "create",
+        &image,
+        "--size",
+        "8M",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    args.extend(FAST);
+    ok(&args);
+    let _cleanup = Cleanup(image.clone());
+    let kept = format!("{image}@kept");
+    ok(&["snap", "create", &kept]);
+
+    let socket = f.path("kept.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["serve", &kept, "--passphrase-file", p(&f.pw)])
+        .args(["--socket", p(&socket)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let server = Server(child);
+    // Read to the end, so that the server never writes into a closed pipe.
+    let (started, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("Serving image") {
+                let _ = started.send(());
+            }
+        }
+    });
+    ready
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the server did not start");
+    let pid = server.0.id();
+    let refused = fails(&["snap", "rm", &kept]);
+    assert!(
+        refused.contains(&format!("open read-only by process {pid} on host")),
+        "{refused}"
+    );
+
+    // Paused past the OSD's 30 s watch timeout: the OSD drops its watch.
+    signal(&server.0, "-STOP");
+    std::thread::sleep(Duration::from_secs(40));
+    signal(&server.0, "-CONT");
+    // librados finds the watch gone at its next ping (every 5 s) and the server registers
+    // it again.
+    std::thread::sleep(Duration::from_secs(20));
+    let refused = fails(&["snap", "rm", &kept]);
+    assert!(
+        refused.contains(&format!("open read-only by process {pid} on host")),
+        "the paused reader was not seen again: {refused}"
+    );
+    // Stopped as a user stops it, it unregisters its watch: the snapshot goes at once.
+    let mut server = server;
+    signal(&server.0, "-TERM");
+    assert!(server.0.wait().unwrap().success());
+    ok(&["snap", "rm", &kept]);
+}
