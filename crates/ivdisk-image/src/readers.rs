@@ -74,9 +74,7 @@ fn refused(shown: &str) -> impl FnOnce(StoreError) -> ImageError + '_ {
 
 /// A reader's answer to a removal's notify.
 fn reader_reply(snapshot: Option<SnapId>) -> Vec<u8> {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_default();
+    let host = crate::writer_lock::host_name();
     format!(
         "{REPLY_TAG} target={} pid={} host={}",
         target_word(snapshot),
@@ -204,9 +202,9 @@ async fn hold_off_watchers(
         .await
         .map_err(ImageError::store(shown))?
     else {
-        return Err(ImageError::Corrupt {
+        return Err(ImageError::LockLost {
             image: shown.to_owned(),
-            reason: "the writer lock this removal took is gone (broken by `ivdisk lock break`?); \
+            reason: "it is gone before the removal began (broken by `ivdisk lock break`?); \
                      nothing was removed, run the command again"
                 .into(),
         });

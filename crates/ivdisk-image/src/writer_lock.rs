@@ -187,6 +187,13 @@ fn renew_until_stopped(
     }
 }
 
+/// This machine's host name, as lock holders and readers name where they run ("" if unknown).
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default()
+}
+
 /// The cookie the holder record names (see [`LAST_WRITER_KEY`]), if any.
 fn last_holder(
     store: &dyn ObjectStore,
@@ -211,9 +218,7 @@ impl WriterLock {
         let mut cookie = [0u8; 8];
         ivdisk_crypto::fill_random(&mut cookie).map_err(ImageError::crypto(image))?;
         let cookie = hex::encode(cookie);
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_owned())
-            .unwrap_or_default();
+        let host = host_name();
         let request = LockRequest {
             name: WRITER_LOCK.into(),
             cookie: cookie.clone(),
