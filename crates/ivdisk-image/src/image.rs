@@ -932,11 +932,18 @@ impl Image {
             done += batch.len() as u64;
             progress(done, total);
         }
-        drop(lock.release().await);
-        store
-            .write_op(&header_object, WriteOp::new().step(WriteStep::Remove))
-            .await
-            .map_err(ImageError::store(&image))?;
+        // The header goes before the lock: a reader or writer opening in between would find
+        // an image without data (a reader ignores the removal record once the lock is gone).
+        let removed = lock.remove_locked_object().await;
+        if let Err(why) = removed.map_err(ImageError::store(&image))? {
+            return Err(ImageError::LockLost {
+                image,
+                reason: format!(
+                    "{why}; the data objects are removed, the header is left: run the delete \
+                     again"
+                ),
+            });
+        }
         store.flush().await.map_err(ImageError::store(&image))?;
         tracing::info!(image = %image, objects = total, "deleted image");
         Ok(())

@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ivdisk_store::{
-    LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError, WriteOp,
+    LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError,
+    WriteOp, WriteStep,
 };
 
 use crate::ImageError;
@@ -315,6 +316,31 @@ impl WriterLock {
         }
     }
 
+    /// Stop renewing and remove the locked object itself, then release the lock (on RADOS it
+    /// is gone with the object; other stores keep it apart). The object goes while the lock is
+    /// still held, so no one takes the lock or opens the object in between (`delete`).
+    /// `Ok(Err(why))`, nothing removed, if the lock was lost meanwhile.
+    pub(crate) async fn remove_locked_object(mut self) -> Result<Result<(), String>, StoreError> {
+        self.stop_renewing();
+        if let Some(why) = self.lost() {
+            return Ok(Err(why));
+        }
+        let removed = self
+            .store
+            .write_op(&self.object, WriteOp::new().step(WriteStep::Remove))
+            .await;
+        let unlocked = self
+            .store
+            .unlock(&self.object, WRITER_LOCK, &self.cookie)
+            .await;
+        self.cookie.clear();
+        removed?;
+        match unlocked {
+            Ok(()) | Err(StoreError::NotLocked { .. } | StoreError::NotFound { .. }) => Ok(Ok(())),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Stop renewing and release the lock.
     pub(crate) async fn release(mut self) -> Result<(), StoreError> {
         self.stop_renewing();
@@ -342,5 +368,72 @@ impl Drop for WriterLock {
                 &self.cookie,
             ));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ivdisk_store::{MemoryStore, ObjectStoreExt, WriteOutcome};
+
+    /// The memory store, noting who held the writer lock when an object was removed.
+    struct LockersAtRemoval {
+        inner: MemoryStore,
+        seen: Mutex<Vec<Vec<String>>>,
+    }
+
+    ivdisk_store::object_store_forwarding_to_inner!(LockersAtRemoval {
+        async fn write_op(
+            &self,
+            object: &ObjectName,
+            op: WriteOp,
+        ) -> Result<WriteOutcome, StoreError> {
+            if op.steps.contains(&WriteStep::Remove) {
+                let lockers = self.inner.list_lockers(object, WRITER_LOCK).await?;
+                let cookies = lockers.into_iter().map(|l| l.cookie).collect();
+                self.seen.lock().unwrap().push(cookies);
+            }
+            self.inner.write_op(object, op).await
+        }
+        async fn read_op(
+            &self,
+            object: &ObjectName,
+            op: ReadOp,
+        ) -> Result<Vec<ReadResult>, StoreError> {
+            self.inner.read_op(object, op).await
+        }
+    });
+
+    /// `delete` removes the header under its lock: were the lock released first, a writer or
+    /// reader opening in between would find a header whose data objects are gone.
+    #[tokio::test]
+    async fn the_locked_object_is_removed_before_the_lock_goes() {
+        let store = Arc::new(LockersAtRemoval {
+            inner: MemoryStore::new().unwrap(),
+            seen: Mutex::new(Vec::new()),
+        });
+        let object = ObjectName::new("img.header").unwrap();
+        store
+            .write_op(&object, WriteOp::new().write(0, b"header".to_vec()))
+            .await
+            .unwrap();
+        let lock = WriterLock::acquire(
+            store.clone(),
+            object.clone(),
+            "img",
+            Duration::from_secs(30),
+            HolderRecord::Keep,
+        )
+        .await
+        .unwrap();
+        let cookie = lock.cookie.clone();
+        assert_eq!(lock.remove_locked_object().await.unwrap(), Ok(()));
+        assert_eq!(*store.seen.lock().unwrap(), vec![vec![cookie]]);
+        assert_eq!(store.stat(&object).await.unwrap(), None);
+        assert!(store
+            .list_lockers(&object, WRITER_LOCK)
+            .await
+            .unwrap()
+            .is_empty());
     }
 }
