@@ -35,8 +35,10 @@ pub enum HeaderError {
     Checksum { which: &'static str },
 
     #[error(
-        "both LUKS2 headers are damaged (primary: {primary}; secondary: {secondary}); restore a \
-         header backup with `ivdisk header restore`"
+        "both LUKS2 headers are damaged ({}; {}); restore a header backup with `ivdisk header \
+         restore`",
+        labelled("primary", primary),
+        labelled("secondary", secondary)
     )]
     BothHeadersDamaged { primary: String, secondary: String },
 
@@ -128,5 +130,13 @@ impl HeaderError {
                 HeaderError::Io { offset, source }
             }
         }
+    }
+}
+
+/// `text` with `which: ` in front, unless it already starts by naming that copy.
+fn labelled(which: &str, text: &str) -> String {
+    match text.starts_with(which) {
+        true => text.to_owned(),
+        false => format!("{which}: {text}"),
     }
 }

@@ -90,6 +90,41 @@ impl ImageParams {
     }
 }
 
+/// The image ids that the JSON areas of a header still name when it no longer reads
+/// (checksums and binary headers ignored): which image a damaged header belonged to, so that
+/// restoring a header backup does not put another image's header in its place. Never used
+/// to open anything.
+pub fn salvage_image_ids(io: &dyn HeaderIo) -> Vec<ImageId> {
+    let size = io.size().unwrap_or(0);
+    let mut ids = Vec::new();
+    for copy_at in std::iter::once(0).chain(binary::HEADER_SIZES) {
+        let json_at = copy_at + binary::BINARY_HEADER_LEN as u64;
+        let longest = binary::HEADER_SIZES[binary::HEADER_SIZES.len() - 1];
+        let Ok(len) = usize::try_from(size.saturating_sub(json_at).min(longest)) else {
+            continue;
+        };
+        let Ok(area) = read_vec(io, json_at, len) else {
+            continue;
+        };
+        let end = area.iter().position(|&b| b == 0).unwrap_or(area.len());
+        let Ok(json) = serde_json::from_slice::<Value>(&area[..end]) else {
+            continue;
+        };
+        let tokens = json.get("tokens").and_then(Value::as_object);
+        for token in tokens.into_iter().flat_map(|t| t.values()) {
+            if token.get("type").and_then(Value::as_str) != Some(IVDISK_TOKEN_TYPE) {
+                continue;
+            }
+            if let Ok(params) = ImageParams::from_token(token) {
+                if !ids.contains(&params.image_id) {
+                    ids.push(params.image_id);
+                }
+            }
+        }
+    }
+    ids
+}
+
 /// What a new header holds.
 #[derive(Debug, Clone)]
 pub struct FormatSpec {
@@ -252,10 +287,8 @@ impl Header {
                 return Err(HeaderError::NotLuks);
             }
         }
+        // A warning is returned, not logged: the caller names the image it belongs to.
         let loaded = binary::read_luks2(io)?;
-        if let Some(warning) = &loaded.warning {
-            tracing::warn!("{warning}");
-        }
         Ok(Header {
             format: Format::Luks2 {
                 binary: loaded.copy.binary,

@@ -37,8 +37,8 @@ pub mod metadata;
 
 pub use error::HeaderError;
 pub use header::{
-    DataSegment, FormatSpec, Header, ImageParams, KeyslotInfo, SegmentInfo, Unlocked,
-    DEFAULT_HEADER_SIZE, DEFAULT_KEYSLOTS_SIZE, FORMAT_VERSION, IVDISK_REQUIREMENT,
+    salvage_image_ids, DataSegment, FormatSpec, Header, ImageParams, KeyslotInfo, SegmentInfo,
+    Unlocked, DEFAULT_HEADER_SIZE, DEFAULT_KEYSLOTS_SIZE, FORMAT_VERSION, IVDISK_REQUIREMENT,
     IVDISK_TOKEN_TYPE,
 };
 pub use io::{HeaderIo, MemoryHeaderIo};

@@ -92,6 +92,10 @@ fn expect_both_damaged(io: &dyn HeaderIo) -> (String, String, String) {
                 text.contains("ivdisk header restore"),
                 "no restore hint in: {text}"
             );
+            for which in ["primary", "secondary"] {
+                let twice = format!("{which}: {which}");
+                assert!(!text.contains(&twice), "`{twice}` in: {text}");
+            }
             let HeaderError::BothHeadersDamaged { primary, secondary } = e else {
                 unreachable!()
             };

@@ -633,7 +633,7 @@ impl Image {
             let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
             for name in options.snapshot.iter().chain(&options.since) {
                 if let Some(snap) = table.find(name) {
-                    let shown = format!("{image}@{name}");
+                    let shown = crate::uri::at_snapshot(&image, name);
                     let mark = crate::readers::mark_reader(
                         uri,
                         store.as_ref(),

@@ -15,7 +15,7 @@ pub enum ImageError {
     InvalidUri { uri: String, reason: String },
 
     /// No image by that name on that store.
-    #[error("image {image} does not exist (create it with `ivdisk create {image} --size SIZE`)")]
+    #[error("image {image} does not exist ({})", create_hint(image))]
     NotFound { image: String },
 
     /// Create found an image already there.
@@ -47,11 +47,14 @@ pub enum ImageError {
     },
 
     /// Another client holds the image's writer lock.
-    #[error("image {image} is open for writing by {holder}{}; open it read-only, stop that writer, or if it is gone run `ivdisk lock break {image}`", expires_in.map(|d| format!(" (lock expires in {} s unless renewed)", d.as_secs())).unwrap_or_default())]
+    /// `breakable`: `ivdisk lock break` removes a dead holder's lock (not so for a LUKS
+    /// file's flock, which ends with its process, or a librbd client's lock).
+    #[error("image {image} is open for writing by {holder}{}; open it read-only, stop that writer{}", expires_in.map(|d| format!(" (lock expires in {} s unless renewed)", d.as_secs())).unwrap_or_default(), if *breakable { format!(", or if it is gone run `ivdisk lock break {image}`") } else { String::new() })]
     Locked {
         image: String,
         holder: String,
         expires_in: Option<Duration>,
+        breakable: bool,
     },
 
     /// The writer lock is not held while the image is open: broken or taken by another client
@@ -98,7 +101,7 @@ pub enum ImageError {
     },
 
     /// A snapshot name already taken.
-    #[error("image {image} already has a snapshot named `{snapshot}`; pick another name or remove it first (`ivdisk snap rm {image}@{snapshot}`)")]
+    #[error("image {image} already has a snapshot named `{snapshot}`; pick another name or remove it first (`ivdisk snap rm {}`)", crate::uri::at_snapshot(image, snapshot))]
     SnapshotExists { image: String, snapshot: String },
 
     /// No snapshot by that name.
@@ -106,7 +109,7 @@ pub enum ImageError {
     SnapshotNotFound { image: String, snapshot: String },
 
     /// Deleting an image that still has snapshots.
-    #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {image}@NAME`), nothing was deleted", names.len(), names.join(", "))]
+    #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {}`), nothing was deleted", names.len(), names.join(", "), crate::uri::at_snapshot(image, "NAME"))]
     HasSnapshots { image: String, names: Vec<String> },
 
     /// A removal (`delete`, `snap rm`) refused: another open reads what it would remove (a
@@ -141,12 +144,15 @@ pub enum ImageError {
     #[error("image {image}: the header backup is not usable: {reason}; nothing was changed")]
     InvalidBackup { image: String, reason: String },
 
-    /// A header backup of another image (its image id differs from the header in place).
-    #[error("image {image}: the header backup belongs to image id {backup_id}, but this image's header has id {image_id}; restore this image's own backup, or pass --force to replace its header anyway (the image then shows image {backup_id}'s data objects, if this store holds any, not its own); nothing was changed", backup_id = hex::encode(backup_id.0), image_id = hex::encode(image_id.0))]
+    /// A header backup of another image: its image id differs from the one the header in
+    /// place has, or (a header that no longer reads) still names in its JSON, or the one of a
+    /// local store's data objects. `found` says which.
+    #[error("image {image}: the header backup belongs to image id {backup_id}, but {found} {image_id}; restore this image's own backup, or pass --force to replace its header anyway (the image then shows image {backup_id}'s data objects, if this store holds any, not its own); nothing was changed", backup_id = hex::encode(backup_id.0), image_id = hex::encode(image_id.0))]
     BackupMismatch {
         image: String,
         backup_id: ImageId,
         image_id: ImageId,
+        found: &'static str,
     },
 
     /// Restoring the header of a suite with a write limit (`aes-gcm-random`) where the header
@@ -229,5 +235,17 @@ impl ImageError {
                 ..
             }
         )
+    }
+}
+
+/// What to do about an image that does not exist: create it, unless its name is one `create`
+/// refuses (an `@` in it: `IMAGE@SNAP` names a snapshot, with one `@`).
+fn create_hint(image: &str) -> String {
+    let name = image.split('?').next().unwrap_or(image);
+    match name.rsplit('/').next().unwrap_or(name).contains('@') {
+        true => "no image name holds an '@': IMAGE@SNAP names snapshot SNAP of IMAGE, and \
+                 `ivdisk snap ls IMAGE` lists them"
+            .into(),
+        false => format!("create it with `ivdisk create {image} --size SIZE`"),
     }
 }

@@ -21,8 +21,8 @@
 //! change fails it cleanly instead of being overwritten.
 
 use ivdisk_crypto::ImageId;
-use ivdisk_header::{Header, MemoryHeaderIo};
-use ivdisk_store::{StoreError, WriteOp, WriteStep};
+use ivdisk_header::{Header, HeaderError, MemoryHeaderIo};
+use ivdisk_store::{data_runs, ObjectStore, StoreError, WriteOp, WriteStep};
 
 use crate::header_object::HeaderRegion;
 use crate::image::{header_object_name, object_name, parse_header, read_header};
@@ -33,6 +33,9 @@ use crate::{Image, ImageError, ImageUri};
 /// Blocks of the header region stored as a write only when not all zeros (the region is
 /// 16 MiB by default, mostly unused keyslot area: the object stays sparse).
 const BLOCK: usize = 4096;
+
+/// The start of every image's data object names (`image::data_object_prefix`).
+const DATA_OBJECTS: &str = "ivdisk_data.";
 
 /// What a header backup holds, or what a restore wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,9 +93,73 @@ fn replaced_by(
             }
             Err(e) => ReplacedHeader::Unreadable(e.to_string()),
         },
-        Err(e) => ReplacedHeader::Unreadable(e.to_string()),
+        Err(e) => ReplacedHeader::Unreadable(unreadable_reason(&e)),
     };
     (region.version(), replaced)
+}
+
+/// Another image's id that the store still shows where the header in place says nothing
+/// (it does not read, or is missing), and where it was found: the damaged header's JSON
+/// areas, or the names of the data objects of a local store (which holds one image; a RADOS
+/// pool holds many, whose data objects say nothing of this one). `None` when what is shown is
+/// the backup's own image, or nothing.
+async fn other_image_shown(
+    store: &dyn ObjectStore,
+    uri: &ImageUri,
+    current: &Option<HeaderRegion>,
+    backup_id: &ImageId,
+) -> Result<Option<(ImageId, &'static str)>, ImageError> {
+    if let Some(region) = current {
+        let named = ivdisk_header::salvage_image_ids(region);
+        if named.contains(backup_id) {
+            return Ok(None);
+        }
+        if let Some(id) = named.first() {
+            return Ok(Some((
+                *id,
+                "this image's damaged header still names image id",
+            )));
+        }
+    }
+    if !matches!(uri, ImageUri::Local { .. }) {
+        return Ok(None);
+    }
+    let objects = store
+        .list(DATA_OBJECTS)
+        .await
+        .map_err(ImageError::store(&uri.to_string()))?;
+    let mut shown = None;
+    for object in &objects {
+        let id = object.as_str()[DATA_OBJECTS.len()..]
+            .split('.')
+            .next()
+            .and_then(|hex_id| hex::decode(hex_id).ok())
+            .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+            .map(ImageId);
+        match id {
+            Some(id) if id == *backup_id => return Ok(None),
+            Some(id) => shown = shown.or(Some(id)),
+            None => {}
+        }
+    }
+    Ok(shown.map(|id| (id, "this store's data objects belong to image id")))
+}
+
+/// What was wrong with a header a restore replaced, without the advice to restore a backup
+/// (which it just did).
+fn unreadable_reason(e: &HeaderError) -> String {
+    match e {
+        HeaderError::NotLuks => {
+            "no LUKS header found (no LUKS magic at byte 0 or at any secondary header offset)"
+                .into()
+        }
+        HeaderError::BothHeadersDamaged { .. } => {
+            let text = e.to_string();
+            let advice = "; restore a header backup with `ivdisk header restore`";
+            text.strip_suffix(advice).unwrap_or(&text).to_owned()
+        }
+        other => other.to_string(),
+    }
 }
 
 fn summary(header: &Header, image_id: ImageId) -> HeaderBackupInfo {
@@ -102,22 +169,6 @@ fn summary(header: &Header, image_id: ImageId) -> HeaderBackupInfo {
         keyslots: header.keyslots().iter().map(|k| k.id).collect(),
         len: header.region_len(),
     }
-}
-
-/// Non-zero runs of `bytes`, in `BLOCK` units, as (offset, length).
-fn data_runs(bytes: &[u8]) -> Vec<(usize, usize)> {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (i, block) in bytes.chunks(BLOCK).enumerate() {
-        if block.iter().all(|&b| b == 0) {
-            continue;
-        }
-        let at = i * BLOCK;
-        match runs.last_mut() {
-            Some((start, len)) if *start + *len == at => *len += block.len(),
-            _ => runs.push((at, block.len())),
-        }
-    }
-    runs
 }
 
 impl Image {
@@ -208,24 +259,38 @@ impl Image {
         }
         // Refused before the lock is taken (taking it may create a missing object, on RADOS),
         // and judged again under it.
-        let judge = |current: &Option<HeaderRegion>| {
-            let (version, replaced) = replaced_by(current, &params.image_id);
+        let (image_ref, params_ref, store_ref, parsed_ref) = (&image, &params, &store, &parsed);
+        let judge = move |current: Option<HeaderRegion>| async move {
+            let (image, params, store, parsed) = (image_ref, params_ref, store_ref, parsed_ref);
+            let (version, replaced) = replaced_by(&current, &params.image_id);
+            let mismatch = |image_id, found| ImageError::BackupMismatch {
+                image: image.clone(),
+                backup_id: params.image_id,
+                image_id,
+                found,
+            };
             match (&replaced, force) {
-                (ReplacedHeader::Other(image_id), false) => Err(ImageError::BackupMismatch {
-                    image: image.clone(),
-                    backup_id: params.image_id,
-                    image_id: *image_id,
-                }),
-                (ReplacedHeader::Missing, false) if parsed.suite.write_limit().is_some() => {
-                    Err(ImageError::NonceCountLost {
-                        image: image.clone(),
-                        suite: parsed.suite,
-                    })
+                (_, true) => {}
+                (ReplacedHeader::Other(image_id), false) => {
+                    return Err(mismatch(*image_id, "this image's header has id"))
                 }
-                _ => Ok((version, replaced)),
+                (ReplacedHeader::Unreadable(_) | ReplacedHeader::Missing, false) => {
+                    let shown = other_image_shown(store.as_ref(), uri, &current, &params.image_id);
+                    if let Some((image_id, found)) = shown.await? {
+                        return Err(mismatch(image_id, found));
+                    }
+                    if replaced == ReplacedHeader::Missing && parsed.suite.write_limit().is_some() {
+                        return Err(ImageError::NonceCountLost {
+                            image: image.clone(),
+                            suite: parsed.suite,
+                        });
+                    }
+                }
+                (ReplacedHeader::Same, false) => {}
             }
+            Ok((version, replaced))
         };
-        judge(&current)?;
+        judge(current).await?;
         // Held until the new header is stored: no writer runs now, and none opens meanwhile.
         let lock = WriterLock::acquire(
             store.clone(),
@@ -236,7 +301,7 @@ impl Image {
         )
         .await?;
         let result = async {
-            let (version, replaced) = judge(&read().await?)?;
+            let (version, replaced) = judge(read().await?).await?;
             let mut op = WriteOp::new().step(match version {
                 Some(v) => WriteStep::AssertVersion(v),
                 None => WriteStep::CreateExclusive,
@@ -244,7 +309,7 @@ impl Image {
             // Every old byte goes (a damaged header must not survive in a gap of the new one);
             // the omap, and with it the nonce reservation, stays.
             op = op.step(WriteStep::Truncate(0));
-            for (at, n) in data_runs(bytes) {
+            for (at, n) in data_runs(bytes, BLOCK) {
                 op = op.write(at as u64, &bytes[at..at + n]);
             }
             op = op.step(WriteStep::Truncate(len));
@@ -323,19 +388,6 @@ mod tests {
         assert_eq!(buf, data);
     }
 
-    #[test]
-    fn zero_blocks_are_not_written() {
-        let mut bytes = vec![0u8; 5 * BLOCK + 10];
-        bytes[1] = 1;
-        bytes[BLOCK + 5] = 2;
-        bytes[3 * BLOCK] = 3;
-        bytes[5 * BLOCK + 9] = 4;
-        assert_eq!(
-            data_runs(&bytes),
-            vec![(0, 2 * BLOCK), (3 * BLOCK, BLOCK), (5 * BLOCK, 10)]
-        );
-    }
-
     #[tokio::test]
     async fn a_damaged_header_is_restored_and_the_nonce_count_kept() {
         let (uri, data) = image("damaged", Suite::AesGcmRandom).await;
@@ -393,6 +445,48 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(restored.replaced, ReplacedHeader::Other(id_two));
+        assert_eq!(Image::info(&two).await.unwrap().image_id, info_one.image_id);
+    }
+
+    /// A header that no longer reads still names its image in its JSON areas: another
+    /// image's backup is refused there too (it would show that image's data, or none).
+    #[tokio::test]
+    async fn another_images_backup_over_a_damaged_header_needs_force() {
+        let (one, _) = image("damaged-one", Suite::DEFAULT).await;
+        let (two, data_two) = image("damaged-two", Suite::DEFAULT).await;
+        let (backup_one, info_one) = Image::backup_header(&one).await.unwrap();
+        let (backup_two, _) = Image::backup_header(&two).await.unwrap();
+        let id_two = Image::info(&two).await.unwrap().image_id;
+        let store = two.open_store(false).await.unwrap();
+        let object = header_object(&two);
+        store.write(&object, 0, &[0xEE; 4096]).await.unwrap();
+        store.write(&object, 16 << 10, &[0xEE; 4096]).await.unwrap();
+        assert!(Image::info(&two).await.is_err());
+        let err = Image::restore_header(&two, &backup_one, false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ImageError::BackupMismatch { backup_id, image_id, found, .. }
+                if backup_id == info_one.image_id && image_id == id_two
+                    && found.contains("damaged header")),
+            "{err}"
+        );
+        assert!(Image::info(&two).await.is_err(), "nothing was changed");
+        // Its own backup goes back without --force.
+        let restored = Image::restore_header(&two, &backup_two, false)
+            .await
+            .unwrap();
+        assert!(matches!(restored.replaced, ReplacedHeader::Unreadable(_)));
+        reads_back(&two, &data_two).await;
+        // A header whose JSON is gone too names nothing: the backup goes in (a `mem:` store
+        // holds many images, so its data objects say nothing of this one).
+        store
+            .write(&object, 0, &vec![0xEE; 32 << 10])
+            .await
+            .unwrap();
+        Image::restore_header(&two, &backup_one, false)
+            .await
+            .unwrap();
         assert_eq!(Image::info(&two).await.unwrap().image_id, info_one.image_id);
     }
 

@@ -1,6 +1,7 @@
 //! An image's life: create, open (read-only or as the one writer), grow, close, delete.
 //! The IO path is in `io.rs`.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -305,7 +306,12 @@ pub(crate) async fn read_header(
         })?;
     let header = Header::read(&region).map_err(ImageError::header(image))?;
     if let Some(warning) = header.warning() {
-        tracing::warn!(image, warning, "image header");
+        // Once per image and process: a command reads the header more than once.
+        static WARNED: Mutex<BTreeSet<(String, String)>> = Mutex::new(BTreeSet::new());
+        let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+        if warned.insert((image.to_owned(), warning.to_owned())) {
+            tracing::warn!(image, warning, "image header");
+        }
     }
     Ok((header, region))
 }
@@ -463,7 +469,7 @@ impl Image {
     async fn mark_reader(&self, uri: &ImageUri) -> Result<(), ImageError> {
         let inner = &self.inner;
         let shown = match &inner.snapshot {
-            Some((name, _)) => format!("{}@{name}", inner.name),
+            Some((name, _)) => crate::uri::at_snapshot(&inner.name, name),
             None => inner.name.clone(),
         };
         let Some(mark) = crate::readers::mark_reader(

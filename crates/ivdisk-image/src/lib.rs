@@ -56,7 +56,7 @@ pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
 pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
-pub use uri::{ImageUri, LOCAL_IMAGE_NAME};
+pub use uri::{at_snapshot, ImageUri, LOCAL_IMAGE_NAME};
 pub use write_payload::{PayloadPlacement, WritePayload};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, WRITER_LOCK};
 

@@ -117,12 +117,23 @@ pub(crate) async fn mark_reader(
             .map(|mark| mark.map(ReaderHold::Marked))
             .map_err(refused(shown)),
         ImageUri::Rados { .. } => {
-            let Some(watch) = store
-                .watch(header_object, reader_reply(snapshot))
-                .await
-                .map_err(ImageError::store(shown))?
-            else {
-                return Ok(None);
+            let watch = match store.watch(header_object, reader_reply(snapshot)).await {
+                Ok(watch) => watch,
+                // A client whose OSD caps allow no writes (`profile rbd-read-only`, `allow
+                // r`) may not watch: it reads all the same, as librbd's read-only opens do,
+                // unseen by removals.
+                Err(StoreError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::PermissionDenied =>
+                {
+                    tracing::warn!(
+                        image = shown,
+                        "this client may not watch the image's header (its OSD caps allow no \
+                         writes): `ivdisk delete` and `snap rm` elsewhere will not see this \
+                         reader"
+                    );
+                    None
+                }
+                Err(e) => return Err(ImageError::store(shown)(e)),
             };
             if let Some(removing) = removal_under_way(store, header_object, shown).await? {
                 if removing == "head" || removing == target_word(snapshot) {
@@ -131,7 +142,7 @@ pub(crate) async fn mark_reader(
                     });
                 }
             }
-            Ok(Some(ReaderHold::Watching(watch)))
+            Ok(watch.map(ReaderHold::Watching))
         }
         ImageUri::Memory { .. } => Ok(None),
     }

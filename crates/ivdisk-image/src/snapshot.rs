@@ -536,7 +536,7 @@ async fn remove_record(
     // Held to the end: no reader opens it meanwhile.
     let _readers_held_off = match uri {
         Some(uri) => {
-            let shown = format!("{image}@{name}");
+            let shown = crate::uri::at_snapshot(image, name);
             crate::readers::hold_off_readers(uri, store, header_object, &shown, Some(snap.id))
                 .await?
         }

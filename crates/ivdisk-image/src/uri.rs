@@ -179,6 +179,12 @@ impl ImageUri {
         Ok((uri, Some(snap.to_owned())))
     }
 
+    /// The address of snapshot `snapshot` of this image, as [`ImageUri::parse_with_snapshot`]
+    /// reads it back.
+    pub fn at_snapshot(&self, snapshot: &str) -> String {
+        at_snapshot(&self.to_string(), snapshot)
+    }
+
     /// The image's name inside its store (its header object is named from it).
     pub fn image_name(&self) -> &str {
         match self {
@@ -295,6 +301,18 @@ impl fmt::Display for ImageUri {
 /// operation of the default budget, so an image never keeps more than one operation more in
 /// flight than the configured budget would hold of its data alone.
 const RADOS_INFLIGHT_HEADROOM_PERMILLE: u32 = 20;
+
+/// `image` (an image address as displayed) with `@snapshot`: before the query of a
+/// `rados://` address (`rados://POOL/IMAGE@SNAP?conf=...`; after it, the `@` would be read as
+/// part of the last parameter), at the end of any other.
+pub fn at_snapshot(image: &str, snapshot: &str) -> String {
+    match image.split_once('?') {
+        Some((base, query)) if image.starts_with("rados://") => {
+            format!("{base}@{snapshot}?{query}")
+        }
+        _ => format!("{image}@{snapshot}"),
+    }
+}
 
 /// One memory store per process: `mem:` images live as long as the process. Each opener gets
 /// its own client identity, so writer locks between two opens behave as between two hosts.
@@ -420,6 +438,13 @@ mod tests {
                 Some("s1")
             )
         );
+        // What `at_snapshot` writes reads back as the image and the snapshot (as displayed:
+        // without `conf=`, `id=` and `keyring=`).
+        for text in ["rados://rbd/vm?namespace=ns", "rados://rbd/vm", "mem:a"] {
+            let uri = ImageUri::parse(text).unwrap();
+            let (back, snap) = ImageUri::parse_with_snapshot(&uri.at_snapshot("s1")).unwrap();
+            assert_eq!((back, snap.as_deref()), (uri, Some("s1")), "{text}");
+        }
         // No snapshot: plain addresses, and an '@' inside a directory name.
         assert_eq!(ImageUri::parse_with_snapshot("disk.ivd").unwrap().1, None);
         assert_eq!(

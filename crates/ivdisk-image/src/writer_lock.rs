@@ -235,6 +235,7 @@ impl WriterLock {
                     image: image.to_owned(),
                     holder: locker.as_ref().map(describe).unwrap_or(h),
                     expires_in: locker.and_then(|l| l.expires_in),
+                    breakable: true,
                 });
             }
             Err(e) => return Err(ImageError::store(image)(e)),

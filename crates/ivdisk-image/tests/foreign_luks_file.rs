@@ -627,6 +627,11 @@ async fn one_writer_per_file_across_processes() {
     let text = err.to_string();
     assert!(matches!(err, ImageError::Locked { .. }), "{text}");
     assert!(text.contains(&format!("process {pid}")), "{text}");
+    // `ivdisk lock break` refuses a LUKS file: the advice is to stop the holder.
+    assert!(
+        text.contains("flock") && !text.contains("lock break"),
+        "{text}"
+    );
     Image::open(&uri, PASS, &OpenOptions::read_only())
         .await
         .unwrap()

@@ -42,7 +42,7 @@ pub mod small_fs;
 pub use coalesce::CoalescingStore;
 pub use error::StoreError;
 pub use ext::ObjectStoreExt;
-pub use file_ranges::file_data_ranges;
+pub use file_ranges::{all_zero, data_runs, file_data_ranges};
 pub use local::{DiskUsage, LocalStore, LocalStoreOptions, RecoveryReport};
 pub use memory::MemoryStore;
 pub use types::*;

@@ -140,7 +140,7 @@ fn summary_json(s: &BackupSummary) -> Value {
 fn what(s: &BackupSummary) -> String {
     let d = &s.description;
     let source = match &d.snapshot {
-        Some(snap) => format!("{}@{snap}", d.image),
+        Some(snap) => ivdisk_image::at_snapshot(&d.image, snap),
         None => d.image.clone(),
     };
     match &d.base {

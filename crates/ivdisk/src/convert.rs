@@ -8,7 +8,7 @@
 //! device ([`RawFile`], holes found with `SEEK_DATA`/`SEEK_HOLE`).
 //!
 //! The copy uses `import`'s machinery (`transfer.rs`): chunks of at most one destination
-//! object, [`IN_FLIGHT`] at once on runtime tasks, all-zero chunks not written (an unwritten
+//! object, [`IN_FLIGHT`] at once on runtime tasks, all-zero sectors not written (an unwritten
 //! sector reads as zeros), and a failed copy deletes the half-made image. Where the source
 //! says a range holds no data, it is not even read. Then every byte of the destination is
 //! read back and compared with the source (read again where it holds data); a difference
@@ -41,9 +41,10 @@ use zeroize::Zeroizing;
 use crate::images::{flat, human_size, parse_image_at, parse_uri, FormatArgs};
 use crate::secrets::{prompt_twice, with_spinner, NewPassphraseArgs, PassphraseArgs};
 use crate::transfer::{
-    all_zero, chunk_size, delete_half_made, interrupted, interrupted_error, progress, source_len,
-    stop_copies_on_signals, store_dir_to_make, unlock_read_only, IN_FLIGHT,
+    chunk_size, delete_half_made, interrupted, interrupted_error, progress, source_len,
+    stop_copies_on_signals, store_dir_to_make, unlock_read_only, write_data_runs, IN_FLIGHT,
 };
+use ivdisk_store::all_zero;
 
 /// The body of `ivdisk convert --help` (main.rs adds the suites and layouts).
 pub fn after_help() -> String {
@@ -59,7 +60,7 @@ pub fn after_help() -> String {
      DST is a new ivdisk image, made as `ivdisk create` makes one (--cipher, --layout, \
      --sector-size, --object-size, key derivation options). Its size is SRC's size rounded up \
      to DST's sector size (the added bytes read as zeros). Ranges SRC reports unallocated are \
-     not read, and all-zero chunks are not written (an unwritten sector reads as zeros). Then \
+     not read, and all-zero sectors are not written (an unwritten sector reads as zeros). Then \
      every byte of DST is read back and compared with SRC; if any differs, or the copy fails or \
      is stopped by Ctrl-C (SIGINT) or SIGTERM, DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
      exists is refused unless --force, which deletes it (an ivdisk image; never a file) once \
@@ -155,7 +156,10 @@ fn classify(text: &str, format: SourceFormat) -> Result<Spec> {
     let (uri, snapshot) = parse_image_at(text)?;
     if let Some(name) = snapshot {
         if raw {
-            bail!("--source-format raw is for files and block devices, not snapshot {uri}@{name}");
+            bail!(
+                "--source-format raw is for files and block devices, not snapshot {}",
+                uri.at_snapshot(&name)
+            );
         }
         return Ok(Spec::Image(uri, Some(name)));
     }
@@ -634,7 +638,7 @@ async fn read_source(
 // ---------------------------------------------------------------------------------------------
 // Copy and verify
 
-/// Bytes written and skipped (holes and all-zero chunks).
+/// Bytes written and skipped (holes and all-zero sectors).
 #[derive(Debug, Default, Clone, Copy)]
 struct Copied {
     written: u64,
@@ -657,15 +661,12 @@ async fn copy(
             let (source, image, name) = (source.clone(), image.clone(), name.to_owned());
             tokio::spawn(async move {
                 if !piece.data {
-                    return anyhow::Ok((piece.len, false));
+                    return anyhow::Ok((piece.len, 0));
                 }
                 let mut buf = vec![0u8; piece.len as usize];
                 read_source(source.as_ref(), piece.offset, &mut buf, &name).await?;
-                if all_zero(&buf) {
-                    return Ok((piece.len, false));
-                }
-                image.write_owned(piece.offset, buf).await.map_err(flat)?;
-                Ok((piece.len, true))
+                let written = write_data_runs(&image, piece.offset, buf).await?;
+                Ok((piece.len, written))
             })
         })
         .buffer_unordered(IN_FLIGHT);
@@ -675,11 +676,8 @@ async fn copy(
         match done.context("a copy task failed").and_then(|r| r) {
             Ok((n, written)) => {
                 bar.inc(n);
-                if written {
-                    copied.written += n;
-                } else {
-                    copied.skipped += n;
-                }
+                copied.written += written;
+                copied.skipped += n - written;
             }
             Err(e) => {
                 stop.store(true, Ordering::Relaxed);

@@ -283,7 +283,7 @@ pub fn parse_image_at(text: &str) -> Result<(ImageUri, Option<String>)> {
 /// `IMAGE` or `IMAGE@SNAP`: what a command reads, as its messages name it.
 pub fn image_at(uri: &ImageUri, snapshot: Option<&str>) -> String {
     match snapshot {
-        Some(name) => format!("{uri}@{name}"),
+        Some(name) => uri.at_snapshot(name),
         None => uri.to_string(),
     }
 }

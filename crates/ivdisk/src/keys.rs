@@ -555,11 +555,12 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 .truncate(force)
                 .create_new(!force)
                 .open(&file)
-                .with_context(|| {
-                    format!(
+                .with_context(|| match force || !file.exists() {
+                    true => format!("cannot create {}", file.display()),
+                    false => format!(
                         "cannot create {} (use --force to overwrite)",
                         file.display()
-                    )
+                    ),
                 })?;
             let header = match with_spinner("benchmarking the key derivation", || {
                 Header::format(&mut out, &spec, &key, &passphrase)

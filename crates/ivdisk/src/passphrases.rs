@@ -166,7 +166,7 @@ fn check_removal(uri: &ImageUri, keyslots: &[u32], slot: Option<u32>, force: boo
     }
     if keyslots.len() == 1 && !force {
         bail!(
-            "image {uri}: {}; nothing was changed",
+            "image {uri}: {}; nothing was changed (and no passphrase was read or checked)",
             HeaderError::LastKeyslot(keyslots[0])
         );
     }

@@ -133,10 +133,10 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 );
             } else {
                 outln!(
-                    "created snapshot {uri}@{} ({}); open it read-only as {uri}@{}",
-                    snap.name,
+                    "created snapshot {} ({}); open it read-only as {}",
+                    uri.at_snapshot(&snap.name),
                     human_size(snap.size),
-                    snap.name
+                    uri.at_snapshot(&snap.name)
                 );
             }
         }
@@ -176,7 +176,7 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             if args.json {
                 outln!("{}", json!({"image": uri.to_string(), "removed": name}));
             } else {
-                outln!("removed snapshot {uri}@{name}");
+                outln!("removed snapshot {}", uri.at_snapshot(&name));
             }
         }
         SnapCommand::Rollback(args) => {

@@ -5,9 +5,10 @@
 //! runtime task of its own: the store round trips overlap, and encryption/decryption runs on
 //! every runtime thread instead of only the one driving the pass.
 //!
-//! Sparseness, both ways: import skips all-zero chunks (an unwritten sector already reads as
-//! zeros); export skips the image's holes ([`Image::allocation`]: objects that do not exist)
-//! and all-zero chunks, leaving holes in the output file; verify reads only allocated objects
+//! Sparseness, both ways: import writes only the sectors that hold a non-zero byte
+//! ([`data_runs`]; an unwritten sector already reads as zeros); export skips the image's holes
+//! ([`Image::allocation`]: objects that do not exist) and all-zero 4 KiB blocks, leaving holes
+//! in the output file; verify reads only allocated objects
 //! (a missing object holds nothing to authenticate).
 
 use std::fs::File;
@@ -23,6 +24,7 @@ use clap::Args;
 use futures_util::stream::{self, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use ivdisk_image::{AllocationExtent, Image, ImageError, ImageUri, OpenOptions};
+use ivdisk_store::data_runs;
 use serde_json::json;
 use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
@@ -43,14 +45,22 @@ pub(crate) fn chunk_size(image: &Image) -> u64 {
     image.object_size().min(MAX_CHUNK)
 }
 
-pub(crate) fn all_zero(bytes: &[u8]) -> bool {
-    // 16 bytes at a time: data chunks differ from zero in their first bytes almost always,
-    // zero chunks are scanned at memory speed.
-    let mut chunks = bytes.chunks_exact(16);
-    chunks
-        .by_ref()
-        .all(|c| u128::from_ne_bytes(c.try_into().expect("16 bytes")) == 0)
-        && chunks.remainder().iter().all(|&b| b == 0)
+/// Write the data runs ([`data_runs`], in sectors) of `buf` to `image` at `offset`; returns
+/// the bytes written. A buffer that is data throughout is handed over whole (encrypted in
+/// place, no second buffer).
+pub(crate) async fn write_data_runs(image: &Image, offset: u64, buf: Vec<u8>) -> Result<u64> {
+    let runs = data_runs(&buf, image.sector_size());
+    if runs == [(0, buf.len())] {
+        image.write_owned(offset, buf).await.map_err(flat)?;
+        return Ok(runs[0].1 as u64);
+    }
+    let writes = runs
+        .iter()
+        .map(|&(at, n)| image.write(offset + at as u64, &buf[at..at + n]));
+    for result in futures_util::future::join_all(writes).await {
+        result.map_err(flat)?;
+    }
+    Ok(runs.iter().map(|&(_, n)| n as u64).sum())
 }
 
 /// A byte progress bar on a terminal's stderr; hidden otherwise and with --json.
@@ -398,12 +408,7 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
                 .await
                 .context("the file reading task failed")?
                 .with_context(|| format!("reading bytes [{offset}, +{n}) of the file"))?;
-                if all_zero(&buf) {
-                    return Ok((n, 0));
-                }
-                let stored = buf.len() as u64;
-                // Handed over: encrypted in place, no second buffer.
-                image.write_owned(offset, buf).await.map_err(flat)?;
+                let stored = write_data_runs(&image, offset, buf).await?;
                 anyhow::Ok((n, stored))
             })
         })
@@ -651,10 +656,14 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
         }
         let result = done.and_then(|(offset, n, data)| {
             match (&mut *sink, data) {
-                (Sink::File(file), Some(buf)) if !all_zero(&buf) => {
-                    file.write_all_at(&buf, offset)
-                        .with_context(|| format!("writing bytes [{offset}, +{n})"))?;
-                    written += n;
+                (Sink::File(file), Some(buf)) => {
+                    // Zero blocks stay holes (the file was made empty, at its full size).
+                    for (at, len) in data_runs(&buf, 4096) {
+                        let at_file = offset + at as u64;
+                        file.write_all_at(&buf[at..at + len], at_file)
+                            .with_context(|| format!("writing bytes [{at_file}, +{len})"))?;
+                        written += len as u64;
+                    }
                 }
                 (Sink::File(_), _) => {}
                 (Sink::Stdout(out), Some(buf)) => {
@@ -901,18 +910,5 @@ mod tests {
         let got: Vec<_> = pieces(10, 25, 10).collect();
         assert_eq!(got, vec![(10, 10), (20, 10), (30, 5)]);
         assert_eq!(pieces(0, 0, 10).count(), 0);
-    }
-
-    #[test]
-    fn zero_detection_sees_every_byte() {
-        for len in [0usize, 1, 15, 16, 17, 4096] {
-            let zeros = vec![0u8; len];
-            assert!(all_zero(&zeros), "{len}");
-            for at in 0..len {
-                let mut one = zeros.clone();
-                one[at] = 1;
-                assert!(!all_zero(&one), "{len}: byte {at}");
-            }
-        }
     }
 }

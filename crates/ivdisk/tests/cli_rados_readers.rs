@@ -3,6 +3,9 @@
 //! a stopped container pauses one) is seen again once it runs: its watch is registered
 //! again, and `snap rm` refuses once more.
 //!
+//! A client whose OSD caps allow no writes may not watch: it still reads (as librbd's
+//! read-only opens do), with a warning that removals will not see it.
+//!
 //! The cluster comes from the environment as for the other Ceph tests (`CEPH_CONF`,
 //! `IVDISK_RADOS_POOL`); `IVDISK_NO_CEPH=1` skips this test loudly. It takes about a minute:
 //! the OSD keeps a silent client's watch for 30 s.
@@ -131,4 +134,58 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
     signal(&server.0, "-TERM");
     assert!(server.0.wait().unwrap().success());
     ok(&["snap", "rm", &kept]);
+}
+
+/// Deletes a Ceph client's key at the end, also when the test fails.
+struct CephClient(String);
+
+impl Drop for CephClient {
+    fn drop(&mut self) {
+        let _ = Command::new("ceph")
+            .args(["auth", "del", &self.0])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+#[test]
+fn a_client_with_read_only_caps_reads_unwatched() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let name = format!("readers-ro-{}", std::process::id());
+    let image = format!("rados://{pool}/{name}");
+    let mut args = vec!["create", &image, "--size", "8M"];
+    args.extend(["--passphrase-file", p(&f.pw)]);
+    args.extend(FAST);
+    ok(&args);
+    let _cleanup = Cleanup(image.clone());
+
+    let client = format!("ivdisk-test-ro-{}", std::process::id());
+    let out = Command::new("ceph")
+        .args(["auth", "get-or-create", &format!("client.{client}")])
+        .args(["mon", "profile rbd", "osd"])
+        .arg(format!("profile rbd-read-only pool={pool}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _client = CephClient(format!("client.{client}"));
+    let keyring = f.file("ro.keyring", &out.stdout);
+    let read_only = format!("{image}?id={client}&keyring={}", p(&keyring));
+
+    // Writing is refused by the cluster; reading works, and says what it lacks.
+    let out = common::ivdisk(&["verify", &read_only, "--passphrase-file", p(&f.pw)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("may not watch"), "{stderr}");
+    let exported = f.path("out.raw");
+    let mut args = vec!["export", &read_only, p(&exported)];
+    args.extend(["--passphrase-file", p(&f.pw)]);
+    ok(&args);
+    assert_eq!(std::fs::metadata(&exported).unwrap().len(), 8 << 20);
 }

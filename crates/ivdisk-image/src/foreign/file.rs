@@ -158,7 +158,23 @@ pub(crate) async fn open_file(
                 options.lock_duration,
                 HolderRecord::None,
             )
-            .await?,
+            .await
+            .map_err(|e| match e {
+                ImageError::Locked {
+                    image,
+                    holder,
+                    expires_in,
+                    ..
+                } => ImageError::Locked {
+                    image,
+                    holder: format!(
+                        "{holder} (the lock of a LUKS file is a flock: it ends with its process)"
+                    ),
+                    expires_in,
+                    breakable: false,
+                },
+                other => other,
+            })?,
         ),
     };
     tracing::info!(

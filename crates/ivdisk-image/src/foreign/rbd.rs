@@ -471,6 +471,7 @@ async fn check_writable(
                  client (or `rbd lock rm` a stale lock)"
             ),
             expires_in: None,
+            breakable: false,
         });
     }
     Ok(())
