@@ -48,6 +48,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -1538,6 +1539,19 @@ impl Image {
         uri: &ImageUri,
         progress: impl FnMut(BackupProgress),
     ) -> Result<BackupSummary, ImageError> {
+        Image::restore_backup_until(path, uri, progress, &AtomicBool::new(false)).await
+    }
+
+    /// [`Image::restore_backup`], stopped with [`ImageError::Stopped`] between records once
+    /// `stop` is set (the command line sets it on SIGINT and SIGTERM): as after any failure, a
+    /// full restore then removes what it wrote, and an increment is resumed by running it
+    /// again.
+    pub async fn restore_backup_until(
+        path: &Path,
+        uri: &ImageUri,
+        progress: impl FnMut(BackupProgress),
+        stop: &AtomicBool,
+    ) -> Result<BackupSummary, ImageError> {
         refuse_luks_file(
             uri,
             "restore into the address of a new image (a directory that does not exist yet)",
@@ -1571,7 +1585,7 @@ impl Image {
             }
             other => other?,
         };
-        restore_checked(image, store, &name, path, checked, progress, started).await
+        restore_checked(image, store, &name, path, checked, progress, started, stop).await
     }
 
     /// [`Image::restore_backup`] into the image `name` of an open store.
@@ -1592,6 +1606,7 @@ impl Image {
             checked,
             progress,
             started,
+            &AtomicBool::new(false),
         )
         .await
     }
@@ -1617,6 +1632,8 @@ struct Target<'a> {
     header_object: ObjectName,
     /// Snapshot context of the target's own snapshots (increments only).
     context: Option<SnapContext>,
+    /// Set: stop between records ([`Image::restore_backup_until`]).
+    stop: &'a AtomicBool,
 }
 
 impl Target<'_> {
@@ -1625,6 +1642,9 @@ impl Target<'_> {
     }
 }
 
+// (The two public entries differ in how they name the image and where the store comes from;
+// the rest is the restore's own state.)
+#[allow(clippy::too_many_arguments)]
 async fn restore_checked(
     image: String,
     store: Arc<dyn ObjectStore>,
@@ -1633,6 +1653,7 @@ async fn restore_checked(
     checked: Checked,
     progress: impl FnMut(BackupProgress),
     started: Instant,
+    stop: &AtomicBool,
 ) -> Result<BackupSummary, ImageError> {
     let target = Target {
         image: &image,
@@ -1640,6 +1661,7 @@ async fn restore_checked(
         prefix: data_object_prefix(&checked.image_id),
         header_object: object_name(&image, header_object_name(name))?,
         context: None,
+        stop,
     };
     match checked.description.kind {
         BackupKind::Full => restore_full(target, path, &checked, progress).await?,
@@ -1653,6 +1675,7 @@ async fn restore_checked(
 /// `BYTES_IN_FLIGHT` at a time); the file must be the one checked (same SHA-256). Returns
 /// the names `apply` reported created, also on failure (for the cleanup).
 async fn replay<F, Fut>(
+    target: &Target<'_>,
     path: &Path,
     checked: &Checked,
     progress: &mut dyn FnMut(BackupProgress),
@@ -1689,6 +1712,12 @@ where
             finish(done, &mut bytes_in_flight, &mut first_error);
         }
         if first_error.is_some() {
+            break;
+        }
+        if target.stop.load(Ordering::Relaxed) {
+            first_error = Some(ImageError::Stopped {
+                image: target.image.to_owned(),
+            });
             break;
         }
         let record = match reader.record() {
@@ -1773,6 +1802,7 @@ async fn restore_full(
     let mut created = Vec::new();
     let target_ref = &target;
     let written = replay(
+        target_ref,
         path,
         checked,
         &mut progress,
@@ -2021,7 +2051,15 @@ async fn apply_increment(
                 (None, bytes, result)
             }
         };
-        replay(path, checked, &mut |_| {}, apply(false), &mut touched).await?;
+        replay(
+            &target,
+            path,
+            checked,
+            &mut |_| {},
+            apply(false),
+            &mut touched,
+        )
+        .await?;
         // Mark the image as being brought forward (an interruption can be resumed).
         state.applying = d.snapshot_id;
         let marked = store
@@ -2034,7 +2072,15 @@ async fn apply_increment(
             )
             .await
             .map_err(ImageError::store(&image))?;
-        replay(path, checked, &mut progress, apply(true), &mut touched).await?;
+        replay(
+            &target,
+            path,
+            checked,
+            &mut progress,
+            apply(true),
+            &mut touched,
+        )
+        .await?;
         // The header last: the new size and keyslots, the carried omap, the new state.
         // Only this process writes the header object under the lock; a version change means
         // a keyslot change or header restore ran meanwhile.

@@ -46,6 +46,11 @@ pub enum ImageError {
         sector_size: usize,
     },
 
+    /// A long operation stopped on request (a restore told to stop, on SIGINT or SIGTERM);
+    /// it says what it left behind.
+    #[error("image {image}: stopped on request")]
+    Stopped { image: String },
+
     /// Another client holds the image's writer lock.
     /// `breakable`: `ivdisk lock break` removes a dead holder's lock (not so for a LUKS
     /// file's flock, which ends with its process, or a librbd client's lock).

@@ -144,7 +144,7 @@ async fn snapshot_life(backend: Backend) {
             matches!(
                 &refusal,
                 Err(ImageError::OpenByReaders { image, pids })
-                    if image.ends_with("@s1") && pids == &[std::process::id()]
+                    if image == &uri.at_snapshot("s1") && pids == &[std::process::id()]
             ),
             "{refusal:?}"
         ),
@@ -152,7 +152,7 @@ async fn snapshot_life(backend: Backend) {
             matches!(
                 &refusal,
                 Err(ImageError::WatchedByReaders { image, readers })
-                    if image.ends_with("@s1") && readers.len() == 1
+                    if image == &uri.at_snapshot("s1") && readers.len() == 1
                         && readers[0].starts_with(&format!("process {} on host ", std::process::id()))
             ),
             "{refusal:?}"

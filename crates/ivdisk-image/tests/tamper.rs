@@ -590,3 +590,49 @@ async fn large_unaligned_reads_fail_exactly_the_sectors_touched() {
         }
     }
 }
+
+/// An omap value of the wrong length (set with `rados setomapval`, say) is damage to the
+/// metadata of the sectors it holds: exactly those fail (`verify` lists them, the NBD server
+/// answers EIO for them), the rest of the object reads, and a write of a whole sector heals it.
+async fn value_of_the_wrong_length(case: Case, seed: u64) {
+    let (_place, image, mut content) = written_image(&case, seed).await;
+    let spo = case.sectors_per_object();
+    // `omap`: one value per sector (key = its index); `omap-packed`: one per 16 sectors.
+    let (key, damaged): (&[u8], Vec<u64>) = match case.layout {
+        LayoutKind::Omap => (b"00000003", vec![spo + 3]),
+        _ => (b"00000000", (spo..spo + 16).collect()),
+    };
+    let mut pairs = ivdisk_store::OmapPairs::new();
+    pairs.push(key, &[7u8; 7]);
+    let op = ivdisk_store::WriteOp::new().omap_set(pairs);
+    image
+        .store()
+        .write_op(&image.data_object(1), op)
+        .await
+        .unwrap();
+    expect_read(&case, &image, &content, 0, OBJECTS * OBJECT_SIZE, &damaged).await;
+    // A whole sector written over one of them reads back; the others still fail.
+    let ss = case.ss();
+    let healed = damaged[damaged.len() / 2];
+    let data = Rng::derive(seed, "heal").bytes(ss as usize);
+    image.write(healed * ss, &data).await.unwrap();
+    content[(healed * ss) as usize..((healed + 1) * ss) as usize].copy_from_slice(&data);
+    let still: Vec<u64> = damaged.into_iter().filter(|&l| l != healed).collect();
+    expect_read(&case, &image, &content, 0, OBJECTS * OBJECT_SIZE, &still).await;
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_omap_value_of_the_wrong_length_fails_exactly_its_sectors() {
+    run_cases(
+        "an_omap_value_of_the_wrong_length_fails_exactly_its_sectors",
+        cases(
+            &Backend::LOCAL,
+            Suite::DEFAULT,
+            &[LayoutKind::Omap, LayoutKind::OmapPacked],
+            4096,
+        ),
+        value_of_the_wrong_length,
+    )
+    .await;
+}

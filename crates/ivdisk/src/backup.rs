@@ -250,13 +250,30 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let mut bar = Bar::new(args.json);
     // A failed full restore removes what it wrote; a local store directory made for it goes too.
     let made_dir = crate::transfer::store_dir_to_make(&uri);
-    let result = rt.block_on(Image::restore_backup(&args.file, &uri, |p| bar.update(p)));
+    // SIGINT or SIGTERM stops it between records, and it cleans up as after a failure (killed
+    // outright, a full restore left data objects without a header, which no command removes).
+    crate::transfer::stop_copies_on_signals(rt)?;
+    let result = rt.block_on(Image::restore_backup_until(
+        &args.file,
+        &uri,
+        |p| bar.update(p),
+        &crate::transfer::INTERRUPTED,
+    ));
     bar.bar.finish_and_clear();
     let summary = result.map_err(|e| {
-        match crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(
+        let removed = crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(
             made_dir.as_deref(),
             &e,
-        )) {
+        ));
+        if matches!(e, ImageError::Stopped { .. }) {
+            return anyhow::anyhow!(
+                "restoring {} was interrupted (SIGINT or SIGTERM): a full backup's restore \
+                 removes what it wrote{removed}; an incremental one is finished by running the \
+                 same restore again",
+                args.file.display()
+            );
+        }
+        match removed {
             removed if removed.is_empty() => flat(e),
             removed => flat(e).context(format!(
                 "restoring {} into {uri} failed; what it wrote was removed{removed}",

@@ -173,10 +173,10 @@ pub(crate) fn source_len(path: &Path, file: &mut File) -> Result<u64> {
 }
 
 /// Set once SIGINT or SIGTERM arrives after [`stop_copies_on_signals`].
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// From here on SIGINT and SIGTERM do not kill the process: they stop the copy of `import` or
-/// `convert` between pieces (those in flight finish), whose caller then deletes the half-made
+/// From here on SIGINT and SIGTERM do not kill the process: they stop the copy of `import`,
+/// `convert` or `restore` between pieces (those in flight finish), whose caller then deletes the half-made
 /// image as after any failed copy. Killed instead, the process would leave an image that
 /// looks complete, holds part of the data, and verifies.
 pub(crate) fn stop_copies_on_signals(rt: &Runtime) -> Result<()> {

@@ -930,6 +930,21 @@ fn export_over<'a>(image: &'a Path, file: &'a Path, pw: &'a Path) -> [&'a str; 6
 /// image is deleted, as after any failed copy; before, the process died and left an image
 /// that looked complete, held part of the data, and verified. The signal comes at a few
 /// moments; whichever the copy had reached, the image is either complete or gone.
+/// `ivdisk ARGS`, sent `signal` (`-INT`, `-TERM`) after `delay_ms`; what it left.
+fn signalled(args: &[&str], delay_ms: u64, signal: &str) -> std::process::Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+    let _ = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status();
+    child.wait_with_output().unwrap()
+}
+
 #[test]
 fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     let f = Fixture::new();
@@ -941,17 +956,7 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
             let image = f.path(&format!("{command}-{round}"));
             let mut args = vec![command, p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
             args.extend(FAST);
-            let child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
-                .args(&args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-            let _ = Command::new("kill")
-                .args([signal, &child.id().to_string()])
-                .status();
-            let out = child.wait_with_output().unwrap();
+            let out = signalled(&args, delay_ms, signal);
             let err = String::from_utf8_lossy(&out.stderr);
             if out.status.success() {
                 let (_, exported) = f.export(&image, &format!("{command}-{round}.raw"));
@@ -976,4 +981,33 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     }
     // At least one signal must land amid a copy for the test to say anything.
     assert!(interrupted > 0, "every copy ended before its signal");
+
+    // A restore stops too, and removes what it wrote (killed, it left data objects without a
+    // header, which no command removes).
+    let source = f.path("source");
+    let mut args = vec!["import", p(&raw), p(&source), "--passphrase-file", p(&f.pw)];
+    args.extend(FAST);
+    ok_bytes(&args);
+    let backup = f.path("big.ivbk");
+    ok_bytes(&["backup", p(&source), p(&backup)]);
+    let mut interrupted = 0;
+    for delay_ms in [300u64, 600, 1000, 1600, 2400] {
+        let image = f.path(&format!("restored-{delay_ms}"));
+        let out = signalled(&["restore", p(&backup), p(&image)], delay_ms, "-TERM");
+        let err = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => {
+                let (_, exported) = f.export(&image, &format!("restored-{delay_ms}.raw"));
+                assert!(exported[..disk.len()] == disk[..], "restore: data lost");
+            }
+            None => assert!(!image.exists(), "a killed restore left {}", image.display()),
+            Some(code) => {
+                assert_eq!(code, 1, "restore after {delay_ms} ms: {err}");
+                assert!(err.contains("interrupted"), "{err}");
+                assert!(!image.exists(), "restore left {}", image.display());
+                interrupted += 1;
+            }
+        }
+    }
+    assert!(interrupted > 0, "every restore ended before its signal");
 }

@@ -344,6 +344,13 @@ pub(crate) trait SectorLayout: Send + Sync + fmt::Debug {
     }
 }
 
+/// The metadata a layout hands over for sectors whose stored metadata is malformed (an omap
+/// value of the wrong length): bytes that never authenticate and are not the all-zero
+/// unwritten state, so an authenticated suite reports exactly those sectors as failing (EIO,
+/// listed by `verify`) instead of the whole read failing. Suites without a MAC cannot tell, as
+/// for any change to their metadata.
+pub(crate) const DAMAGED_METADATA: u8 = 0xFF;
+
 /// Where [`SectorLayout::decode`] left a run.
 #[derive(Debug)]
 pub(crate) enum Decoded {

@@ -4,7 +4,9 @@
 
 use ivdisk_store::{OmapPairs, ReadResult, ReadStep, WriteStep};
 
-use super::{take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout};
+use super::{
+    take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout, DAMAGED_METADATA,
+};
 
 /// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
 const MAX_KEYS_PER_STEP: u32 = 1024;
@@ -115,14 +117,12 @@ impl SectorLayout for Omap {
                     .ok_or_else(|| {
                         format!("unexpected omap key {:?}", String::from_utf8_lossy(k))
                     })?;
-                if value.len() != ml {
-                    return Err(format!(
-                        "omap value of sector {index} holds {} bytes, not {ml}",
-                        value.len()
-                    ));
-                }
                 let at = (index - first) as usize * ml;
-                metadata[at..at + ml].copy_from_slice(value);
+                match value.len() == ml {
+                    true => metadata[at..at + ml].copy_from_slice(value),
+                    // Damaged: the sector fails authentication.
+                    false => metadata[at..at + ml].fill(DAMAGED_METADATA),
+                }
             }
         }
         Ok(taken.into())

@@ -45,6 +45,7 @@ use super::object_end::{discard_apart, write_apart};
 use super::omap::{index_of, key, key_digits};
 use super::{
     extent_bytes, take_or_place_extents, Decoded, ObjectGeometry, ReadOutput, SectorLayout,
+    DAMAGED_METADATA,
 };
 
 /// Sectors whose metadata share one omap value.
@@ -297,14 +298,9 @@ impl OmapPacked {
                 self.expand(run, value, &mut expanded);
                 &expanded[..expected]
             } else {
-                let compact = match self.compact_len_of(run) {
-                    Some(len) => format!(" (or {len} compact)"),
-                    None => String::new(),
-                };
-                return Err(format!(
-                    "omap value of run {run} holds {} bytes, not {expected}{compact}",
-                    value.len()
-                ));
+                // Neither length: damaged, its sectors fail authentication.
+                expanded[..expected].fill(DAMAGED_METADATA);
+                &expanded[..expected]
             };
             copy_overlap(run as usize * self.value_len(), value, base, out);
         }
@@ -929,16 +925,17 @@ mod tests {
             WholeObjects::AsValues,
         );
         assert_eq!(xts.compact_len_of(0), None);
-        // A value of neither length is refused, naming both.
+        // A value of neither length is damaged: its sectors get metadata that never
+        // authenticates (and is not the unwritten state).
         let mut pairs = OmapPairs::new();
         pairs.push(b"00000000", &[1u8; 300]);
-        let err = l
+        let bytes = l
             .fetched_bytes(
                 &mut Some(ReadResult::Omap { pairs, more: false }).into_iter(),
                 &(0..512),
             )
-            .unwrap_err();
-        assert!(err.contains("300 bytes, not 512 (or 272 compact)"), "{err}");
+            .unwrap();
+        assert_eq!(bytes, vec![DAMAGED_METADATA; 512]);
     }
 
     #[test]
@@ -972,13 +969,22 @@ mod tests {
             .expect("well formed");
         // place_values copies values only; the caller's buffer arrives zeroed.
         assert_eq!(&metadata[64..], &[7u8; 64][..]);
+        // A key past the object's runs is malformed; a value of a wrong length is damage.
         let mut bad = OmapPairs::new();
-        bad.push(b"00000001", &[7u8; 100]);
+        bad.push(b"00001000", &[7u8; 512]);
         let result = Some(ReadResult::Omap {
             pairs: bad,
             more: false,
         });
         assert!(l.place_values(result, 0, &mut metadata).is_err());
+        let mut damaged = OmapPairs::new();
+        damaged.push(b"00000001", &[7u8; 100]);
+        let result = Some(ReadResult::Omap {
+            pairs: damaged,
+            more: false,
+        });
+        l.place_values(result, 14 * 32, &mut metadata).unwrap();
+        assert_eq!(&metadata[64..], &[DAMAGED_METADATA; 64][..]);
         assert_eq!(
             l.fetched_bytes(
                 &mut Some(ReadResult::Omap {
