@@ -272,7 +272,18 @@ pub fn flat_create(e: ImageError) -> anyhow::Error {
 }
 
 pub fn parse_uri(text: &str) -> Result<ImageUri> {
-    ImageUri::parse(text).map_err(flat)
+    ImageUri::parse(text).map_err(|e| {
+        // `IMAGE@SNAP` where only an image goes (delete, resize, ...): say so, rather than
+        // that image names hold no '@'.
+        match ImageUri::parse_with_snapshot(text) {
+            Ok((image, Some(snap))) => anyhow::anyhow!(
+                "`{text}` names snapshot `{snap}` of image {image}, and this command takes an \
+                 image; snapshots are removed with `ivdisk snap rm {text}`, read with `serve`, \
+                 `export`, `verify`, `backup` or `convert`"
+            ),
+            _ => flat(e),
+        }
+    })
 }
 
 /// `IMAGE` or `IMAGE@SNAP` (commands that only read accept a snapshot).

@@ -562,6 +562,21 @@ fn image_addresses_are_checked() {
     assert!(err.contains("unknown scheme"), "{err}");
     let err = fails(&["info", "rados://pool-without-image"]);
     assert!(err.contains("rados://POOL/IMAGE"), "{err}");
+    // A snapshot where a command takes an image: named as one, with where snapshots go.
+    for command in [
+        &["delete", "rados://rbd/vm@monday?namespace=ns", "--yes"][..],
+        &["resize", "rados://rbd/vm@monday", "--size", "1G"],
+    ] {
+        let err = fails(command);
+        assert!(
+            err.contains("names snapshot `monday` of image rados://rbd/vm")
+                && err.contains("ivdisk snap rm"),
+            "{err}"
+        );
+    }
+    // A local name with two '@' is offered no `create` it would refuse.
+    let err = fails(&["snap", "ls", "/nonexistent/disk.ivd@a"]);
+    assert!(!err.contains("ivdisk create"), "{err}");
     // `file:PATH` is the same image as `PATH`.
     let f = Fixture::new();
     let image = f.path("disk");

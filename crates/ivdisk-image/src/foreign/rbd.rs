@@ -41,6 +41,9 @@
 //! under it. librbd does not know that lock: do not write the image with librbd (qemu, krbd,
 //! `rbd`) while ivdisk has it open for writing, as with any two writers of an image without
 //! `exclusive-lock`. Size changes made by librbd while ivdisk has the image open are not seen.
+//! Nor are snapshots: one taken by librbd (`rbd snap create`) while ivdisk writes the image
+//! gets the writes made after it too (ivdisk's writes carry the snapshot context it read at
+//! open). Write a librbd image that is snapshotted through librbd (`rbd://`).
 
 use std::sync::Arc;
 
