@@ -210,7 +210,8 @@ fn read_header(path: &Path) -> Result<(Header, File)> {
         // Most likely a local ivdisk image: `ivdisk key` works on LUKS files only.
         bail!(
             "{0} is a directory, not a LUKS header file or volume; if it is an ivdisk image, \
-             its passphrases are changed with `ivdisk passphrase add/remove/change {0}`",
+             its passphrases are tested with `ivdisk passphrase test {0}` and changed with \
+             `ivdisk passphrase add/remove/change {0}`",
             path.display()
         );
     }

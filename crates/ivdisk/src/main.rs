@@ -116,7 +116,7 @@ enum Command {
     /// The image's writer lock (one writer per image): show it, or break a dead writer's.
     #[command(subcommand, after_help = images::lock_help())]
     Lock(images::LockCommand),
-    /// Passphrases of an image (ivdisk image or LUKS file): add, remove, change.
+    /// Passphrases of an image (ivdisk image or LUKS file): add, remove, change, test.
     #[command(subcommand)]
     Passphrase(passphrases::PassphraseCommand),
     /// Create an image from a raw disk file, copying its bytes in (all-zero sectors skipped).

@@ -1,4 +1,4 @@
-//! `ivdisk passphrase add|remove|change IMAGE`: the keyslots of an image, with the image
+//! `ivdisk passphrase add|remove|change|test IMAGE`: the keyslots of an image, with the image
 //! commands' secret options (`--passphrase-file`/`--key-file` for a passphrase that opens the
 //! image, `--new-passphrase-file`/`--new-key-file` for the new one, a no-echo prompt on a
 //! terminal otherwise).
@@ -51,6 +51,24 @@ pub enum PassphraseCommand {
         "Example:\n  ivdisk passphrase change disk.ivd\n  ivdisk passphrase change disk.ivd --passphrase-file old.txt --new-passphrase-file new.txt\n\n{KEYSLOT_NOTE}"
     ))]
     Change(ChangeArgs),
+    /// Check that a passphrase opens the image, and which keyslot it opens; changes nothing.
+    /// Exit code 0 if it opens the image, 1 otherwise (with --json, `ok` says which).
+    #[command(
+        after_help = "Example:\n  ivdisk passphrase test disk.ivd --passphrase-file pw.txt --json"
+    )]
+    Test(TestArgs),
+}
+
+#[derive(Args)]
+pub struct TestArgs {
+    #[arg(help = PASSPHRASE_IMAGE_HELP)]
+    image: String,
+    #[command(flatten)]
+    passphrase: PassphraseArgs,
+    /// Print JSON on standard output, also when the passphrase opens no keyslot: image, ok,
+    /// keyslot (null when not ok).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -178,7 +196,57 @@ pub fn run(command: PassphraseCommand, rt: &Runtime) -> Result<()> {
         PassphraseCommand::Add(args) => add(args, rt),
         PassphraseCommand::Remove(args) => remove(args, rt),
         PassphraseCommand::Change(args) => change(args, rt),
+        PassphraseCommand::Test(args) => test(args, rt),
     }
+}
+
+fn test(args: TestArgs, rt: &Runtime) -> Result<()> {
+    let uri = parse_uri(&args.image)?;
+    let secret = args.passphrase.existing()?;
+    let opened = if let Some(path) = uri.luks_file() {
+        let file = HeaderFile::open(path)?;
+        file.unlock(&secret, None)
+            .map(|(slot, _)| slot)
+            .map_err(|e| match e.downcast::<HeaderError>() {
+                Ok(e) => ImageError::Header {
+                    image: uri.to_string(),
+                    source: e,
+                },
+                Err(e) => ImageError::InvalidParameter {
+                    image: uri.to_string(),
+                    reason: format!("{e:#}"),
+                },
+            })
+    } else {
+        with_spinner(
+            "checking the passphrase (the key derivation takes seconds by design)",
+            || rt.block_on(Image::check_passphrase(&uri, &secret)),
+        )
+    };
+    match opened {
+        Ok(slot) => print(
+            args.json,
+            json!({"image": uri.to_string(), "ok": true, "keyslot": slot}),
+            format!("image {uri}: keyslot {slot} opens with this passphrase"),
+        ),
+        Err(
+            e @ ImageError::Header {
+                source: HeaderError::WrongPassphrase { .. } | HeaderError::KeyslotMismatch { .. },
+                ..
+            },
+        ) => {
+            let hint = args.passphrase.unlock_hint(&secret);
+            if args.json {
+                outln!(
+                    "{}",
+                    json!({"image": uri.to_string(), "ok": false, "keyslot": null, "reason": e.to_string()})
+                );
+            }
+            bail!("{e}{hint}");
+        }
+        Err(e) => return Err(flat(e)),
+    }
+    Ok(())
 }
 
 fn add(args: AddArgs, rt: &Runtime) -> Result<()> {

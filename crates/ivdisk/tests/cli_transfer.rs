@@ -410,6 +410,36 @@ fn passphrases_are_added_changed_and_removed() {
     assert!(!err.contains("incorrect horse"), "the secret leaked: {err}");
     assert_eq!(info(&image)["keyslots"], serde_json::json!([0, 1]));
 
+    // `passphrase test` says which keyslot a passphrase opens, or that none does (on stdout
+    // with --json, and by the exit code), changing nothing.
+    let tested = json(&[
+        "passphrase",
+        "test",
+        p(&image),
+        "--passphrase-file",
+        p(&two),
+    ]);
+    assert_eq!(tested["ok"], true);
+    assert_eq!(tested["keyslot"], 1);
+    let (out, err) = exits(
+        1,
+        &[
+            "passphrase",
+            "test",
+            p(&image),
+            "--passphrase-file",
+            p(&wrong),
+            "--json",
+        ],
+    );
+    let refused: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(refused["ok"], false);
+    assert_eq!(refused["keyslot"], Value::Null);
+    assert!(err.contains("no keyslot matches"), "{err}");
+    assert!(!err.contains("incorrect horse") && !out.contains("incorrect horse"));
+    let err = fails(&["key", "test", p(&image), "--key-file", p(&two)]);
+    assert!(err.contains("ivdisk passphrase test"), "{err}");
+
     // Change: keyslot 1 opens with the third passphrase (a key file, byte for byte), not the
     // second any more.
     let mut args = vec![
