@@ -75,10 +75,15 @@ impl ImageUri {
                 ..
             } = &mut uri
             {
+                let mut seen = Vec::new();
                 for pair in query.split('&').filter(|p| !p.is_empty()) {
                     let (key, value) = pair
                         .split_once('=')
                         .ok_or_else(|| bad(&format!("query part `{pair}` is not KEY=VALUE")))?;
+                    if seen.contains(&key) {
+                        return Err(bad(&format!("parameter `{key}` is given twice")));
+                    }
+                    seen.push(key);
                     match key {
                         "conf" => *conf = Some(PathBuf::from(value)),
                         "id" => *client_id = value.trim_start_matches("client.").to_owned(),
@@ -125,9 +130,17 @@ impl ImageUri {
             return Err(bad("the path is empty"));
         }
         if let Some((scheme, _)) = path.split_once("://") {
+            if scheme == "rbd" {
+                return Err(bad(
+                    "rbd:// names a librbd image, which `serve`, `info` and `convert` (as its \
+                     source) take; this command takes an ivdisk image (PATH, file:PATH, \
+                     rados://POOL/IMAGE, mem:NAME): `ivdisk convert rbd://POOL/IMAGE NEW` makes \
+                     one of a librbd image",
+                ));
+            }
             return Err(bad(&format!(
                 "unknown scheme `{scheme}://` (known: file:, rados://, mem:; librbd's own \
-                 images: rbd://)"
+                 images: rbd://, with `serve`, `info` and `convert`)"
             )));
         }
         // `rados:pool/image` is a slip for `rados://pool/image`, not a new local directory
@@ -254,6 +267,15 @@ impl ImageUri {
                 keyring,
                 ..
             } => {
+                if let Some(missing) = keyring.as_ref().filter(|k| !k.exists()) {
+                    return Err(ImageError::InvalidUri {
+                        uri: image,
+                        reason: format!(
+                            "keyring file {} (keyring= in the address) does not exist",
+                            missing.display()
+                        ),
+                    });
+                }
                 let mut config = RadosConfig::new(pool.clone());
                 config.namespace = namespace.clone();
                 config.conf = conf.clone();

@@ -238,8 +238,11 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
 fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
     match e {
         ImageError::Locked { .. } => anyhow::anyhow!(
-            "{e}; or back up a snapshot, which needs no lock: `ivdisk snap create {uri}@NAME` \
-             (with the writer stopped), then `ivdisk backup {uri}@NAME FILE`"
+            "{e}; or back up a snapshot, which needs no lock: `ivdisk snap create {}` (a \
+             running `ivdisk serve` on this machine takes it live), then `ivdisk backup {} \
+             FILE`",
+            uri.at_snapshot("NAME"),
+            uri.at_snapshot("NAME")
         ),
         e => flat(e),
     }

@@ -178,7 +178,8 @@ pub struct CreateArgs {
     format: FormatArgs,
     #[command(flatten)]
     passphrase: PassphraseArgs,
-    /// Print JSON (the fields of `ivdisk info --json`).
+    /// Print JSON: what was made, as `ivdisk info --json` names it (image, size, cipher,
+    /// layout, sector_size, object_size, image_id, keyslots, snapshots).
     #[arg(long)]
     json: bool,
 }

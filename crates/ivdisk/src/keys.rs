@@ -73,6 +73,7 @@ pub enum HeaderCommand {
         force: bool,
         #[command(flatten)]
         pbkdf: PbkdfArgs,
+        /// Print JSON: file, uuid, keyslot, cipher.
         #[arg(long)]
         json: bool,
     },
@@ -83,6 +84,8 @@ pub enum HeaderCommand {
     Dump {
         #[arg(help = HEADER_IMAGE_HELP)]
         image: String,
+        /// Print the header as JSON (`image` holds the ivdisk image parameters, null for a
+        /// LUKS volume).
         #[arg(long)]
         json: bool,
     },
@@ -188,6 +191,7 @@ pub enum KeyCommand {
         image: PathBuf,
         #[command(flatten)]
         unlock: UnlockArgs,
+        /// Print JSON on standard output, also when nothing matches: image, ok, keyslot.
         #[arg(long)]
         json: bool,
     },

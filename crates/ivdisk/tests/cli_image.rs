@@ -574,6 +574,18 @@ fn image_addresses_are_checked() {
             "{err}"
         );
     }
+    // rbd:// where an ivdisk image goes: what takes it, and how to make an ivdisk image of it.
+    let err = fails(&["export", "rbd://rbd/vm", "/nonexistent/out.raw"]);
+    assert!(err.contains("ivdisk convert rbd://"), "{err}");
+    // A parameter twice is refused, not the last one taken; a missing keyring is named as one
+    // (before any connection).
+    let err = fails(&["info", "rados://rbd/vm?conf=/a.conf&conf=/b.conf"]);
+    assert!(err.contains("`conf` is given twice"), "{err}");
+    let err = fails(&["info", "rados://rbd/vm?keyring=/nonexistent/ceph.keyring"]);
+    assert!(
+        err.contains("keyring file /nonexistent/ceph.keyring") && err.contains("does not exist"),
+        "{err}"
+    );
     // A local name with two '@' is offered no `create` it would refuse.
     let err = fails(&["snap", "ls", "/nonexistent/disk.ivd@a"]);
     assert!(!err.contains("ivdisk create"), "{err}");
