@@ -31,7 +31,7 @@ use ivdisk_header::{DataSegment, Header, SegmentInfo};
 use crate::{ImageError, ImageInfo, LayoutKind};
 
 pub(crate) use file::{describe_file, info_file, lock_holder_file, luks_file_path, open_file};
-pub(crate) use rbd::{info_rbd, open_rbd};
+pub(crate) use rbd::{info_rbd, lock_object_rbd, open_rbd};
 
 /// The one cipher accepted for foreign volumes.
 pub(crate) const FOREIGN_CIPHER: &str = "aes-xts-plain64";

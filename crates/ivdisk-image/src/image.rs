@@ -997,8 +997,9 @@ impl Image {
     }
 }
 
-/// The store (opened read-only if `read_only`) and header object of an existing image
-/// (`NotFound` if there is none), with the image's display name.
+/// The store (opened read-only if `read_only`) and the object holding the writer lock of an
+/// existing image (`NotFound` if there is none), with the image's display name: its header
+/// object, or for a librbd image on RADOS (which `rados://` opens too) its `rbd_header.ID`.
 async fn existing_header_object(
     uri: &ImageUri,
     read_only: bool,
@@ -1015,6 +1016,12 @@ async fn existing_header_object(
         .map_err(ImageError::store(&image))?
         .is_none()
     {
+        if let ImageUri::Rados { .. } = uri {
+            let rbd = crate::foreign::lock_object_rbd(store.as_ref(), uri.image_name(), &image);
+            if let Some(object) = rbd.await? {
+                return Ok((image, store, object));
+            }
+        }
         return Err(ImageError::NotFound { image });
     }
     Ok((image, store, object))

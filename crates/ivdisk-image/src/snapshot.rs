@@ -218,7 +218,22 @@ pub(crate) async fn lock_header(uri: &ImageUri) -> Result<Locked, ImageError> {
     let image = uri.to_string();
     let store = uri.open_store(false).await?;
     let header_object = object_name(&image, header_object_name(uri.image_name()))?;
-    let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
+    let (header, _) = match read_header(store.as_ref(), &header_object, &image).await {
+        Err(ImageError::NotFound { .. }) if matches!(uri, ImageUri::Rados { .. }) => {
+            let rbd = crate::foreign::lock_object_rbd(store.as_ref(), uri.image_name(), &image);
+            return Err(match rbd.await? {
+                Some(_) => ImageError::InvalidParameter {
+                    image,
+                    reason: "this is a librbd image, which ivdisk reads and writes (serve, \
+                             export, verify, convert) but does not manage: delete, resize and \
+                             snapshot it with `rbd` (rm, resize, snap); nothing was changed"
+                        .into(),
+                },
+                None => ImageError::NotFound { image },
+            });
+        }
+        other => other?,
+    };
     let parsed = parse_header(&image, &header)?;
     let lock = WriterLock::acquire(
         store.clone(),

@@ -338,6 +338,23 @@ async fn roundtrip(format: &str, sector: u64, data_offset: u64) {
         .await
         .unwrap_err();
     assert!(matches!(err, ImageError::Locked { .. }), "{err}");
+    // Its lock is seen (and could be broken) as an ivdisk image's is; removing or
+    // snapshotting the librbd image is refused, naming the tool that does it.
+    let holder = Image::lock_holder(&rbd.uri()).await.unwrap();
+    assert!(
+        holder.is_some_and(|h| h.description.contains(&std::process::id().to_string())),
+        "the writer lock of a librbd image is not seen"
+    );
+    for refused in [
+        Image::delete(&rbd.uri(), |_, _| {}).await,
+        Image::create_snapshot_of(&rbd.uri(), "s").await.map(drop),
+    ] {
+        assert!(
+            matches!(&refused, Err(ImageError::InvalidParameter { reason, .. })
+                if reason.contains("librbd image") && reason.contains("`rbd`")),
+            "{refused:?}"
+        );
+    }
 
     let writes: [(u64, usize); 6] = [
         (100, 50),                   // inside a sector librbd wrote

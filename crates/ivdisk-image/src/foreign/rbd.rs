@@ -480,6 +480,18 @@ async fn check_writable(
     Ok(())
 }
 
+/// The object holding the writer lock of librbd image `name` (`rbd_header.ID`, where ivdisk's
+/// writer takes `ivdisk_writer`), or `None` if there is no librbd image by that name.
+pub(crate) async fn lock_object_rbd(
+    store: &dyn ObjectStore,
+    name: &str,
+    image: &str,
+) -> Result<Option<ObjectName>, ImageError> {
+    Ok(RbdImage::read(store, name, image)
+        .await?
+        .map(|rbd| rbd.header_object))
+}
+
 /// What `ivdisk info` shows for an encrypted rbd image (no passphrase needed).
 pub(crate) async fn info_rbd(
     store: Arc<dyn ObjectStore>,
