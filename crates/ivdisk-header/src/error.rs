@@ -20,8 +20,8 @@ pub enum HeaderError {
     Truncated { offset: u64, needed: u64 },
 
     #[error(
-        "no LUKS header found (no LUKS magic at byte 0 or at any secondary header offset); if \
-         this held an image, restore a header backup with `ivdisk header restore`"
+        "{NO_LUKS_HEADER}; if this held an image, restore a header backup with `ivdisk header \
+         restore`"
     )]
     NotLuks,
 
@@ -35,10 +35,8 @@ pub enum HeaderError {
     Checksum { which: &'static str },
 
     #[error(
-        "both LUKS2 headers are damaged ({}; {}); restore a header backup with `ivdisk header \
-         restore`",
-        labelled("primary", primary),
-        labelled("secondary", secondary)
+        "{}; restore a header backup with `ivdisk header restore`",
+        both_damaged(primary, secondary)
     )]
     BothHeadersDamaged { primary: String, secondary: String },
 
@@ -119,6 +117,18 @@ fn unusable_note(unusable: usize) -> String {
 }
 
 impl HeaderError {
+    /// What is wrong, without the advice to restore a header backup: for a caller that has
+    /// just restored one over it.
+    pub fn damage(&self) -> String {
+        match self {
+            HeaderError::NotLuks => NO_LUKS_HEADER.to_owned(),
+            HeaderError::BothHeadersDamaged { primary, secondary } => {
+                both_damaged(primary, secondary)
+            }
+            other => other.to_string(),
+        }
+    }
+
     pub(crate) fn io(offset: u64, len: usize) -> impl FnOnce(io::Error) -> HeaderError {
         move |source| {
             if source.kind() == io::ErrorKind::UnexpectedEof {
@@ -131,6 +141,17 @@ impl HeaderError {
             }
         }
     }
+}
+
+const NO_LUKS_HEADER: &str =
+    "no LUKS header found (no LUKS magic at byte 0 or at any secondary header offset)";
+
+fn both_damaged(primary: &str, secondary: &str) -> String {
+    format!(
+        "both LUKS2 headers are damaged ({}; {})",
+        labelled("primary", primary),
+        labelled("secondary", secondary)
+    )
 }
 
 /// `text` with `which: ` in front, unless it already starts by naming that copy.

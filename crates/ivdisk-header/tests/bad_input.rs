@@ -96,6 +96,10 @@ fn expect_both_damaged(io: &dyn HeaderIo) -> (String, String, String) {
                 let twice = format!("{which}: {which}");
                 assert!(!text.contains(&twice), "`{twice}` in: {text}");
             }
+            // Without the advice, for a restore that just followed it.
+            let damage = e.damage();
+            assert!(text.starts_with(&damage), "{damage} / {text}");
+            assert!(!damage.contains("header restore"), "{damage}");
             let HeaderError::BothHeadersDamaged { primary, secondary } = e else {
                 unreachable!()
             };

@@ -21,7 +21,7 @@
 //! change fails it cleanly instead of being overwritten.
 
 use ivdisk_crypto::ImageId;
-use ivdisk_header::{Header, HeaderError, MemoryHeaderIo};
+use ivdisk_header::{Header, MemoryHeaderIo};
 use ivdisk_store::{data_runs, ObjectStore, StoreError, WriteOp, WriteStep};
 
 use crate::header_object::HeaderRegion;
@@ -93,7 +93,8 @@ fn replaced_by(
             }
             Err(e) => ReplacedHeader::Unreadable(e.to_string()),
         },
-        Err(e) => ReplacedHeader::Unreadable(unreadable_reason(&e)),
+        // Without the advice to restore a backup, which this restore just did.
+        Err(e) => ReplacedHeader::Unreadable(e.damage()),
     };
     (region.version(), replaced)
 }
@@ -143,23 +144,6 @@ async fn other_image_shown(
         }
     }
     Ok(shown.map(|id| (id, "this store's data objects belong to image id")))
-}
-
-/// What was wrong with a header a restore replaced, without the advice to restore a backup
-/// (which it just did).
-fn unreadable_reason(e: &HeaderError) -> String {
-    match e {
-        HeaderError::NotLuks => {
-            "no LUKS header found (no LUKS magic at byte 0 or at any secondary header offset)"
-                .into()
-        }
-        HeaderError::BothHeadersDamaged { .. } => {
-            let text = e.to_string();
-            let advice = "; restore a header backup with `ivdisk header restore`";
-            text.strip_suffix(advice).unwrap_or(&text).to_owned()
-        }
-        other => other.to_string(),
-    }
 }
 
 fn summary(header: &Header, image_id: ImageId) -> HeaderBackupInfo {
