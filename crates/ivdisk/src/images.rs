@@ -232,7 +232,8 @@ pub enum LockCommand {
     Status {
         #[arg(help = IMAGE_HELP)]
         image: String,
-        /// Print JSON: image, lock (null, or client, description, expires_in_secs).
+        /// Print JSON: image, lock (null, or client, description, expires_in_secs, and
+        /// holder_gone for a local store).
         #[arg(long)]
         json: bool,
     },
@@ -334,6 +335,33 @@ fn locker_json(locker: &Locker) -> Value {
         "description": locker.description,
         "expires_in_secs": locker.expires_in.map(|d| d.as_secs()),
     })
+}
+
+/// The writer lock as `info` and `lock status` show it: JSON (with `holder_gone` for a local
+/// store, whose one writing process is known) and text.
+fn lock_report(uri: &ImageUri, holder: Option<&Locker>) -> Result<(Value, String)> {
+    let Some(holder) = holder else {
+        return Ok((Value::Null, "none".to_owned()));
+    };
+    let mut json = locker_json(holder);
+    let mut text = describe_locker(holder);
+    // A local store has one writing process: without one, the holder is gone. (A LUKS file,
+    // also a local path, names the live process holding its flock.)
+    if let ImageUri::Local { dir } = uri {
+        if dir.is_dir() {
+            let gone = ivdisk_store::LocalStore::writing_process(dir)
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .is_none();
+            json["holder_gone"] = gone.into();
+            if gone {
+                text.push_str(
+                    "; no process has the image open for writing: the holder is gone, and the \
+                     next writer takes the lock over (no `lock break` needed)",
+                );
+            }
+        }
+    }
+    Ok((json, text))
 }
 
 fn describe_locker(locker: &Locker) -> String {
@@ -568,7 +596,8 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
             Some(snap)
         }
     };
-    let lock = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
+    let holder = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
+    let (lock, lock_text) = lock_report(&uri, holder.as_ref())?;
     let usage = disk_usage(&uri);
     if args.json {
         let mut value = info_json(&uri, &info);
@@ -579,7 +608,7 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
         value["snapshot"] = snapshot
             .as_ref()
             .map_or(Value::Null, crate::snapshots::snapshot_json);
-        value["lock"] = lock.as_ref().map_or(Value::Null, locker_json);
+        value["lock"] = lock;
         outln!("{value}");
     } else {
         let mut lines = info_lines(&uri, &info);
@@ -603,10 +632,7 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
                 ),
             ));
         }
-        lines.push((
-            "writer lock",
-            lock.as_ref().map_or("none".to_owned(), describe_locker),
-        ));
+        lines.push(("writer lock", lock_text));
         outln!("{}", aligned(&lines));
     }
     Ok(())
@@ -725,29 +751,11 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
         LockCommand::Status { image, json } => {
             let uri = parse_uri(&image)?;
             let holder = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
-            let mut lock = holder.as_ref().map_or(Value::Null, locker_json);
-            let mut text = match &holder {
+            let (lock, described) = lock_report(&uri, holder.as_ref())?;
+            let text = match &holder {
                 None => format!("image {uri}: no writer lock held"),
-                Some(l) => format!("image {uri}: writer lock held by {}", describe_locker(l)),
+                Some(_) => format!("image {uri}: writer lock held by {described}"),
             };
-            // A local store has one writing process: without one, the holder is gone. (A LUKS
-            // file, also a local path, names the live process holding its flock.)
-            let store_dir = match (&holder, &uri) {
-                (Some(_), ImageUri::Local { dir }) if dir.is_dir() => Some(dir),
-                _ => None,
-            };
-            if let Some(dir) = store_dir {
-                let gone = ivdisk_store::LocalStore::writing_process(dir)
-                    .map_err(|e| anyhow::anyhow!("{e}"))?
-                    .is_none();
-                lock["holder_gone"] = gone.into();
-                if gone {
-                    text.push_str(
-                        "; no process has the image open for writing: the holder is gone, and \
-                         the next writer takes the lock over (no `lock break` needed)",
-                    );
-                }
-            }
             print(json, json!({"image": uri.to_string(), "lock": lock}), text);
         }
         LockCommand::Break { image, yes, json } => {

@@ -117,7 +117,8 @@ pub enum HeaderCommand {
         /// image whose header object is missing, restore although its count of writes is lost.
         #[arg(long)]
         force: bool,
-        /// Print JSON: image, backup, uuid (and image_id, replaced for ivdisk images).
+        /// Print JSON: image, backup, uuid (and image_id, keyslots, replaced, size, old_size
+        /// for ivdisk images).
         #[arg(long)]
         json: bool,
     },
@@ -456,7 +457,7 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
         json,
         json!({"image": uri.to_string(), "backup": backup, "uuid": info.uuid,
                "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced,
-               "size": size_after, "size_before": size_before}),
+               "size": size_after, "old_size": size_before}),
         format!(
             "header of image id {image_id} (LUKS UUID {}) restored to image {uri} from {}{note}; \
              keyslots: {}{size_note}",

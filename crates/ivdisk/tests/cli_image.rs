@@ -504,7 +504,14 @@ fn a_dead_writers_lock_is_shown_and_broken() {
     assert_eq!(status["lock"]["holder_gone"], true, "{status}");
     let said = ok(&["lock", "status", p(&image)]);
     assert!(said.contains("the holder is gone"), "{said}");
-    assert_eq!(info(&image)["lock"]["client"], client.as_str());
+    let shown = info(&image);
+    assert_eq!(shown["lock"]["client"], client.as_str());
+    assert_eq!(
+        shown["lock"]["holder_gone"], true,
+        "info as lock status: {shown}"
+    );
+    let said = ok(&["info", p(&image)]);
+    assert!(said.contains("the holder is gone"), "{said}");
 
     // `lock break` asks first.
     let err = fails(&["lock", "break", p(&image)]);

@@ -592,7 +592,7 @@ fn a_header_backup_brings_back_a_destroyed_header() {
     ok_bytes(&args);
     let restored = json(&["header", "restore", p(&image), p(&backup)]);
     assert_eq!(restored["size"], size);
-    assert_eq!(restored["size_before"], size + (64 << 20));
+    assert_eq!(restored["old_size"], size + (64 << 20));
     ok_bytes(&args);
     let text = String::from_utf8(ok_bytes(&["header", "restore", p(&image), p(&backup)])).unwrap();
     assert!(text.contains("size is now"), "{text}");
