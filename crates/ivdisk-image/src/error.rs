@@ -36,15 +36,28 @@ pub enum ImageError {
     },
 
     /// Sectors whose ciphertext or metadata failed authentication (tampered with, moved from
-    /// another sector or image, or damaged). Every other sector of the request was read: the
-    /// buffer holds their plaintext, and zeros in place of the failed ones.
-    #[error("image {image}: integrity check failed for sector(s) at LBA {} (in {}-byte sectors{}): the stored data or its metadata was changed, moved or damaged; the rest of the request was read", lbas.first().copied().unwrap_or_default(), sector_size, if lbas.len() > 1 { format!(", {} sectors in all", lbas.len()) } else { String::new() })]
+    /// another sector or image, or damaged). For a read, every other sector of the request was
+    /// read: the buffer holds their plaintext, and zeros in place of the failed ones. For a
+    /// write (`in_write`) into part of a sector, whose other bytes had to be read first,
+    /// nothing was written.
+    #[error("image {image}: integrity check failed for sector(s) at LBA {} (in {}-byte sectors{}): the stored data or its metadata was changed, moved or damaged; {}", lbas.first().copied().unwrap_or_default(), sector_size, if lbas.len() > 1 { format!(", {} sectors in all", lbas.len()) } else { String::new() }, if *in_write { "a write into part of a sector keeps its other bytes, which could not be read, so nothing was written (a write of whole sectors replaces them)" } else { "the rest of the request was read" })]
     Integrity {
         image: String,
         /// Logical block addresses (in `sector_size` units) that failed, ascending.
         lbas: Vec<u64>,
         sector_size: usize,
+        /// The sectors were read for a partial-sector write, which was not done.
+        in_write: bool,
     },
+
+    /// The store lost writes it had acknowledged since the last successful flush (a local
+    /// store's group commit that failed, on a full disk say; the flush after it said so).
+    /// From then on this open refuses writes and flushes: a flush that succeeded after the
+    /// loss would tell a client (a guest resumed after ENOSPC) that writes are durable when
+    /// they are gone, and writes applied after the loss would be kept without the ones lost
+    /// before them. Opening the image again starts clean at what was made durable.
+    #[error("image {image}: a commit of its store failed and lost writes acknowledged since the last successful flush; this open refuses writes and flushes from now on, so no client takes them for durable: close it (stop the server), free space, and open it again (it holds what the last successful flush made durable)")]
+    WritesLost { image: String },
 
     /// A long operation stopped on request (a restore told to stop, on SIGINT or SIGTERM);
     /// it says what it left behind.

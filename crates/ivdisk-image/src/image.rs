@@ -173,6 +173,11 @@ pub(crate) struct Inner {
     /// True while `lock` holds a lock that is not lost: the writes' fast check (false for
     /// read-only opens and after close; `check_writable` then says why).
     pub(crate) writes_allowed: Arc<AtomicBool>,
+    /// The store's count of lost transactions when opened (`ObjectStore::lost_transactions`):
+    /// once it changes, writes and flushes are refused (`ImageError::WritesLost`), and
+    /// `loss_reported` says the error was logged.
+    pub(crate) lost_at_open: Option<u64>,
+    pub(crate) loss_reported: AtomicBool,
     /// Nonce writes reserved in the header object (suites with a write limit).
     pub(crate) nonces_reserved: AtomicU64,
     pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
@@ -657,6 +662,7 @@ impl Image {
             (Some(_), None) => ObjectMap::new(objects, false),
             (None, None) => None,
         };
+        let lost_at_open = spec.store.lost_transactions();
         let inner = Inner {
             object_map,
             metadata_cache,
@@ -682,6 +688,8 @@ impl Image {
                 .as_ref()
                 .map_or_else(|| Arc::new(AtomicBool::new(false)), WriterLock::healthy),
             lock: Mutex::new(spec.lock),
+            lost_at_open,
+            loss_reported: AtomicBool::new(false),
             nonces_reserved: AtomicU64::new(spec.nonces_reserved),
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
@@ -1071,9 +1079,24 @@ impl Inner {
         self.snapshot.as_ref().map(|&(_, id)| id)
     }
 
+    /// Refuse once the store has lost acknowledged writes since this open
+    /// (`ImageError::WritesLost`); logged the first time.
+    pub(crate) fn check_nothing_lost(&self) -> Result<(), ImageError> {
+        if self.store.lost_transactions() == self.lost_at_open {
+            return Ok(());
+        }
+        let error = ImageError::WritesLost {
+            image: self.name.clone(),
+        };
+        if !self.loss_reported.swap(true, Ordering::AcqRel) {
+            tracing::error!("{error}");
+        }
+        Err(error)
+    }
+
     pub(crate) fn check_writable(&self) -> Result<(), ImageError> {
         if self.writes_allowed.load(Ordering::Acquire) {
-            return Ok(());
+            return self.check_nothing_lost();
         }
         if self.read_only {
             return Err(ImageError::ReadOnly {
@@ -1091,7 +1114,7 @@ impl Inner {
                     image: self.name.clone(),
                     reason,
                 }),
-                None => Ok(()),
+                None => self.check_nothing_lost(),
             },
         }
     }

@@ -153,6 +153,7 @@ impl Inner {
             image: self.name.clone(),
             lbas,
             sector_size: self.sector_size,
+            in_write: false,
         }
     }
 
@@ -761,7 +762,12 @@ impl Inner {
         let mut sector = vec![0u8; self.sector_size];
         let failed = self.read_sectors(lba, &mut sector).await?;
         if !failed.is_empty() {
-            return Err(self.integrity(failed));
+            return Err(ImageError::Integrity {
+                image: self.name.clone(),
+                lbas: failed,
+                sector_size: self.sector_size,
+                in_write: true,
+            });
         }
         Ok(sector)
     }
@@ -1249,12 +1255,17 @@ impl Image {
     }
 
     /// Make every completed write durable.
+    /// Make every write acknowledged so far durable. Once the store has lost acknowledged
+    /// writes (its own flush reports that first), every later flush fails too: see
+    /// `ImageError::WritesLost`.
     pub async fn flush(&self) -> Result<(), ImageError> {
         let inner = &self.inner;
+        inner.check_nothing_lost()?;
         inner
             .store
             .flush()
             .await
-            .map_err(ImageError::store(&inner.name))
+            .map_err(ImageError::store(&inner.name))?;
+        inner.check_nothing_lost()
     }
 }

@@ -1,5 +1,6 @@
 //! A local store that loses acknowledged writes while it is open: its group commit fails for
-//! lack of space (SQLite rolls the transaction back), and the next flush reports the loss.
+//! lack of space (SQLite rolls the transaction back), and the next flush reports the loss;
+//! from then on that open refuses writes and flushes (`ImageError::WritesLost`).
 //! The image on it must stay authentic: no sector may end up with metadata that does not
 //! match its data. Two things could break that, and both did before they were fixed:
 //! - the store punching, at a later durable commit, ranges that only the lost transaction had
@@ -14,7 +15,7 @@ mod common;
 
 use common::{options, PASS};
 use ivdisk_crypto::Suite;
-use ivdisk_image::{Image, ImageUri, LayoutKind, OpenOptions};
+use ivdisk_image::{Image, ImageError, ImageUri, LayoutKind, OpenOptions};
 use ivdisk_store::small_fs::SmallFileSystem;
 
 const SECTOR: u64 = 4096;
@@ -76,7 +77,31 @@ async fn lost_commit_keeps_every_sector_authentic(layout: LayoutKind) {
     };
     std::fs::remove_file(&filler).unwrap();
 
-    // Space is back: a write to another sector of the same metadata block, then a flush.
+    // Space is back. After a loss this open refuses writes and flushes (a flush that
+    // succeeded now would tell a client the lost writes are durable); opened again, the
+    // image starts from what was made durable.
+    let image = if lost {
+        let refused = image.write(3 * SECTOR, &[3u8; SECTOR as usize]).await;
+        assert!(
+            matches!(refused, Err(ImageError::WritesLost { .. })),
+            "{layout}: a write after the loss: {refused:?}"
+        );
+        for _ in 0..2 {
+            let flushed = image.flush().await;
+            assert!(
+                matches!(flushed, Err(ImageError::WritesLost { .. })),
+                "{layout}: a flush after the loss, with space again: {flushed:?}"
+            );
+        }
+        let closed = image.close().await;
+        assert!(closed.is_err(), "{layout}: closed after a loss: {closed:?}");
+        Image::open(&uri, PASS, &OpenOptions::default())
+            .await
+            .unwrap()
+    } else {
+        image
+    };
+    // A write to another sector of the same metadata block, then a flush.
     image
         .write(3 * SECTOR, &[3u8; SECTOR as usize])
         .await

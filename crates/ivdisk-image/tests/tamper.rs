@@ -77,7 +77,10 @@ async fn expect_read(
         (Ok(()), true) => {}
         (
             Err(ImageError::Integrity {
-                lbas, sector_size, ..
+                lbas,
+                sector_size,
+                in_write: false,
+                ..
             }),
             false,
         ) => {
@@ -153,9 +156,10 @@ async fn expect_only_sector_fails(case: &Case, image: &Image, content: &[u8], lb
     expect_read(case, image, content, start, end - start, &[lba]).await;
     let err = image.write(lba * ss + 1, &[1, 2, 3]).await.unwrap_err();
     assert!(
-        matches!(&err, ImageError::Integrity { lbas, .. } if lbas == &[lba]),
+        matches!(&err, ImageError::Integrity { lbas, in_write: true, .. } if lbas == &[lba]),
         "{case:?}: a partial write of a sector that fails authentication: {err}"
     );
+    assert!(err.to_string().contains("nothing was written"), "{err}");
     expect_read(case, image, content, lba * ss, ss, &[lba]).await;
 }
 

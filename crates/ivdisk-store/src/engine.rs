@@ -1963,7 +1963,11 @@ impl Engine {
         self.in_txn = false;
         self.frees_pending.truncate(self.txn_frees);
         self.note_lost(e);
-        self.count_lost_transaction(e);
+        // Counted only when it held acknowledged operations: a count makes the image layer
+        // refuse further writes and flushes of that open (`ImageError::WritesLost`).
+        if self.txn_ops > 0 {
+            self.count_lost_transaction(e);
+        }
         if let Err(rewind) = self.segments.rewind(self.txn_mark) {
             tracing::warn!("could not take back the lost operations' data: {rewind}");
         }
@@ -2270,7 +2274,7 @@ impl Engine {
                 if let Err(rewind) = self.segments.rewind(self.txn_mark) {
                     tracing::warn!("could not take back the lost operations' data: {rewind}");
                 }
-                if !only_write_back {
+                if !only_write_back && ops > 0 {
                     self.count_lost_transaction(&e);
                 }
                 self.omap_after_lost_transaction();

@@ -239,6 +239,43 @@ pub struct HeaderFile {
     path: PathBuf,
     header: Header,
     device: File,
+    /// For a change: the file's `flock`, held from before the header is read until this is
+    /// dropped (see [`HeaderFile::open_for_change`]).
+    _lock: Option<File>,
+}
+
+/// How long a keyslot change waits for another program's lock on a LUKS file.
+const HEADER_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Take `flock(LOCK_EX)` on a regular file, as cryptsetup does before it changes a LUKS
+/// file's metadata (it locks the file itself; block devices it locks by device number under
+/// /run/cryptsetup). Waits up to [`HEADER_LOCK_WAIT`]; `None` for what is not a regular file.
+fn lock_header_file(path: &Path) -> Result<Option<File>> {
+    use rustix::fs::{flock, FlockOperation};
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return Ok(None);
+    }
+    let file = open_write(path)?;
+    let deadline = std::time::Instant::now() + HEADER_LOCK_WAIT;
+    loop {
+        match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(Some(file)),
+            Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => bail!(
+                "{} is locked by another program (cryptsetup changing its keyslots, or an \
+                 `ivdisk serve` of it) and stayed locked for {} s; nothing was changed: retry \
+                 when it is done, or stop the server first",
+                path.display(),
+                HEADER_LOCK_WAIT.as_secs()
+            ),
+            Err(e) => {
+                return Err(anyhow::Error::new(std::io::Error::from(e))
+                    .context(format!("locking {}", path.display())))
+            }
+        }
+    }
 }
 
 impl HeaderFile {
@@ -248,6 +285,21 @@ impl HeaderFile {
             path: path.to_path_buf(),
             header,
             device,
+            _lock: None,
+        })
+    }
+
+    /// Open for a keyslot change: the header is read under the file's lock, which is held
+    /// until the change is written, so a concurrent change (cryptsetup's, another ivdisk's)
+    /// cannot be overwritten by one made from an older read: it waits, or this one does.
+    pub fn open_for_change(path: &Path) -> Result<HeaderFile> {
+        let lock = lock_header_file(path)?;
+        let (header, device) = read_header(path)?;
+        Ok(HeaderFile {
+            path: path.to_path_buf(),
+            header,
+            device,
+            _lock: lock,
         })
     }
 
@@ -725,7 +777,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             pbkdf,
             json,
         } => {
-            let mut file = HeaderFile::open(&image)?;
+            let mut file = HeaderFile::open_for_change(&image)?;
             let (_, key) = unlock(&file.header, &file.device, &unlock_args)
                 .with_context(|| image.display().to_string())?;
             let secret = new_secret(&new_key_file)?;
@@ -744,7 +796,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             force,
             json,
         } => {
-            let mut file = HeaderFile::open(&image)?;
+            let mut file = HeaderFile::open_for_change(&image)?;
             let slot = match (key_slot, force && key_file.is_none()) {
                 (Some(slot), true) => slot,
                 (Some(slot), false) => {
@@ -773,7 +825,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             pbkdf,
             json,
         } => {
-            let mut file = HeaderFile::open(&image)?;
+            let mut file = HeaderFile::open_for_change(&image)?;
             let old = old_secret(&key_file)?;
             let new = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;

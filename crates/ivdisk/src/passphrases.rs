@@ -254,7 +254,7 @@ fn add(args: AddArgs, rt: &Runtime) -> Result<()> {
     let pbkdf = args.pbkdf.request()?;
     args.new.check_against(&args.passphrase)?;
     let (slot, keyslots) = if let Some(path) = uri.luks_file() {
-        let mut file = HeaderFile::open(path)?;
+        let mut file = HeaderFile::open_for_change(path)?;
         let existing = args.passphrase.existing()?;
         let (_, key) = file
             .unlock(&existing, None)
@@ -308,7 +308,7 @@ fn check_first(
 fn remove(args: RemoveArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
     let (removed, keyslots) = if let Some(path) = uri.luks_file() {
-        let mut file = HeaderFile::open(path)?;
+        let mut file = HeaderFile::open_for_change(path)?;
         check_removal(&uri, &file.keyslots(), args.key_slot, args.force)?;
         let secret = args.passphrase.existing()?;
         let (opened, _) = file
@@ -356,7 +356,7 @@ fn change(args: ChangeArgs, rt: &Runtime) -> Result<()> {
     let pbkdf = args.pbkdf.request()?;
     args.new.check_against(&args.passphrase)?;
     let (slot, keyslots) = if let Some(path) = uri.luks_file() {
-        let mut file = HeaderFile::open(path)?;
+        let mut file = HeaderFile::open_for_change(path)?;
         let old = args.passphrase.existing()?;
         if !args.new.given() {
             file.unlock(&old, args.key_slot)

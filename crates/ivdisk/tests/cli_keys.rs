@@ -398,3 +398,45 @@ fn key_commands_on_an_ivdisk_image_point_to_passphrase() {
     let err = fails(&["key", "test", p(&image), "--key-file", p(&pass)]);
     assert!(err.contains("ivdisk passphrase"), "{err}");
 }
+
+/// A keyslot change takes the file's `flock` before it reads the header, as cryptsetup does
+/// (it locks a LUKS file itself): while another program holds it, the change waits, so two
+/// changes made at once cannot overwrite each other (one keyslot was lost before, while both
+/// commands said they added theirs).
+#[test]
+fn a_keyslot_change_waits_for_another_programs_lock_on_the_file() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let one = key(dir.path(), "one", b"first passphrase");
+    let two = key(dir.path(), "two", b"second passphrase");
+    format_header(&hdr, &one);
+
+    // Released when `holder` is dropped.
+    let holder = std::fs::File::open(&hdr).unwrap();
+    rustix::fs::flock(&holder, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let started = Instant::now();
+    let mut add = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["passphrase", "add", p(&hdr), "--key-file", p(&one)])
+        .args(["--new-key-file", p(&two)])
+        .args(FAST)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        add.try_wait().unwrap().is_none(),
+        "the change did not wait for the lock"
+    );
+    assert_eq!(keyslot_ids(&hdr), [0], "nothing written while locked");
+    drop(holder);
+    let out = add.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+    assert_eq!(keyslot_ids(&hdr), [0, 1]);
+}

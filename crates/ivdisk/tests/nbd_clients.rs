@@ -2652,7 +2652,7 @@ fn random_writes_on_a_full_file_system_leave_every_sector_authentic() {
     let server = f.serve(&image, &[]);
     let (flushed, _) = fill_until_full(&f, &server.uri, 0, 32);
     let span = format!("--size={}M", 8 * flushed.len());
-    let mut enospc = 0;
+    let (mut enospc, mut fenced) = (0, 0);
     for round in 0..4 {
         let mut fio = f.tool("fio");
         fio.args([
@@ -2670,21 +2670,26 @@ fn random_writes_on_a_full_file_system_leave_every_sector_authentic() {
         let ran = run(fio);
         if ran.text().contains("No space left on device") {
             enospc += 1;
+        } else if ran.text().contains("Input/output error") {
+            // After a commit lost acknowledged writes, the server refuses writes and
+            // flushes (EIO) until it is started again: no flush may succeed after a loss.
+            fenced += 1;
         } else {
             assert!(ran.status.success(), "fio round {round}: {}", ran.text());
         }
         if round == 1 {
-            // Some space back (the first write's two objects), as a user would free it. The
-            // flush may report what a failed commit lost.
+            // Some space back (the first write's two objects), as a user would free it,
+            // unless a loss made the server refuse writes.
             let ran = f.qemu_io(&server.uri, &["discard 0 8M", "flush"]);
             assert!(
-                ran.stdout.contains("discard 8388608/8388608"),
+                ran.stdout.contains("discard 8388608/8388608")
+                    || ran.text().contains("Input/output error"),
                 "{}",
                 ran.text()
             );
         }
     }
-    assert!(enospc > 0, "no fio round met the full disk");
+    assert!(enospc + fenced > 0, "no fio round met the full disk");
     // The server's last flush may report a loss (exit 1); the image must be whole either way.
     server.sigterm();
     let mut server = server;
@@ -2692,10 +2697,14 @@ fn random_writes_on_a_full_file_system_leave_every_sector_authentic() {
         .wait_exit(STOP_LIMIT)
         .expect("the server exits on SIGTERM");
     let log = server.stderr();
-    println!(
-        "fio rounds with ENOSPC: {enospc} of 4; commits lost: {}",
-        log.matches("store commit failed").count()
-    );
+    let lost = log.matches("store commit failed").count();
+    println!("fio rounds with ENOSPC: {enospc} of 4, refused after a loss: {fenced}; commits lost: {lost}");
+    if fenced > 0 {
+        assert!(
+            log.contains("refuses writes and flushes from now on"),
+            "the server's log says why writes fail: {log}"
+        );
+    }
     let verified = f.ivdisk(&["verify", s(&image), "--key-file", s(&f.key)]);
     assert!(
         verified.status.success() && verified.text().contains("all authentic"),
