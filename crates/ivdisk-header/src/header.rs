@@ -442,20 +442,29 @@ impl Header {
     }
 
     /// Bytes from the start of the device that belong to the header (what a backup holds).
+    /// Where the header's metadata ends: what a backup must hold. For LUKS2 the whole region;
+    /// for LUKS1 the end of the last keyslot's material (cryptsetup's LUKS1 backups end there,
+    /// rounded up to 4 KiB, short of the payload offset).
+    pub fn metadata_end(&self) -> u64 {
+        match &self.format {
+            Format::Luks1(h) => h
+                .keyslots
+                .iter()
+                .flatten()
+                .map(|k| k.material_sector as u64 * 512 + keyslot::material_len(h.key_bytes))
+                .max()
+                .unwrap_or(crate::luks1::HEADER_LEN as u64),
+            Format::Luks2 { .. } => self.region_len(),
+        }
+    }
+
     pub fn region_len(&self) -> u64 {
         match &self.format {
             Format::Luks1(h) => {
                 // Up to the end of the last keyslot's material, or the payload if earlier data
-                // follows directly; cryptsetup backs up to the payload offset.
-                let material_end = h
-                    .keyslots
-                    .iter()
-                    .flatten()
-                    .map(|k| k.material_sector as u64 * 512 + keyslot::material_len(h.key_bytes))
-                    .max()
-                    .unwrap_or(crate::luks1::HEADER_LEN as u64);
+                // follows directly; ivdisk backs up to the payload offset.
                 if h.payload_offset == 0 {
-                    material_end
+                    self.metadata_end()
                 } else {
                     h.payload_offset as u64 * 512
                 }
@@ -976,18 +985,41 @@ impl Header {
         if let Some(w) = saved.warning() {
             return Err(HeaderError::Backup(format!("it is itself damaged: {w}")));
         }
-        if !force {
-            if let Ok(current) = Header::read(io) {
-                if current.uuid() != saved.uuid() {
+        // Everything is checked before the first byte is written: a restore that fails
+        // half-way would leave a header that is neither.
+        let have = backup
+            .size()
+            .map_err(|source| HeaderError::Io { offset: 0, source })?;
+        if have < saved.metadata_end() {
+            return Err(HeaderError::Backup(format!(
+                "it is truncated: {have} bytes, and the header it holds needs {}",
+                saved.metadata_end()
+            )));
+        }
+        if let Ok(current) = Header::read(io) {
+            if !force && current.uuid() != saved.uuid() {
+                return Err(HeaderError::Backup(format!(
+                    "it belongs to volume {} but this one is {}; pass --force to replace it",
+                    saved.uuid(),
+                    current.uuid()
+                )));
+            }
+            // Not even forced: the data would be read from another place (cryptsetup refuses
+            // this too).
+            let data_offset = |h: &Header| h.segment().ok().map(|s| s.offset);
+            if let (Some(here), Some(there)) = (data_offset(&current), data_offset(&saved)) {
+                if here != there {
                     return Err(HeaderError::Backup(format!(
-                        "it belongs to volume {} but this one is {}; pass --force to replace it",
-                        saved.uuid(),
-                        current.uuid()
+                        "its data starts at byte {there}, and this volume's at byte {here} \
+                         (LUKS{} here, LUKS{} in the backup): the data would be read from the \
+                         wrong place; this backup is not of this volume",
+                        current.version(),
+                        saved.version()
                     )));
                 }
             }
         }
-        copy_region(backup, io, saved.region_len())?;
+        copy_region(backup, io, saved.region_len().min(have))?;
         io.sync()
             .map_err(|source| HeaderError::Io { offset: 0, source })?;
         Header::read(io)

@@ -583,3 +583,82 @@ fn volumes_formatted_by_cryptsetup_open_and_read_back_through_ivdisk() {
         }
     }
 }
+
+/// A LUKS1 volume of cryptsetup, restored from cryptsetup's own backup (which ends after the
+/// last keyslot's material, short of the payload offset). A truncated backup, and a LUKS1
+/// backup over a LUKS2 volume (whose data starts elsewhere, even with force), are refused
+/// before anything is written: the volume stays byte for byte as it was.
+#[test]
+fn luks1_backups_of_cryptsetup_restore_and_bad_ones_write_nothing() {
+    let scratch = Scratch::new();
+    let pw = scratch.key_file("pw", b"pw");
+    let format = |name: &str, luks: &str| {
+        let path = scratch.path(name);
+        File::create(&path).unwrap().set_len(24 << 20).unwrap();
+        cryptsetup_ok(&[
+            "luksFormat",
+            "-q",
+            "--type",
+            luks,
+            "--key-file",
+            s(&pw),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            s(&path),
+        ]);
+        path
+    };
+    let v1 = format("v1", "luks1");
+    let backup = scratch.path("v1.backup");
+    cryptsetup_ok(&[
+        "luksHeaderBackup",
+        s(&v1),
+        "--header-backup-file",
+        s(&backup),
+    ]);
+    let header = Header::read(&File::open(&v1).unwrap()).unwrap();
+    let backup_len = std::fs::metadata(&backup).unwrap().len();
+    assert!(
+        backup_len < header.region_len(),
+        "cryptsetup's LUKS1 backup ({backup_len} bytes) ends before the payload"
+    );
+
+    // Restored over a destroyed header: it unlocks again.
+    std::os::unix::fs::FileExt::write_all_at(&open_rw(&v1), &[0u8; 4096], 0).unwrap();
+    let restored =
+        Header::restore(&mut open_rw(&v1), &File::open(&backup).unwrap(), false).unwrap();
+    assert_eq!(restored.uuid(), header.uuid());
+    restored.unlock(&File::open(&v1).unwrap(), b"pw").unwrap();
+    cryptsetup_ok(&[
+        "luksOpen",
+        "--test-passphrase",
+        "--key-file",
+        s(&pw),
+        s(&v1),
+    ]);
+
+    // A truncated backup: refused, nothing written (it wrote its first MiB before).
+    let cut = scratch.path("cut.backup");
+    let bytes = std::fs::read(&backup).unwrap();
+    // Short of the only keyslot's material.
+    std::fs::write(&cut, &bytes[..header.metadata_end() as usize - 512]).unwrap();
+    let before = std::fs::read(&v1).unwrap();
+    let err = Header::restore(&mut open_rw(&v1), &File::open(&cut).unwrap(), true).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+    assert!(
+        std::fs::read(&v1).unwrap() == before,
+        "a refused restore wrote"
+    );
+
+    // LUKS1's backup over a LUKS2 volume: refused even forced, nothing written.
+    let v2 = format("v2", "luks2");
+    let before = std::fs::read(&v2).unwrap();
+    let err = Header::restore(&mut open_rw(&v2), &File::open(&backup).unwrap(), true).unwrap_err();
+    assert!(err.to_string().contains("data starts at"), "{err}");
+    assert!(
+        std::fs::read(&v2).unwrap() == before,
+        "a refused restore wrote"
+    );
+}
