@@ -441,6 +441,33 @@ struct RestoredState {
     applying: Option<SnapId>,
 }
 
+/// Refuse an image an incremental restore left half-applied (`RestoredState::applying`); the
+/// restore itself reads its header object directly, not through this. A state that cannot be
+/// read (a store without omap: LUKS files) is no unfinished restore.
+pub(crate) async fn refuse_unfinished_restore(
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    image: &str,
+) -> Result<(), ImageError> {
+    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![BACKUP_STATE_KEY.to_vec()]));
+    let Ok(results) = store.read_op(header_object, op).await else {
+        return Ok(());
+    };
+    let state = match results.into_iter().next() {
+        Some(ReadResult::Omap { pairs, .. }) => pairs
+            .first()
+            .and_then(|(_, v)| serde_json::from_slice::<RestoredState>(v).ok()),
+        _ => None,
+    };
+    match state.and_then(|s| s.applying) {
+        None => Ok(()),
+        Some(id) => Err(ImageError::RestoreUnfinished {
+            image: image.to_owned(),
+            snapshot: format!("id {id}"),
+        }),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writing
 

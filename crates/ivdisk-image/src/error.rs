@@ -213,6 +213,12 @@ pub enum ImageError {
         "image {image}: this incremental backup does not apply here: {reason}; nothing was changed"
     )]
     IncrementalMismatch { image: String, reason: String },
+
+    /// An incremental restore into the image stopped part-way (a full disk, a signal, a
+    /// crash): the image holds some of its changes and none of the others, a state that was
+    /// never a snapshot. It is not opened until the restore is run again (which finishes it).
+    #[error("image {image}: an incremental restore into it (up to snapshot {snapshot}) did not finish, so it holds part of that increment's changes and is neither the base nor the new snapshot; run the same `ivdisk restore FILE {image}` again (it finishes what is left), or delete it and restore the full backup and increments again")]
+    RestoreUnfinished { image: String, snapshot: String },
 }
 
 impl ImageError {

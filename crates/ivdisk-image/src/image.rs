@@ -544,6 +544,7 @@ impl Image {
         volume_key: VolumeKey,
         options: &OpenOptions,
     ) -> Result<Image, ImageError> {
+        crate::backup::refuse_unfinished_restore(store.as_ref(), &header_object, &image).await?;
         let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         let snapshot = match &options.snapshot {
             None => None,

@@ -735,6 +735,54 @@ async fn increments_apply_onto_a_restored_base_only() {
         other => panic!("expected IncrementalMismatch, got {other:?}"),
     }
 
+    // An increment that stopped part-way (as a full disk or a signal leaves it: marked as
+    // being applied) is not opened, neither for reading nor for writing; running the restore
+    // again finishes it.
+    let header = ObjectName::new(header_object_name("dst")).unwrap();
+    let state_of = |omap: Vec<(Vec<u8>, Vec<u8>)>| -> serde_json::Value {
+        let (_, v) = omap
+            .into_iter()
+            .find(|(k, _)| k == BACKUP_STATE_KEY)
+            .unwrap();
+        serde_json::from_slice(&v).unwrap()
+    };
+    let two_id = state_of(target.omap_all(&header).await.unwrap())["snapshot_id"].clone();
+    let halfway = memory();
+    Image::restore_backup_on(&base_file, halfway.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    let mut state = state_of(halfway.omap_all(&header).await.unwrap());
+    state["applying"] = two_id;
+    halfway
+        .write_op(
+            &header,
+            ivdisk_store::WriteOp::new().omap_set(vec![(
+                BACKUP_STATE_KEY.to_vec(),
+                serde_json::to_vec(&state).unwrap(),
+            )]),
+        )
+        .await
+        .unwrap();
+    for options in [OpenOptions::read_only(), OpenOptions::default()] {
+        match Image::open_on(halfway.clone(), "dst", PASS, &options).await {
+            Err(e @ ImageError::RestoreUnfinished { .. }) => {
+                assert!(e.to_string().contains("ivdisk restore"), "{e}")
+            }
+            Err(e) => panic!("expected RestoreUnfinished, got {e:?}"),
+            Ok(_) => panic!("a half-applied increment opened"),
+        }
+    }
+    Image::restore_backup_on(&inc_file, halfway.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    let finished = Image::open_on(halfway, "dst", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert!(
+        contents(&finished).await == two,
+        "a resumed increment = snapshot two"
+    );
+
     // An image restored from the head's backup, not from "one": refused.
     let head_file = dir.path().join("head.ivdbak");
     Image::backup_on(source.clone(), "src", &full(), &head_file, |_| {})

@@ -171,7 +171,13 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
             session
                 .reply_error(option, REP_ERR_TOO_BIG, "option payload too large")
                 .await?;
-            return Err(protocol(peer, format!("option {option} with {len} bytes")));
+            return Err(protocol(
+                peer,
+                format!(
+                    "option {} with {len} bytes, over the {MAX_OPTION_LEN}-byte limit",
+                    option_name(option)
+                ),
+            ));
         }
         let mut data = vec![0u8; len as usize];
         session.stream.read_exact(&mut data).await.map_err(io)?;
@@ -214,6 +220,11 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
             }
             (OPT_ABORT, _) => {}
             (_, TlsState::Required) => {
+                tracing::warn!(
+                    peer,
+                    option = %option_name(option),
+                    "a client asked for an option without TLS, which this server requires"
+                );
                 session
                     .reply_error(
                         option,
@@ -230,7 +241,8 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
                 let name = std::str::from_utf8(&data).unwrap_or("\u{fffd}");
                 let Some(export) = session.find(name) else {
                     // This option has no error reply: closing is the only answer.
-                    return Err(protocol(peer, format!("unknown export `{name}`")));
+                    // Escaped (`{:?}`): the name is the client's, and is logged.
+                    return Err(protocol(peer, format!("unknown export {name:?}")));
                 };
                 let flags = transmission_flags(&export, session.structured);
                 let mut reply = Vec::with_capacity(134);
@@ -307,6 +319,23 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
         }
     }
     Err(protocol(peer, format!("more than {MAX_OPTIONS} options")))
+}
+
+/// An option's name for messages: `NBD_OPT_GO`, or its number when unknown.
+fn option_name(option: u32) -> String {
+    let name = match option {
+        OPT_EXPORT_NAME => "NBD_OPT_EXPORT_NAME",
+        OPT_ABORT => "NBD_OPT_ABORT",
+        OPT_LIST => "NBD_OPT_LIST",
+        OPT_STARTTLS => "NBD_OPT_STARTTLS",
+        OPT_INFO => "NBD_OPT_INFO",
+        OPT_GO => "NBD_OPT_GO",
+        OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
+        OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
+        OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
+        _ => return format!("option {option}"),
+    };
+    name.to_owned()
 }
 
 fn protocol(peer: &str, reason: String) -> NbdError {

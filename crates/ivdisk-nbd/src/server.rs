@@ -10,19 +10,92 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::device::BlockDevice;
 use crate::handshake::{greet, options, Haggled, Negotiated, TlsState};
 use crate::tls::TlsCredentials;
-use crate::transmission::{transmit, Ending, PayloadSource};
+use crate::transmission::{transmit, Ending, PayloadSource, SERVER_BUDGET_UNITS};
 use crate::NbdError;
 
-/// A client must pick an export within this time after connecting.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client must pick an export within this time after connecting (qemu-nbd's default
+/// handshake limit).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest path a Unix socket address holds (`sun_path` less its terminating NUL).
+const SUN_PATH_MAX: usize = 107;
 /// Connections served at once; more are closed right after accept.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Connections still in their handshake (not yet attached to an export: with `--tls-creds`,
+/// not yet authenticated), in all and from one address: more are closed right after accept,
+/// so connections that never finish their handshake cannot take every slot from clients
+/// that would (they did: 256 silent connects locked out a client with valid certificates).
+const MAX_NEGOTIATING: usize = 64;
+const MAX_NEGOTIATING_PER_ADDRESS: usize = 8;
+/// TCP keepalive: a client gone without closing (its host crashed, the network split) is
+/// found out and its connection closed after about `KEEPALIVE_IDLE` + 6 x 10 s of silence,
+/// instead of holding its slot for ever.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 6;
+
+/// Connections in their handshake, counted in all and by client address (TCP).
+#[derive(Default)]
+struct Negotiating {
+    counts: std::sync::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+}
+
+/// One connection's place among the negotiating ones, given back when dropped (the handshake
+/// ended, either way).
+struct NegotiatingSlot {
+    negotiating: Arc<Negotiating>,
+    address: Option<std::net::IpAddr>,
+}
+
+impl Negotiating {
+    /// A place for a connection from `address`, or why there is none.
+    fn enter(
+        self: &Arc<Self>,
+        address: Option<std::net::IpAddr>,
+    ) -> Result<NegotiatingSlot, &'static str> {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if counts.0 >= MAX_NEGOTIATING {
+            return Err("too many connections still in their handshake");
+        }
+        if let Some(address) = address {
+            let from_there = counts.1.entry(address).or_insert(0);
+            if *from_there >= MAX_NEGOTIATING_PER_ADDRESS {
+                return Err("too many connections from this address still in their handshake");
+            }
+            *from_there += 1;
+        }
+        counts.0 += 1;
+        Ok(NegotiatingSlot {
+            negotiating: self.clone(),
+            address,
+        })
+    }
+}
+
+impl Drop for NegotiatingSlot {
+    fn drop(&mut self) {
+        let mut counts = self
+            .negotiating
+            .counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        counts.0 -= 1;
+        if let Some(address) = self.address {
+            if let std::collections::hash_map::Entry::Occupied(mut entry) = counts.1.entry(address)
+            {
+                *entry.get_mut() -= 1;
+                if *entry.get() == 0 {
+                    entry.remove();
+                }
+            }
+        }
+    }
+}
 
 /// One export: a name clients ask for and the device behind it.
 pub struct Export {
@@ -82,6 +155,22 @@ impl Listener {
     pub async fn bind(address: &ListenAddress) -> Result<Listener, NbdError> {
         match address {
             ListenAddress::Unix(path) => {
+                use std::os::unix::ffi::OsStrExt;
+                let len = path.as_os_str().as_bytes().len();
+                if len > SUN_PATH_MAX {
+                    // Bound through a shorter staging path it would be made, and no client
+                    // could connect to it.
+                    return Err(NbdError::Bind {
+                        address: address.to_string(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::InvalidInput,
+                            format!(
+                                "the path is {len} bytes long, and a Unix socket's address \
+                                 holds {SUN_PATH_MAX} at most: pick a shorter path"
+                            ),
+                        ),
+                    });
+                }
                 clear_stale_socket(path).await?;
                 let listener = bind_private_unix(path).map_err(|source| NbdError::Bind {
                     address: address.to_string(),
@@ -131,7 +220,6 @@ fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     use std::sync::atomic::{AtomicU32, Ordering};
     static STAGING: AtomicU32 = AtomicU32::new(0);
-    const SUN_PATH_MAX: usize = 107;
     let private = || std::fs::Permissions::from_mode(0o600);
     let parent = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
@@ -262,6 +350,8 @@ pub async fn serve_with_tls(
     let mut connections = JoinSet::new();
     let mut stats = ServeStats::default();
     let mut next_id = 0u64;
+    let negotiating = Arc::new(Negotiating::default());
+    let server_budget = Arc::new(Semaphore::new(SERVER_BUDGET_UNITS as usize));
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -290,14 +380,30 @@ pub async fn serve_with_tls(
             tracing::warn!(peer, "too many connections; closing this one");
             continue;
         }
+        let address = match &stream {
+            Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip().to_canonical()),
+            Stream::Unix(_) => None,
+        };
+        let slot = match negotiating.enter(address) {
+            Ok(slot) => slot,
+            Err(reason) => {
+                tracing::warn!(peer, "{reason}; closing this one");
+                continue;
+            }
+        };
         let exports = exports.clone();
         let stopped = stopped.clone();
         let tls = tls.clone();
+        let server_budget = server_budget.clone();
         connections.spawn(async move {
             let tls = tls.as_ref();
+            let limits = Limits {
+                negotiating: slot,
+                server_budget,
+            };
             let result = match stream {
-                Stream::Unix(s) => connection(s, &peer, &exports, tls, stopped).await,
-                Stream::Tcp(s) => connection(s, &peer, &exports, tls, stopped).await,
+                Stream::Unix(s) => connection(s, &peer, &exports, tls, limits, stopped).await,
+                Stream::Tcp(s) => connection(s, &peer, &exports, tls, limits, stopped).await,
             };
             match &result {
                 Ok(()) => tracing::info!(peer, "client disconnected"),
@@ -338,9 +444,27 @@ async fn accept(listener: &Listener) -> std::io::Result<(Stream, String)> {
             let (stream, addr) = listener.accept().await?;
             // Replies are whole messages already; Nagle would only delay them.
             stream.set_nodelay(true)?;
+            keep_alive(&stream)?;
             Ok((Stream::Tcp(stream), addr.to_string()))
         }
     }
+}
+
+/// Turn TCP keepalive on (see [`KEEPALIVE_IDLE`]).
+fn keep_alive(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
+    use rustix::net::sockopt;
+    sockopt::set_socket_keepalive(stream, true)?;
+    sockopt::set_tcp_keepidle(stream, KEEPALIVE_IDLE)?;
+    sockopt::set_tcp_keepintvl(stream, KEEPALIVE_INTERVAL)?;
+    sockopt::set_tcp_keepcnt(stream, KEEPALIVE_PROBES)?;
+    Ok(())
+}
+
+/// What a connection holds of the server's shared limits.
+struct Limits {
+    /// Its place among the connections in their handshake, given back once attached.
+    negotiating: NegotiatingSlot,
+    server_budget: Arc<Semaphore>,
 }
 
 /// A client's socket, which the transmission phase takes apart into halves of its own: the
@@ -433,9 +557,14 @@ async fn connection<S: ClientSocket>(
     peer: &str,
     exports: &[Arc<Export>],
     tls: Option<&TlsCredentials>,
+    limits: Limits,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<(), NbdError> {
     tracing::debug!(peer, "client connected");
+    let Limits {
+        negotiating,
+        server_budget,
+    } = limits;
     let attached = tokio::select! {
         _ = stopped.wait_for(|stop| *stop) => return Ok(()),
         result = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, peer, exports, tls)) => match result {
@@ -448,6 +577,7 @@ async fn connection<S: ClientSocket>(
             Ok(result) => result?,
         },
     };
+    drop(negotiating);
     let Some(attached) = attached else {
         return Ok(());
     };
@@ -455,12 +585,12 @@ async fn connection<S: ClientSocket>(
         Attached::Plain(stream, negotiated) => {
             attached_log(peer, &negotiated, false);
             let (reader, writer) = stream.into_halves();
-            transmit(reader, writer, peer, negotiated, stopped).await?
+            transmit(reader, writer, peer, negotiated, server_budget, stopped).await?
         }
         Attached::Tls(stream, negotiated) => {
             attached_log(peer, &negotiated, true);
             let (reader, writer) = stream.into_halves();
-            transmit(reader, writer, peer, negotiated, stopped).await?
+            transmit(reader, writer, peer, negotiated, server_budget, stopped).await?
         }
     };
     match ending {

@@ -236,7 +236,9 @@ fn load_psk_acceptor(
         // 0: no such identity (or a key too long for OpenSSL), and the handshake fails.
         let Some(key) = identity.and_then(|identity| keys.get(identity)) else {
             tracing::warn!(
-                identity = %String::from_utf8_lossy(identity.unwrap_or_default()),
+                // Quoted and escaped: the client chose these bytes, and they must not
+                // forge log lines or reach a terminal as control sequences.
+                identity = ?String::from_utf8_lossy(identity.unwrap_or_default()),
                 "a TLS client's identity is not in {PSK_KEYS}"
             );
             return Ok(0);

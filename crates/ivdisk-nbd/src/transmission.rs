@@ -23,6 +23,12 @@ use crate::NbdError;
 /// this allows 4096 small requests or 256 MiB of payload in flight.
 const BUDGET_UNITS: u32 = 4096;
 const UNIT_BYTES: u32 = 64 * 1024;
+/// Budget units of the whole server, shared by its connections (each request takes from its
+/// connection's budget, then from this one): 1 GiB of payload in flight at most. Without it,
+/// each connection that stopped reading its replies kept its 256 MiB (about 230 MB resident
+/// each, measured), and 256 connections could ask for 64 GiB. Clients that do not read then
+/// stall the others once they hold it all, which memory running out would not spare either.
+pub(crate) const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
 /// After shutdown, how long replies already computed wait for a client that does not read.
 const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -36,6 +42,7 @@ fn cost(request: &Request) -> u32 {
 struct Reply {
     frame: Frame,
     _budget: OwnedSemaphorePermit,
+    _server_budget: OwnedSemaphorePermit,
 }
 
 /// A complete reply: its header (all of it, for a reply without data) and its data.
@@ -69,6 +76,7 @@ pub(crate) async fn transmit<R, W>(
     writer: W,
     peer: &str,
     negotiated: Negotiated,
+    server_budget: Arc<Semaphore>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<Ending, NbdError>
 where
@@ -131,6 +139,13 @@ where
                 permit.expect("the budget semaphore is never closed")
             }
         };
+        let server_permit = tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
+            permit = server_budget.clone().acquire_many_owned(cost(&request)) => {
+                permit.expect("the server's budget semaphore is never closed")
+            }
+        };
         let mut payload = WritePayload::contiguous(Vec::new());
         if request.command == CMD_WRITE {
             let len = request.length as usize;
@@ -155,6 +170,7 @@ where
             let _ = replies.send(Reply {
                 frame,
                 _budget: permit,
+                _server_budget: server_permit,
             });
         });
     };
@@ -554,7 +570,11 @@ impl Context {
         }
     }
 
+    /// FUA is allowed on every command: the server advertises `NBD_FLAG_SEND_FUA`, and the
+    /// protocol then requires it be accepted everywhere (a command that writes nothing has
+    /// nothing to persist).
     fn check_flags(&self, request: &Request, allowed: u16) -> Result<(), DeviceError> {
+        let allowed = allowed | CMD_FLAG_FUA;
         if request.flags & !allowed != 0 {
             return Err(refuse(
                 DeviceErrorKind::Invalid,

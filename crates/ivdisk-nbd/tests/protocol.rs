@@ -602,6 +602,22 @@ async fn commands_do_what_they_say() {
         panic!()
     };
     assert_eq!(payload.len(), 12, "REQ_ONE: one descriptor");
+    // FUA is valid on every command once NBD_FLAG_SEND_FUA is advertised, even where it has
+    // nothing to persist.
+    client
+        .send(
+            CMD_BLOCK_STATUS,
+            CMD_FLAG_REQ_ONE | CMD_FLAG_FUA,
+            51,
+            61440,
+            4096,
+        )
+        .await;
+    let Chunk::Structured { kind, payload, .. } = client.reply(0).await.0 else {
+        panic!("block status with FUA")
+    };
+    assert_eq!(kind, REPLY_TYPE_BLOCK_STATUS, "block status with FUA");
+    assert_eq!(payload.len(), 12, "block status with FUA: one descriptor");
 
     // Write-zeroes: with FAST_ZERO and NO_HOLE the default device says "not fast".
     client
@@ -1254,4 +1270,84 @@ fn certificates_outside_their_validity_are_refused() {
     );
     let ending_soon = server_dir_valid(&creds, now - day, now + 10 * day);
     assert!(TlsCredentials::from_dir(&ending_soon).is_ok());
+}
+
+/// Connections that never finish their handshake (before TLS, not yet authenticated) get a
+/// few slots per address, not all of them: a ninth silent connection from one address is
+/// closed at once, and a client gets in again as soon as one of the eight leaves (256 silent
+/// connects used to lock every client out).
+#[tokio::test]
+async fn connections_that_never_negotiate_cannot_lock_others_out() {
+    use tokio::net::TcpStream;
+    let listener = Listener::bind(&ListenAddress::Tcp("127.0.0.1:0".into()))
+        .await
+        .unwrap();
+    let ListenAddress::Tcp(address) = listener.local_address() else {
+        panic!("a TCP listener")
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let exports = vec![Export {
+        name: "disk".into(),
+        description: String::new(),
+        device: MemoryDevice::new(false),
+    }];
+    let task = tokio::spawn(async move {
+        serve_with_tls(listener, exports, None, async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap()
+    });
+    let greeted = |mut stream: TcpStream| async move {
+        let greeting = tokio::time::timeout(Duration::from_secs(5), stream.read_u64()).await;
+        matches!(greeting, Ok(Ok(NBDMAGIC))).then_some(stream)
+    };
+
+    let mut silent = Vec::new();
+    for i in 0..8 {
+        let stream = TcpStream::connect(&address).await.unwrap();
+        silent.push(
+            greeted(stream)
+                .await
+                .unwrap_or_else(|| panic!("connection {i}")),
+        );
+    }
+    let ninth = TcpStream::connect(&address).await.unwrap();
+    assert!(
+        greeted(ninth).await.is_none(),
+        "a ninth silent connection from one address was served"
+    );
+
+    drop(silent.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let stream = TcpStream::connect(&address).await.unwrap();
+        if greeted(stream).await.is_some() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no client got in after a silent one left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(silent);
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("server stops")
+        .unwrap();
+}
+
+/// A Unix socket path longer than a socket address holds is refused when binding (it was
+/// bound through a shorter staging path, and no client could connect to it).
+#[tokio::test]
+async fn a_socket_path_too_long_for_an_address_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s".repeat(120));
+    let Err(err) = Listener::bind(&ListenAddress::Unix(path.clone())).await else {
+        panic!("bound a {}-byte path", path.as_os_str().len())
+    };
+    assert!(err.to_string().contains("pick a shorter path"), "{err}");
+    assert!(!path.exists());
 }

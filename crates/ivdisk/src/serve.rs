@@ -192,11 +192,14 @@ fn qemu_drive(
     if tls.is_none() {
         return format!(
             "file={},format=raw,if=virtio{readonly}",
-            nbd_uri(address, export, None)
+            qemu_option_value(&nbd_uri(address, export, None))
         );
     }
     let server = match address {
-        ListenAddress::Unix(path) => format!("server.type=unix,server.path={}", path.display()),
+        ListenAddress::Unix(path) => format!(
+            "server.type=unix,server.path={}",
+            qemu_option_value(&path.to_string_lossy())
+        ),
         ListenAddress::Tcp(addr) => {
             let addr = dial_address(addr);
             let (host, port) = addr.rsplit_once(':').unwrap_or((&addr, "10809"));
@@ -204,7 +207,10 @@ fn qemu_drive(
             format!("server.type=inet,server.host={host},server.port={port}")
         }
     };
-    format!("driver=nbd,{server},export={export},tls-creds=tls0,if=virtio{readonly}")
+    format!(
+        "driver=nbd,{server},export={},tls-creds=tls0,if=virtio{readonly}",
+        qemu_option_value(export)
+    )
 }
 
 /// The `-object` qemu needs beside [`qemu_drive`]'s option: the client's TLS credentials.
@@ -242,7 +248,29 @@ fn dial_address(addr: &str) -> String {
 /// The export's NBD URI (the NBD project's doc/uri.md); with TLS, the `nbds` schemes and
 /// libnbd's `tls-certificates` parameter, or with pre-shared keys the client's identity as
 /// the URI's user and libnbd's `tls-psk-file`.
+/// `text` percent-encoded for a URI: every byte but the unreserved characters and `keep`
+/// (RFC 3986), so a name or path with spaces, `?`, `#`, `&` or non-ASCII letters reads back as
+/// itself (libnbd and qemu decode it).
+fn uri_escape(text: &str, keep: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for &byte in text.as_bytes() {
+        let c = byte as char;
+        if c.is_ascii_alphanumeric() || "-._~".contains(c) || (c.is_ascii() && keep.contains(c)) {
+            out.push(c);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// A value inside a qemu option string: qemu splits options at commas, and reads `,,` as one.
+fn qemu_option_value(text: &str) -> String {
+    text.replace(',', ",,")
+}
+
 fn nbd_uri(address: &ListenAddress, export: &str, tls: Option<TlsKind>) -> String {
+    let export = &uri_escape(export, "/");
     let (s, user, creds) = match tls {
         Some(TlsKind::X509) => ("s", "", format!("tls-certificates={CLIENT_CREDS}")),
         Some(TlsKind::Psk) => (
@@ -258,7 +286,7 @@ fn nbd_uri(address: &ListenAddress, export: &str, tls: Option<TlsKind>) -> Strin
             let sep = if tls { "&" } else { "" };
             format!(
                 "nbd{s}+unix://{user}/{export}?socket={}{sep}{creds}",
-                path.display()
+                uri_escape(&path.to_string_lossy(), "/")
             )
         }
         ListenAddress::Tcp(addr) => {
@@ -316,10 +344,17 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
 
 /// `--socket-mode`: octal permission bits, at most 777.
 fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
-    u32::from_str_radix(text, 8)
+    let mode = u32::from_str_radix(text, 8)
         .ok()
         .filter(|mode| *mode <= 0o777)
-        .ok_or_else(|| format!("{text:?} is not an octal mode from 0 to 777 (for example 660)"))
+        .ok_or_else(|| format!("{text:?} is not an octal mode from 0 to 777 (for example 660)"))?;
+    if mode & 0o200 == 0 {
+        return Err(format!(
+            "{text}: without write permission for its owner (200) the socket's owner could not \
+             connect (only root could); for example 600 or 660"
+        ));
+    }
+    Ok(mode)
 }
 
 /// Where clients connect, the TLS they must use, and the signals that stop the server or
@@ -614,12 +649,13 @@ fn serve_until_signal(
             );
             // A request stuck on an unreachable store must not make the server unkillable.
             tokio::spawn(async move {
-                tokio::select! {
-                    _ = interrupt.recv() => {}
-                    _ = terminate.recv() => {}
-                }
+                // The shell's convention: 128 + the signal's number (SIGINT 2, SIGTERM 15).
+                let code = tokio::select! {
+                    _ = interrupt.recv() => 130,
+                    _ = terminate.recv() => 143,
+                };
                 eprintln!("ivdisk: second signal: exiting without flushing; {killed}");
-                std::process::exit(130);
+                std::process::exit(code);
             });
         };
         let reloader = tokio::spawn(reload_on_hangup(tls.clone(), hangup));
@@ -876,6 +912,27 @@ mod tests {
         );
     }
 
+    /// Names and paths with characters a URI or a qemu option string gives a meaning to
+    /// (checked by hand with nbdinfo and qemu-img against a server: `tests/nbd_clients.rs`
+    /// attaches through the printed `uri`).
+    #[test]
+    fn hints_escape_what_uris_and_qemu_options_would_misread() {
+        let odd = ListenAddress::Unix("/tmp/sp ace/a,b.sock".into());
+        assert_eq!(
+            nbd_uri(&odd, "vm 1/\u{e9}?#&", None),
+            "nbd+unix:///vm%201/%C3%A9%3F%23%26?socket=/tmp/sp%20ace/a%2Cb.sock"
+        );
+        assert_eq!(
+            qemu_drive(&odd, "a,b", false, None),
+            "file=nbd+unix:///a%2Cb?socket=/tmp/sp%20ace/a%2Cb.sock,format=raw,if=virtio"
+        );
+        assert_eq!(
+            qemu_drive(&odd, "a,b", false, Some(TlsKind::X509)),
+            "driver=nbd,server.type=unix,server.path=/tmp/sp ace/a,,b.sock,export=a,,b,\
+             tls-creds=tls0,if=virtio"
+        );
+    }
+
     #[test]
     fn only_loopback_addresses_stay_on_this_machine() {
         for local in [
@@ -906,6 +963,13 @@ mod tests {
         assert_eq!(parse_socket_mode("600"), Ok(0o600));
         assert_eq!(parse_socket_mode("0660"), Ok(0o660));
         assert_eq!(parse_socket_mode("777"), Ok(0o777));
+        for unusable in ["0", "400", "077"] {
+            let refused = parse_socket_mode(unusable).unwrap_err();
+            assert!(
+                refused.contains("could not connect"),
+                "{unusable}: {refused}"
+            );
+        }
         for bad in ["1000", "8", "rw", "", "-1"] {
             assert!(parse_socket_mode(bad).is_err(), "{bad:?}");
         }
