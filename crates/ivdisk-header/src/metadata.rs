@@ -318,7 +318,26 @@ impl Metadata {
                 "the JSON area is not a JSON object".into(),
             ));
         }
-        serde_json::from_value(value).map_err(|e| HeaderError::Metadata(e.to_string()))
+        let requirements: Vec<String> = value
+            .pointer("/config/requirements/mandatory")
+            .and_then(Value::as_array)
+            .map(|all| {
+                all.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        serde_json::from_value(value).map_err(|e| match requirements.is_empty() {
+            true => HeaderError::Metadata(e.to_string()),
+            // What cryptsetup writes while an operation runs (a reencryption's `linear`
+            // segment, say) need not follow the plain layout: the requirement says why.
+            false => HeaderError::Metadata(format!(
+                "{e}; the volume carries requirements ({}), for example of a cryptsetup \
+                 reencryption in progress: finish that operation with cryptsetup first",
+                requirements.join(", ")
+            )),
+        })
     }
 
     pub fn to_json(&self) -> Vec<u8> {
@@ -513,5 +532,31 @@ impl Metadata {
             .iter()
             .find(|(_, d)| d.segments.iter().any(|s| s == "0"))
             .map(|(&id, d)| (id, d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header that cryptsetup's reencryption left mid-way has a `linear` segment without
+    /// the fields of a `crypt` one: the error names the requirement and what to do, not only
+    /// the missing field.
+    #[test]
+    fn metadata_that_does_not_parse_names_its_requirements() {
+        let json = br#"{"keyslots":{},"tokens":{},"digests":{},
+            "segments":{"0":{"type":"linear","offset":"16777216","size":"dynamic"}},
+            "config":{"json_size":"12288","keyslots_size":"16744448",
+                      "requirements":{"mandatory":["online-reencrypt-v2"]}}}"#;
+        let err = Metadata::parse(json).unwrap_err().to_string();
+        assert!(
+            err.contains("online-reencrypt-v2") && err.contains("finish that operation"),
+            "{err}"
+        );
+        let plain = br#"{"keyslots":{},"tokens":{},"digests":{},
+            "segments":{"0":{"type":"linear","offset":"16777216","size":"dynamic"}},
+            "config":{"json_size":"12288","keyslots_size":"16744448"}}"#;
+        let err = Metadata::parse(plain).unwrap_err().to_string();
+        assert!(!err.contains("requirements"), "{err}");
     }
 }

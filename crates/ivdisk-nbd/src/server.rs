@@ -351,6 +351,7 @@ pub async fn serve_with_tls(
     let mut stats = ServeStats::default();
     let mut next_id = 0u64;
     let negotiating = Arc::new(Negotiating::default());
+    let mut refusals = Refusals::default();
     let server_budget = Arc::new(Semaphore::new(SERVER_BUDGET_UNITS as usize));
     tokio::pin!(shutdown);
     loop {
@@ -377,7 +378,7 @@ pub async fn serve_with_tls(
         stats.connections += 1;
         let peer = format!("{peer}#{next_id}");
         if connections.len() >= MAX_CONNECTIONS {
-            tracing::warn!(peer, "too many connections; closing this one");
+            refusals.note(&peer, "too many connections");
             continue;
         }
         let address = match &stream {
@@ -387,7 +388,7 @@ pub async fn serve_with_tls(
         let slot = match negotiating.enter(address) {
             Ok(slot) => slot,
             Err(reason) => {
-                tracing::warn!(peer, "{reason}; closing this one");
+                refusals.note(&peer, reason);
                 continue;
             }
         };
@@ -447,6 +448,34 @@ async fn accept(listener: &Listener) -> std::io::Result<(Stream, String)> {
             keep_alive(&stream)?;
             Ok((Stream::Tcp(stream), addr.to_string()))
         }
+    }
+}
+
+/// Connections closed at accept, logged at most once a second with how many went unlogged
+/// (a flood of connects must not flood the log too).
+#[derive(Default)]
+struct Refusals {
+    last_logged: Option<std::time::Instant>,
+    unlogged: u64,
+}
+
+impl Refusals {
+    fn note(&mut self, peer: &str, reason: &str) {
+        let now = std::time::Instant::now();
+        if self
+            .last_logged
+            .is_some_and(|at| now.duration_since(at) < Duration::from_secs(1))
+        {
+            self.unlogged += 1;
+            return;
+        }
+        tracing::warn!(
+            peer,
+            refused_since_last_logged = self.unlogged,
+            "{reason}; closing this one"
+        );
+        self.last_logged = Some(now);
+        self.unlogged = 0;
     }
 }
 
