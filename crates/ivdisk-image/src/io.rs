@@ -1254,7 +1254,6 @@ impl Image {
         inner.store_range(offset, len, fill).await
     }
 
-    /// Make every completed write durable.
     /// Make every write acknowledged so far durable. Once the store has lost acknowledged
     /// writes (its own flush reports that first), every later flush fails too: see
     /// `ImageError::WritesLost`.

@@ -155,6 +155,7 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
         structured: false,
         meta_for: None,
     };
+    let mut refused_without_tls = false;
     for _ in 0..MAX_OPTIONS {
         let magic = match session.stream.read_u64().await {
             Ok(m) => m,
@@ -220,11 +221,15 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
             }
             (OPT_ABORT, _) => {}
             (_, TlsState::Required) => {
-                tracing::warn!(
-                    peer,
-                    option = %option_name(option),
-                    "a client asked for an option without TLS, which this server requires"
-                );
+                // Once per connection: a client may send up to MAX_OPTIONS of them.
+                if !refused_without_tls {
+                    refused_without_tls = true;
+                    tracing::warn!(
+                        peer,
+                        option = %option_name(option),
+                        "a client asked for an option without TLS, which this server requires"
+                    );
+                }
                 session
                     .reply_error(
                         option,
