@@ -52,7 +52,7 @@ use ivdisk_crypto::{Suite, GCM_RANDOM_NONCE_WRITE_LIMIT};
     version,
     about = "Client-side encrypted virtual disks with a fresh random IV (and a MAC) per sector write",
     long_about = None,
-    after_help = "Logs: set IVDISK_LOG (e.g. IVDISK_LOG=debug); they go to stderr and never contain secrets."
+    after_help = "Logs: set IVDISK_LOG (e.g. IVDISK_LOG=debug); they go to stderr and never contain secrets.\nWith --json, a command that fails before printing its result prints {\"ok\":false,\"error\":\"...\"} on standard output (and the message on stderr)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -251,9 +251,27 @@ fn list_suites(json: bool) {
     }
 }
 
+/// Whether the command line asked for JSON (`--json` before any `--`), and whether anything
+/// was printed on standard output: a failure then prints a JSON error object there
+/// ([`report_failure`]) unless the command printed its own.
+static JSON_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static STDOUT_WRITTEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Say why the command failed: on stderr, and with `--json` also as `{"ok":false,"error":...}`
+/// on stdout when nothing was printed there, so scripts always read one JSON object.
+pub(crate) fn report_failure(e: &anyhow::Error) {
+    use std::sync::atomic::Ordering;
+    let text = error_text(e);
+    if JSON_REQUESTED.load(Ordering::Relaxed) && !STDOUT_WRITTEN.load(Ordering::Relaxed) {
+        outln!("{}", serde_json::json!({"ok": false, "error": text}));
+    }
+    eprintln!("ivdisk: {text}");
+}
+
 /// [`outln!`]'s work.
 fn print_line(line: std::fmt::Arguments) {
     use std::io::Write;
+    STDOUT_WRITTEN.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut out = std::io::stdout().lock();
     if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
@@ -318,6 +336,13 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
 fn main() -> ExitCode {
     // Usage errors exit with clap's 2; everything else that fails exits with 1.
     let cli = Cli::parse();
+    JSON_REQUESTED.store(
+        std::env::args_os()
+            .skip(1)
+            .take_while(|a| a != "--")
+            .any(|a| a == "--json"),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     // Without IVDISK_LOG: warnings and errors. Sectors that fail authentication are logged
     // where a server runs; the other commands report them in their result (an export's error
     // names the first one, verify lists them all), not a second time as log lines.
@@ -336,7 +361,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ivdisk: {}", error_text(&e));
+            report_failure(&e);
             ExitCode::FAILURE
         }
     }

@@ -795,8 +795,8 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
 }
 
 fn exit_with(code: i32, e: &anyhow::Error) -> ! {
+    crate::report_failure(e);
     std::io::stdout().flush().ok();
-    eprintln!("ivdisk: {}", crate::error_text(e));
     std::process::exit(code)
 }
 

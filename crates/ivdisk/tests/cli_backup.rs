@@ -124,7 +124,16 @@ fn a_damaged_file_is_refused_and_nothing_is_left() {
         let target = fx.path("target.ivd");
         let out = ivdisk(&["restore", p(&bad), p(&target), "--json"]);
         assert_eq!(out.status.code(), Some(1), "{what}");
-        assert!(out.stdout.is_empty(), "{what}: no JSON report on failure");
+        // With --json a failure is a JSON error object on stdout too (and text on stderr).
+        let report: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{what}: no JSON error on stdout ({e}): {out:?}"));
+        assert_eq!(report["ok"], false, "{what}: {report}");
+        assert!(
+            report["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("nothing was restored")),
+            "{what}: {report}"
+        );
         let err = String::from_utf8(out.stderr).unwrap();
         assert!(err.contains("nothing was restored"), "{what}: {err}");
         assert!(!target.exists(), "{what}: the target directory was created");

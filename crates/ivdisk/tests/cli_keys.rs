@@ -245,7 +245,7 @@ fn volume_key_file_recovers_access() {
         "--json",
     ]);
     assert!(out.contains(r#""ok":false"#), "{out}");
-    // A failure that is no answer (no such file) prints nothing on stdout.
+    // A failure that is no answer (no such file) is an error object, not a mismatch.
     let (out, _) = exits_1(&[
         "key",
         "test",
@@ -254,7 +254,15 @@ fn volume_key_file_recovers_access() {
         p(&lost),
         "--json",
     ]);
-    assert_eq!(out, "");
+    let failed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(failed["ok"], false, "{failed}");
+    assert!(
+        failed["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("No such file")),
+        "{failed}"
+    );
+    assert!(failed.get("keyslot").is_none(), "{failed}");
     let mut args = vec![
         "key",
         "add",

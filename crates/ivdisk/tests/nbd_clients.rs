@@ -506,7 +506,12 @@ impl Fixture {
             ran.stdout,
             ran.stderr
         );
-        assert!(ran.stdout.is_empty(), "no ready line: {}", ran.stdout);
+        // No ready line: nothing, or (with --json) the JSON error object.
+        assert!(
+            ran.stdout.is_empty() || ran.stdout.starts_with(r#"{"error":"#),
+            "no ready line: {}",
+            ran.stdout
+        );
         ran.stderr
     }
 

@@ -203,7 +203,11 @@ impl Rbd {
         let out = command.output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(out.stdout.is_empty(), "no ready line expected: {out:?}");
+        // No ready line: nothing, or (with --json) the JSON error object.
+        assert!(
+            out.stdout.is_empty() || out.stdout.starts_with(br#"{"error":"#),
+            "no ready line expected: {out:?}"
+        );
         stderr
     }
 }
