@@ -331,13 +331,10 @@ pub(crate) fn delete_half_made(
         )),
         // A directory this command made holds nothing but the half-made image: removed
         // whole. (On a full disk deleting through the store fails: its metadata cannot grow.)
-        Err(d) if made_dir.is_some_and(|dir| std::fs::remove_dir_all(dir).is_ok()) => {
-            e.context(format!(
-                "{what} failed; deleting the half-made image through its store failed ({d}), so \
-                 the directory {} made for it was removed instead",
-                made_dir.expect("checked").display()
-            ))
-        }
+        Err(d) if made_dir.is_some() => e.context(format!(
+            "{what} failed; deleting the half-made image through its store failed ({d}){}",
+            remove_made_dir(made_dir)
+        )),
         Err(d) => e.context(format!(
             "{what} failed, and deleting the half-made image failed too ({d}); delete it with \
              `ivdisk delete {uri} --yes`"
