@@ -9,7 +9,8 @@
 //!   another sector of the same metadata block storing the whole block from it.
 //!
 //! The file system is a small tmpfs mounted here (root is needed), filled to the last byte
-//! by a file between the write and the flush, as another program on the same disk would.
+//! by a file between the write and the flush, as another program on the same disk would:
+//! twice, since the first time the store gives the commit the room it keeps for it.
 
 mod common;
 
@@ -53,13 +54,28 @@ async fn lost_commit_keeps_every_sector_authentic(layout: LayoutKind) {
     // Durable: the first 16 sectors (one metadata block of `omap-packed`) hold 1s.
     image.write(0, &[1u8; 16 * SECTOR as usize]).await.unwrap();
     image.flush().await.unwrap();
+
+    // The disk fills up a first time: the store gives the room it keeps for its commits
+    // (`reserved-space`) to this one, and nothing is lost.
+    image
+        .write(6 * SECTOR, &[1u8; SECTOR as usize])
+        .await
+        .unwrap();
+    let filler = fs.fill("filler-first");
+    image
+        .flush()
+        .await
+        .unwrap_or_else(|e| panic!("{layout}: the commit had no room on a full disk: {e}"));
+    std::fs::remove_file(&filler).unwrap();
+
     // Acknowledged, not yet committed: sector 5 rewritten with 2s.
     image
         .write(5 * SECTOR, &[2u8; SECTOR as usize])
         .await
         .unwrap();
 
-    // The disk fills up before the commit: the flush fails, and sector 5's rewrite is lost.
+    // The disk fills up again before the commit, and the store has not taken its room back
+    // (it waits for twice that much free): the flush fails, and sector 5's rewrite is lost.
     let filler = fs.fill("filler");
     let flushed = image.flush().await;
     let lost = match flushed {

@@ -48,6 +48,9 @@ pub(crate) trait Segments: Send {
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
+    /// A commit of the metadata follows: make sure it has room on the file system, where the
+    /// segments keep some for it (local.rs, `CommitRoom`).
+    fn before_commit(&mut self) {}
     /// The data in this range is dead, and its death durable: return its space (reused for
     /// later writes, or punched, possibly later, in the background).
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
@@ -107,16 +110,6 @@ pub(crate) trait Durability: Send + Sync {
     fn space_left(&self) -> Option<u64> {
         None
     }
-}
-
-/// Bytes of a file system this process may still use: root may also use the blocks kept for
-/// it.
-pub(crate) fn usable_bytes(fs: &rustix::fs::StatVfs) -> u64 {
-    let blocks = match rustix::process::geteuid().is_root() {
-        true => fs.f_bfree,
-        false => fs.f_bavail,
-    };
-    blocks.saturating_mul(fs.f_frsize)
 }
 
 pub(crate) struct NoDurability;
@@ -184,8 +177,7 @@ impl Durability for WalFile {
     }
 
     fn space_left(&self) -> Option<u64> {
-        let fs = rustix::fs::statvfs(self.wal.parent()?).ok()?;
-        Some(usable_bytes(&fs))
+        Some(crate::fs_space::FsSpace::at(self.wal.parent()?)?.usable)
     }
 }
 
@@ -2201,6 +2193,7 @@ impl Engine {
         let mut data_synced = Duration::ZERO;
         let result = (|| -> Result<(), StoreError> {
             if self.in_txn {
+                self.segments.before_commit();
                 if self.segments.unsynced() > 0 {
                     self.segments.sync()?;
                 }

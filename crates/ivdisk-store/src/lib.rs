@@ -25,6 +25,7 @@ pub mod ffi_vfs;
 mod ffi_writeback;
 mod file_ranges;
 mod free_space;
+mod fs_space;
 mod held_extents;
 mod local;
 mod memory;

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::fs_space::FsSpace;
 use rusqlite::{Connection, OpenFlags};
 use rustix::fs::{fallocate, FallocateFlags};
 
@@ -45,6 +46,16 @@ pub struct DiskUsage {
     pub data: u64,
     /// Allocated to the metadata database and its log.
     pub metadata: u64,
+    /// Held as room for the metadata's commits while the store is open for writing
+    /// (`reserved-space`; none once it is closed).
+    pub reserved: u64,
+}
+
+impl DiskUsage {
+    /// Everything the store's directory takes.
+    pub fn total(&self) -> u64 {
+        self.data + self.metadata + self.reserved
+    }
 }
 
 /// Options for [`LocalStore::open_with`].
@@ -72,11 +83,14 @@ const TAIL_FLUSH: usize = 256 << 10;
 /// that a small write on a full disk still fails itself, with `NoSpace`, instead of the
 /// commit that writes the tail.
 const RESERVE_STEP: u64 = 64 << 10;
-/// Space for the gathered appends is not taken from the last this many bytes of the file
-/// system: the commit that writes them also grows SQLite's log, and on a disk the data
-/// filled to the last block that commit would fail and lose every write since the last
-/// flush. Refused here, the write that does not fit fails itself.
-const METADATA_HEADROOM: u64 = 1 << 20;
+/// The room kept for the metadata's commits (`CommitRoom`): this fraction of the file
+/// system, within `COMMIT_ROOM_MIN..=COMMIT_ROOM_MAX`.
+const COMMIT_ROOM_FRACTION: u64 = 64;
+const COMMIT_ROOM_MIN: u64 = 1 << 20;
+const COMMIT_ROOM_MAX: u64 = 64 << 20;
+
+/// The file holding the reserved room (`CommitRoom`), in the store's directory.
+pub(crate) const COMMIT_ROOM_FILE: &str = "reserved-space";
 
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
@@ -214,6 +228,8 @@ struct FileSegments {
     /// When a write of whole blocks (one that can reuse space) last came. Dead space is held
     /// only while such writes come; under other writes alone it would wait for nothing.
     last_block_write: Option<Instant>,
+    /// Room kept on the file system for the metadata's commits.
+    room: CommitRoom,
 }
 
 /// Start writeback of `[offset, offset + len)` of `file` without waiting for it
@@ -366,6 +382,7 @@ impl FileSegments {
             crate::fault_io::set_len(|| segment_path(&dir, active), len);
         }
         let mut segments = FileSegments {
+            room: CommitRoom::new(dir.parent().unwrap_or(&dir)),
             dir,
             files,
             puncher: None,
@@ -710,6 +727,140 @@ impl Drop for FileSegments {
         // A clean stop has taken the reclaim already (`settle_within`); anything else stops it.
         self.finish_reclaim(true);
         self.settle();
+        // A closed store commits nothing: its reserved room goes back to the file system.
+        self.room.release("the store is closing");
+    }
+}
+
+/// Room on the file system for the metadata's commits.
+///
+/// Why: a group commit writes the metadata of every operation acknowledged since the last one
+/// into SQLite's log, and SQLite rolls back a COMMIT that runs out of space: those
+/// operations are lost. Data that filled the disk to its last block (`nbdcopy` into a served
+/// image until ENOSPC) lost 130 MB of acknowledged writes that way, and another program
+/// filling the disk between a write and its flush did the same. So the store keeps room for
+/// its commits, in two ways:
+/// - while open for writing it holds a file of `size` bytes, allocated (`reserved-space` in
+///   its directory). A commit that finds less than `size` bytes free deletes it first, so
+///   the commit has that room whoever took the rest. It is made again at a later commit
+///   once the file system has twice its size free, and deleted at a clean close;
+/// - while it does not hold that file, appends leave `size` bytes free: a write that does not
+///   fit fails itself with `NoSpace`, before it is acknowledged.
+///
+/// `size` is 1/64 of the file system, 1..=64 MiB. A commit needs more only if it holds more
+/// metadata than that (on this machine kind about 20 KiB per MiB of data written, and 1-2 MB
+/// per 2 s of random 4 KiB writes): the image layer's fence (`ImageError::WritesLost`) is
+/// the last line then.
+struct CommitRoom {
+    path: PathBuf,
+    /// `COMMIT_ROOM_FRACTION` of the file system, once measured (at the first commit).
+    size: u64,
+    /// The file is there with `size` bytes allocated.
+    held: bool,
+    /// The file system cannot allocate a file's space ahead: appends alone leave the room.
+    unsupported: bool,
+    /// Bytes appends may take before the file system is asked again
+    /// (`FileSegments::check_room`); zero whenever the room is taken or given back.
+    unchecked: u64,
+}
+
+impl CommitRoom {
+    /// The room of a store whose directory is `store_dir`; a file left by a process that
+    /// died while it held it is taken over (made whole at the first commit).
+    fn new(store_dir: &Path) -> CommitRoom {
+        let path = store_dir.join(COMMIT_ROOM_FILE);
+        CommitRoom {
+            held: path.is_file(),
+            path,
+            size: 0,
+            unsupported: false,
+            unchecked: 0,
+        }
+    }
+
+    /// Bytes the room needs, for a file system of `total` bytes.
+    fn size_for(total: u64) -> u64 {
+        (total / COMMIT_ROOM_FRACTION).clamp(COMMIT_ROOM_MIN, COMMIT_ROOM_MAX)
+    }
+
+    /// Bytes an append must leave free: none while the file holds the room.
+    fn kept_free(&self) -> u64 {
+        match self.held && self.size > 0 {
+            true => 0,
+            false => self.size.max(COMMIT_ROOM_MIN),
+        }
+    }
+
+    /// Before a commit, with `space` the file system's state now: give the file's space to the
+    /// commit if the file system is short of it, or take the room again once it is roomy.
+    fn before_commit(&mut self, space: FsSpace) {
+        let free = space.usable;
+        if self.size == 0 {
+            self.size = Self::size_for(space.total);
+            // Appends before this were checked against the smallest room.
+            self.unchecked = 0;
+            if self.held {
+                // Left by an earlier open: made whole (it may be short, or of another size).
+                self.held = false;
+                self.take(free);
+                return;
+            }
+        }
+        if self.held && free < self.size {
+            tracing::warn!(
+                path = %self.path.display(),
+                free,
+                "the store's file system is nearly full: its reserved room goes to this commit, and writes that need new space are refused until space is freed"
+            );
+            self.release("the file system is nearly full");
+        } else if !self.held && !self.unsupported && free >= 2 * self.size {
+            self.take(free);
+        }
+    }
+
+    fn take(&mut self, free: u64) {
+        self.unchecked = 0;
+        let made = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.path)
+            .and_then(|file| {
+                file.set_len(0)?;
+                fallocate(&file, FallocateFlags::empty(), 0, self.size).map_err(Into::into)
+            });
+        match made {
+            Ok(()) => {
+                self.held = true;
+                tracing::debug!(path = %self.path.display(), bytes = self.size, free, "reserved room for the store's commits");
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&self.path);
+                if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                    self.unsupported = true;
+                    tracing::info!("the file system cannot allocate space ahead; the store keeps room for its commits by refusing appends instead");
+                } else {
+                    tracing::debug!(path = %self.path.display(), error = %e, "could not reserve room for the store's commits");
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, why: &str) {
+        if !self.held {
+            return;
+        }
+        self.held = false;
+        self.unchecked = 0;
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {
+                tracing::debug!(path = %self.path.display(), "reserved room given back: {why}")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "could not give back the store's reserved room")
+            }
+        }
     }
 }
 
@@ -726,19 +877,8 @@ impl FileSegments {
         }
         let from = self.reserved.max(self.len - self.tail.len() as u64);
         let to = end.next_multiple_of(RESERVE_STEP);
+        self.check_room(to - from)?;
         let file = &*self.files[&self.active];
-        if let Ok(fs) = rustix::fs::fstatvfs(file) {
-            let free = crate::engine::usable_bytes(&fs);
-            if free < (to - from).saturating_add(METADATA_HEADROOM) {
-                return Err(StoreError::NoSpace {
-                    context: format!(
-                        "appending to {}: {free} bytes left on its file system, kept for the \
-                         store's metadata",
-                        segment_path(&self.dir, self.active).display()
-                    ),
-                });
-            }
-        }
         match fallocate(file, FallocateFlags::KEEP_SIZE, from, to - from) {
             Ok(()) => {
                 self.reserved = to;
@@ -759,6 +899,35 @@ impl FileSegments {
                 e.into(),
             )),
         }
+    }
+
+    /// Refuse an append of `len` bytes that would leave the metadata's commits without room
+    /// (`CommitRoom`): it fails itself, before it is acknowledged, instead of the commit that
+    /// would lose every operation since the last flush.
+    ///
+    /// The file system is asked (`statfs`) only when appends since the last answer may have
+    /// used half of what it left beyond the room: a system call per 64 KiB append otherwise.
+    fn check_room(&mut self, len: u64) -> Result<(), StoreError> {
+        if let Some(left) = self.room.unchecked.checked_sub(len) {
+            self.room.unchecked = left;
+            return Ok(());
+        }
+        let Some(space) = FsSpace::of(&*self.files[&self.active]) else {
+            return Ok(());
+        };
+        let free = space.usable;
+        let kept = self.room.kept_free();
+        self.room.unchecked = free.saturating_sub(kept).saturating_sub(len) / 2;
+        if free < len.saturating_add(kept) {
+            return Err(StoreError::NoSpace {
+                context: format!(
+                    "appending {len} bytes to {}: {free} bytes left on its file system, of \
+                     which {kept} are kept for the store's metadata",
+                    segment_path(&self.dir, self.active).display()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Write the tail (appends gathered in memory) to the active segment's file.
@@ -1099,6 +1268,7 @@ impl Segments for FileSegments {
                 self.write_tail()?;
             }
         } else {
+            self.check_room(data.len() as u64)?;
             self.write_tail()?;
             write_in_pieces(&self.files[&self.active], data, at).map_err(StoreError::io_with(
                 || format!("writing {}", segment_path(&self.dir, self.active).display()),
@@ -1143,6 +1313,12 @@ impl Segments for FileSegments {
             .map_err(StoreError::io_with(|| {
                 format!("reading {}", segment_path(&self.dir, segment).display())
             }))
+    }
+
+    fn before_commit(&mut self) {
+        if let Some(space) = FsSpace::of(&*self.files[&self.active]) {
+            self.room.before_commit(space);
+        }
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
@@ -1704,7 +1880,12 @@ impl LocalStore {
             }))?;
             data += allocated(&entry.path())?;
         }
-        Ok(DiskUsage { data, metadata })
+        let reserved = allocated(&dir.join(COMMIT_ROOM_FILE))?;
+        Ok(DiskUsage {
+            data,
+            metadata,
+            reserved,
+        })
     }
 
     /// What opening found after an unclean stop (all zero after a clean one).

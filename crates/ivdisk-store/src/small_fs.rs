@@ -1,5 +1,6 @@
 //! A file system that fills up, for the tests of what a full disk does (the local store's own,
-//! the image layer's, the NBD server's): a small tmpfs, mounted until dropped. Public behind
+//! the image layer's, the NBD server's): a small tmpfs (or ext4 on a loop device), mounted
+//! until dropped. Public behind
 //! the `conformance` feature, like the conformance suite, so every crate's tests use the same
 //! one. Mounting needs root (CAP_SYS_ADMIN); without it the test fails and says so.
 
@@ -11,6 +12,8 @@ use std::process::Command;
 /// unmounted (also when a test fails).
 pub struct SmallFileSystem {
     at: PathBuf,
+    /// The file an ext4 file system lives in (`mount_ext4`), removed after the unmount.
+    image: Option<PathBuf>,
 }
 
 impl SmallFileSystem {
@@ -22,7 +25,10 @@ impl SmallFileSystem {
             .arg(at)
             .output();
         match out {
-            Ok(out) if out.status.success() => SmallFileSystem { at: at.to_owned() },
+            Ok(out) if out.status.success() => SmallFileSystem {
+                at: at.to_owned(),
+                image: None,
+            },
             Ok(out) => panic!(
                 "this test needs root (CAP_SYS_ADMIN) to mount a {size} tmpfs that fills up: \
                  `mount -t tmpfs` failed: {}",
@@ -32,6 +38,40 @@ impl SmallFileSystem {
                 "this test needs root (CAP_SYS_ADMIN) and mount(8) to mount a {size} tmpfs that \
                  fills up: {e}"
             ),
+        }
+    }
+
+    /// Mount a fresh ext4 of `mib` MiB at `at` (made if missing): `mkfs.ext4` on the file
+    /// `image`, mounted through a loop device. Why besides tmpfs: ext4 keeps 2% of itself
+    /// (at most 4096 blocks) from every writer, root included, and still counts it as free.
+    pub fn mount_ext4(at: &Path, image: &Path, mib: u64) -> SmallFileSystem {
+        std::fs::create_dir_all(at).unwrap();
+        std::fs::File::create(image)
+            .and_then(|f| f.set_len(mib << 20))
+            .unwrap_or_else(|e| panic!("making {}: {e}", image.display()));
+        let run = |cmd: &mut Command, what: &str| match cmd.output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => panic!(
+                "this test needs root and e2fsprogs to make and mount a {mib} MiB ext4: {what} \
+                 failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => panic!("this test needs {what} (root, e2fsprogs, mount(8)): {e}"),
+        };
+        run(
+            Command::new("mkfs.ext4").args(["-q", "-F"]).arg(image),
+            "mkfs.ext4",
+        );
+        run(
+            Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(image)
+                .arg(at),
+            "mount -o loop",
+        );
+        SmallFileSystem {
+            at: at.to_owned(),
+            image: Some(image.to_owned()),
         }
     }
 
@@ -54,5 +94,8 @@ impl SmallFileSystem {
 impl Drop for SmallFileSystem {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+        if let Some(image) = &self.image {
+            let _ = std::fs::remove_file(image);
+        }
     }
 }

@@ -603,7 +603,7 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
         let mut value = info_json(&uri, &info);
         value["disk_usage"] = usage.map_or(
             Value::Null,
-            |u| json!({"data": u.data, "metadata": u.metadata, "total": u.data + u.metadata}),
+            |u| json!({"data": u.data, "metadata": u.metadata, "reserved": u.reserved, "total": u.total()}),
         );
         value["snapshot"] = snapshot
             .as_ref()
@@ -622,11 +622,18 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
             );
         }
         if let Some(u) = usage {
+            let reserved = match u.reserved {
+                0 => String::new(),
+                n => format!(
+                    ", {} reserved for its commits while open for writing",
+                    human_size(n)
+                ),
+            };
             lines.push((
                 "disk usage",
                 format!(
-                    "{} ({} data, {} metadata)",
-                    human_size(u.data + u.metadata),
+                    "{} ({} data, {} metadata{reserved})",
+                    human_size(u.total()),
                     human_size(u.data),
                     human_size(u.metadata)
                 ),

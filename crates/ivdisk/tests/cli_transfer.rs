@@ -925,6 +925,8 @@ fn info_shows_what_a_local_image_takes_on_disk() {
         let shown = info(image);
         let u = &shown["disk_usage"];
         let (data, metadata) = (u["data"].as_u64().unwrap(), u["metadata"].as_u64().unwrap());
+        // Closed: no room is held for commits.
+        assert_eq!(u["reserved"].as_u64(), Some(0), "{shown}");
         assert_eq!(u["total"].as_u64(), Some(data + metadata), "{shown}");
         assert!(metadata > 0, "{shown}");
         (data, metadata)

@@ -2620,6 +2620,63 @@ fn a_full_file_system_is_enospc_and_writes_go_through_once_space_is_freed() {
     drop(small);
 }
 
+/// A client copying into an image until the disk is full, with no flush in between (nbdcopy
+/// of a file larger than the file system, an ext4): the copy stops at ENOSPC, and the flush
+/// after it succeeds and loses nothing: every block reads back as the source or as never
+/// written, and most of what fit on the disk is there. Before the store kept room for its
+/// commits, the copy's appends took the last blocks and the commit after them lost all of
+/// it: that flush failed, and every later one with EIO until the server was restarted.
+#[test]
+fn a_copy_that_fills_the_disk_keeps_what_was_acknowledged() {
+    let f = Fixture::new();
+    let small = ivdisk_store::small_fs::SmallFileSystem::mount_ext4(
+        &f.path("small"),
+        &f.path("small.ext4"),
+        160,
+    );
+    let image = f.create("small/disk.ivd", "512M", &[]);
+    let server = f.serve(&image, &[]);
+    let source = f.path("source.raw");
+    let want = random(91, 256 * MIB as usize);
+    fs::write(&source, &want).unwrap();
+
+    let copied = f.nbdcopy(&[s(&source), &server.uri]).failed();
+    assert!(
+        copied.text().contains("No space left on device"),
+        "the copy must stop at ENOSPC: {}",
+        copied.text()
+    );
+    f.qemu_io(&server.uri, &["flush"]).ok();
+    let back = f.path("back.raw");
+    f.nbdcopy(&[&server.uri, s(&back)]).ok();
+    let got = fs::read(&back).unwrap();
+    let block = 4096;
+    let (mut kept, mut unwritten) = (0u64, 0u64);
+    for (i, (g, w)) in got.chunks(block).zip(want.chunks(block)).enumerate() {
+        if g == w {
+            kept += 1;
+        } else if g.iter().all(|&b| b == 0) {
+            unwritten += 1;
+        } else {
+            panic!("block {i} holds neither what was copied nor zeros");
+        }
+    }
+    println!("after the copy and a flush: {kept} blocks copied, {unwritten} never written");
+    assert!(
+        kept * block as u64 >= 96 * MIB,
+        "only {} MiB of the copy kept on a 160 MiB file system",
+        kept * block as u64 / MIB
+    );
+    let log = server.stop();
+    assert!(
+        !log.contains("lost"),
+        "the server's log says writes were lost: {log}"
+    );
+    f.ivdisk(&["verify", s(&image), "--key-file", s(&f.key)])
+        .ok();
+    drop(small);
+}
+
 /// A cryptsetup LUKS2 file, sparse, on a file system that fills up: ENOSPC as for images, and
 /// the write goes through once space is freed next to it.
 #[test]
