@@ -800,9 +800,14 @@ impl CommitRoom {
             // Appends before this were checked against the smallest room.
             self.unchecked = 0;
             if self.held {
-                // Left by an earlier open: made whole (it may be short, or of another size).
-                self.held = false;
-                self.take(free);
+                // Left by an earlier open that did not close: made whole (it may be short, or
+                // of another size), or given to this commit if the file system is short.
+                if free >= self.size {
+                    self.held = false;
+                    self.take(free);
+                } else {
+                    self.release("the file system is nearly full");
+                }
                 return;
             }
         }

@@ -911,6 +911,35 @@ async fn a_commit_lost_for_lack_of_space_frees_nothing_and_is_counted() {
     drop(fs);
 }
 
+/// The room a store keeps for its commits (`reserved-space`) is held only while it is open
+/// for writing; one left by a store that did not close (a crash) is taken over: made whole at
+/// the first commit, removed at the clean close.
+#[tokio::test]
+async fn the_room_for_commits_is_held_while_open_and_a_leftover_is_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let room = path.join("reserved-space");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    store.write(&name("o"), 0, b"one").await.unwrap();
+    store.flush().await.unwrap();
+    let held = std::fs::metadata(&room).expect("no room held while open");
+    assert!(
+        held.len() >= 1 << 20 && held.blocks() * 512 >= held.len(),
+        "{held:?}"
+    );
+    drop(store);
+    assert!(!room.exists(), "the room outlived the store's clean close");
+
+    std::fs::write(&room, b"left by a crash").unwrap();
+    let store = LocalStore::open(&path).unwrap();
+    store.write(&name("o"), 0, b"two").await.unwrap();
+    store.flush().await.unwrap();
+    let taken = std::fs::metadata(&room).unwrap();
+    assert_eq!(taken.len(), held.len(), "the leftover was not made whole");
+    drop(store);
+    assert!(!room.exists(), "the leftover outlived the clean close");
+}
+
 /// A child process forked by any thread shares the open file description of the store's
 /// `LOCK`, and with it the `flock`, until it `exec`s. A store closed and reopened in that
 /// window must wait for it, not report that the store is open: the test holds the lock on
