@@ -879,7 +879,7 @@ fn convert_open(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(dst, &options, &secret)),
     )
-    .map_err(crate::images::flat_create)?;
+    .map_err(|e| crate::images::create_failed(dst, made_dir.as_deref(), e))?;
     drop(secret);
 
     let chunk = chunk_size(&image);

@@ -260,6 +260,20 @@ pub fn flat(e: ImageError) -> anyhow::Error {
 /// [`flat`] for a failed `Image::create`: a refusal because another process holds the new
 /// image's store says what that process most likely does, as the image was not there a
 /// moment before: it creates the same image.
+/// `e`, from creating the image `uri`, after removing `made_dir`, the local store directory
+/// the command made for it ([`crate::transfer::store_dir_to_make`]; not if another process's
+/// image took it meanwhile): a create that failed (a full disk) leaves nothing behind.
+pub(crate) fn create_failed(
+    uri: &ImageUri,
+    made_dir: Option<&std::path::Path>,
+    e: ImageError,
+) -> anyhow::Error {
+    match crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(made_dir, &e)) {
+        removed if removed.is_empty() => flat_create(e),
+        removed => flat_create(e).context(format!("creating {uri} failed{removed}")),
+    }
+}
+
 pub fn flat_create(e: ImageError) -> anyhow::Error {
     match &e {
         ImageError::Store {
@@ -458,15 +472,7 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
             })
         },
     )
-    .map_err(|e| {
-        match crate::transfer::remove_made_dir(crate::transfer::made_dir_unless_taken(
-            made_dir.as_deref(),
-            &e,
-        )) {
-            removed if removed.is_empty() => flat_create(e),
-            removed => flat_create(e).context(format!("creating {uri} failed{removed}")),
-        }
-    })?;
+    .map_err(|e| create_failed(&uri, made_dir.as_deref(), e))?;
     drop(passphrase);
     let info = info_of(rt, &uri)?;
     let fleeting = match uri {

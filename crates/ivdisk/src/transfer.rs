@@ -235,7 +235,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(&uri, &options, &passphrase)),
     )
-    .map_err(crate::images::flat_create)?;
+    .map_err(|e| crate::images::create_failed(&uri, made_dir.as_deref(), e))?;
     drop(passphrase);
     let (suite, layout, sector_size) = (image.suite(), image.layout(), image.sector_size());
     let bar = progress(bytes, "importing", args.json);

@@ -901,6 +901,17 @@ fn commands_that_fail_on_a_full_disk_leave_nothing_behind() {
         vec!["filler".to_owned()],
         "{err}"
     );
+    // So do the commands that copy into a new image, failing while they create it (import
+    // and convert left the directory they made).
+    for args in &commands {
+        let err = fails(args);
+        assert!(err.contains("no space left"), "{args:?}: {err}");
+        assert_eq!(
+            everything_in(small.path()),
+            vec!["filler".to_owned()],
+            "{args:?}: {err}"
+        );
+    }
 
     // A directory the user made stays (without an image in it).
     std::fs::remove_file(&filler).unwrap();
