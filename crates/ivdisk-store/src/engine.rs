@@ -51,6 +51,11 @@ pub(crate) trait Segments: Send {
     /// A commit of the metadata follows: make sure it has room on the file system, where the
     /// segments keep some for it (local.rs, `CommitRoom`).
     fn before_commit(&mut self) {}
+    /// Bytes the next commit has on the file system, as last seen, where the segments know
+    /// (local.rs, `CommitRoom`).
+    fn commit_room(&self) -> Option<u64> {
+        None
+    }
     /// The data in this range is dead, and its death durable: return its space (reused for
     /// later writes, or punched, possibly later, in the background).
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
@@ -317,6 +322,23 @@ const COMPACT_ROOM_MIN: Option<u64> = if cfg!(feature = "fault-io") {
     Some(64 << 20)
 };
 
+/// `COMMIT_INTERVAL` and `DURABLE_INTERVAL`, unless `IVDISK_STORE_COMMIT_INTERVAL_MS` sets
+/// both (tests that need a transaction to grow, as it does in a release build's 2 s).
+fn commit_intervals() -> (Duration, Duration) {
+    match std::env::var("IVDISK_STORE_COMMIT_INTERVAL_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(ms) => (Duration::from_millis(ms), Duration::from_millis(ms)),
+        None => (COMMIT_INTERVAL, DURABLE_INTERVAL),
+    }
+}
+
+/// A clean stop writes back what the overlays hold only if the file system has four times
+/// their memory free and this much more (SQLite's log takes a page per row it touches), or
+/// `COMPACT_ROOM_MIN` where that is more.
+const STOP_WRITE_BACK_MARGIN: u64 = 1 << 20;
+
 fn compact_idle() -> Duration {
     std::env::var("IVDISK_STORE_COMPACT_IDLE_MS")
         .ok()
@@ -349,6 +371,14 @@ fn omap_held_max() -> usize {
         .unwrap_or(OMAP_HELD_MAX)
 }
 const COMMIT_MAX_BYTES: u64 = 1 << 30;
+/// What a commit may write to SQLite's log per operation it holds, at most for an image's
+/// writes (an extent row and a packed omap value, each changed, in the pending rows' blobs;
+/// about 250 bytes were measured for random 4 KiB writes). A transaction commits once its
+/// operations could need an eighth of the room the commit has on the file system
+/// (`Segments::commit_room`, as last seen; the appends may have taken half of it since):
+/// random 4 KiB writes until the disk was full, 20-22k of them in one transaction, needed
+/// more than the store's room and lost them all. A full disk then has room for its commit.
+const COMMIT_BYTES_PER_OP: u64 = 512;
 /// Durable commits happen at least this often even without a flush (bounds the loss after a
 /// power cut and lets dead space be punched).
 const DURABLE_INTERVAL: Duration = if cfg!(feature = "fault-io") {
@@ -1319,10 +1349,11 @@ impl Engine {
     /// Run the worker loop until every sender is gone, then commit durably.
     pub(crate) fn run(mut self, requests: mpsc::Receiver<Request>) {
         let mut tick_due: Option<Instant> = None;
+        let (commit_interval, durable_interval) = commit_intervals();
         loop {
             let mut wait = match self.in_txn {
-                true => COMMIT_INTERVAL.saturating_sub(self.txn_started.elapsed()),
-                false => DURABLE_INTERVAL,
+                true => commit_interval.saturating_sub(self.txn_started.elapsed()),
+                false => durable_interval,
             };
             if let Some(due) = tick_due {
                 wait = wait.min(due.saturating_duration_since(Instant::now()));
@@ -1351,14 +1382,17 @@ impl Engine {
             if self.in_txn
                 && (self.txn_ops >= COMMIT_MAX_OPS
                     || self.segments.unsynced() >= COMMIT_MAX_BYTES
-                    || self.txn_started.elapsed() >= COMMIT_INTERVAL)
+                    || self.txn_started.elapsed() >= commit_interval
+                    || self.segments.commit_room().is_some_and(|room| {
+                        (self.txn_ops as u64).saturating_mul(COMMIT_BYTES_PER_OP) >= room / 8
+                    }))
             {
                 // Durable when it frees data the segments would reuse: the space comes back
                 // only once its death is durable, and under large overwrites waiting for the
                 // next durable commit made new data grow the segments meanwhile.
                 self.commit(!self.frees_pending.is_empty() && self.segments.reusing());
             }
-            if self.last_durable.elapsed() >= DURABLE_INTERVAL
+            if self.last_durable.elapsed() >= durable_interval
                 && (self.in_txn || !self.frees_pending.is_empty())
             {
                 self.commit(true);
@@ -1369,15 +1403,37 @@ impl Engine {
             };
             tick_due = after.map(|after| Instant::now() + after);
         }
+        // Acknowledged operations first, in a commit of their own: the write-back below may
+        // not fit on a full disk, and only it may fail then.
+        if self.in_txn {
+            self.commit(true);
+        }
         // A clean stop leaves no omap or extent change pending: nothing to replay at the
-        // next open (and nothing an older build would not know to replay).
+        // next open (and nothing an older build would not know to replay). Unless the file
+        // system is nearly full: the write-back took the last blocks of one that the store's
+        // data had filled, and the next open, which must commit to take an image's writer
+        // lock, found no room at all. The omap changes then stay in their pending rows, which
+        // the next open replays in memory; the extent changes are written back all the same
+        // (the next open would write them back before anything reads the table).
+        let held = self.omap.get_mut().held().1 + self.extents.get_mut().held().1;
+        let need = (4 * held as u64 + STOP_WRITE_BACK_MARGIN).max(COMPACT_ROOM_MIN.unwrap_or(0));
+        let roomy = self.durability.space_left().is_none_or(|left| left >= need);
         if self.read_only.is_none()
             && (self.omap.get_mut().pending() || self.extents.get_mut().pending())
         {
-            if let Err(e) = self
-                .write_back_omap()
-                .and_then(|()| self.write_back_extents())
-            {
+            let written_back = match roomy {
+                true => self
+                    .write_back_omap()
+                    .and_then(|()| self.write_back_extents()),
+                false => {
+                    tracing::info!(
+                        "the store's file system is nearly full: its pending omap changes stay \
+                         in their log rows for the next open to replay"
+                    );
+                    self.write_back_extents()
+                }
+            };
+            if let Err(e) = written_back {
                 self.lose_transaction(&e);
             }
         }

@@ -760,8 +760,11 @@ struct CommitRoom {
     /// The file system cannot allocate a file's space ahead: appends alone leave the room.
     unsupported: bool,
     /// Bytes appends may take before the file system is asked again
-    /// (`FileSegments::check_room`); zero whenever the room is taken or given back.
+    /// (`FileSegments::check_room`); zero whenever the room is taken or given back, and at
+    /// every commit (another program may have taken space meanwhile).
     unchecked: u64,
+    /// Bytes free on the file system when it was last asked, counting the room's own.
+    last_free: Option<u64>,
 }
 
 impl CommitRoom {
@@ -775,12 +778,22 @@ impl CommitRoom {
             size: 0,
             unsupported: false,
             unchecked: 0,
+            last_free: None,
         }
     }
 
     /// Bytes the room needs, for a file system of `total` bytes.
     fn size_for(total: u64) -> u64 {
         (total / COMMIT_ROOM_FRACTION).clamp(COMMIT_ROOM_MIN, COMMIT_ROOM_MAX)
+    }
+
+    /// Bytes the next commit has, as last seen: the free space and the room's own.
+    fn commit_room(&self) -> Option<u64> {
+        let free = self.last_free?;
+        Some(match self.held {
+            true => free.saturating_add(self.size),
+            false => free,
+        })
     }
 
     /// Bytes an append must leave free: none while the file holds the room.
@@ -795,10 +808,10 @@ impl CommitRoom {
     /// commit if the file system is short of it, or take the room again once it is roomy.
     fn before_commit(&mut self, space: FsSpace) {
         let free = space.usable;
+        self.unchecked = 0;
+        self.last_free = Some(free);
         if self.size == 0 {
             self.size = Self::size_for(space.total);
-            // Appends before this were checked against the smallest room.
-            self.unchecked = 0;
             if self.held {
                 // Left by an earlier open that did not close: made whole (it may be short, or
                 // of another size), or given to this commit if the file system is short.
@@ -857,6 +870,7 @@ impl CommitRoom {
         }
         self.held = false;
         self.unchecked = 0;
+        self.last_free = self.last_free.map(|free| free.saturating_add(self.size));
         match std::fs::remove_file(&self.path) {
             Ok(()) => {
                 tracing::debug!(path = %self.path.display(), "reserved room given back: {why}")
@@ -922,7 +936,13 @@ impl FileSegments {
         };
         let free = space.usable;
         let kept = self.room.kept_free();
-        self.room.unchecked = free.saturating_sub(kept).saturating_sub(len) / 2;
+        self.room.last_free = Some(free);
+        // Without the room's file, each append asks: another program's writes would
+        // otherwise go unseen until the commit that has no room left.
+        self.room.unchecked = match kept {
+            0 => free.saturating_sub(len) / 2,
+            _ => 0,
+        };
         if free < len.saturating_add(kept) {
             return Err(StoreError::NoSpace {
                 context: format!(
@@ -1324,6 +1344,10 @@ impl Segments for FileSegments {
         if let Some(space) = FsSpace::of(&*self.files[&self.active]) {
             self.room.before_commit(space);
         }
+    }
+
+    fn commit_room(&self) -> Option<u64> {
+        self.room.commit_room()
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {

@@ -631,7 +631,8 @@ pub fn info(args: InfoArgs, rt: &Runtime) -> Result<()> {
             let reserved = match u.reserved {
                 0 => String::new(),
                 n => format!(
-                    ", {} reserved for its commits while open for writing",
+                    ", {} reserved for its commits (held while open for writing, or left by a \
+                     writer that did not close)",
                     human_size(n)
                 ),
             };
