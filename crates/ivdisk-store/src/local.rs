@@ -747,10 +747,11 @@ impl Drop for FileSegments {
 /// - while it does not hold that file, appends leave `size` bytes free: a write that does not
 ///   fit fails itself with `NoSpace`, before it is acknowledged.
 ///
-/// `size` is 1/64 of the file system, 1..=64 MiB. A commit needs more only if it holds more
-/// metadata than that (on this machine kind about 20 KiB per MiB of data written, and 1-2 MB
-/// per 2 s of random 4 KiB writes): the image layer's fence (`ImageError::WritesLost`) is
-/// the last line then.
+/// `size` is 1/64 of the file system, 1..=64 MiB. Random 4 KiB writes need about 250 bytes of
+/// log each, so a transaction on a file system short of space commits early, before its
+/// operations could need more than the room (`COMMIT_BYTES_PER_OP` in engine.rs). A commit
+/// that needs more all the same (huge omap values) is lost, and the image layer's fence
+/// (`ImageError::WritesLost`) is the last line.
 struct CommitRoom {
     path: PathBuf,
     /// `COMMIT_ROOM_FRACTION` of the file system, once measured (at the first commit).
@@ -850,6 +851,7 @@ impl CommitRoom {
         match made {
             Ok(()) => {
                 self.held = true;
+                self.last_free = Some(free.saturating_sub(self.size));
                 tracing::debug!(path = %self.path.display(), bytes = self.size, free, "reserved room for the store's commits");
             }
             Err(e) => {
@@ -924,8 +926,9 @@ impl FileSegments {
     /// (`CommitRoom`): it fails itself, before it is acknowledged, instead of the commit that
     /// would lose every operation since the last flush.
     ///
-    /// The file system is asked (`statfs`) only when appends since the last answer may have
-    /// used half of what it left beyond the room: a system call per 64 KiB append otherwise.
+    /// While the store holds the room's file, the file system is asked (`statfs`) only when
+    /// appends since the last answer may have used half of what was free (a system call per
+    /// 64 KiB append otherwise); while it does not, at every append.
     fn check_room(&mut self, len: u64) -> Result<(), StoreError> {
         if let Some(left) = self.room.unchecked.checked_sub(len) {
             self.room.unchecked = left;
