@@ -383,19 +383,12 @@ fn open_local(
         // Never scatter a store's files into a directory that holds something else; and do
         // not tell to create an image where that would be refused.
         // (A store's own files without its database: another process is creating it.)
-        const STORE_FILES: [&str; 7] = [
-            "LOCK",
-            "meta.sqlite",
-            "meta.sqlite-wal",
-            "meta.sqlite-shm",
-            "data",
-            "CLEAN",
-            "reserved-space",
-        ];
         let occupied = match std::fs::read_dir(dir) {
-            Ok(entries) => entries
-                .flatten()
-                .any(|e| !STORE_FILES.iter().any(|f| e.file_name() == *f)),
+            Ok(entries) => entries.flatten().any(|e| {
+                !ivdisk_store::LOCAL_STORE_FILES
+                    .iter()
+                    .any(|f| e.file_name() == *f)
+            }),
             Err(_) => create && dir.exists(),
         };
         if occupied {

@@ -44,7 +44,7 @@ pub use coalesce::CoalescingStore;
 pub use error::StoreError;
 pub use ext::ObjectStoreExt;
 pub use file_ranges::{all_zero, data_runs, file_data_ranges};
-pub use local::{DiskUsage, LocalStore, LocalStoreOptions, RecoveryReport};
+pub use local::{DiskUsage, LocalStore, LocalStoreOptions, RecoveryReport, LOCAL_STORE_FILES};
 pub use memory::MemoryStore;
 pub use types::*;
 

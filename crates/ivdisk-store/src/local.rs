@@ -90,7 +90,19 @@ const COMMIT_ROOM_MIN: u64 = 1 << 20;
 const COMMIT_ROOM_MAX: u64 = 64 << 20;
 
 /// The file holding the reserved room (`CommitRoom`), in the store's directory.
-pub(crate) const COMMIT_ROOM_FILE: &str = "reserved-space";
+const COMMIT_ROOM_FILE: &str = "reserved-space";
+
+/// Every name a local store puts in its directory: a directory holding anything else is not
+/// (only) a store.
+pub const LOCAL_STORE_FILES: [&str; 7] = [
+    "LOCK",
+    "meta.sqlite",
+    "meta.sqlite-wal",
+    "meta.sqlite-shm",
+    "data",
+    "CLEAN",
+    COMMIT_ROOM_FILE,
+];
 
 /// `fdatasync` the segments written to, off the worker, every this many bytes written
 /// (`SyncAhead`). Why: the kicks above start writeback but did not make the commit's own
