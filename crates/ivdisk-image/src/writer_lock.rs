@@ -257,7 +257,18 @@ impl WriterLock {
         // Make the lock (and the record) durable now, so a holder that crashes right after
         // opening still leaves it behind (until it expires) rather than losing it with the
         // unflushed tail.
-        store.flush().await.map_err(ImageError::store(image))?;
+        // A full file system fails this first commit: say what was not done (the store's
+        // own words are about the operations since the last flush, here only the lock's).
+        store.flush().await.map_err(|e| {
+            ImageError::store(image)(match e {
+                StoreError::NoSpace { .. } => StoreError::NoSpace {
+                    context: "recording this writer's lock on the image's store; nothing of \
+                              the image was changed"
+                        .into(),
+                },
+                e => e,
+            })
+        })?;
         let lost = Arc::new(Mutex::new(None));
         let healthy = Arc::new(AtomicBool::new(true));
         let (stop, stopped) = mpsc::channel::<()>();

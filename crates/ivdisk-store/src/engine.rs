@@ -24,7 +24,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_channel::oneshot;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{config::DbConfig, params, Connection, OptionalExtension};
 
 use crate::held_extents::{ExtentWriteBack, Held, HeldExtents};
 use crate::omap_overlay::{Lookup, OmapOverlay, WriteBack};
@@ -49,8 +49,9 @@ pub(crate) trait Segments: Send {
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
     /// A commit of the metadata follows: make sure it has room on the file system, where the
-    /// segments keep some for it (local.rs, `CommitRoom`).
-    fn before_commit(&mut self) {}
+    /// segments keep some for it (local.rs, `CommitRoom`). `checkpoint_debt`: bytes the
+    /// database file must still grow by to take in what its log holds (`checkpoint_debt`).
+    fn before_commit(&mut self, _checkpoint_debt: u64) {}
     /// Bytes the next commit has on the file system, as last seen, where the segments know
     /// (local.rs, `CommitRoom`).
     fn commit_room(&self) -> Option<u64> {
@@ -338,6 +339,10 @@ fn commit_intervals() -> (Duration, Duration) {
 /// their memory free and this much more (SQLite's log takes a page per row it touches), or
 /// `COMPACT_ROOM_MIN` where that is more.
 const STOP_WRITE_BACK_MARGIN: u64 = 1 << 20;
+
+/// A checkpoint of the metadata log runs only if the file system has what it needs and this
+/// much more (`Engine::checkpoint_fits`): the next commits' room, among them the next open's.
+const CHECKPOINT_MARGIN: u64 = 1 << 20;
 
 fn compact_idle() -> Duration {
     std::env::var("IVDISK_STORE_COMPACT_IDLE_MS")
@@ -704,6 +709,9 @@ pub(crate) struct Engine {
     /// the last), when the last write came, and whether commits write back a piece of the
     /// held changes whatever their size (set while compacting).
     compaction: Compaction,
+    /// SQLite's automatic checkpoints are off because the file system is short of what one
+    /// needs (`hold_checkpoints_while_short`): the setting to restore.
+    autocheckpoint_held: Option<i64>,
 }
 
 struct Compaction {
@@ -881,6 +889,7 @@ impl Engine {
             // Due at the open too: a store stopped by a crash, or by a build without
             // compaction, may hold a large log and free pages.
             compaction: Compaction::new(true),
+            autocheckpoint_held: None,
         })
         .and_then(|mut engine| {
             engine.replay_omap_pending()?;
@@ -935,6 +944,7 @@ impl Engine {
             extent_rows_seen: 0,
             extents_pending_table: false,
             compaction: Compaction::new(false),
+            autocheckpoint_held: None,
         };
         // Fail now on what is no store (or not readable), not at the first read. A database
         // without the schema, or without its version yet, is a store another process is
@@ -973,9 +983,10 @@ impl Engine {
         )?)
     }
 
-    /// Hold the extent changes of every `extents_pending` row again, oldest first (after a
-    /// lost transaction, whose changes the rollback took out of the table, and in read-only
-    /// engines; a writer's open wrote them all back already, `write_back_pending_extents`).
+    /// Hold the extent changes of every `extents_pending` row again, oldest first: at an open
+    /// (a writer's finds rows only after a clean stop on a nearly full file system; after
+    /// any other stop it wrote them back, `write_back_pending_extents`), after a lost
+    /// transaction, whose changes the rollback took out of the table, and in read-only engines.
     fn replay_extents_pending(&mut self) -> Result<(), StoreError> {
         let extents = self.extents.get_mut();
         extents.clear();
@@ -1318,7 +1329,16 @@ impl Engine {
     /// not store it (the version moved on without it) is asked `referenced_end` instead, which
     /// without an index of every extent by place reads all of them.
     pub(crate) fn committed_end(db: &Connection, segment: u32) -> Result<u64, StoreError> {
-        let stored: Option<(i64, i64)> = db
+        match Self::stored_append_end(db)? {
+            Some((s, offset)) if s == i64::from(segment) => Ok(offset as u64),
+            _ => Self::referenced_end(db, segment),
+        }
+    }
+
+    /// The segment and offset where the last commit's appends ended, if that commit stored
+    /// them (`committed_end`).
+    pub(crate) fn stored_append_end(db: &Connection) -> Result<Option<(i64, i64)>, StoreError> {
+        Ok(db
             .query_row(
                 "SELECT (SELECT value FROM meta WHERE key = 'append_segment'),
                         (SELECT value FROM meta WHERE key = 'append_offset')
@@ -1327,11 +1347,7 @@ impl Engine {
                 [],
                 |r| Ok((r.get(0)?, r.get(1)?)),
             )
-            .optional()?;
-        match stored {
-            Some((s, offset)) if s == i64::from(segment) => Ok(offset as u64),
-            _ => Self::referenced_end(db, segment),
-        }
+            .optional()?)
     }
 
     /// The largest segment offset referenced in `segment`: a read of every extent (no index
@@ -1412,11 +1428,12 @@ impl Engine {
         // next open (and nothing an older build would not know to replay). Unless the file
         // system is nearly full: the write-back took the last blocks of one that the store's
         // data had filled, and the next open, which must commit to take an image's writer
-        // lock, found no room at all. The omap changes then stay in their pending rows, which
-        // the next open replays in memory; the extent changes are written back all the same
-        // (the next open would write them back before anything reads the table).
+        // lock, found no room at all. The changes then stay in their pending rows, which the
+        // next open replays in memory (after a clean stop it does not write them back first:
+        // `LocalStore::open_with`).
         let held = self.omap.get_mut().held().1 + self.extents.get_mut().held().1;
-        let need = (4 * held as u64 + STOP_WRITE_BACK_MARGIN).max(COMPACT_ROOM_MIN.unwrap_or(0));
+        let need = (4 * held as u64 + STOP_WRITE_BACK_MARGIN).max(COMPACT_ROOM_MIN.unwrap_or(0))
+            + self.checkpoint_debt();
         let roomy = self.durability.space_left().is_none_or(|left| left >= need);
         if self.read_only.is_none()
             && (self.omap.get_mut().pending() || self.extents.get_mut().pending())
@@ -1427,10 +1444,10 @@ impl Engine {
                     .and_then(|()| self.write_back_extents()),
                 false => {
                     tracing::info!(
-                        "the store's file system is nearly full: its pending omap changes stay \
-                         in their log rows for the next open to replay"
+                        "the store's file system is nearly full: its pending omap and extent \
+                         changes stay in their log rows for the next open to replay"
                     );
-                    self.write_back_extents()
+                    Ok(())
                 }
             };
             if let Err(e) = written_back {
@@ -1463,6 +1480,20 @@ impl Engine {
         }
         if self.lost.is_none() && settled {
             self.durability.mark_clean();
+        }
+        // SQLite checkpoints the log as the database closes: not when that cannot complete
+        // (`checkpoint_fits`). The log then stays, whole, for the next open.
+        if self.read_only.is_none() && !self.checkpoint_fits(self.checkpoint_debt()) {
+            tracing::info!(
+                "the store's file system is short of the space a checkpoint of its metadata \
+                 log needs: the log stays for the next open"
+            );
+            if let Err(e) = self
+                .db
+                .set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)
+            {
+                tracing::warn!("keeping the store's metadata log at the close: {e}");
+            }
         }
     }
 
@@ -2166,6 +2197,11 @@ impl Engine {
         }
         // Readers in other processes hold the log while they read: wait for none of them
         // (the worker would stall its requests), try again after the next write.
+        if !self.checkpoint_fits(self.checkpoint_debt()) {
+            tracing::debug!("the store's file system is short of the space a checkpoint needs");
+            self.release_idle_memory();
+            return None;
+        }
         let _ = self.db.busy_timeout(Duration::ZERO);
         let checkpoint = self
             .db
@@ -2236,6 +2272,74 @@ impl Engine {
         Ok(())
     }
 
+    /// Bytes the database file must still grow by before a checkpoint can copy the log into
+    /// it: the database's size as this connection sees it (log included) past the file's.
+    /// Until a checkpoint completes, SQLite appends every commit to the log, and the close's
+    /// checkpoint is what lets the next open write over the old log instead of growing it:
+    /// so on a file system short of space the store keeps this much free too (`CommitRoom`).
+    /// Zero where the database has no file.
+    fn checkpoint_debt(&self) -> u64 {
+        let Some(path) = self.db.path().filter(|p| !p.is_empty()) else {
+            return 0;
+        };
+        let size = self.db.query_row(
+            "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
+            [],
+            |r| r.get::<_, i64>(0),
+        );
+        match (size, std::fs::metadata(path)) {
+            (Ok(size), Ok(file)) => (size.max(0) as u64).saturating_sub(file.len()),
+            _ => 0,
+        }
+    }
+
+    /// Whether a checkpoint could complete: the file system has the database's debt free and
+    /// `CHECKPOINT_MARGIN` more. One that cannot still takes every free block before it fails
+    /// (SQLite writes the log's pages into the database file one by one), leaving nothing for
+    /// the commits after it: the held room of `CommitRoom`, or the first commit of the next
+    /// open, which takes an image's writer lock.
+    fn checkpoint_fits(&self, debt: u64) -> bool {
+        self.durability
+            .space_left()
+            .is_none_or(|left| left >= debt.saturating_add(CHECKPOINT_MARGIN))
+    }
+
+    /// Turn SQLite's automatic checkpoints off while one could not complete
+    /// (`checkpoint_fits`), and on again once it could: meanwhile commits go on growing the
+    /// log, in the room the segments keep for them.
+    fn hold_checkpoints_while_short(&mut self, debt: u64) {
+        if self.read_only.is_some() {
+            return;
+        }
+        let fits = self.checkpoint_fits(debt);
+        let result = match (fits, self.autocheckpoint_held) {
+            (false, None) => self
+                .db
+                .query_row("PRAGMA wal_autocheckpoint", [], |r| r.get::<_, i64>(0))
+                .and_then(|pages| {
+                    self.db.execute_batch("PRAGMA wal_autocheckpoint = 0")?;
+                    tracing::info!(
+                        debt,
+                        "the store's file system is short of the space a checkpoint of its \
+                         metadata log needs: the log grows until space is freed"
+                    );
+                    self.autocheckpoint_held = Some(pages);
+                    Ok(())
+                }),
+            (true, Some(pages)) => self
+                .db
+                .execute_batch(&format!("PRAGMA wal_autocheckpoint = {pages}"))
+                .map(|()| {
+                    tracing::debug!("checkpoints of the store's metadata log resumed");
+                    self.autocheckpoint_held = None;
+                }),
+            _ => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!("setting the store's automatic checkpoints: {e}");
+        }
+    }
+
     fn commit(&mut self, durable: bool) {
         // Whether the transaction's operations are in the database (a failure after its
         // COMMIT loses none of them).
@@ -2249,7 +2353,9 @@ impl Engine {
         let mut data_synced = Duration::ZERO;
         let result = (|| -> Result<(), StoreError> {
             if self.in_txn {
-                self.segments.before_commit();
+                let debt = self.checkpoint_debt();
+                self.hold_checkpoints_while_short(debt);
+                self.segments.before_commit(debt);
                 if self.segments.unsynced() > 0 {
                     self.segments.sync()?;
                 }

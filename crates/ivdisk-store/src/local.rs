@@ -778,6 +778,9 @@ struct CommitRoom {
     unchecked: u64,
     /// Bytes free on the file system when it was last asked, counting the room's own.
     last_free: Option<u64>,
+    /// Bytes the metadata database still needs to take in its log, as of the last commit
+    /// (`Engine::checkpoint_debt`): kept free as well, held room or not.
+    checkpoint_debt: u64,
 }
 
 impl CommitRoom {
@@ -792,6 +795,7 @@ impl CommitRoom {
             unsupported: false,
             unchecked: 0,
             last_free: None,
+            checkpoint_debt: 0,
         }
     }
 
@@ -809,12 +813,14 @@ impl CommitRoom {
         })
     }
 
-    /// Bytes an append must leave free: none while the file holds the room.
+    /// Bytes an append must leave free: the checkpoint's debt, and the room's size while the
+    /// file does not hold it.
     fn kept_free(&self) -> u64 {
-        match self.held && self.size > 0 {
+        let room = match self.held && self.size > 0 {
             true => 0,
             false => self.size.max(COMMIT_ROOM_MIN),
-        }
+        };
+        room.saturating_add(self.checkpoint_debt)
     }
 
     /// Before a commit, with `space` the file system's state now: give the file's space to the
@@ -828,7 +834,7 @@ impl CommitRoom {
             if self.held {
                 // Left by an earlier open that did not close: made whole (it may be short, or
                 // of another size), or given to this commit if the file system is short.
-                if free >= self.size {
+                if free >= self.size.saturating_add(self.checkpoint_debt) {
                     self.held = false;
                     self.take(free);
                 } else {
@@ -837,14 +843,15 @@ impl CommitRoom {
                 return;
             }
         }
-        if self.held && free < self.size {
+        let debt = self.checkpoint_debt;
+        if self.held && free < self.size.saturating_add(debt) {
             tracing::warn!(
                 path = %self.path.display(),
                 free,
                 "the store's file system is nearly full: its reserved room goes to this commit, and writes that need new space are refused until space is freed"
             );
             self.release("the file system is nearly full");
-        } else if !self.held && !self.unsupported && free >= 2 * self.size {
+        } else if !self.held && !self.unsupported && free >= (2 * self.size).saturating_add(debt) {
             self.take(free);
         }
     }
@@ -954,9 +961,9 @@ impl FileSegments {
         self.room.last_free = Some(free);
         // Without the room's file, each append asks: another program's writes would
         // otherwise go unseen until the commit that has no room left.
-        self.room.unchecked = match kept {
-            0 => free.saturating_sub(len) / 2,
-            _ => 0,
+        self.room.unchecked = match self.room.held && self.room.size > 0 {
+            true => free.saturating_sub(len.saturating_add(kept)) / 2,
+            false => 0,
         };
         if free < len.saturating_add(kept) {
             return Err(StoreError::NoSpace {
@@ -1355,7 +1362,8 @@ impl Segments for FileSegments {
             }))
     }
 
-    fn before_commit(&mut self) {
+    fn before_commit(&mut self, checkpoint_debt: u64) {
+        self.room.checkpoint_debt = checkpoint_debt;
         if let Some(space) = FsSpace::of(&*self.files[&self.active]) {
             self.room.before_commit(space);
         }
@@ -1651,6 +1659,24 @@ impl LocalStore {
         options: &LocalStoreOptions,
     ) -> Result<Self, StoreError> {
         let dir = dir.as_ref();
+        Self::open_for_writing(dir, options).map_err(|e| match e {
+            // SQLite reports a log or index file it could not make on a full file system as
+            // an IO error ("disk I/O error"): say what it is.
+            StoreError::Database(what) => match FsSpace::at(dir) {
+                Some(space) if space.usable < COMMIT_ROOM_MIN => StoreError::NoSpace {
+                    context: format!(
+                        "opening the store in {} ({what}): its file system has only {} bytes free",
+                        dir.display(),
+                        space.usable
+                    ),
+                },
+                _ => StoreError::Database(what),
+            },
+            e => e,
+        })
+    }
+
+    fn open_for_writing(dir: &Path, options: &LocalStoreOptions) -> Result<Self, StoreError> {
         let meta = dir.join("meta.sqlite");
         let creating = !meta.exists();
         if creating {
@@ -1703,8 +1729,15 @@ impl LocalStore {
         ))?;
         Engine::init_schema(&db)?;
         // Extent changes held by the last run go to their table before the segments'
-        // recovery and reclaim read it.
-        Engine::write_back_pending_extents(&db)?;
+        // recovery and reclaim read it. Not after a clean stop: then there is no reclaim, the
+        // recovery reads only where the last commit's appends ended, and the engine holds
+        // the pending changes in memory as a run does. A stop on a nearly full file system
+        // leaves them pending, and writing them back here would take the room the open's
+        // first commit (an image's writer lock) needs.
+        let stopped_clean = dir.join("CLEAN").exists() && Engine::stored_append_end(&db)?.is_some();
+        if !stopped_clean {
+            Engine::write_back_pending_extents(&db)?;
+        }
         db.execute_batch(&format!(
             "PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}"
         ))?;
