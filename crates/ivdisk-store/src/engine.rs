@@ -51,7 +51,10 @@ pub(crate) trait Segments: Send {
     /// A commit of the metadata follows: make sure it has room on the file system, where the
     /// segments keep some for it (local.rs, `CommitRoom`). `checkpoint_debt`: bytes the
     /// database file must still grow by to take in what its log holds (`checkpoint_debt`).
-    fn before_commit(&mut self, _checkpoint_debt: u64) {}
+    /// Returns the bytes free on the file system, where the segments asked it.
+    fn before_commit(&mut self, _checkpoint_debt: u64) -> Option<u64> {
+        None
+    }
     /// Bytes the next commit has on the file system, as last seen, where the segments know
     /// (local.rs, `CommitRoom`).
     fn commit_room(&self) -> Option<u64> {
@@ -343,6 +346,12 @@ const STOP_WRITE_BACK_MARGIN: u64 = 1 << 20;
 /// A checkpoint of the metadata log runs only if the file system has what it needs and this
 /// much more (`Engine::checkpoint_fits`): the next commits' room, among them the next open's.
 const CHECKPOINT_MARGIN: u64 = 1 << 20;
+
+/// Below this much free space (plus twice the debt), every commit measures the checkpoint's
+/// debt (`Engine::commit_checkpoint_debt`); above it, one in `DEBT_MAX_AGE` does, as commits
+/// within that time cannot make a debt of this size.
+const DEBT_MEASURED_BELOW: u64 = 256 << 20;
+const DEBT_MAX_AGE: Duration = Duration::from_millis(100);
 
 fn compact_idle() -> Duration {
     std::env::var("IVDISK_STORE_COMPACT_IDLE_MS")
@@ -712,6 +721,8 @@ pub(crate) struct Engine {
     /// SQLite's automatic checkpoints are off because the file system is short of what one
     /// needs (`hold_checkpoints_while_short`): the setting to restore.
     autocheckpoint_held: Option<i64>,
+    /// The last `checkpoint_debt` measured at a commit, and when (`commit_checkpoint_debt`).
+    debt_seen: (u64, Instant),
 }
 
 struct Compaction {
@@ -890,6 +901,7 @@ impl Engine {
             // compaction, may hold a large log and free pages.
             compaction: Compaction::new(true),
             autocheckpoint_held: None,
+            debt_seen: (0, Instant::now()),
         })
         .and_then(|mut engine| {
             engine.replay_omap_pending()?;
@@ -945,6 +957,7 @@ impl Engine {
             extents_pending_table: false,
             compaction: Compaction::new(false),
             autocheckpoint_held: None,
+            debt_seen: (0, Instant::now()),
         };
         // Fail now on what is no store (or not readable), not at the first read. A database
         // without the schema, or without its version yet, is a store another process is
@@ -2282,15 +2295,34 @@ impl Engine {
         let Some(path) = self.db.path().filter(|p| !p.is_empty()) else {
             return 0;
         };
-        let size = self.db.query_row(
-            "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
-            [],
-            |r| r.get::<_, i64>(0),
-        );
+        // Cached statements: this runs at every commit.
+        let pragma = |name: &str| -> Result<i64, rusqlite::Error> {
+            self.db
+                .prepare_cached(name)?
+                .query_row([], |r| r.get::<_, i64>(0))
+        };
+        let size = pragma("PRAGMA page_count").and_then(|n| Ok(n * pragma("PRAGMA page_size")?));
         match (size, std::fs::metadata(path)) {
             (Ok(size), Ok(file)) => (size.max(0) as u64).saturating_sub(file.len()),
             _ => 0,
         }
+    }
+
+    /// `checkpoint_debt` for a commit: measured again when the file system was short of space
+    /// at the last commit (less than `DEBT_MEASURED_BELOW` and twice the debt free) or the
+    /// last measure is `DEBT_MAX_AGE` old. Why not at every commit: 4 KiB writes flushed one
+    /// by one, a commit each, went 2-5% slower measuring it (docs/BENCHMARKS.md, "Room for
+    /// SQLite's checkpoint").
+    fn commit_checkpoint_debt(&mut self) -> u64 {
+        let (debt, when) = self.debt_seen;
+        let short = self
+            .segments
+            .commit_room()
+            .is_none_or(|free| free < DEBT_MEASURED_BELOW.saturating_add(debt.saturating_mul(2)));
+        if short || when.elapsed() >= DEBT_MAX_AGE {
+            self.debt_seen = (self.checkpoint_debt(), Instant::now());
+        }
+        self.debt_seen.0
     }
 
     /// Whether a checkpoint could complete: the file system has the database's debt free and
@@ -2299,19 +2331,22 @@ impl Engine {
     /// the commits after it: the held room of `CommitRoom`, or the first commit of the next
     /// open, which takes an image's writer lock.
     fn checkpoint_fits(&self, debt: u64) -> bool {
-        self.durability
-            .space_left()
-            .is_none_or(|left| left >= debt.saturating_add(CHECKPOINT_MARGIN))
+        Self::checkpoint_fits_in(self.durability.space_left(), debt)
+    }
+
+    /// `checkpoint_fits` with `free` bytes free on the file system (`None`: not known).
+    fn checkpoint_fits_in(free: Option<u64>, debt: u64) -> bool {
+        free.is_none_or(|left| left >= debt.saturating_add(CHECKPOINT_MARGIN))
     }
 
     /// Turn SQLite's automatic checkpoints off while one could not complete
     /// (`checkpoint_fits`), and on again once it could: meanwhile commits go on growing the
     /// log, in the room the segments keep for them.
-    fn hold_checkpoints_while_short(&mut self, debt: u64) {
+    fn hold_checkpoints_while_short(&mut self, debt: u64, free: Option<u64>) {
         if self.read_only.is_some() {
             return;
         }
-        let fits = self.checkpoint_fits(debt);
+        let fits = Self::checkpoint_fits_in(free, debt);
         let result = match (fits, self.autocheckpoint_held) {
             (false, None) => self
                 .db
@@ -2353,9 +2388,9 @@ impl Engine {
         let mut data_synced = Duration::ZERO;
         let result = (|| -> Result<(), StoreError> {
             if self.in_txn {
-                let debt = self.checkpoint_debt();
-                self.hold_checkpoints_while_short(debt);
-                self.segments.before_commit(debt);
+                let debt = self.commit_checkpoint_debt();
+                let free = self.segments.before_commit(debt);
+                self.hold_checkpoints_while_short(debt, free);
                 if self.segments.unsynced() > 0 {
                     self.segments.sync()?;
                 }

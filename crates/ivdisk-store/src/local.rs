@@ -1362,11 +1362,11 @@ impl Segments for FileSegments {
             }))
     }
 
-    fn before_commit(&mut self, checkpoint_debt: u64) {
+    fn before_commit(&mut self, checkpoint_debt: u64) -> Option<u64> {
         self.room.checkpoint_debt = checkpoint_debt;
-        if let Some(space) = FsSpace::of(&*self.files[&self.active]) {
-            self.room.before_commit(space);
-        }
+        let space = FsSpace::of(&*self.files[&self.active])?;
+        self.room.before_commit(space);
+        self.room.last_free
     }
 
     fn commit_room(&self) -> Option<u64> {
