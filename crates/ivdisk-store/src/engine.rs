@@ -2295,7 +2295,7 @@ impl Engine {
         let Some(path) = self.db.path().filter(|p| !p.is_empty()) else {
             return 0;
         };
-        // Cached statements: this runs at every commit.
+        // Cached statements: this runs at commits (`commit_checkpoint_debt`).
         let pragma = |name: &str| -> Result<i64, rusqlite::Error> {
             self.db
                 .prepare_cached(name)?

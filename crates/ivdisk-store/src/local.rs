@@ -757,7 +757,10 @@ impl Drop for FileSegments {
 ///   the commit has that room whoever took the rest. It is made again at a later commit
 ///   once the file system has twice its size free, and deleted at a clean close;
 /// - while it does not hold that file, appends leave `size` bytes free: a write that does not
-///   fit fails itself with `NoSpace`, before it is acknowledged.
+///   fit fails itself with `NoSpace`, before it is acknowledged;
+/// - held file or not, appends also leave free what SQLite's next checkpoint needs
+///   (`checkpoint_debt`): a log that was not checkpointed is not written over from its start,
+///   so without it the commits after a full disk, the next open's among them, had none.
 ///
 /// `size` is 1/64 of the file system, 1..=64 MiB. Random 4 KiB writes need about 250 bytes of
 /// log each, so a transaction on a file system short of space commits early, before its
