@@ -1737,7 +1737,8 @@ impl LocalStore {
         // the pending changes in memory as a run does. A stop on a nearly full file system
         // leaves them pending, and writing them back here would take the room the open's
         // first commit (an image's writer lock) needs.
-        let stopped_clean = dir.join("CLEAN").exists() && Engine::stored_append_end(&db)?.is_some();
+        let clean_marker = dir.join("CLEAN");
+        let stopped_clean = clean_marker.exists() && Engine::stored_append_end(&db)?.is_some();
         if !stopped_clean {
             Engine::write_back_pending_extents(&db)?;
         }
@@ -1747,7 +1748,6 @@ impl LocalStore {
         drop(paused);
         drop(opening);
         // A clean stop leaves CLEAN; without it, frees still pending at the crash are redone.
-        let clean_marker = dir.join("CLEAN");
         let was_clean = match std::fs::remove_file(&clean_marker) {
             Ok(()) => {
                 crate::fault_io::removed(&clean_marker);
