@@ -60,6 +60,10 @@ pub(crate) trait Segments: Send {
     fn commit_room(&self) -> Option<u64> {
         None
     }
+    /// [`Segments::commit_room`], the file system asked again now.
+    fn fresh_commit_room(&mut self) -> Option<u64> {
+        self.commit_room()
+    }
     /// The data in this range is dead, and its death durable: return its space (reused for
     /// later writes, or punched, possibly later, in the background).
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError>;
@@ -385,14 +389,25 @@ fn omap_held_max() -> usize {
         .unwrap_or(OMAP_HELD_MAX)
 }
 const COMMIT_MAX_BYTES: u64 = 1 << 30;
-/// What a commit may write to SQLite's log per operation it holds, at most for an image's
-/// writes (an extent row and a packed omap value, each changed, in the pending rows' blobs;
-/// about 250 bytes were measured for random 4 KiB writes). A transaction commits once its
-/// operations could need an eighth of the room the commit has on the file system
+/// What a commit may write to SQLite's log per operation it holds, besides the changes in
+/// its pending rows, which are counted as encoded (`Engine::commit_bytes`): the pages of
+/// the rows' tables, the objects' heads and the `meta` rows they touch. A transaction commits
+/// once it could need an eighth of the room the commit has on the file system
 /// (`Segments::commit_room`, as last seen; the appends may have taken half of it since):
 /// random 4 KiB writes until the disk was full, 20-22k of them in one transaction, needed
 /// more than the store's room and lost them all. A full disk then has room for its commit.
-const COMMIT_BYTES_PER_OP: u64 = 512;
+/// (This bound counted 512 bytes per operation for everything, and the rows of random 4 KiB
+/// writes through `ivdisk serve` in the default layout, `omap-packed`, take about 600.)
+const COMMIT_BYTES_PER_OP: u64 = 256;
+/// While the metadata log cannot be checkpointed for lack of space
+/// (`hold_checkpoints_while_short`), a lock renewal stores an expiry this many times its
+/// duration ahead, and the renewals after it store nothing while the stored expiry is still
+/// a whole duration ahead: each stored renewal adds pages to a log that grows until space is
+/// freed (12 KB per renewal every 10 s, an image's writer lock, was 4.4 MB an hour). On the
+/// local store the longer expiry changes only what a lock listing shows: the store's writer
+/// holds its directory's lock, and the next writer takes over a lock its holder left behind
+/// (`orphaned_locks`).
+const SHORT_RENEWAL_STRETCH: u128 = 20;
 /// Durable commits happen at least this often even without a flush (bounds the loss after a
 /// power cut and lets dead space be punched).
 const DURABLE_INTERVAL: Duration = if cfg!(feature = "fault-io") {
@@ -723,6 +738,11 @@ pub(crate) struct Engine {
     autocheckpoint_held: Option<i64>,
     /// The last `checkpoint_debt` measured at a commit, and when (`commit_checkpoint_debt`).
     debt_seen: (u64, Instant),
+    /// Where the appends end and the store's version, as the last successful commit stored
+    /// them in `meta` (`None`: not known, written at the next commit). A commit that changes
+    /// neither writes no page of `meta`: on a full disk, where the log cannot be
+    /// checkpointed, every page a commit writes stays in the log.
+    append_stored: Option<(u32, u64, u64)>,
 }
 
 struct Compaction {
@@ -902,6 +922,7 @@ impl Engine {
             compaction: Compaction::new(true),
             autocheckpoint_held: None,
             debt_seen: (0, Instant::now()),
+            append_stored: None,
         })
         .and_then(|mut engine| {
             engine.replay_omap_pending()?;
@@ -958,6 +979,7 @@ impl Engine {
             compaction: Compaction::new(false),
             autocheckpoint_held: None,
             debt_seen: (0, Instant::now()),
+            append_stored: None,
         };
         // Fail now on what is no store (or not readable), not at the first read. A database
         // without the schema, or without its version yet, is a store another process is
@@ -1412,9 +1434,10 @@ impl Engine {
                 && (self.txn_ops >= COMMIT_MAX_OPS
                     || self.segments.unsynced() >= COMMIT_MAX_BYTES
                     || self.txn_started.elapsed() >= commit_interval
-                    || self.segments.commit_room().is_some_and(|room| {
-                        (self.txn_ops as u64).saturating_mul(COMMIT_BYTES_PER_OP) >= room / 8
-                    }))
+                    || self
+                        .segments
+                        .commit_room()
+                        .is_some_and(|room| self.commit_bytes() >= room / 8))
             {
                 // Durable when it frees data the segments would reuse: the space comes back
                 // only once its death is durable, and under large overwrites waiting for the
@@ -2007,6 +2030,7 @@ impl Engine {
                 e.write(object, op, head, None)
             });
         }
+        self.check_commit_room(object, op)?;
         self.begin()?;
         let head = self.head(object)?;
         check_write(object, op, head.as_ref())?;
@@ -2342,6 +2366,59 @@ impl Engine {
     /// Turn SQLite's automatic checkpoints off while one could not complete
     /// (`checkpoint_fits`), and on again once it could: meanwhile commits go on growing the
     /// log, in the room the segments keep for them.
+    /// What committing the open transaction may write to SQLite's log, at most: its pending
+    /// rows as encoded so far, and `COMMIT_BYTES_PER_OP` per operation for the rest.
+    fn commit_bytes(&mut self) -> u64 {
+        let rows = self.omap.get_mut().transaction_row().1.len()
+            + self.extents.get_mut().transaction_row().1.len();
+        (rows as u64).saturating_add((self.txn_ops as u64).saturating_mul(COMMIT_BYTES_PER_OP))
+    }
+
+    /// Refuse, before anything is applied, an operation whose metadata (omap values, data
+    /// inline in the database) would take the open transaction's commit past half the room
+    /// it has (`Segments::commit_room`). Appends of data leave that room free, but metadata
+    /// goes into SQLite's log only at the commit: on a full disk, omap updates of 1 MiB each
+    /// were acknowledged and committed one by one (each past an eighth of the room) until one
+    /// commit found no space, and then the commit that removed objects to free space had
+    /// none either.
+    fn check_commit_room(&mut self, object: &ObjectName, op: &WriteOp) -> Result<(), StoreError> {
+        let Some(room) = self.segments.commit_room() else {
+            return Ok(());
+        };
+        let op_bytes: u64 = op
+            .steps
+            .iter()
+            .map(|step| match step {
+                WriteStep::OmapSet(pairs) => pairs.iter().map(|(k, v)| k.len() + v.len()).sum(),
+                WriteStep::Write { data, .. } | WriteStep::WriteFull(data)
+                    if data.len() <= INLINE_MAX =>
+                {
+                    data.len()
+                }
+                _ => 0,
+            } as u64)
+            .sum::<u64>()
+            .saturating_add(COMMIT_BYTES_PER_OP);
+        let needed = self.commit_bytes().saturating_add(op_bytes);
+        if needed <= room / 2 {
+            return Ok(());
+        }
+        // As last seen, at the last commit or append: space freed since (the store's own
+        // punches, another program's files) would otherwise stay unseen while every write
+        // that could commit is refused.
+        let room = self.segments.fresh_commit_room().unwrap_or(room);
+        if needed <= room / 2 {
+            return Ok(());
+        }
+        Err(StoreError::NoSpace {
+            context: format!(
+                "writing `{object}`: its commit would write {needed} bytes to the store's \
+                 metadata log, more than half of the {room} bytes its file system has left \
+                 for the next commit"
+            ),
+        })
+    }
+
     fn hold_checkpoints_while_short(&mut self, debt: u64, free: Option<u64>) {
         if self.read_only.is_some() {
             return;
@@ -2386,6 +2463,7 @@ impl Engine {
         // flush has nothing to report and the image layer's caches nothing to forget.
         let only_write_back = self.compaction.draining && ops == 0;
         let mut data_synced = Duration::ZERO;
+        let mut row_bytes = 0;
         let result = (|| -> Result<(), StoreError> {
             if self.in_txn {
                 let debt = self.commit_checkpoint_debt();
@@ -2396,6 +2474,7 @@ impl Engine {
                 }
                 data_synced = started.elapsed();
                 let (row, changes) = self.omap.get_mut().transaction_row();
+                row_bytes += changes.len();
                 if store_pending_row(&self.db, "omap_pending", row, changes)? {
                     self.omap.get_mut().transaction_row_stored();
                 }
@@ -2404,6 +2483,7 @@ impl Engine {
                 let emptied = self.omap.get_mut().take_emptied();
                 delete_pending_rows(&self.db, "omap_pending", emptied)?;
                 let (row, changes) = self.extents.get_mut().transaction_row();
+                row_bytes += changes.len();
                 if store_pending_row(&self.db, "extents_pending", row, changes)? {
                     self.extents.get_mut().transaction_row_stored();
                 }
@@ -2417,20 +2497,24 @@ impl Engine {
                         .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'version'")?
                         .execute([self.version as i64])?;
                 }
-                // Where this commit's appends end (`committed_end`), written by every commit: a
-                // commit that fails takes its rows back, whatever was remembered of them.
+                // Where this commit's appends end (`committed_end`), written by every commit
+                // that moved it (`append_stored` is what the last successful one stored: a
+                // commit that fails takes its rows back).
                 let appended = self.segments.mark();
-                let mut stmt = self
-                    .db
-                    .prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)")?;
-                stmt.execute(params!["append_segment", appended.segment])?;
-                stmt.execute(params!["append_offset", appended.offset as i64])?;
-                stmt.execute(params!["append_version", self.version as i64])?;
-                drop(stmt);
+                let append = (appended.segment, appended.offset, self.version);
+                if self.append_stored != Some(append) {
+                    let mut stmt = self.db.prepare_cached(
+                        "INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)",
+                    )?;
+                    stmt.execute(params!["append_segment", appended.segment])?;
+                    stmt.execute(params!["append_offset", appended.offset as i64])?;
+                    stmt.execute(params!["append_version", self.version as i64])?;
+                }
                 self.in_txn = false;
                 self.db.execute_batch("COMMIT")?;
                 committed = true;
                 self.version_stored = self.version;
+                self.append_stored = Some(append);
             }
             if durable {
                 self.segments.sync()?;
@@ -2443,6 +2527,7 @@ impl Engine {
         // Every request waits while the worker commits: the time is worth seeing.
         tracing::debug!(
             ops,
+            row_bytes,
             durable,
             data_sync_ms = data_synced.as_secs_f64() * 1e3,
             total_ms = started.elapsed().as_secs_f64() * 1e3,
@@ -3828,6 +3913,23 @@ impl Engine {
             .map(|d| now_ms().saturating_add(d.as_millis() as i64));
         match holders.first() {
             Some(h) if request.renew && h.client == client && h.cookie == request.cookie => {
+                let expires = match (self.autocheckpoint_held, request.duration) {
+                    (Some(_), Some(duration)) => {
+                        let left = h.expires_in.unwrap_or(Duration::MAX);
+                        if left >= duration && h.description == request.description {
+                            return Ok(());
+                        }
+                        expires.map(|e| {
+                            e.saturating_add(
+                                duration
+                                    .as_millis()
+                                    .saturating_mul(SHORT_RENEWAL_STRETCH - 1)
+                                    as i64,
+                            )
+                        })
+                    }
+                    _ => expires,
+                };
                 self.db.execute(
                     "UPDATE locks SET expires_ms = ?5, description = ?6
                      WHERE name = ?1 AND lock = ?2 AND client = ?3 AND cookie = ?4",

@@ -762,11 +762,11 @@ impl Drop for FileSegments {
 ///   (`checkpoint_debt`): a log that was not checkpointed is not written over from its start,
 ///   so without it the commits after a full disk, the next open's among them, had none.
 ///
-/// `size` is 1/64 of the file system, 1..=64 MiB. Random 4 KiB writes need about 250 bytes of
-/// log each, so a transaction on a file system short of space commits early, before its
-/// operations could need more than the room (`COMMIT_BYTES_PER_OP` in engine.rs). A commit
-/// that needs more all the same (huge omap values) is lost, and the image layer's fence
-/// (`ImageError::WritesLost`) is the last line.
+/// `size` is 1/64 of the file system, 1..=64 MiB. Random 4 KiB writes need about 600 bytes of
+/// log each, so a transaction on a file system short of space commits early, before it could
+/// need more than the room (`Engine::commit_bytes`). A commit that needs more all the same
+/// (one operation with omap values larger than the room) is lost, and the image layer's
+/// fence (`ImageError::WritesLost`) is the last line.
 struct CommitRoom {
     path: PathBuf,
     /// `COMMIT_ROOM_FRACTION` of the file system, once measured (at the first commit).
@@ -1373,6 +1373,14 @@ impl Segments for FileSegments {
     }
 
     fn commit_room(&self) -> Option<u64> {
+        self.room.commit_room()
+    }
+
+    fn fresh_commit_room(&mut self) -> Option<u64> {
+        if let Some(space) = FsSpace::of(&*self.files[&self.active]) {
+            self.room.last_free = Some(space.usable);
+            self.room.unchecked = 0;
+        }
         self.room.commit_room()
     }
 

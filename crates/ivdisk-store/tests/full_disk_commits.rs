@@ -1,15 +1,18 @@
 //! A local store that its own data fills up: what it takes in before the disk is full must
 //! survive the commit after it. The store keeps room for its commits (local.rs,
 //! `CommitRoom`) and commits sooner when the file system is short of space
-//! (`COMMIT_BYTES_PER_OP` in engine.rs).
+//! (`Engine::commit_bytes` in engine.rs).
 //!
 //! Its own test binary: the stores of this process commit only when they must (no timer
 //! within the test's time, `IVDISK_STORE_COMMIT_INTERVAL_MS`), as a release build under a
 //! fast client does within its 2 s (the tests' build commits every 500 ms).
 
 use ivdisk_store::small_fs::SmallFileSystem;
+use std::time::Duration;
+
 use ivdisk_store::{
-    LocalStore, LocalStoreOptions, ObjectName, ObjectStore, ObjectStoreExt, StoreError, WriteOp,
+    LocalStore, LocalStoreOptions, LockRequest, ObjectName, ObjectStore, ObjectStoreExt,
+    StoreError, WriteOp,
 };
 
 const CREATE: LocalStoreOptions = LocalStoreOptions { create: true };
@@ -34,30 +37,42 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// The store's own data filling the disk, as a client copying into an image until ENOSPC
-/// does (eight writes in flight, no flush; writes of each of `sizes` in turn, until one does
-/// not fit), as an image writes: 64 writes per object side by side, each with an omap key.
-/// The write that does not fit fails itself, and every write acknowledged before it survives
-/// the flush and a reopen. Before the store kept room for its commits, the appends took the
-/// last blocks and the commit after them lost every write since the last flush; with the
-/// room, a transaction of 20k small writes still needed more than it had, until commits came
-/// sooner on a file system short of space.
-async fn own_data_filling_the_disk_loses_no_acknowledged_write(
-    fs: &SmallFileSystem,
+/// Where write `n` of `len` bytes goes: 64 writes per object side by side.
+fn place(n: usize, len: usize) -> (ObjectName, u64) {
+    (full_name(n / 64), ((n % 64) * len) as u64)
+}
+
+/// Write `n`'s omap key.
+fn key(n: usize) -> Vec<u8> {
+    format!("n{n:06}").into_bytes()
+}
+
+/// Write `n`'s omap value: its number, then `pad` bytes (0 for an image's write).
+fn value(n: usize, pad: usize) -> Vec<u8> {
+    let mut value = (n as u64).to_be_bytes().to_vec();
+    value.extend(pattern(!(n as u64), pad));
+    value
+}
+
+/// Write `n`: its data and its omap key, as an image writes.
+fn op(n: usize, len: usize, pad: usize) -> WriteOp {
+    WriteOp::new()
+        .write(place(n, len).1, pattern(n as u64, len))
+        .omap_set(vec![(key(n), value(n, pad))])
+}
+
+/// Fill the store's file system with its own data, as a client copying into an image until
+/// ENOSPC does (eight writes in flight, no flush; writes of each of `sizes` in turn, until
+/// one does not fit, which must fail with `NoSpace`), each with an omap value of `pad`
+/// bytes more than an image's. Returns every acknowledged write (number, length).
+async fn fill_with_own_writes(
+    store: &LocalStore,
     sizes: &[usize],
-) {
-    let path = fs.path().join("store");
-    let store = LocalStore::open_with(&path, &CREATE).unwrap();
-    let place = |n: usize, len: usize| (full_name(n / 64), ((n % 64) * len) as u64);
-    let key = |n: usize| format!("n{n:06}").into_bytes();
-    let op = |n: usize, len: usize| {
-        WriteOp::new()
-            .write(place(n, len).1, pattern(n as u64, len))
-            .omap_set(vec![(key(n), (n as u64).to_be_bytes().to_vec())])
-    };
+    pad: usize,
+) -> Vec<(usize, usize)> {
     // One durable write first, so the store has committed (and taken its room) before.
     store
-        .write_op(&place(0, 4096).0, op(0, 4096))
+        .write_op(&place(0, 4096).0, op(0, 4096, pad))
         .await
         .unwrap();
     store.flush().await.unwrap();
@@ -73,7 +88,7 @@ async fn own_data_filling_the_disk_loses_no_acknowledged_write(
             let results = futures_util::future::join_all(
                 ns.iter()
                     .zip(&names)
-                    .map(|(&n, name)| store.write_op(name, op(n, len))),
+                    .map(|(&n, name)| store.write_op(name, op(n, len, pad))),
             )
             .await;
             for (&n, result) in ns.iter().zip(results) {
@@ -94,6 +109,23 @@ async fn own_data_filling_the_disk_loses_no_acknowledged_write(
         next = next.next_multiple_of(64);
     }
     assert!(acknowledged.len() >= 16, "only {} fit", acknowledged.len());
+    acknowledged
+}
+
+/// The store's own data filling the disk (`fill_with_own_writes`). The write that does not
+/// fit fails itself, and every write acknowledged before it survives the flush and a reopen.
+/// Before the store kept room for its commits, the appends took the last blocks and the
+/// commit after them lost every write since the last flush; with the room, a transaction of
+/// 20k small writes still needed more than it had, until commits came sooner on a file
+/// system short of space.
+async fn own_data_filling_the_disk_loses_no_acknowledged_write(
+    fs: &SmallFileSystem,
+    sizes: &[usize],
+    pad: usize,
+) {
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let acknowledged = fill_with_own_writes(&store, sizes, pad).await;
     store
         .flush()
         .await
@@ -115,7 +147,7 @@ async fn own_data_filling_the_disk_loses_no_acknowledged_write(
                 }
                 assert_eq!(
                     omaps[&o].get(&key(n)),
-                    Some(&(n as u64).to_be_bytes().to_vec()),
+                    Some(&value(n, pad)),
                     "write {n}'s omap key {when}"
                 );
             }
@@ -160,7 +192,7 @@ async fn own_data_filling_an_ext4_loses_nothing() {
     long_transactions();
     let dir = tempfile::tempdir().unwrap();
     let fs = SmallFileSystem::mount_ext4(&dir.path().join("mnt"), &dir.path().join("fs.img"), 128);
-    own_data_filling_the_disk_loses_no_acknowledged_write(&fs, &[256 << 10, 64 << 10]).await;
+    own_data_filling_the_disk_loses_no_acknowledged_write(&fs, &[256 << 10, 64 << 10], 0).await;
 }
 
 /// Small writes (4 KiB, an image's random writes), whose metadata is large for their data:
@@ -171,5 +203,73 @@ async fn small_writes_filling_an_ext4_lose_nothing() {
     long_transactions();
     let dir = tempfile::tempdir().unwrap();
     let fs = SmallFileSystem::mount_ext4(&dir.path().join("mnt"), &dir.path().join("fs.img"), 64);
-    own_data_filling_the_disk_loses_no_acknowledged_write(&fs, &[4096]).await;
+    own_data_filling_the_disk_loses_no_acknowledged_write(&fs, &[4096], 0).await;
+}
+
+/// Small writes whose omap values are large (16 KiB each): a transaction commits early by
+/// the bytes its pending rows hold, not by a guess per operation. With 512 bytes counted per
+/// operation, such a transaction needed twice the room it had, and its commit lost it.
+#[tokio::test]
+async fn small_writes_with_large_omap_values_filling_an_ext4_lose_nothing() {
+    long_transactions();
+    let dir = tempfile::tempdir().unwrap();
+    let fs = SmallFileSystem::mount_ext4(&dir.path().join("mnt"), &dir.path().join("fs.img"), 64);
+    own_data_filling_the_disk_loses_no_acknowledged_write(&fs, &[4096], 16 << 10).await;
+}
+
+/// An image's writer lock renewed while its data keeps the disk full. There SQLite's log
+/// cannot be checkpointed (the database file would have to grow by what the log holds), so
+/// every page a commit writes stays in the log, and each renewal (every 10 s) added three:
+/// 4.4 MB an hour, until the room kept for the commits was gone. Renewals there now store a
+/// longer expiry once and nothing while it lasts, and a commit that moved nothing writes no
+/// page of its own.
+#[tokio::test]
+async fn lock_renewals_on_a_full_disk_do_not_grow_the_log() {
+    long_transactions();
+    let dir = tempfile::tempdir().unwrap();
+    let fs = SmallFileSystem::mount_ext4(&dir.path().join("mnt"), &dir.path().join("fs.img"), 64);
+    let path = fs.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    let header = ObjectName::new("header").unwrap();
+    let duration = Duration::from_secs(30);
+    let request = |renew| LockRequest {
+        name: "writer".into(),
+        cookie: "cookie".into(),
+        description: "a test".into(),
+        duration: Some(duration),
+        renew,
+    };
+    store.lock_exclusive(&header, request(false)).await.unwrap();
+    fill_with_own_writes(&store, &[4096], 0).await;
+    store.flush().await.unwrap();
+    let wal = path.join("meta.sqlite-wal");
+    let wal_len = || std::fs::metadata(&wal).unwrap().len();
+    let before = wal_len();
+    let free = rustix::fs::statvfs(fs.path()).unwrap();
+    let free = free.f_bavail * free.f_frsize;
+    // The state this test is about: the log holds more than the file system has free, so
+    // it cannot be checkpointed.
+    assert!(
+        before > free,
+        "the log ({before} bytes) fits in the free space ({free} bytes): the disk is not full"
+    );
+    for renewal in 0..30 {
+        store
+            .lock_exclusive(&header, request(true))
+            .await
+            .unwrap_or_else(|e| panic!("renewal {renewal}: {e}"));
+        store.flush().await.unwrap();
+    }
+    let grown = wal_len() - before;
+    // At most one renewal stored: a log frame is a 4 KiB page and its 24-byte header.
+    assert!(
+        grown <= 2 * (4096 + 24),
+        "30 renewals and flushes grew the log by {grown} bytes"
+    );
+    let lockers = store.list_lockers(&header, "writer").await.unwrap();
+    assert_eq!(lockers.len(), 1, "the lock is still held: {lockers:?}");
+    assert!(
+        lockers[0].expires_in.unwrap() >= duration,
+        "the lock expires within its duration: {lockers:?}"
+    );
 }
