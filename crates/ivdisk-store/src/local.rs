@@ -971,8 +971,8 @@ impl FileSegments {
         if free < len.saturating_add(kept) {
             return Err(StoreError::NoSpace {
                 context: format!(
-                    "appending {len} bytes to {}: {free} bytes left on its file system, of \
-                     which {kept} are kept for the store's metadata",
+                    "appending {len} bytes to {}: its file system has {free} bytes free, and \
+                     {kept} bytes are kept for the store's metadata",
                     segment_path(&self.dir, self.active).display()
                 ),
             });

@@ -765,6 +765,26 @@ fn print_dump(header: &Header) {
             k.area_size
         );
     }
+    // Every token, ivdisk's own (`Image:` above) and other tools' (systemd's TPM2 or FIDO2
+    // enrollments, `cryptsetup token import`), as `cryptsetup luksDump` lists them.
+    if let Some(m) = header.metadata().filter(|m| !m.tokens.is_empty()) {
+        outln!("Tokens:");
+        for (id, token) in &m.tokens {
+            let kind = token
+                .get("type")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("(no type)");
+            let slots: Vec<&str> = token
+                .get("keyslots")
+                .and_then(serde_json::Value::as_array)
+                .map(|slots| slots.iter().filter_map(serde_json::Value::as_str).collect())
+                .unwrap_or_default();
+            match slots.is_empty() {
+                true => outln!("  {id:>2}: {kind}, no keyslots"),
+                false => outln!("  {id:>2}: {kind}, keyslots {}", slots.join(", ")),
+            }
+        }
+    }
 }
 
 pub fn run_key(command: KeyCommand) -> Result<()> {

@@ -758,16 +758,13 @@ fn cryptsetup(args: &[&str]) -> Output {
         .expect("cryptsetup must be installed (apt-get install cryptsetup-bin)")
 }
 
-#[test]
-fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
-    let f = Fixture::new();
+/// A 24 MiB LUKS2 file made by `cryptsetup luksFormat`, its keyslot 0 opened by `key`.
+fn cryptsetup_luks2_file(f: &Fixture, key: &Path) -> PathBuf {
     let volume = f.path("vol.luks");
     std::fs::File::create(&volume)
         .unwrap()
         .set_len(24 << 20)
         .unwrap();
-    let first = f.file("first.key", b"cryptsetup's passphrase");
-    let added = f.file("added.key", b"added by ivdisk");
     let out = cryptsetup(&[
         "luksFormat",
         "--batch-mode",
@@ -778,7 +775,7 @@ fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
         "--pbkdf-force-iterations",
         "1000",
         "--key-file",
-        p(&first),
+        p(key),
         p(&volume),
     ]);
     assert!(
@@ -786,6 +783,15 @@ fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    volume
+}
+
+#[test]
+fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
+    let f = Fixture::new();
+    let first = f.file("first.key", b"cryptsetup's passphrase");
+    let added = f.file("added.key", b"added by ivdisk");
+    let volume = cryptsetup_luks2_file(&f, &first);
     let test = |key: &Path| {
         cryptsetup(&[
             "luksOpen",
@@ -821,6 +827,60 @@ fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
     let err = fails(&["passphrase", "remove", p(&volume), "--key-file", p(&added)]);
     assert!(err.contains("last one"), "{err}");
     assert!(test(&added));
+}
+
+/// `header dump` lists a LUKS2 header's tokens, as `cryptsetup luksDump` does: another
+/// tool's (here one imported with `cryptsetup token import`, as systemd's TPM2 enrollment
+/// leaves one) with the keyslots it names, and after ivdisk removes a keyslot the token no
+/// longer names it, for cryptsetup either.
+#[test]
+fn header_dump_lists_tokens_as_luksdump_does() {
+    let f = Fixture::new();
+    let first = f.file("first.key", b"cryptsetup's passphrase");
+    let added = f.file("added.key", b"added by ivdisk");
+    let volume = cryptsetup_luks2_file(&f, &first);
+    let token = f.file(
+        "token.json",
+        br#"{"type":"example-tpm2","keyslots":["0"],"sealed":"abc"}"#,
+    );
+    let out = cryptsetup(&["token", "import", "--json-file", p(&token), p(&volume)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let luks_dump = |what: &str| {
+        let out = cryptsetup(&["luksDump", p(&volume)]);
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let theirs = luks_dump("imported");
+    assert!(theirs.contains("0: example-tpm2"), "{theirs}");
+    let ours = ok(&["header", "dump", p(&volume)]);
+    assert!(
+        ours.contains("Tokens:\n   0: example-tpm2, keyslots 0\n"),
+        "{ours}"
+    );
+
+    let mut args = vec!["passphrase", "add", p(&volume), "--key-file", p(&first)];
+    args.extend(["--new-key-file", p(&added)]);
+    args.extend(FAST);
+    json(&args);
+    let removed = json(&["passphrase", "remove", p(&volume), "--key-file", p(&first)]);
+    assert_eq!(removed["removed"], 0);
+    let ours = ok(&["header", "dump", p(&volume)]);
+    assert!(ours.contains("   0: example-tpm2, no keyslots\n"), "{ours}");
+    let theirs = luks_dump("after the removal");
+    let token_part = theirs.split("Tokens:").nth(1).unwrap_or_default();
+    let token_part = token_part.split("Digests:").next().unwrap_or_default();
+    assert!(
+        token_part.contains("example-tpm2") && !token_part.contains("Keyslot:"),
+        "cryptsetup still sees the removed keyslot in the token: {theirs}"
+    );
 }
 
 /// Commands that create an image and fail on a full file system say so, with what to do, and
