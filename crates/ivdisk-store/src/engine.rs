@@ -2363,9 +2363,6 @@ impl Engine {
         free.is_none_or(|left| left >= debt.saturating_add(CHECKPOINT_MARGIN))
     }
 
-    /// Turn SQLite's automatic checkpoints off while one could not complete
-    /// (`checkpoint_fits`), and on again once it could: meanwhile commits go on growing the
-    /// log, in the room the segments keep for them.
     /// What committing the open transaction may write to SQLite's log, at most: its pending
     /// rows as encoded so far, and `COMMIT_BYTES_PER_OP` per operation for the rest.
     fn commit_bytes(&mut self) -> u64 {
@@ -2419,6 +2416,9 @@ impl Engine {
         })
     }
 
+    /// Turn SQLite's automatic checkpoints off while one could not complete
+    /// (`checkpoint_fits`), and on again once it could: meanwhile commits go on growing the
+    /// log, in the room the segments keep for them.
     fn hold_checkpoints_while_short(&mut self, debt: u64, free: Option<u64>) {
         if self.read_only.is_some() {
             return;
@@ -3913,20 +3913,18 @@ impl Engine {
             .map(|d| now_ms().saturating_add(d.as_millis() as i64));
         match holders.first() {
             Some(h) if request.renew && h.client == client && h.cookie == request.cookie => {
+                // While the log cannot be checkpointed, renewals store rarely
+                // (`SHORT_RENEWAL_STRETCH`).
                 let expires = match (self.autocheckpoint_held, request.duration) {
                     (Some(_), Some(duration)) => {
                         let left = h.expires_in.unwrap_or(Duration::MAX);
                         if left >= duration && h.description == request.description {
                             return Ok(());
                         }
-                        expires.map(|e| {
-                            e.saturating_add(
-                                duration
-                                    .as_millis()
-                                    .saturating_mul(SHORT_RENEWAL_STRETCH - 1)
-                                    as i64,
-                            )
-                        })
+                        let more = duration
+                            .as_millis()
+                            .saturating_mul(SHORT_RENEWAL_STRETCH - 1);
+                        expires.map(|e| e.saturating_add(i64::try_from(more).unwrap_or(i64::MAX)))
                     }
                     _ => expires,
                 };
