@@ -764,9 +764,11 @@ impl Drop for FileSegments {
 ///
 /// `size` is 1/64 of the file system, 1..=64 MiB. Random 4 KiB writes need about 600 bytes of
 /// log each, so a transaction on a file system short of space commits early, before it could
-/// need more than the room (`Engine::commit_bytes`). A commit that needs more all the same
-/// (one operation with omap values larger than the room) is lost, and the image layer's
-/// fence (`ImageError::WritesLost`) is the last line.
+/// need more than the room (`Engine::commit_bytes`), and an operation whose metadata would
+/// take its commit past half the room is refused before it is applied
+/// (`Engine::check_commit_room`). A commit that needs more all the same (the pages around its
+/// rows are estimated, not measured) is lost, and the image layer's fence
+/// (`ImageError::WritesLost`) is the last line.
 struct CommitRoom {
     path: PathBuf,
     /// `COMMIT_ROOM_FRACTION` of the file system, once measured (at the first commit).
