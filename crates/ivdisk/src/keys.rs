@@ -77,7 +77,7 @@ pub enum HeaderCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show the header: version, data segment, image parameters, keyslots.
+    /// Show the header: version, data segment, image parameters, keyslots, tokens.
     #[command(
         after_help = "Example:\n  ivdisk header dump disk.hdr\n  ivdisk header dump disk.ivd\n  ivdisk header dump 'rados://rbd/vm1?id=admin' --json | jq .keyslots"
     )]
