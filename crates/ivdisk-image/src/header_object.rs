@@ -83,12 +83,21 @@ impl HeaderRegion {
             None => WriteStep::CreateExclusive,
         });
         for &(offset, len) in &self.dirty {
-            op = op.write(
-                offset,
-                &self.bytes.0[offset as usize..(offset + len) as usize],
-            );
+            op = op.write(offset, self.range(offset, len));
         }
         Some(op)
+    }
+
+    /// Every change since reading, as (offset, bytes), in offset order, none overlapping.
+    pub(crate) fn changes(&self) -> Vec<(u64, Vec<u8>)> {
+        self.dirty
+            .iter()
+            .map(|&(offset, len)| (offset, self.range(offset, len).to_vec()))
+            .collect()
+    }
+
+    fn range(&self, offset: u64, len: u64) -> &[u8] {
+        &self.bytes.0[offset as usize..(offset + len) as usize]
     }
 
     /// Bytes read from the object (its size).

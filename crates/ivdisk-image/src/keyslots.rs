@@ -8,7 +8,11 @@
 //! crash leaves the old header or the new one, never a mix.
 //!
 //! A writer that has the image open keeps running: it holds the volume key, which a keyslot
-//! change does not touch (as `cryptsetup luksAddKey` on an active volume).
+//! change does not touch (as `cryptsetup luksAddKey` on an active volume). The header is read
+//! through a read-only store open, so this works beside a writer in another process; where
+//! that writer holds the only writable open (a local store), the [`HeaderChange`] made here is
+//! stored by the writer itself ([`Image::apply_header_change`], `ivdisk serve`'s control
+//! socket).
 //!
 //! LUKS files made by cryptsetup keep their keyslots in the file itself: change them with the
 //! header crate on the file (as `ivdisk passphrase` and `ivdisk key` do); these functions
@@ -18,20 +22,102 @@
 
 use std::sync::Arc;
 
-use ivdisk_header::{Header, PbkdfRequest};
-use ivdisk_store::{ObjectName, ObjectStore, StoreError};
+use ivdisk_header::{Header, HeaderIo, PbkdfRequest};
+use ivdisk_store::{ObjectName, ObjectStore, StoreError, WriteOp, WriteStep};
 
 use crate::header_object::HeaderRegion;
-use crate::image::{header_object_name, object_name, read_header};
+use crate::image::{header_object_name, object_name, parse_header, read_header};
 use crate::{Image, ImageError, ImageUri};
 
 /// An image's header object, read for a change.
 pub(crate) struct HeaderTarget {
     pub(crate) image: String,
-    pub(crate) store: Arc<dyn ObjectStore>,
+    pub(crate) uri: ImageUri,
     pub(crate) object: ObjectName,
     pub(crate) header: Header,
     pub(crate) region: HeaderRegion,
+}
+
+/// A change of an image's header made in memory and not stored yet: the bytes it writes and
+/// the object version it was made from. [`HeaderChange::store`] stores it; while `ivdisk
+/// serve` holds a local image (its store is open in one process at a time), the server
+/// stores it with [`Image::apply_header_change`] instead. It holds no secret: keyslot
+/// material is encrypted under its passphrase, as in the stored header.
+pub struct HeaderChange {
+    image: String,
+    uri: ImageUri,
+    object: ObjectName,
+    version: Option<u64>,
+    ranges: Vec<(u64, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for HeaderChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeaderChange")
+            .field("image", &self.image)
+            .field("version", &self.version)
+            .field("ranges", &self.ranges.len())
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}
+
+impl HeaderChange {
+    /// The object version the change was made from (`None`: it creates the object).
+    pub fn version(&self) -> Option<u64> {
+        self.version
+    }
+
+    /// What the change writes into the header object: (offset, bytes), in offset order.
+    pub fn ranges(&self) -> &[(u64, Vec<u8>)] {
+        &self.ranges
+    }
+
+    /// Bytes the change writes.
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+
+    /// Store the change in one version-asserted operation, durably, opening the image's store
+    /// for writing. `HeaderChanged` if the header changed since it was read; a local image
+    /// another process holds open fails with `StoreError::AlreadyOpen` (ask its server).
+    pub async fn store(&self) -> Result<(), ImageError> {
+        if self.ranges.is_empty() {
+            return Ok(());
+        }
+        let store = self.uri.open_store(false).await?;
+        store_header_op(store.as_ref(), &self.object, &self.image, self.op()).await
+    }
+
+    fn op(&self) -> WriteOp {
+        let mut op = WriteOp::new().step(match self.version {
+            Some(v) => WriteStep::AssertVersion(v),
+            None => WriteStep::CreateExclusive,
+        });
+        for (offset, bytes) in &self.ranges {
+            op = op.write(*offset, bytes.as_slice());
+        }
+        op
+    }
+}
+
+/// Store `op` on the header object and flush: a version that moved on is `HeaderChanged`.
+async fn store_header_op(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    image: &str,
+    op: WriteOp,
+) -> Result<(), ImageError> {
+    match store.write_op(object, op).await {
+        Ok(_) => {}
+        Err(StoreError::VersionMismatch { .. } | StoreError::NotFound { .. }) => {
+            return Err(ImageError::HeaderChanged {
+                image: image.to_owned(),
+            })
+        }
+        Err(e) => return Err(ImageError::store(image)(e)),
+    }
+    store.flush().await.map_err(ImageError::store(image))
 }
 
 /// Refuse what is not an ivdisk image (a LUKS file), with what to use instead.
@@ -74,10 +160,12 @@ pub(crate) async fn missing_header(
 }
 
 impl HeaderTarget {
+    /// Read the header object, opening the store read-only: a local image that `ivdisk serve`
+    /// holds open is read beside it, and a passphrase is checked without writing anything.
     pub(crate) async fn read(uri: &ImageUri, what: &str) -> Result<HeaderTarget, ImageError> {
         refuse_luks_file(uri, what)?;
         let image = uri.to_string();
-        let store = uri.open_store(false).await?;
+        let store = uri.open_store_read_only().await?;
         let object = object_name(&image, header_object_name(uri.image_name()))?;
         let (header, region) = match read_header(store.as_ref(), &object, &image).await {
             Err(ImageError::NotFound { .. }) => {
@@ -89,29 +177,28 @@ impl HeaderTarget {
         crate::image::parse_header(&image, &header)?;
         Ok(HeaderTarget {
             image,
-            store,
+            uri: uri.clone(),
             object,
             header,
             region,
         })
     }
 
-    /// Store every change made to the region in one version-asserted operation, durably.
-    pub(crate) async fn store(self) -> Result<(), ImageError> {
-        let Some(op) = self.region.write_op() else {
-            return Ok(());
-        };
-        match self.store.write_op(&self.object, op).await {
-            Ok(_) => {}
-            Err(StoreError::VersionMismatch { .. } | StoreError::NotFound { .. }) => {
-                return Err(ImageError::HeaderChanged { image: self.image })
-            }
-            Err(e) => return Err(ImageError::store(&self.image)(e)),
+    /// The changes made to the region, to be stored.
+    pub(crate) fn into_change(self) -> HeaderChange {
+        HeaderChange {
+            ranges: self.region.changes(),
+            version: self.region.version(),
+            image: self.image,
+            uri: self.uri,
+            object: self.object,
         }
-        self.store
-            .flush()
-            .await
-            .map_err(ImageError::store(&self.image))
+    }
+
+    /// Store every change made to the region in one version-asserted operation, durably.
+    #[cfg(test)]
+    pub(crate) async fn store(self) -> Result<(), ImageError> {
+        self.into_change().store().await
     }
 }
 
@@ -135,6 +222,20 @@ impl Image {
         new: &[u8],
         pbkdf: &PbkdfRequest,
     ) -> Result<u32, ImageError> {
+        let (slot, change) = Image::prepare_add_passphrase(uri, existing, new, pbkdf).await?;
+        change.store().await?;
+        tracing::info!(image = %uri, keyslot = slot, "passphrase added");
+        Ok(slot)
+    }
+
+    /// [`Image::add_passphrase`] made but not stored: the new keyslot's number and the
+    /// header change to store.
+    pub async fn prepare_add_passphrase(
+        uri: &ImageUri,
+        existing: &[u8],
+        new: &[u8],
+        pbkdf: &PbkdfRequest,
+    ) -> Result<(u32, HeaderChange), ImageError> {
         let mut target = HeaderTarget::read(uri, "adding a passphrase").await?;
         let unlocked = target
             .header
@@ -145,10 +246,7 @@ impl Image {
             .add_keyslot(&mut target.region, &unlocked.volume_key, new, None, pbkdf)
             .map_err(ImageError::header(&target.image))?;
         drop(unlocked);
-        let image = target.image.clone();
-        target.store().await?;
-        tracing::info!(image = %image, keyslot = slot, "passphrase added");
-        Ok(slot)
+        Ok((slot, target.into_change()))
     }
 
     /// Remove a keyslot of an ivdisk image: the one `passphrase` opens, or `slot` (then
@@ -161,6 +259,20 @@ impl Image {
         slot: Option<u32>,
         force: bool,
     ) -> Result<u32, ImageError> {
+        let (slot, change) = Image::prepare_remove_passphrase(uri, passphrase, slot, force).await?;
+        change.store().await?;
+        tracing::info!(image = %uri, keyslot = slot, "passphrase removed");
+        Ok(slot)
+    }
+
+    /// [`Image::remove_passphrase`] made but not stored: the keyslot removed and the header
+    /// change to store.
+    pub async fn prepare_remove_passphrase(
+        uri: &ImageUri,
+        passphrase: &[u8],
+        slot: Option<u32>,
+        force: bool,
+    ) -> Result<(u32, HeaderChange), ImageError> {
         let mut target = HeaderTarget::read(uri, "removing a passphrase").await?;
         let unlocked = target
             .header
@@ -172,10 +284,7 @@ impl Image {
             .header
             .remove_keyslot(&mut target.region, slot, force)
             .map_err(ImageError::header(&target.image))?;
-        let image = target.image.clone();
-        target.store().await?;
-        tracing::info!(image = %image, keyslot = slot, "passphrase removed");
-        Ok(slot)
+        Ok((slot, target.into_change()))
     }
 
     /// Replace the passphrase of the keyslot `old` opens (or of `slot`, which `old` must
@@ -187,17 +296,114 @@ impl Image {
         slot: Option<u32>,
         pbkdf: &PbkdfRequest,
     ) -> Result<u32, ImageError> {
+        let (slot, change) = Image::prepare_change_passphrase(uri, old, new, slot, pbkdf).await?;
+        change.store().await?;
+        tracing::info!(image = %uri, keyslot = slot, "passphrase changed");
+        Ok(slot)
+    }
+
+    /// [`Image::change_passphrase`] made but not stored: the keyslot's number and the header
+    /// change to store.
+    pub async fn prepare_change_passphrase(
+        uri: &ImageUri,
+        old: &[u8],
+        new: &[u8],
+        slot: Option<u32>,
+        pbkdf: &PbkdfRequest,
+    ) -> Result<(u32, HeaderChange), ImageError> {
         let mut target = HeaderTarget::read(uri, "changing a passphrase").await?;
         let slot = target
             .header
             .change_passphrase(&mut target.region, old, new, slot, pbkdf)
             .map_err(ImageError::header(&target.image))?;
-        let image = target.image.clone();
-        target.store().await?;
-        tracing::info!(image = %image, keyslot = slot, "passphrase changed");
-        Ok(slot)
+        Ok((slot, target.into_change()))
+    }
+
+    /// Store a keyslot change that another process made ([`HeaderChange::ranges`] from
+    /// `version`) through this image, which holds it open for writing: how `ivdisk serve`
+    /// changes the passphrases of a local image it serves. Refused, with nothing stored, if
+    /// the header moved on from `version` (`HeaderChanged`), if the result is not a valid
+    /// header, or if it changes anything but keyslots (size, suite, layout, geometry, id).
+    pub async fn apply_header_change(
+        &self,
+        version: u64,
+        ranges: &[(u64, Vec<u8>)],
+    ) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        let image = inner.name.as_str();
+        let refuse = |reason: String| ImageError::InvalidParameter {
+            image: image.to_owned(),
+            reason: format!("{reason}; nothing was changed"),
+        };
+        if inner.foreign || inner.snapshot.is_some() {
+            return Err(refuse(
+                "only an ivdisk image's own header changes this way".into(),
+            ));
+        }
+        inner.check_writable()?;
+        let store = inner.store.as_ref();
+        let (header, mut region) = read_header(store, &inner.header_object, image).await?;
+        if region.version() != Some(version) {
+            return Err(ImageError::HeaderChanged {
+                image: image.to_owned(),
+            });
+        }
+        let before = parse_header(image, &header)?;
+        for (offset, bytes) in ranges {
+            if offset.saturating_add(bytes.len() as u64) > MAX_HEADER_CHANGE_END {
+                return Err(refuse(format!(
+                    "a header change writes {} bytes at {offset}, past the header's {} bytes",
+                    bytes.len(),
+                    MAX_HEADER_CHANGE_END
+                )));
+            }
+            region
+                .write_at(*offset, bytes)
+                .map_err(|e| refuse(format!("the header change does not apply: {e}")))?;
+        }
+        let changed = Header::read(&region)
+            .map_err(|e| refuse(format!("the header change leaves no valid header: {e}")))?;
+        if let Some(warning) = changed.warning() {
+            // Both copies must stay whole: a change may not leave one damaged or stale.
+            return Err(refuse(format!(
+                "the header change leaves no valid header in both copies: {warning}"
+            )));
+        }
+        let after = parse_header(image, &changed)
+            .map_err(|e| refuse(format!("the header change leaves no valid header: {e}")))?;
+        if (
+            after.suite,
+            after.layout,
+            after.sector_size,
+            after.size,
+            &after.params,
+        ) != (
+            before.suite,
+            before.layout,
+            before.sector_size,
+            before.size,
+            &before.params,
+        ) {
+            return Err(refuse(
+                "a header change through the image's writer may change keyslots only".into(),
+            ));
+        }
+        let Some(op) = region.write_op() else {
+            return Ok(());
+        };
+        store_header_op(store, &inner.header_object, image, op).await?;
+        tracing::info!(
+            image,
+            bytes = ranges.iter().map(|(_, b)| b.len()).sum::<usize>(),
+            "keyslot change stored for another process"
+        );
+        Ok(())
     }
 }
+
+/// Where a header change may write up to: the LUKS2 header region an image's header object
+/// holds (16 MiB by default; LUKS2 allows keyslot areas up to 128 MiB).
+const MAX_HEADER_CHANGE_END: u64 = 128 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -312,6 +518,93 @@ mod tests {
         // Theirs stands; ours was not stored.
         assert_eq!(Image::check_passphrase(&uri, b"other").await.unwrap(), 1);
         assert!(Image::check_passphrase(&uri, b"two").await.is_err());
+        assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![0, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_writer_stores_keyslot_changes_made_elsewhere_and_nothing_else() {
+        let uri = image("writer-applies").await;
+        let writer = Image::open(&uri, b"one", &OpenOptions::default())
+            .await
+            .unwrap();
+        writer.write(0, &[7u8; 4096]).await.unwrap();
+
+        // Two changes made from the same header: the first lands, the second is stale.
+        let (slot, added) = Image::prepare_add_passphrase(&uri, b"one", b"two", &fast())
+            .await
+            .unwrap();
+        let (_, stale) = Image::prepare_add_passphrase(&uri, b"one", b"late", &fast())
+            .await
+            .unwrap();
+        assert!(added.bytes() > 0 && added.bytes() < 1 << 20, "{added:?}");
+        writer
+            .apply_header_change(added.version().unwrap(), added.ranges())
+            .await
+            .unwrap();
+        assert_eq!(slot, 1);
+        assert_eq!(Image::check_passphrase(&uri, b"two").await.unwrap(), 1);
+        let err = writer
+            .apply_header_change(stale.version().unwrap(), stale.ranges())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::HeaderChanged { .. }), "{err}");
+        assert!(Image::check_passphrase(&uri, b"late").await.is_err());
+
+        // A change of the size, or bytes that leave no valid header, are refused whole.
+        let mut target = HeaderTarget::read(&uri, "test").await.unwrap();
+        target
+            .header
+            .set_data_size(&mut target.region, Some(2 << 20))
+            .unwrap();
+        let resized = target.into_change();
+        let refusals = [
+            (
+                resized.version().unwrap(),
+                resized.ranges().to_vec(),
+                "keyslots only",
+            ),
+            (
+                resized.version().unwrap(),
+                vec![(0, vec![0xa5; 4096])],
+                "no valid header",
+            ),
+            (
+                resized.version().unwrap(),
+                vec![(u64::MAX - 8, vec![1; 16])],
+                "past the header",
+            ),
+        ];
+        for (version, ranges, why) in refusals {
+            let err = writer
+                .apply_header_change(version, &ranges)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, ImageError::InvalidParameter { reason, .. } if reason.contains(why)),
+                "{why}: {err}"
+            );
+        }
+        let info = Image::info(&uri).await.unwrap();
+        assert_eq!((info.size, info.keyslots), (1 << 20, vec![0, 1]));
+        assert_eq!(Image::check_passphrase(&uri, b"one").await.unwrap(), 0);
+
+        // Reads and writes went on; a read-only open does not store changes.
+        let mut back = vec![0u8; 4096];
+        writer.read(0, &mut back).await.unwrap();
+        assert_eq!(back, [7u8; 4096]);
+        writer.close().await.unwrap();
+        let reader = Image::open(&uri, b"two", &OpenOptions::read_only())
+            .await
+            .unwrap();
+        let (_, change) = Image::prepare_remove_passphrase(&uri, b"two", Some(0), false)
+            .await
+            .unwrap();
+        let err = reader
+            .apply_header_change(change.version().unwrap(), change.ranges())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::ReadOnly { .. }), "{err}");
+        reader.close().await.unwrap();
         assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![0, 1]);
     }
 

@@ -5,8 +5,10 @@
 //! - [`ImageUri`]: where an image lives (`PATH`/`file:PATH` local, `rados://`, `mem:`).
 //! - [`Image`]: create, open, resize, delete, and the IO path (read, write, discard,
 //!   write-zeroes, flush at any byte offset and length).
-//! - Passphrases ([`Image::add_passphrase`], `remove_`, `change_`) and header backups
-//!   ([`Image::backup_header`], [`Image::restore_header`]) on the header object.
+//! - Passphrases ([`Image::add_passphrase`], `remove_`, `change_`; `prepare_*` make the
+//!   [`HeaderChange`] without storing it, for a server to store with
+//!   [`Image::apply_header_change`]) and header backups ([`Image::backup_header`],
+//!   [`Image::restore_header`]) on the header object.
 //! - [`LayoutKind`]: where metadata lives in an object (`object-end`, `unaligned`, `omap`,
 //!   `none`); one module per layout in `layout/`.
 //! - Snapshots ([`Image::create_snapshot`], [`Image::snapshots`], remove, rollback; open one
@@ -52,6 +54,7 @@ pub use image::{
     data_object_prefix, header_object_name, CreateOptions, Image, ImageInfo, OpenOptions,
     DEFAULT_OBJECT_SIZE, MAX_IMAGE_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
 };
+pub use keyslots::HeaderChange;
 pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
 pub use read_reply::ReadReply;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{run_all, Backend, Case, PASS};
 use ivdisk_crypto::Suite;
+use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{header_object_name, Image, ImageError, LayoutKind, OpenOptions};
 use ivdisk_store::{ObjectName, WriteOp};
 
@@ -163,6 +164,65 @@ async fn writer_lock_between_two_rados_clients() {
         Image::info(&uri).await,
         Err(ImageError::NotFound { .. })
     ));
+}
+
+/// Keyslot changes on RADOS while the image's writer runs on another client: each reads the
+/// header without the writer lock and stores one version-asserted operation; the writer goes
+/// on, and the image opens with the passphrases now in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passphrases_change_while_the_writer_runs() {
+    let Some(uri) = common::rados_uri("keys") else {
+        return;
+    };
+    let options = common::options(
+        1 << 20,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        4096,
+        64 << 10,
+    );
+    let fast = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+    let writer = Image::create(&uri, &options, PASS).await.unwrap();
+    writer.write(0, &[0x3c; 8192]).await.unwrap();
+    assert_eq!(Image::check_passphrase(&uri, PASS).await.unwrap(), 0);
+    let added = Image::add_passphrase(&uri, PASS, b"second", &fast)
+        .await
+        .unwrap();
+    assert_eq!(added, 1);
+    // Made from the header before that addition: refused, not overwriting it.
+    let (_, stale) = Image::prepare_change_passphrase(&uri, PASS, b"late", None, &fast)
+        .await
+        .unwrap();
+    assert_eq!(
+        Image::change_passphrase(&uri, b"second", b"third", None, &fast)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(matches!(
+        stale.store().await,
+        Err(ImageError::HeaderChanged { .. })
+    ));
+    assert_eq!(
+        Image::remove_passphrase(&uri, b"third", Some(0), false)
+            .await
+            .unwrap(),
+        0
+    );
+    writer.write(8192, &[0x4d; 4096]).await.unwrap();
+    writer.close().await.unwrap();
+
+    assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![1]);
+    assert!(Image::check_passphrase(&uri, PASS).await.is_err());
+    assert!(Image::check_passphrase(&uri, b"late").await.is_err());
+    let reopened = Image::open(&uri, b"third", &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let mut back = vec![0u8; 12288];
+    reopened.read(0, &mut back).await.unwrap();
+    assert!(back[..8192].iter().all(|&b| b == 0x3c) && back[8192..].iter().all(|&b| b == 0x4d));
+    reopened.close().await.unwrap();
+    Image::delete(&uri, |_, _| {}).await.unwrap();
 }
 
 /// RADOS images send the writes that queue on one object as one operation

@@ -2,7 +2,10 @@
 //! for writing. The writer lock keeps every other process from changing the image, and a
 //! snapshot must be taken by the writer itself (it flushes, holds new writes off, and from
 //! then on preserves the snapshot with every write), so `ivdisk snap create` asks the server;
-//! `ivdisk snap rm` too (the writer's writes stop preserving the snapshot).
+//! `ivdisk snap rm` too (the writer's writes stop preserving the snapshot). `ivdisk passphrase
+//! add|remove|change` of a local image make their keyslot change themselves (the key
+//! derivations run in the command, not in the server) and, as a local store is open in one
+//! process at a time, hand the server the header bytes to store.
 //!
 //! One socket per served image, named by the image id and where the image is (a copy of a
 //! local image, or an image restored from a backup, has the same id), in a directory only the
@@ -10,8 +13,10 @@
 //! in both, and in `/run/user/UID/ivdisk`): whoever may connect may already change the image's
 //! store. One JSON line each way per connection:
 //! `{"command":"snap-create","snapshot":NAME,"location":WHERE}` gets `{"snapshot":{...}}`,
-//! `"snap-rm"` gets `{"removed":NAME}`, either `{"error":TEXT}`; the server checks that
-//! `location` is its image's.
+//! `"snap-rm"` gets `{"removed":NAME}`; `{"command":"header-change","version":V,"ranges":
+//! [[OFFSET,HEX],...]}` gets `{"stored":true}` (the server checks that the bytes change
+//! nothing but keyslots, `Image::apply_header_change`); any of them `{"error":TEXT}`. The
+//! server checks that `location` is its image's.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -30,8 +35,10 @@ use tokio::task::JoinHandle;
 
 use crate::snapshots::snapshot_json;
 
-/// A request line longer than this is refused (a snapshot name is at most 128 bytes).
-const MAX_REQUEST: u64 = 4096;
+/// A request line longer than this is refused: a header change in hex (a keyslot's area and
+/// the two JSON copies, well under 1 MiB for ivdisk's keyslots; the whole 16 MiB header
+/// region of an image at most).
+const MAX_REQUEST: u64 = 34 << 20;
 /// How long a client waits for the answer: a snapshot waits for the writes in flight and a
 /// flush, which on a cluster in trouble takes up to the operation timeout.
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
@@ -233,8 +240,46 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
             }
             Err(e) => json!({"error": e.to_string()}),
         },
+        (Some("header-change"), None) => {
+            let change = request["version"]
+                .as_u64()
+                .zip(header_ranges(&request["ranges"]));
+            match change {
+                Some((version, ranges)) => {
+                    match image.apply_header_change(version, &ranges).await {
+                        Ok(()) => json!({"stored": true}),
+                        Err(e) => json!({"error": e.to_string()}),
+                    }
+                }
+                None => json!({"error": "a header change needs `version` and `ranges` \
+                    ([[offset, hex bytes], ...])"}),
+            }
+        }
         _ => json!({"error": format!("unknown request {request}")}),
     }
+}
+
+/// The ranges of a `header-change` request: `[[offset, "hex"], ...]`.
+fn header_ranges(ranges: &Value) -> Option<Vec<(u64, Vec<u8>)>> {
+    ranges
+        .as_array()?
+        .iter()
+        .map(|range| {
+            let offset = range.get(0)?.as_u64()?;
+            let bytes = hex::decode(range.get(1)?.as_str()?).ok()?;
+            Some((offset, bytes))
+        })
+        .collect()
+}
+
+/// A `header-change` request for `change` (see the module's comment).
+pub fn header_change_request(change: &ivdisk_image::HeaderChange) -> Option<Value> {
+    let ranges: Vec<Value> = change
+        .ranges()
+        .iter()
+        .map(|(offset, bytes)| json!([offset, hex::encode(bytes)]))
+        .collect();
+    Some(json!({"command": "header-change", "version": change.version()?, "ranges": ranges}))
 }
 
 /// Send `request` (its `location` set here) to the server holding the image `image_id` at

@@ -4,8 +4,9 @@
 //! terminal otherwise).
 //!
 //! ivdisk images change through `ivdisk-image` (the header object, one version-asserted store
-//! operation); LUKS files made by cryptsetup through the header-file code of `ivdisk key`
-//! ([`HeaderFile`]), their keyslots being in the file.
+//! operation; while `ivdisk serve` holds a local image open, the server stores the change this
+//! command made, through its control socket); LUKS files made by cryptsetup through the
+//! header-file code of `ivdisk key` ([`HeaderFile`]), their keyslots being in the file.
 //!
 //! When the new passphrase is typed, the existing one is checked first, so that a typo in it
 //! is reported before the new one is asked for twice (at the cost of one more key derivation;
@@ -14,7 +15,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use ivdisk_header::HeaderError;
-use ivdisk_image::{Image, ImageError, ImageUri};
+use ivdisk_image::{HeaderChange, Image, ImageError, ImageUri};
 use serde_json::json;
 use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
@@ -22,16 +23,17 @@ use zeroize::Zeroizing;
 use crate::images::{flat, info_of, parse_uri};
 use crate::keys::HeaderFile;
 use crate::secrets::{print, with_spinner, NewPassphraseArgs, PassphraseArgs, PbkdfArgs};
+use crate::snapshots::{ask_the_server, held_by_a_writer};
 
 /// What IMAGE may be for `ivdisk passphrase`.
 const PASSPHRASE_IMAGE_HELP: &str = "The image: PATH or file:PATH (a local store directory, or a \
     LUKS2 file made by cryptsetup), rados://POOL/IMAGE?conf=PATH&id=CLIENT&namespace=NS, mem:NAME";
 
 const KEYSLOT_NOTE: &str = "An image has up to 32 keyslots, each opening it with its own \
-    passphrase; every keyslot holds the same volume key, so the data is not re-encrypted, and on \
-    RADOS an image being served keeps running (a local store is open in one process at a time: \
-    stop its server first). A header backup made earlier still opens with the \
-    passphrases valid when it was made.";
+    passphrase; every keyslot holds the same volume key, so the data is not re-encrypted, and an \
+    image being served keeps running (while `ivdisk serve` on this machine holds a local image \
+    open, the command makes the keyslot change and the server stores it). A header backup made \
+    earlier still opens with the passphrases valid when it was made.";
 
 #[derive(Subcommand)]
 pub enum PassphraseCommand {
@@ -136,6 +138,40 @@ fn unchanged(e: ImageError, args: &PassphraseArgs, secret: &[u8]) -> anyhow::Err
         // Its message already says so.
         ImageError::HeaderChanged { .. } => flat(e),
         e => anyhow::anyhow!("{e}; nothing was changed{hint}"),
+    }
+}
+
+/// Store a keyslot change of an ivdisk image: through its store, or, while `ivdisk serve` on
+/// this machine holds the local image open (a local store is open in one process at a time),
+/// through that server's control socket (`control.rs`), which checks that it changes nothing
+/// but keyslots. Either way it is stored in one operation asserting the header's version.
+fn store_change(rt: &Runtime, uri: &ImageUri, change: HeaderChange) -> Result<()> {
+    let e = match rt.block_on(change.store()) {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    let request = match crate::control::header_change_request(&change) {
+        Some(request) if held_by_a_writer(&e) => request,
+        _ => return Err(unchanged_store(e)),
+    };
+    match ask_the_server(uri, request, rt) {
+        Some(Ok(_)) => {
+            tracing::info!(image = %uri, bytes = change.bytes(), "the image's server stored the keyslot change");
+            Ok(())
+        }
+        Some(Err(refused)) => Err(refused.context(format!(
+            "image {uri}: the server holding it open did not store the keyslot change; nothing \
+             was changed"
+        ))),
+        None => Err(unchanged_store(e)),
+    }
+}
+
+/// A keyslot change that could not be stored: nothing was.
+fn unchanged_store(e: ImageError) -> anyhow::Error {
+    match e {
+        ImageError::HeaderChanged { .. } => flat(e),
+        e => anyhow::anyhow!("{e}; nothing was changed"),
     }
 }
 
@@ -272,11 +308,12 @@ fn add(args: AddArgs, rt: &Runtime) -> Result<()> {
             check_first(rt, &uri, &args.passphrase, &existing)?;
         }
         let new = args.new.read()?;
-        let slot = with_spinner(
-            "writing the new keyslot (the key derivation takes seconds by design)",
-            || rt.block_on(Image::add_passphrase(&uri, &existing, &new, &pbkdf)),
+        let (slot, change) = with_spinner(
+            "making the new keyslot (the key derivation takes seconds by design)",
+            || rt.block_on(Image::prepare_add_passphrase(&uri, &existing, &new, &pbkdf)),
         )
         .map_err(|e| unchanged(e, &args.passphrase, &existing))?;
+        store_change(rt, &uri, change)?;
         (slot, keyslots_now(rt, &uri)?)
     };
     print(
@@ -322,10 +359,10 @@ fn remove(args: RemoveArgs, rt: &Runtime) -> Result<()> {
         let before = info_of(rt, &uri)?;
         check_removal(&uri, &before.keyslots, args.key_slot, args.force)?;
         let secret = args.passphrase.existing()?;
-        let slot = with_spinner(
+        let (slot, change) = with_spinner(
             "unlocking (the key derivation takes seconds by design)",
             || {
-                rt.block_on(Image::remove_passphrase(
+                rt.block_on(Image::prepare_remove_passphrase(
                     &uri,
                     &secret,
                     args.key_slot,
@@ -334,6 +371,7 @@ fn remove(args: RemoveArgs, rt: &Runtime) -> Result<()> {
             },
         )
         .map_err(|e| unchanged(e, &args.passphrase, &secret))?;
+        store_change(rt, &uri, change)?;
         (slot, keyslots_now(rt, &uri)?)
     };
     print(
@@ -374,10 +412,10 @@ fn change(args: ChangeArgs, rt: &Runtime) -> Result<()> {
             check_first(rt, &uri, &args.passphrase, &old)?;
         }
         let new = args.new.read()?;
-        let slot = with_spinner(
+        let (slot, change) = with_spinner(
             "changing the passphrase (the key derivations take seconds by design)",
             || {
-                rt.block_on(Image::change_passphrase(
+                rt.block_on(Image::prepare_change_passphrase(
                     &uri,
                     &old,
                     &new,
@@ -387,6 +425,7 @@ fn change(args: ChangeArgs, rt: &Runtime) -> Result<()> {
             },
         )
         .map_err(|e| unchanged(e, &args.passphrase, &old))?;
+        store_change(rt, &uri, change)?;
         (slot, keyslots_now(rt, &uri)?)
     };
     print(

@@ -67,7 +67,7 @@ fn image_at(text: &str) -> Result<(ImageUri, String)> {
 
 /// Whether `e` says another process holds the image open for writing (its writer lock; on
 /// the local store, the store itself).
-fn held_by_a_writer(e: &ImageError) -> bool {
+pub(crate) fn held_by_a_writer(e: &ImageError) -> bool {
     matches!(
         e,
         ImageError::Locked { .. }
@@ -81,7 +81,11 @@ fn held_by_a_writer(e: &ImageError) -> bool {
 /// `request` answered by the `ivdisk serve` of this machine that holds `uri` open for
 /// writing, through its control socket (an `error` in the answer is an error here); `None` if
 /// no such server answers.
-fn ask_the_server(uri: &ImageUri, request: Value, rt: &Runtime) -> Option<Result<Value>> {
+pub(crate) fn ask_the_server(
+    uri: &ImageUri,
+    request: Value,
+    rt: &Runtime,
+) -> Option<Result<Value>> {
     let info = rt.block_on(Image::info(uri)).ok()?;
     let reply = match crate::control::request(&info.image_id, uri, request)? {
         Ok(reply) => reply,

@@ -28,7 +28,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const MIB: u64 = 1 << 20;
 /// The cheapest keyslot: PBKDF2 at cryptsetup's minimum, no benchmark.
@@ -1937,6 +1937,101 @@ fn a_served_image_is_snapshotted_live_by_its_server() {
     let of_copy = f.ivdisk(&["snap", "ls", s(&copy), "--json"]).ok().json();
     assert_eq!(of_copy.as_array().unwrap().len(), 1, "{of_copy}");
     assert_eq!(of_copy[0]["name"], "of-the-copy");
+}
+
+#[test]
+fn a_served_local_image_changes_passphrases_through_its_server() {
+    let f = Fixture::new();
+    let image = f.create("keys", "16M", &[]);
+    let server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["write -P 0x5a 0 1M"]).ok();
+    let new_key = |name: &str, text: &str| {
+        let path = f.path(name);
+        fs::write(&path, text).unwrap();
+        path
+    };
+    let (n, m) = (new_key("n.key", "second"), new_key("m.key", "third"));
+    let passphrase = |args: &[&str]| {
+        let mut all = vec!["passphrase"];
+        all.extend(args);
+        if matches!(args[0], "add" | "change") {
+            all.extend(FAST);
+        }
+        all.push("--json");
+        f.ivdisk(&all)
+    };
+    let test = |key: &Path| {
+        let args = [
+            "passphrase",
+            "test",
+            s(&image),
+            "--key-file",
+            s(key),
+            "--json",
+        ];
+        f.ivdisk(&args)
+    };
+    // Beside the server: a check reads the header read-only, a change goes to the server.
+    assert_eq!(test(&f.key).ok().json()["keyslot"], 0);
+    let image_arg = s(&image);
+    let added = passphrase(&[
+        "add",
+        image_arg,
+        "--key-file",
+        s(&f.key),
+        "--new-key-file",
+        s(&n),
+    ]);
+    assert_eq!(added.ok().json()["keyslots"], json!([0, 1]));
+    let changed = passphrase(&[
+        "change",
+        image_arg,
+        "--key-file",
+        s(&n),
+        "--new-key-file",
+        s(&m),
+    ]);
+    assert_eq!(changed.ok().json()["keyslot"], 1);
+    let removed = passphrase(&["remove", image_arg, "--key-file", s(&m), "--key-slot", "0"]);
+    assert_eq!(removed.ok().json()["keyslots"], json!([1]));
+    let old = test(&f.key).failed();
+    assert_eq!(old.json()["ok"], false, "{}", old.stderr);
+    assert!(test(&n).failed().stderr.contains("no keyslot matches"));
+    assert_eq!(test(&m).ok().json()["keyslot"], 1);
+    // A passphrase that opens nothing changes nothing, and says so.
+    let refused = passphrase(&[
+        "add",
+        image_arg,
+        "--key-file",
+        s(&n),
+        "--new-key-file",
+        s(&n),
+    ]);
+    assert!(refused.failed().stderr.contains("nothing was changed"));
+    let readded = passphrase(&[
+        "add",
+        image_arg,
+        "--key-file",
+        s(&m),
+        "--new-key-file",
+        s(&f.key),
+    ]);
+    assert_eq!(readded.ok().json()["keyslots"], json!([0, 1]));
+
+    // The server served on all along, and the image opens with the keys now in it.
+    f.qemu_io(&server.uri, &["read -P 0x5a 0 1M", "write -P 0x6b 1M 1M"])
+        .ok();
+    server.stop();
+    let verified = f.ivdisk(&["verify", image_arg, "--key-file", s(&m)]).ok();
+    assert!(
+        verified.stdout.contains("all authentic"),
+        "{}",
+        verified.stdout
+    );
+    let server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["read -P 0x5a 0 1M", "read -P 0x6b 1M 1M"])
+        .ok();
+    server.stop();
 }
 
 // ---------------------------------------------------------------------------------------------
