@@ -320,6 +320,21 @@ pub fn info_of(rt: &Runtime, uri: &ImageUri) -> Result<ImageInfo> {
     rt.block_on(Image::info(uri)).map_err(flat)
 }
 
+/// [`info_of`], refused if `snapshot` (if any) is not one of the image's: what commands
+/// check before they ask for a passphrase.
+pub(crate) fn info_at(rt: &Runtime, uri: &ImageUri, snapshot: Option<&str>) -> Result<ImageInfo> {
+    let info = info_of(rt, uri)?;
+    if let Some(name) = snapshot {
+        if !info.snapshots.iter().any(|s| s.name == name) {
+            return Err(flat(ImageError::SnapshotNotFound {
+                image: uri.to_string(),
+                snapshot: name.to_owned(),
+            }));
+        }
+    }
+    Ok(info)
+}
+
 /// 1073741824 → "1 GiB", 1536 → "1.5 KiB".
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];

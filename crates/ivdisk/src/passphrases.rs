@@ -238,6 +238,10 @@ pub fn run(command: PassphraseCommand, rt: &Runtime) -> Result<()> {
 
 fn test(args: TestArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
+    if uri.luks_file().is_none() {
+        // A mistyped address is named before a passphrase is asked for.
+        info_of(rt, &uri)?;
+    }
     let secret = args.passphrase.existing()?;
     let opened = if let Some(path) = uri.luks_file() {
         let file = HeaderFile::open(path)?;

@@ -19,7 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::signal::unix::{signal, SignalKind};
 use zeroize::Zeroizing;
 
-use crate::images::{human_size, image_or_rbd_help};
+use crate::images::{human_size, image_or_rbd_help, info_at};
 use crate::secrets::{with_spinner, PassphraseArgs};
 
 #[derive(Args)]
@@ -466,6 +466,8 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         return run_rbd(args, rt);
     }
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
+    // A mistyped address is named before anything is bound or a passphrase asked for.
+    info_at(rt, &uri, snapshot.as_deref())?;
     let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.

@@ -30,7 +30,7 @@ use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
 
 use crate::images::{
-    flat, human_size, image_at, info_of, parse_image_at, parse_uri, refuse_existing, FormatArgs,
+    flat, human_size, image_at, info_at, parse_image_at, parse_uri, refuse_existing, FormatArgs,
     IMAGE_HELP,
 };
 use crate::secrets::{with_spinner, PassphraseArgs};
@@ -108,15 +108,7 @@ pub(crate) fn unlock_read_only(
     passphrase: &PassphraseArgs,
 ) -> Result<(Image, Zeroizing<Vec<u8>>)> {
     // Refused before the passphrase is asked for when the image (or snapshot) is not there.
-    let info = info_of(rt, uri)?;
-    if let Some(name) = snapshot {
-        if !info.snapshots.iter().any(|s| s.name == name) {
-            return Err(flat(ImageError::SnapshotNotFound {
-                image: uri.to_string(),
-                snapshot: name.to_owned(),
-            }));
-        }
-    }
+    info_at(rt, uri, snapshot)?;
     let secret = passphrase.existing()?;
     let options = OpenOptions {
         snapshot: snapshot.map(str::to_owned),

@@ -421,6 +421,41 @@ fn delete_asks_for_yes_then_removes_the_image() {
     assert_eq!(std::fs::read(&notes).unwrap(), b"not a disk");
 }
 
+/// A mistyped image or snapshot is named before a passphrase is asked for (here, without a
+/// terminal, the refusal to ask would come first otherwise).
+#[test]
+fn commands_name_a_missing_image_or_snapshot_before_asking_for_a_passphrase() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "16M", &[]);
+    let absent = f.path("absent");
+    let socket = f.path("s.sock");
+    let out = f.path("out.raw");
+    let (missing, at_missing) = (p(&absent), format!("{}@nosnap", p(&image)));
+    let commands: [&[&str]; 7] = [
+        &["serve", missing, "--socket", p(&socket)],
+        &["serve", &at_missing, "--socket", p(&socket)],
+        &["passphrase", "test", missing],
+        &["passphrase", "add", missing],
+        &["export", missing, p(&out)],
+        &["export", &at_missing, p(&out)],
+        &["verify", missing],
+    ];
+    for args in commands {
+        // (verify's exit code for an error is 2, the others' 1.)
+        let out = ivdisk(args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let named = err.contains("image ") && err.contains("does not exist")
+            || err.contains("no snapshot named `nosnap`");
+        assert!(
+            named && !err.contains("no passphrase given"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(!socket.exists(), "nothing bound for a missing image");
+}
+
 #[test]
 fn lock_status_and_break_without_a_holder() {
     let f = Fixture::new();
