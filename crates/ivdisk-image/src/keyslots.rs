@@ -349,12 +349,13 @@ impl Image {
             });
         }
         let before = parse_header(image, &header)?;
+        // Keyslot material lies inside the region (binary headers, JSON, keyslot areas).
+        let end = header.region_len();
         for (offset, bytes) in ranges {
-            if offset.saturating_add(bytes.len() as u64) > MAX_HEADER_CHANGE_END {
+            if offset.saturating_add(bytes.len() as u64) > end {
                 return Err(refuse(format!(
-                    "a header change writes {} bytes at {offset}, past the header's {} bytes",
+                    "a header change writes {} bytes at {offset}, past the header's {end} bytes",
                     bytes.len(),
-                    MAX_HEADER_CHANGE_END
                 )));
             }
             region
@@ -400,10 +401,6 @@ impl Image {
         Ok(())
     }
 }
-
-/// Where a header change may write up to: the LUKS2 header region an image's header object
-/// holds (16 MiB by default; LUKS2 allows keyslot areas up to 128 MiB).
-const MAX_HEADER_CHANGE_END: u64 = 128 << 20;
 
 #[cfg(test)]
 mod tests {

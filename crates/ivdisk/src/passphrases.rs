@@ -159,9 +159,9 @@ fn store_change(rt: &Runtime, uri: &ImageUri, change: HeaderChange) -> Result<()
             tracing::info!(image = %uri, bytes = change.bytes(), "the image's server stored the keyslot change");
             Ok(())
         }
+        // The server's answer says what happened (a refusal: that nothing was changed).
         Some(Err(refused)) => Err(refused.context(format!(
-            "image {uri}: the server holding it open did not store the keyslot change; nothing \
-             was changed"
+            "image {uri}: the `ivdisk serve` holding it open did not store the keyslot change"
         ))),
         None => Err(unchanged_store(e)),
     }
