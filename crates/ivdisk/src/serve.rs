@@ -460,6 +460,32 @@ fn raise_open_file_limit() {
     }
 }
 
+/// A local image that another process has open for writing, refused before the passphrase is
+/// asked for and its key derivation run: its store would refuse the open after them, with
+/// the same error.
+fn refuse_a_second_local_writer(uri: &ImageUri) -> Result<()> {
+    let ImageUri::Local { dir } = uri else {
+        return Ok(());
+    };
+    if !dir.is_dir() {
+        return Ok(()); // A LUKS file: its flock is taken (and its holder named) by the open.
+    }
+    match ivdisk_store::LocalStore::writing_process(dir) {
+        Ok(Some(pid)) => Err(anyhow!(
+            "{}",
+            ImageError::Store {
+                image: uri.to_string(),
+                source: ivdisk_store::StoreError::AlreadyOpen {
+                    path: dir.display().to_string(),
+                    pid: pid.to_string(),
+                },
+            }
+        )),
+        // Not knowing is no refusal: the open decides.
+        Ok(None) | Err(_) => Ok(()),
+    }
+}
+
 pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     raise_open_file_limit();
     if RbdUri::is_rbd(&args.image) {
@@ -469,6 +495,9 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     // A mistyped address is named before anything is bound or a passphrase asked for.
     info_at(rt, &uri, snapshot.as_deref())?;
     let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
+    if !args.read_only && snapshot.is_none() {
+        refuse_a_second_local_writer(&uri)?;
+    }
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.
     let options = OpenOptions {

@@ -2095,6 +2095,19 @@ fn a_second_writer_is_refused_naming_the_holder_and_the_first_keeps_serving() {
         first.pid()
     );
     assert!(!other.exists(), "the refused server left its socket behind");
+    // Refused before a passphrase is asked for (here none is given).
+    let mut unkeyed = Command::new(f.ivdisk_path());
+    unkeyed
+        .arg("serve")
+        .arg(&image)
+        .args(["--socket", s(&other)]);
+    let ran = run(unkeyed);
+    assert!(
+        ran.stderr.contains(&format!("process {}", first.pid())),
+        "{}",
+        ran.stderr
+    );
+    assert!(!other.exists(), "the refused server left its socket behind");
     // Nor may a second server take over the first one's socket.
     let err = f.serve_fails(&image, &["--socket", s(first.socket())], &[]);
     assert!(err.contains("another server is listening"), "{err}");
