@@ -78,14 +78,11 @@ impl HeaderRegion {
         if self.dirty.is_empty() {
             return None;
         }
-        let mut op = WriteOp::new().step(match self.version {
-            Some(v) => WriteStep::AssertVersion(v),
-            None => WriteStep::CreateExclusive,
-        });
-        for &(offset, len) in &self.dirty {
-            op = op.write(offset, self.range(offset, len));
-        }
-        Some(op)
+        let ranges = self
+            .dirty
+            .iter()
+            .map(|&(offset, len)| (offset, self.range(offset, len)));
+        Some(header_write_op(self.version, ranges))
     }
 
     /// Every change since reading, as (offset, bytes), in offset order, none overlapping.
@@ -131,6 +128,22 @@ impl HeaderRegion {
         }
         self.dirty = merged;
     }
+}
+
+/// The operation writing `ranges` into a header object read at `version` (`None`: one that
+/// does not exist yet): it fails with `VersionMismatch` (or `Exists`) if the object changed.
+pub(crate) fn header_write_op<'a>(
+    version: Option<u64>,
+    ranges: impl Iterator<Item = (u64, &'a [u8])>,
+) -> WriteOp {
+    let mut op = WriteOp::new().step(match version {
+        Some(v) => WriteStep::AssertVersion(v),
+        None => WriteStep::CreateExclusive,
+    });
+    for (offset, bytes) in ranges {
+        op = op.write(offset, bytes);
+    }
+    op
 }
 
 impl HeaderIo for HeaderRegion {

@@ -23,9 +23,9 @@
 use std::sync::Arc;
 
 use ivdisk_header::{Header, HeaderIo, PbkdfRequest};
-use ivdisk_store::{ObjectName, ObjectStore, StoreError, WriteOp, WriteStep};
+use ivdisk_store::{ObjectName, ObjectStore, StoreError, WriteOp};
 
-use crate::header_object::HeaderRegion;
+use crate::header_object::{header_write_op, HeaderRegion};
 use crate::image::{header_object_name, object_name, parse_header, read_header};
 use crate::{Image, ImageError, ImageUri};
 
@@ -86,18 +86,9 @@ impl HeaderChange {
             return Ok(());
         }
         let store = self.uri.open_store(false).await?;
-        store_header_op(store.as_ref(), &self.object, &self.image, self.op()).await
-    }
-
-    fn op(&self) -> WriteOp {
-        let mut op = WriteOp::new().step(match self.version {
-            Some(v) => WriteStep::AssertVersion(v),
-            None => WriteStep::CreateExclusive,
-        });
-        for (offset, bytes) in &self.ranges {
-            op = op.write(*offset, bytes.as_slice());
-        }
-        op
+        let ranges = self.ranges.iter().map(|(o, b)| (*o, b.as_slice()));
+        let op = header_write_op(self.version, ranges);
+        store_header_op(store.as_ref(), &self.object, &self.image, op).await
     }
 }
 

@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use ivdisk_crypto::ImageId;
-use ivdisk_image::{Image, ImageUri};
+use ivdisk_image::{Image, ImageError, ImageUri};
+use ivdisk_store::StoreError;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::runtime::Runtime;
@@ -257,6 +258,39 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
         }
         _ => json!({"error": format!("unknown request {request}")}),
     }
+}
+
+/// Whether `e` says another process holds the image open for writing (its writer lock; on
+/// the local store, the store itself).
+pub(crate) fn held_by_a_writer(e: &ImageError) -> bool {
+    matches!(
+        e,
+        ImageError::Locked { .. }
+            | ImageError::Store {
+                source: StoreError::AlreadyOpen { .. },
+                ..
+            }
+    )
+}
+
+/// `request` answered by the `ivdisk serve` of this machine that holds `uri` open for
+/// writing, through its control socket (an `error` in the answer is an error here); `None` if
+/// no such server answers.
+pub(crate) fn ask_the_server(
+    uri: &ImageUri,
+    request: Value,
+    rt: &Runtime,
+) -> Option<Result<Value>> {
+    let info = rt.block_on(Image::info(uri)).ok()?;
+    let reply = match crate::control::request(&info.image_id, uri, request)? {
+        Ok(reply) => reply,
+        Err(e) => return Some(Err(e)),
+    };
+    tracing::debug!(%reply, "the server's answer");
+    Some(match reply["error"].as_str() {
+        Some(error) => Err(anyhow::anyhow!("{error}")),
+        None => Ok(reply),
+    })
 }
 
 /// The ranges of a `header-change` request: `[[offset, "hex"], ...]`.

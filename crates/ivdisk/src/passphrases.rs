@@ -20,10 +20,10 @@ use serde_json::json;
 use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
 
+use crate::control::{ask_the_server, held_by_a_writer};
 use crate::images::{flat, info_of, parse_uri};
 use crate::keys::HeaderFile;
 use crate::secrets::{print, with_spinner, NewPassphraseArgs, PassphraseArgs, PbkdfArgs};
-use crate::snapshots::{ask_the_server, held_by_a_writer};
 
 /// What IMAGE may be for `ivdisk passphrase`.
 const PASSPHRASE_IMAGE_HELP: &str = "The image: PATH or file:PATH (a local store directory, or a \

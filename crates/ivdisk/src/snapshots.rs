@@ -7,11 +7,11 @@
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use ivdisk_image::{Image, ImageError, ImageUri, SnapshotInfo};
-use ivdisk_store::StoreError;
+use ivdisk_image::{Image, ImageUri, SnapshotInfo};
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
+use crate::control::{ask_the_server, held_by_a_writer};
 use crate::images::{flat, human_size};
 
 #[derive(Subcommand)]
@@ -63,39 +63,6 @@ fn image_at(text: &str) -> Result<(ImageUri, String)> {
         Some(name) => Ok((uri, name)),
         None => bail!("`{text}` names no snapshot: write IMAGE@SNAP (e.g. disk.ivd@monday)"),
     }
-}
-
-/// Whether `e` says another process holds the image open for writing (its writer lock; on
-/// the local store, the store itself).
-pub(crate) fn held_by_a_writer(e: &ImageError) -> bool {
-    matches!(
-        e,
-        ImageError::Locked { .. }
-            | ImageError::Store {
-                source: StoreError::AlreadyOpen { .. },
-                ..
-            }
-    )
-}
-
-/// `request` answered by the `ivdisk serve` of this machine that holds `uri` open for
-/// writing, through its control socket (an `error` in the answer is an error here); `None` if
-/// no such server answers.
-pub(crate) fn ask_the_server(
-    uri: &ImageUri,
-    request: Value,
-    rt: &Runtime,
-) -> Option<Result<Value>> {
-    let info = rt.block_on(Image::info(uri)).ok()?;
-    let reply = match crate::control::request(&info.image_id, uri, request)? {
-        Ok(reply) => reply,
-        Err(e) => return Some(Err(e)),
-    };
-    tracing::debug!(%reply, "the server's answer");
-    Some(match reply["error"].as_str() {
-        Some(error) => Err(anyhow::anyhow!("{error}")),
-        None => Ok(reply),
-    })
 }
 
 /// The snapshot in a server's answer to `snap-create`.
