@@ -672,6 +672,8 @@ pub(crate) struct Engine {
     last_durable: Instant,
     /// Dead segment ranges, freed by a transaction not yet durable.
     frees_pending: Vec<(u32, u64, u64)>,
+    /// An empty vector with room, for `frees_pending` to go on in (`recycle_frees`).
+    frees_spare: Vec<(u32, u64, u64)>,
     /// A commit failed: operations acknowledged since the last flush are lost; the next flush
     /// reports it (whether it was for lack of space, and the cause).
     lost: Option<(bool, String)>,
@@ -899,6 +901,7 @@ impl Engine {
             txn_started: Instant::now(),
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
+            frees_spare: Vec::new(),
             lost: None,
             losses: Arc::default(),
             last_loss_no_space: false,
@@ -955,6 +958,7 @@ impl Engine {
             txn_started: Instant::now(),
             last_durable: Instant::now(),
             frees_pending: Vec::new(),
+            frees_spare: Vec::new(),
             lost: None,
             losses: Arc::default(),
             last_loss_no_space: false,
@@ -1605,6 +1609,15 @@ impl Engine {
         }
     }
 
+    /// Keep the vector of a durable commit's dead ranges, given back, for the next ranges
+    /// (see `widened_frees`).
+    fn recycle_frees(&mut self, mut frees: Vec<(u32, u64, u64)>) {
+        if frees.capacity() > self.frees_spare.capacity() {
+            frees.clear();
+            self.frees_spare = frees;
+        }
+    }
+
     /// Make what was just committed durable: sync the log on the sync thread; `frees` are
     /// given back and waiting flushes answered once that is done (`finish_durable_points`).
     fn start_wal_sync(&mut self, frees: Vec<(u32, u64, u64)>) {
@@ -1665,11 +1678,12 @@ impl Engine {
         };
         let Some((no_space, e)) = failure else {
             let mut punch_failure = None;
-            for (segment, from, to) in point.frees {
+            for &(segment, from, to) in &point.frees {
                 if let Err(e) = self.segments.punch(segment, from, to - from) {
                     punch_failure.get_or_insert(e);
                 }
             }
+            self.recycle_frees(point.frees);
             let punch_failure = punch_failure.map(|e| {
                 tracing::error!("giving back dead space failed: {e}");
                 let what = format!("giving back dead space failed: {e}");
@@ -2576,31 +2590,32 @@ impl Engine {
     /// being started makes durable), and cut at the append position: they are punched only
     /// once that sync is done, when appends made meanwhile may have filled the rest of the
     /// last block.
+    ///
+    /// All of it happens in the vector the ranges were gathered in, and `frees_pending` goes
+    /// on in the one the last durable commit gave back (`recycle_frees`). Why: a second of
+    /// random 4 KiB writes frees about 100k ranges, and vectors of megabytes grown afresh
+    /// at every durable commit (four per commit) made the kernel zero new pages for them, 8%
+    /// of the worker's time in the store bench (docs/BENCHMARKS.md).
     fn widened_frees(&mut self) -> Result<Vec<(u32, u64, u64)>, StoreError> {
+        let spare = std::mem::take(&mut self.frees_spare);
+        let mut frees = std::mem::replace(&mut self.frees_pending, spare);
+        // (segment, offset, length) -> (segment, from, to).
+        for (_, offset, len) in frees.iter_mut() {
+            *len += *offset;
+        }
         // Neighbouring dead ranges (appended one after the other, overwritten in the
         // same interval) become one punch, with one widening.
-        let mut frees = std::mem::take(&mut self.frees_pending);
         frees.sort_unstable();
-        let mut merged: Vec<(u32, u64, u64)> = Vec::with_capacity(frees.len());
-        for (segment, offset, len) in frees {
-            match merged.last_mut() {
-                Some((s, _, end)) if *s == segment && offset <= *end => {
-                    *end = (*end).max(offset + len);
-                }
-                _ => merged.push((segment, offset, offset + len)),
-            }
-        }
-        let mut widened: Vec<(u32, u64, u64)> = Vec::with_capacity(merged.len());
+        merge_touching(&mut frees);
         // One read transaction for all the lookups: outside one, each query takes and
         // drops SQLite's shared lock (two `fcntl` calls), and a durable commit after
         // 2 s of random 4 KiB writes widens about 100k ranges.
-        let reading = merged.len() > 1;
+        let reading = frees.len() > 1;
         if reading {
             self.db.execute_batch("BEGIN DEFERRED")?;
         }
-        let lookups = merged.into_iter().try_for_each(|(segment, offset, end)| {
-            let (from, to) = self.widen_to_blocks(segment, offset, end)?;
-            widened.push((segment, from, to));
+        let lookups = frees.iter_mut().try_for_each(|(segment, from, to)| {
+            (*from, *to) = self.widen_to_blocks(*segment, *from, *to)?;
             Ok::<(), StoreError>(())
         });
         if reading {
@@ -2609,16 +2624,9 @@ impl Engine {
         lookups?;
         // Two ranges can widen into the same partial block from both sides (the bytes
         // between them died earlier): merged again, so that no block is freed twice.
-        // A block freed twice could be punched after a write reused it.
-        let mut frees: Vec<(u32, u64, u64)> = Vec::with_capacity(widened.len());
-        for (segment, from, to) in widened {
-            match frees.last_mut() {
-                Some((s, _, end)) if *s == segment && from <= *end => {
-                    *end = (*end).max(to);
-                }
-                _ => frees.push((segment, from, to)),
-            }
-        }
+        // A block freed twice could be punched after a write reused it. (Widening keeps
+        // the order: each start moves down to its block's, each end up to its block's.)
+        merge_touching(&mut frees);
         let written = self.segments.mark();
         for (segment, _, to) in frees.iter_mut() {
             if *segment == written.segment {
@@ -4297,6 +4305,23 @@ pub(crate) use delegate_object_store;
 
 /// Column `column` of `row` as the bytes of a BLOB, borrowed from the row.
 /// Say at debug level how many held changes were written back, and how long it took.
+/// Merge ranges `(segment, from, to)`, sorted, that overlap or touch, in place.
+fn merge_touching(ranges: &mut Vec<(u32, u64, u64)>) {
+    let mut kept: usize = 0;
+    for at in 0..ranges.len() {
+        let (segment, from, to) = ranges[at];
+        if let Some((s, _, end)) = kept.checked_sub(1).map(|last| &mut ranges[last]) {
+            if *s == segment && from <= *end {
+                *end = (*end).max(to);
+                continue;
+            }
+        }
+        ranges[kept] = (segment, from, to);
+        kept += 1;
+    }
+    ranges.truncate(kept);
+}
+
 fn log_written_back(count: usize, started: Instant, what: &str) {
     tracing::debug!(count, ms = started.elapsed().as_secs_f64() * 1e3, "{what}");
 }
@@ -4419,6 +4444,24 @@ mod tests {
             .db
             .query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
             .unwrap()
+    }
+
+    #[test]
+    fn touching_ranges_merge_in_place_and_others_stay() {
+        let mut ranges = vec![
+            (1, 0, 10),
+            (1, 10, 20),
+            (1, 15, 18),
+            (1, 30, 40),
+            (2, 40, 50),
+            (2, 45, 60),
+            (3, 0, 1),
+        ];
+        merge_touching(&mut ranges);
+        assert_eq!(ranges, [(1, 0, 20), (1, 30, 40), (2, 40, 60), (3, 0, 1)]);
+        let mut none: Vec<(u32, u64, u64)> = Vec::new();
+        merge_touching(&mut none);
+        assert!(none.is_empty());
     }
 
     /// Extent changes wait in memory and in `extents_pending` (held_extents.rs): random
