@@ -20,7 +20,9 @@ use crate::metadata_cache::{MetadataCache, DEFAULT_METADATA_CACHE_BYTES};
 use crate::object_map::ObjectMap;
 use crate::range_lock::RangeLocks;
 use crate::snapshot::{SnapshotInfo, SnapshotTable};
-use crate::writer_lock::{self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, WRITER_LOCK};
+use crate::writer_lock::{
+    self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, WRITER_LOCK,
+};
 use crate::{ImageError, ImageUri};
 
 /// Default bytes of data per object (as RBD).
@@ -973,6 +975,33 @@ impl Image {
         writer_lock::holder(store.as_ref(), &object)
             .await
             .map_err(ImageError::store(&image))
+    }
+
+    /// Refuse with [`ImageError::Locked`] now what an open for writing would refuse later:
+    /// a RADOS image whose writer lock another client holds for at least another
+    /// [`LOCK_HELD_MARGIN`], found without a passphrase (`ivdisk serve` asks for one only
+    /// after this). Other images pass: a local store names the process that has it open
+    /// itself (`LocalStore::writing_process`), a LUKS file's flock is found by the open, and
+    /// a lock about to expire is left to the open, which takes it once it has.
+    pub async fn refuse_if_write_locked(uri: &ImageUri) -> Result<(), ImageError> {
+        if !matches!(uri, ImageUri::Rados { .. }) {
+            return Ok(());
+        }
+        let Some(locker) = Self::lock_holder(uri).await? else {
+            return Ok(());
+        };
+        if locker
+            .expires_in
+            .is_some_and(|left| left < LOCK_HELD_MARGIN)
+        {
+            return Ok(());
+        }
+        Err(ImageError::Locked {
+            image: uri.to_string(),
+            holder: writer_lock::describe(&locker),
+            expires_in: locker.expires_in,
+            breakable: true,
+        })
     }
 
     /// Break the writer lock of a client that is gone. Returns the holder it removed.

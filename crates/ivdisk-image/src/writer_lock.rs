@@ -16,6 +16,9 @@ use ivdisk_store::{
 
 use crate::ImageError;
 
+/// [`crate::Image::refuse_if_write_locked`] leaves a lock with less than this left to the
+/// open: the clocks of this host and of the OSDs, which decide expiry, may differ by a little.
+pub const LOCK_HELD_MARGIN: Duration = Duration::from_secs(2);
 /// The lock's name on the header object.
 pub const WRITER_LOCK: &str = "ivdisk_writer";
 /// How long a lock lives without renewal; renewed every third of it.
@@ -60,7 +63,7 @@ impl std::fmt::Debug for WriterLock {
     }
 }
 
-fn describe(locker: &Locker) -> String {
+pub(crate) fn describe(locker: &Locker) -> String {
     let mut text = format!("client {}", locker.client);
     if !locker.description.is_empty() {
         text.push_str(&format!(" ({})", locker.description));

@@ -497,6 +497,8 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
     if !args.read_only && snapshot.is_none() {
         refuse_a_second_local_writer(&uri)?;
+        rt.block_on(Image::refuse_if_write_locked(&uri))
+            .map_err(|e| anyhow!("{e}"))?;
     }
     let passphrase = args.passphrase.existing()?;
     // A snapshot is always served read-only.

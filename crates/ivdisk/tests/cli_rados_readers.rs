@@ -3,6 +3,8 @@
 //! a stopped container pauses one) is seen again once it runs: its watch is registered
 //! again, and `snap rm` refuses once more.
 //!
+//! A second writer is refused before it asks for a passphrase, naming the holder.
+//!
 //! A client whose OSD caps allow no writes may not watch: it still reads (as librbd's
 //! read-only opens do), with a warning that removals will not see it.
 //!
@@ -55,42 +57,21 @@ fn signal(child: &Child, which: &str) {
     assert!(status.success(), "kill {which}");
 }
 
-/// Removes the test's image (and its snapshot) at the end, also when the test fails.
-struct Cleanup(String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = common::ivdisk(&["snap", "rm", &format!("{}@kept", self.0)]);
-        let _ = common::ivdisk(&["delete", &self.0, "--yes"]);
-    }
-}
-
-#[test]
-fn a_paused_reader_is_seen_again_once_it_runs() {
-    let Some(pool) = pool() else {
-        return;
-    };
-    let f = Fixture::new();
-    let name = format!("readers-{}", std::process::id());
-    let image = format!("rados://{pool}/{name}");
-    let mut args = vec![
-        "create",
-        &image,
-        "--size",
-        "8M",
-        "--passphrase-file",
-        p(&f.pw),
-    ];
+/// A new 8 MiB image, removed (with its snapshot) when the returned guard drops.
+fn create(f: &Fixture, image: &str) -> Cleanup {
+    let mut args = vec!["create", image, "--size", "8M"];
+    args.extend(["--passphrase-file", p(&f.pw)]);
     args.extend(FAST);
     ok(&args);
-    let _cleanup = Cleanup(image.clone());
-    let kept = format!("{image}@kept");
-    ok(&["snap", "create", &kept]);
+    Cleanup(image.to_owned())
+}
 
-    let socket = f.path("kept.sock");
+/// `ivdisk serve IMAGE [EXTRA]` on socket `name` in the fixture's directory, once it serves.
+fn serve(f: &Fixture, image: &str, name: &str, extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
-        .args(["serve", &kept, "--passphrase-file", p(&f.pw)])
-        .args(["--socket", p(&socket)])
+        .args(["serve", image, "--passphrase-file", p(&f.pw)])
+        .args(["--socket", p(&f.path(name))])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -110,6 +91,32 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
     ready
         .recv_timeout(Duration::from_secs(120))
         .expect("the server did not start");
+    server
+}
+
+/// Removes the test's image (and its snapshot) at the end, also when the test fails.
+struct Cleanup(String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = common::ivdisk(&["snap", "rm", &format!("{}@kept", self.0)]);
+        let _ = common::ivdisk(&["delete", &self.0, "--yes"]);
+    }
+}
+
+#[test]
+fn a_paused_reader_is_seen_again_once_it_runs() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let name = format!("readers-{}", std::process::id());
+    let image = format!("rados://{pool}/{name}");
+    let _cleanup = create(&f, &image);
+    let kept = format!("{image}@kept");
+    ok(&["snap", "create", &kept]);
+
+    let server = serve(&f, &kept, "kept.sock", &[]);
     let pid = server.0.id();
     let refused = fails(&["snap", "rm", &kept]);
     assert!(
@@ -156,11 +163,7 @@ fn a_client_with_read_only_caps_reads_unwatched() {
     let f = Fixture::new();
     let name = format!("readers-ro-{}", std::process::id());
     let image = format!("rados://{pool}/{name}");
-    let mut args = vec!["create", &image, "--size", "8M"];
-    args.extend(["--passphrase-file", p(&f.pw)]);
-    args.extend(FAST);
-    ok(&args);
-    let _cleanup = Cleanup(image.clone());
+    let _cleanup = create(&f, &image);
 
     let client = format!("ivdisk-test-ro-{}", std::process::id());
     let out = Command::new("ceph")
@@ -188,4 +191,35 @@ fn a_client_with_read_only_caps_reads_unwatched() {
     args.extend(["--passphrase-file", p(&f.pw)]);
     ok(&args);
     assert_eq!(std::fs::metadata(&exported).unwrap().len(), 8 << 20);
+}
+
+/// A second `ivdisk serve` of a RADOS image that a server writes is refused before it asks
+/// for a passphrase (none is given here), naming the holder; a read-only one starts beside
+/// it, and once the first stops, a writer starts.
+#[test]
+fn a_second_writer_is_refused_before_its_passphrase() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let image = format!("rados://{pool}/writers-{}", std::process::id());
+    let _cleanup = create(&f, &image);
+
+    let first = serve(&f, &image, "first.sock", &[]);
+    let other = f.path("other.sock");
+    let refused = fails(&["serve", &image, "--socket", p(&other)]);
+    // librados names a client by its instance (client.4167); the description by its process.
+    assert!(
+        refused.contains("is open for writing by client client.")
+            && refused.contains(&format!("(ivdisk pid {} on", first.0.id()))
+            && refused.contains("ivdisk lock break"),
+        "{refused}"
+    );
+    assert!(!other.exists(), "the refused server left its socket behind");
+    drop(serve(&f, &image, "reader.sock", &["--read-only"]));
+
+    let mut first = first;
+    signal(&first.0, "-TERM");
+    assert!(first.0.wait().unwrap().success());
+    drop(serve(&f, &image, "second.sock", &[]));
 }
