@@ -15,8 +15,9 @@
 //! `{"command":"snap-create","snapshot":NAME,"location":WHERE}` gets `{"snapshot":{...}}`,
 //! `"snap-rm"` gets `{"removed":NAME}`; `{"command":"header-change","version":V,"ranges":
 //! [[OFFSET,HEX],...]}` gets `{"stored":true}` (the server checks that the bytes change
-//! nothing but keyslots, `Image::apply_header_change`); any of them `{"error":TEXT}`. The
-//! server checks that `location` is its image's.
+//! nothing but keyslots, `Image::apply_header_change`); `"ping"` gets `{"pid":PID}` (who
+//! serves it, for refusals that name the server); any of them `{"error":TEXT}`. The server
+//! checks that `location` is its image's.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -256,8 +257,20 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
                     ([[offset, hex bytes], ...])"}),
             }
         }
+        (Some("ping"), None) => json!({"pid": std::process::id()}),
         _ => json!({"error": format!("unknown request {request}")}),
     }
+}
+
+/// The process id of the `ivdisk serve` of this machine that holds the image at `uri` open
+/// for writing, if one answers its control socket.
+pub(crate) fn serving_process(uri: &ImageUri) -> Option<u64> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    let reply = ask_the_server(uri, json!({"command": "ping"}), &rt)?.ok()?;
+    reply["pid"].as_u64()
 }
 
 /// Whether `e` says another process holds the image open for writing (its writer lock; on

@@ -257,9 +257,26 @@ fn lock_header_file(path: &Path) -> Result<Option<File>> {
     }
     let file = open_write(path)?;
     let deadline = std::time::Instant::now() + HEADER_LOCK_WAIT;
+    let mut asked = false;
     loop {
         match flock(&file, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => return Ok(Some(file)),
+            // An `ivdisk serve` of the file holds the lock for as long as it runs: said at
+            // once rather than after the wait.
+            Err(rustix::io::Errno::WOULDBLOCK) if !std::mem::replace(&mut asked, true) => {
+                let uri = ImageUri::Local {
+                    dir: path.to_path_buf(),
+                };
+                if let Some(pid) = crate::control::serving_process(&uri) {
+                    bail!(
+                        "{} is served by `ivdisk serve` (process {pid}), which holds its lock \
+                         for as long as it runs: the keyslots of a served LUKS file change only \
+                         while it is stopped (cryptsetup's changes too); nothing was changed: \
+                         stop the server, run this again, then serve the file again",
+                        path.display()
+                    );
+                }
+            }
             Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }

@@ -2079,6 +2079,48 @@ fn read_only_serve_refuses_writes_and_takes_no_writer_lock() {
     reader.stop();
 }
 
+/// A served LUKS file keeps its lock (the file's flock, which cryptsetup takes for its keyslot
+/// changes too) for as long as it is served: a keyslot change is refused at once, naming the
+/// server, and changes nothing (it waited 10 s for the lock before); once the server stops,
+/// the change goes through.
+#[test]
+fn a_served_luks_file_refuses_keyslot_changes_at_once_naming_its_server() {
+    let f = Fixture::new();
+    let path = f.luks_format("luks.img", Luks::V2 { sector: 4096 }, 4 * MIB);
+    let new_key = f.path("new.key");
+    fs::write(&new_key, "another").unwrap();
+    let add = || {
+        let mut args = vec!["passphrase", "add", s(&path), "--key-file", s(&f.key)];
+        args.extend(["--new-key-file", s(&new_key)]);
+        args.extend(FAST);
+        f.ivdisk(&args)
+    };
+    let server = f.serve(&path, &[]);
+    let before = fs::read(&path).unwrap();
+    let started = std::time::Instant::now();
+    let refused = add().failed();
+    assert!(
+        refused.stderr.contains(&format!(
+            "is served by `ivdisk serve` (process {})",
+            server.pid()
+        )) && refused.stderr.contains("nothing was changed"),
+        "{}",
+        refused.stderr
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "the refusal waited for the lock: {:?}",
+        started.elapsed()
+    );
+    assert!(fs::read(&path).unwrap() == before, "the file changed");
+    server.stop();
+    add().ok();
+    let mut dump = f.tool("cryptsetup");
+    dump.args(["luksDump", s(&path)]);
+    let dump = run(dump).ok().stdout;
+    assert!(dump.contains("  1: luks2"), "{dump}");
+}
+
 #[test]
 fn a_second_writer_is_refused_naming_the_holder_and_the_first_keeps_serving() {
     let f = Fixture::new();
