@@ -239,13 +239,54 @@ pub struct HeaderFile {
     path: PathBuf,
     header: Header,
     device: File,
-    /// For a change: the file's `flock`, held from before the header is read until this is
-    /// dropped (see [`HeaderFile::open_for_change`]).
+    /// For a change: the file's `flock`, held from before the header is read again until
+    /// this is dropped (see [`HeaderFile::lock`]).
     _lock: Option<File>,
+    /// The file's first [`HEADER_PROBE`] bytes as the header was read: whether it changed by
+    /// the time the lock is taken.
+    probe: Vec<u8>,
+}
+
+/// Bytes of a LUKS file compared to tell whether its header changed between two reads: the
+/// LUKS1 header with its keyslot table, or LUKS2's binary headers, whose checksums cover the
+/// JSON (sequence number included) that every keyslot change rewrites.
+const HEADER_PROBE: usize = 64 << 10;
+
+/// The first [`HEADER_PROBE`] bytes of `device` (fewer if it is shorter).
+fn header_probe(device: &File) -> Result<Vec<u8>> {
+    let mut probe = vec![0u8; HEADER_PROBE];
+    let mut filled = 0;
+    while filled < probe.len() {
+        match device.read_at(&mut probe[filled..], filled as u64)? {
+            0 => break,
+            n => filled += n,
+        }
+    }
+    probe.truncate(filled);
+    Ok(probe)
 }
 
 /// How long a keyslot change waits for another program's lock on a LUKS file.
 const HEADER_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Refuse a keyslot change of a LUKS file that an `ivdisk serve` on this machine holds open
+/// for writing (it answers on its control socket): the server holds the file's lock for as
+/// long as it runs, so waiting for it is no use.
+fn refuse_if_served(path: &Path) -> Result<()> {
+    let uri = ImageUri::Local {
+        dir: path.to_path_buf(),
+    };
+    match crate::control::serving_process(&uri) {
+        Some(pid) => bail!(
+            "{} is served by `ivdisk serve` (process {pid}), which holds its lock for as long \
+             as it runs: the keyslots of a served LUKS file change only while it is stopped \
+             (cryptsetup's changes too); nothing was changed: stop the server, run this again, \
+             then serve the file again",
+            path.display()
+        ),
+        None => Ok(()),
+    }
+}
 
 /// Take `flock(LOCK_EX)` on a regular file, as cryptsetup does before it changes a LUKS
 /// file's metadata (it locks the file itself; block devices it locks by device number under
@@ -264,18 +305,7 @@ fn lock_header_file(path: &Path) -> Result<Option<File>> {
             // An `ivdisk serve` of the file holds the lock for as long as it runs: said at
             // once rather than after the wait.
             Err(rustix::io::Errno::WOULDBLOCK) if !std::mem::replace(&mut asked, true) => {
-                let uri = ImageUri::Local {
-                    dir: path.to_path_buf(),
-                };
-                if let Some(pid) = crate::control::serving_process(&uri) {
-                    bail!(
-                        "{} is served by `ivdisk serve` (process {pid}), which holds its lock \
-                         for as long as it runs: the keyslots of a served LUKS file change only \
-                         while it is stopped (cryptsetup's changes too); nothing was changed: \
-                         stop the server, run this again, then serve the file again",
-                        path.display()
-                    );
-                }
+                refuse_if_served(path)?;
             }
             Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(50));
@@ -298,26 +328,47 @@ fn lock_header_file(path: &Path) -> Result<Option<File>> {
 impl HeaderFile {
     pub fn open(path: &Path) -> Result<HeaderFile> {
         let (header, device) = read_header(path)?;
+        let probe = header_probe(&device)
+            .with_context(|| format!("reading the header of {}", path.display()))?;
         Ok(HeaderFile {
             path: path.to_path_buf(),
             header,
             device,
             _lock: None,
+            probe,
         })
     }
 
-    /// Open for a keyslot change: the header is read under the file's lock, which is held
-    /// until the change is written, so a concurrent change (cryptsetup's, another ivdisk's)
-    /// cannot be overwritten by one made from an older read: it waits, or this one does.
+    /// Open for a keyslot change, refused at once if an `ivdisk serve` holds the file (before
+    /// any passphrase is asked for); [`HeaderFile::lock`] takes the lock before the change.
     pub fn open_for_change(path: &Path) -> Result<HeaderFile> {
-        let lock = lock_header_file(path)?;
-        let (header, device) = read_header(path)?;
-        Ok(HeaderFile {
-            path: path.to_path_buf(),
+        let file = HeaderFile::open(path)?;
+        if file.device.metadata().is_ok_and(|m| m.is_file()) {
+            refuse_if_served(path)?;
+        }
+        Ok(file)
+    }
+
+    /// Before a keyslot change: take the file's lock and read the header again under it; the
+    /// lock is held until this is dropped, so a concurrent change (cryptsetup's, another
+    /// ivdisk's) cannot be overwritten by one made from an older read: it waits, or this one
+    /// does. Passphrases are read before, without the lock, so that a prompt never holds it
+    /// (cryptsetup's prompts do not either). Returns whether the header changed since
+    /// [`HeaderFile::open`] read it: a keyslot found open then may be another one now.
+    pub fn lock(&mut self) -> Result<bool> {
+        let lock = lock_header_file(&self.path)?;
+        let (header, device) = read_header(&self.path)?;
+        let probe = header_probe(&device)
+            .with_context(|| format!("reading the header of {}", self.path.display()))?;
+        let changed = probe != self.probe;
+        *self = HeaderFile {
+            path: self.path.clone(),
             header,
             device,
             _lock: lock,
-        })
+            probe,
+        };
+        Ok(changed)
     }
 
     pub fn path(&self) -> &Path {
@@ -819,6 +870,8 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
                 .with_context(|| image.display().to_string())?;
             let secret = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;
+            // The key is checked against the header read under the lock (its digest).
+            file.lock()?;
             let slot = file.add(&key, &secret, new_key_slot, &request)?;
             print(
                 json,
@@ -834,18 +887,21 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             json,
         } => {
             let mut file = HeaderFile::open_for_change(&image)?;
-            let slot = match (key_slot, force && key_file.is_none()) {
-                (Some(slot), true) => slot,
-                (Some(slot), false) => {
-                    let secret = old_secret(&key_file)?;
-                    file.unlock(&secret, None)
+            let secret = match (key_slot, force && key_file.is_none()) {
+                (Some(_), true) => None,
+                _ => Some(old_secret(&key_file)?),
+            };
+            file.lock()?;
+            // Unlocked under the lock: which keyslot a passphrase opens is read there.
+            let slot = match (key_slot, &secret) {
+                (Some(slot), None) => slot,
+                (Some(slot), Some(secret)) => {
+                    file.unlock(secret, None)
                         .context("removing a keyslot by number needs a passphrase of any keyslot (or --force)")?;
                     slot
                 }
-                (None, _) => {
-                    let secret = old_secret(&key_file)?;
-                    file.unlock(&secret, None)?.0
-                }
+                (None, Some(secret)) => file.unlock(secret, None)?.0,
+                (None, None) => unreachable!("a secret is read unless a keyslot is forced"),
             };
             file.remove(slot, force)?;
             print(
@@ -866,6 +922,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let old = old_secret(&key_file)?;
             let new = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;
+            file.lock()?;
             let slot = file.change(&old, &new, key_slot, &request)?;
             print(
                 json,

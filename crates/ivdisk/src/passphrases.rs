@@ -302,6 +302,8 @@ fn add(args: AddArgs, rt: &Runtime) -> Result<()> {
             .map_err(|e| file_unchanged(e, &file, &args.passphrase, &existing))?;
         drop(existing);
         let new = args.new.read()?;
+        // The key is checked against the header read under the lock (its digest).
+        file.lock()?;
         let slot = file
             .add(&key, &new, None, &pbkdf)
             .map_err(|e| file_unchanged(e, &file, &args.passphrase, &[]))?;
@@ -353,6 +355,10 @@ fn remove(args: RemoveArgs, rt: &Runtime) -> Result<()> {
         let mut file = HeaderFile::open_for_change(path)?;
         check_removal(&uri, &file.keyslots(), args.key_slot, args.force)?;
         let secret = args.passphrase.existing()?;
+        // Unlocked under the lock: which keyslot a passphrase opens is read there.
+        if file.lock()? {
+            check_removal(&uri, &file.keyslots(), args.key_slot, args.force)?;
+        }
         let (opened, _) = file
             .unlock(&secret, None)
             .map_err(|e| file_unchanged(e, &file, &args.passphrase, &secret))?;
@@ -406,6 +412,7 @@ fn change(args: ChangeArgs, rt: &Runtime) -> Result<()> {
                 .map_err(|e| file_unchanged(e, &file, &args.passphrase, &old))?;
         }
         let new = args.new.read()?;
+        file.lock()?;
         let slot = file
             .change(&old, &new, args.key_slot, &pbkdf)
             .map_err(|e| file_unchanged(e, &file, &args.passphrase, &old))?;

@@ -407,10 +407,10 @@ fn key_commands_on_an_ivdisk_image_point_to_passphrase() {
     assert!(err.contains("ivdisk passphrase"), "{err}");
 }
 
-/// A keyslot change takes the file's `flock` before it reads the header, as cryptsetup does
-/// (it locks a LUKS file itself): while another program holds it, the change waits, so two
-/// changes made at once cannot overwrite each other (one keyslot was lost before, while both
-/// commands said they added theirs).
+/// A keyslot change takes the file's `flock` and reads the header again under it before it
+/// writes, as cryptsetup does (it locks a LUKS file itself): while another program holds it,
+/// the change waits, so two changes made at once cannot overwrite each other (one keyslot was
+/// lost before, while both commands said they added theirs).
 #[test]
 fn a_keyslot_change_waits_for_another_programs_lock_on_the_file() {
     use std::time::{Duration, Instant};

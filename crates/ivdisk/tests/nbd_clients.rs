@@ -385,6 +385,13 @@ impl Fixture {
         path
     }
 
+    /// `cryptsetup luksDump` of a LUKS file.
+    fn luks_dump(&self, path: &Path) -> String {
+        let mut dump = self.tool("cryptsetup");
+        dump.args(["luksDump", s(path)]);
+        run(dump).ok().stdout
+    }
+
     fn serve(&self, image: &Path, extra: &[&str]) -> Server {
         let socket = self.unique("nbd", ".sock");
         self.start_server(image, &["--socket", s(&socket)], extra)
@@ -2079,10 +2086,51 @@ fn read_only_serve_refuses_writes_and_takes_no_writer_lock() {
     reader.stop();
 }
 
+/// A keyslot change of a LUKS file reads its passphrases before it takes the file's lock
+/// (cryptsetup's lock): one left waiting at its prompt holds nobody up. It held the lock from
+/// before the prompt on.
+#[test]
+fn a_luks_keyslot_change_waiting_for_its_passphrase_holds_no_lock() {
+    let f = Fixture::new();
+    let path = f.luks_format("luks.img", Luks::V2 { sector: 4096 }, 4 * MIB);
+    let new_key = f.path("new.key");
+    fs::write(&new_key, "another").unwrap();
+    let mut waiting = Command::new(f.ivdisk_path());
+    waiting
+        .args(["passphrase", "add", s(&path), "--key-file", "-"])
+        .args(["--new-key-file", s(&new_key)])
+        .args(FAST)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut waiting = waiting.spawn().unwrap();
+    // (The command reads its passphrase from its standard input, which stays open.)
+    thread::sleep(Duration::from_secs(1));
+    let mut probe = f.tool("flock");
+    probe.args(["--nonblock", s(&path), "true"]);
+    let probe = run(probe);
+    let mut stdin = waiting.stdin.take().unwrap();
+    stdin.write_all(&fs::read(&f.key).unwrap()).unwrap();
+    drop(stdin);
+    let added = waiting.wait_with_output().unwrap();
+    assert!(
+        probe.status.success(),
+        "the file was locked while the command waited for its passphrase: {}",
+        probe.stderr
+    );
+    assert!(
+        added.status.success(),
+        "{}",
+        String::from_utf8_lossy(&added.stderr)
+    );
+    let dump = f.luks_dump(&path);
+    assert!(dump.contains("  1: luks2"), "keyslot 1 added: {dump}");
+}
+
 /// A served LUKS file keeps its lock (the file's flock, which cryptsetup takes for its keyslot
 /// changes too) for as long as it is served: a keyslot change is refused at once, naming the
-/// server, and changes nothing (it waited 10 s for the lock before); once the server stops,
-/// the change goes through.
+/// server, before any passphrase is asked for, and changes nothing (it waited 10 s for the
+/// lock before); once the server stops, the change goes through.
 #[test]
 fn a_served_luks_file_refuses_keyslot_changes_at_once_naming_its_server() {
     let f = Fixture::new();
@@ -2112,13 +2160,18 @@ fn a_served_luks_file_refuses_keyslot_changes_at_once_naming_its_server() {
         "the refusal waited for the lock: {:?}",
         started.elapsed()
     );
+    // Before a passphrase is asked for (none is given here).
+    let unkeyed = f.ivdisk(&["passphrase", "change", s(&path)]).failed();
+    assert!(
+        unkeyed.stderr.contains("is served by `ivdisk serve`"),
+        "{}",
+        unkeyed.stderr
+    );
     assert!(fs::read(&path).unwrap() == before, "the file changed");
     server.stop();
     add().ok();
-    let mut dump = f.tool("cryptsetup");
-    dump.args(["luksDump", s(&path)]);
-    let dump = run(dump).ok().stdout;
-    assert!(dump.contains("  1: luks2"), "{dump}");
+    let dump = f.luks_dump(&path);
+    assert!(dump.contains("  1: luks2"), "keyslot 1 added: {dump}");
 }
 
 #[test]
