@@ -987,7 +987,8 @@ impl Image {
         if !matches!(uri, ImageUri::Rados { .. }) {
             return Ok(());
         }
-        let Some(locker) = Self::lock_holder(uri).await? else {
+        // Not knowing is no refusal: the open decides.
+        let Ok(Some(locker)) = Self::lock_holder(uri).await else {
             return Ok(());
         };
         if locker

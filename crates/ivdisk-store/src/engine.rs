@@ -4303,8 +4303,6 @@ macro_rules! delegate_object_store {
 }
 pub(crate) use delegate_object_store;
 
-/// Column `column` of `row` as the bytes of a BLOB, borrowed from the row.
-/// Say at debug level how many held changes were written back, and how long it took.
 /// Merge ranges `(segment, from, to)`, sorted, that overlap or touch, in place.
 fn merge_touching(ranges: &mut Vec<(u32, u64, u64)>) {
     let mut kept: usize = 0;
@@ -4322,6 +4320,7 @@ fn merge_touching(ranges: &mut Vec<(u32, u64, u64)>) {
     ranges.truncate(kept);
 }
 
+/// Say at debug level how many held changes were written back, and how long it took.
 fn log_written_back(count: usize, started: Instant, what: &str) {
     tracing::debug!(count, ms = started.elapsed().as_secs_f64() * 1e3, "{what}");
 }
