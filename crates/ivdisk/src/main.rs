@@ -178,12 +178,20 @@ pub(crate) fn parse_size(text: &str) -> Result<u64> {
         .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let unit_letter = unit
-        .trim()
-        .to_ascii_uppercase()
-        .trim_end_matches("IB")
-        .trim_end_matches('B')
-        .to_owned();
+    let unit = unit.trim().to_ascii_uppercase();
+    // `GB` is 10^9 bytes to coreutils (`truncate -s 1GB`) and 2^30 to others, and qemu-img
+    // refuses it: refused here too, rather than read one way without a word.
+    if unit.len() == 2 && unit.ends_with('B') && UNITS[1..].contains(&&unit[..1]) {
+        bail!(
+            "size '{text}': {unit} means 10^{} bytes to some tools and 2^{} to others; write \
+             {number}{} or {number}{}iB for the binary unit (2^{1} bytes each)",
+            3 * UNITS.iter().position(|u| *u == &unit[..1]).unwrap_or(0),
+            10 * UNITS.iter().position(|u| *u == &unit[..1]).unwrap_or(0),
+            &unit[..1],
+            &unit[..1],
+        );
+    }
+    let unit_letter = unit.trim_end_matches("IB").trim_end_matches('B').to_owned();
     let Some(power) = UNITS.iter().position(|u| *u == unit_letter) else {
         bail!("size '{text}': unknown unit '{unit_letter}', expected K, M, G, T, P or E");
     };
@@ -398,6 +406,15 @@ mod tests {
             .to_string()
             .contains("unknown unit"));
         assert!(parse_size("G").is_err());
+        assert_eq!(parse_size("4096B").unwrap(), 4096);
+        assert_eq!(parse_size("3gib").unwrap(), 3 << 30);
+        let ambiguous = parse_size("10GB").unwrap_err().to_string();
+        assert!(
+            ambiguous.contains("10^9 bytes to some tools and 2^30 to others")
+                && ambiguous.contains("write 10G or 10GiB"),
+            "{ambiguous}"
+        );
+        assert!(parse_size("1mb").unwrap_err().to_string().contains("10^6"));
         let said = |text: &str| parse_size(text).unwrap_err().to_string();
         assert!(said("-5").contains("cannot be negative"), "{}", said("-5"));
         assert!(said("0x1000").contains("decimal"), "{}", said("0x1000"));
