@@ -179,22 +179,28 @@ pub(crate) fn parse_size(text: &str) -> Result<u64> {
         .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let unit = unit.trim().to_ascii_uppercase();
-    // `GB` is 10^9 bytes to coreutils (`truncate -s 1GB`) and 2^30 to others, and qemu-img
-    // refuses it: refused here too, rather than read one way without a word.
-    if unit.len() == 2 && unit.ends_with('B') && UNITS[1..].contains(&&unit[..1]) {
-        bail!(
-            "size '{text}': {unit} means 10^{} bytes to some tools and 2^{} to others; write \
-             {number}{} or {number}{}iB for the binary unit (2^{1} bytes each)",
-            3 * UNITS.iter().position(|u| *u == &unit[..1]).unwrap_or(0),
-            10 * UNITS.iter().position(|u| *u == &unit[..1]).unwrap_or(0),
-            &unit[..1],
-            &unit[..1],
-        );
-    }
-    let unit_letter = unit.trim_end_matches("IB").trim_end_matches('B').to_owned();
+    // `G`, `GiB`; `B` alone is bytes; `GB` is decimal to some tools.
+    let (unit_letter, decimal) = match unit.strip_suffix("IB").filter(|l| l.len() == 1) {
+        Some(letter) => (letter, false),
+        None => match unit.strip_suffix('B') {
+            Some(letter) => (letter, !letter.is_empty()),
+            None => (unit.as_str(), false),
+        },
+    };
     let Some(power) = UNITS.iter().position(|u| *u == unit_letter) else {
         bail!("size '{text}': unknown unit '{unit_letter}', expected K, M, G, T, P or E");
     };
+    // `GB` is 10^9 bytes to coreutils (`truncate -s 1GB`) and 2^30 to others, and qemu-img
+    // refuses it: refused here too, rather than read one way without a word.
+    if decimal {
+        bail!(
+            "size '{text}': {unit} means 10^{} bytes to some tools and 2^{} to others; write \
+             {number}{unit_letter} or {number}{unit_letter}iB for the binary unit (2^{1} bytes \
+             each)",
+            3 * power,
+            10 * power,
+        );
+    }
     let shift = 10 * power as u32;
     if number.contains('.') {
         // The same size in the largest smaller unit that holds it whole, if one does.
@@ -408,6 +414,11 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert_eq!(parse_size("4096B").unwrap(), 4096);
         assert_eq!(parse_size("3gib").unwrap(), 3 << 30);
+        assert!(parse_size("10BB")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown unit 'B'"));
+        assert!(parse_size("10iB").is_err());
         let ambiguous = parse_size("10GB").unwrap_err().to_string();
         assert!(
             ambiguous.contains("10^9 bytes to some tools and 2^30 to others")
