@@ -1005,10 +1005,13 @@ impl Image {
         })
     }
 
-    /// Break the writer lock of a client that is gone. Returns the holder it removed.
-    /// Only do this when that client is dead: two writers corrupt nothing cryptographically
-    /// but lose each other's writes.
-    pub async fn break_lock(uri: &ImageUri) -> Result<Option<Locker>, ImageError> {
+    /// Break the writer lock of a client that is gone. Returns the holder it removed, and
+    /// where it was fenced. Without fencing, only do this when that client is dead: two
+    /// writers corrupt nothing cryptographically but lose each other's writes.
+    pub async fn break_lock(
+        uri: &ImageUri,
+        fencing: Fencing,
+    ) -> Result<Option<BrokenLock>, ImageError> {
         if crate::foreign::luks_file_path(uri).is_some() {
             return Err(ImageError::InvalidParameter {
                 image: uri.to_string(),
@@ -1024,6 +1027,21 @@ impl Image {
         else {
             return Ok(None);
         };
+        let fenced_at = match fencing {
+            Fencing::Holder => match store
+                .fence_lock_holder(&object, WRITER_LOCK, &holder.client, &holder.cookie)
+                .await
+            {
+                Ok(address) => address,
+                // Released meanwhile: nothing to fence or break.
+                Err(StoreError::NotLocked { .. }) => return Ok(None),
+                Err(e) => return Err(ImageError::store(&image)(e)),
+            },
+            Fencing::Skip => None,
+        };
+        if let Some(address) = &fenced_at {
+            tracing::warn!(image = %image, client = %holder.client, %address, "fenced the writer");
+        }
         match store
             .break_lock(&object, WRITER_LOCK, &holder.client, &holder.cookie)
             .await
@@ -1032,8 +1050,30 @@ impl Image {
             Err(e) => return Err(ImageError::store(&image)(e)),
         }
         tracing::warn!(image = %image, client = %holder.client, "broke the writer lock");
-        Ok(Some(holder))
+        Ok(Some(BrokenLock { holder, fenced_at }))
     }
+}
+
+/// Whether [`Image::break_lock`] first cuts the lock's holder off from the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fencing {
+    /// Cut it off first (RADOS: blocklist its client, as librbd does when it breaks a lock),
+    /// so that a holder that only seemed dead cannot write beside the next writer; the break
+    /// fails if the store refuses (`StoreError::CannotFence`). Stores that need no fencing
+    /// (local, memory) break at once.
+    Holder,
+    /// Break without: the caller knows the holder is stopped.
+    Skip,
+}
+
+/// A writer lock [`Image::break_lock`] removed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokenLock {
+    /// Who held it.
+    pub holder: Locker,
+    /// Where the holder's client was cut off from the store, if it was (RADOS: the address
+    /// now on the cluster's blocklist).
+    pub fenced_at: Option<String>,
 }
 
 /// The store (opened read-only if `read_only`) and the object holding the writer lock of an

@@ -51,8 +51,8 @@ pub use backup::{
 pub use error::ImageError;
 pub use header_backup::{HeaderBackupInfo, HeaderRestore, ReplacedHeader};
 pub use image::{
-    data_object_prefix, header_object_name, CreateOptions, Image, ImageInfo, OpenOptions,
-    DEFAULT_OBJECT_SIZE, MAX_IMAGE_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
+    data_object_prefix, header_object_name, BrokenLock, CreateOptions, Fencing, Image, ImageInfo,
+    OpenOptions, DEFAULT_OBJECT_SIZE, MAX_IMAGE_SIZE, MAX_OBJECT_SIZE, NONCE_RESERVATION,
 };
 pub use keyslots::HeaderChange;
 pub use layout::{LayoutKind, ObjectGeometry};

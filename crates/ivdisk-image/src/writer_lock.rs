@@ -169,7 +169,11 @@ fn renew_until_stopped(
                     set_refused(None);
                 }
             }
-            Err(e @ (StoreError::Busy { .. } | StoreError::NotLocked { .. })) => {
+            Err(
+                e @ (StoreError::Busy { .. }
+                | StoreError::NotLocked { .. }
+                | StoreError::Fenced { .. }),
+            ) => {
                 tracing::error!(image, error = %e, "the writer lock was lost; refusing further writes");
                 set_refused(Some(format!("{e}; reopen the image")));
                 return;
@@ -366,6 +370,8 @@ impl WriterLock {
         self.cookie.clear();
         match result {
             Ok(()) | Err(StoreError::NotLocked { .. }) if self.lost().is_some() => Ok(()),
+            // Fenced before its lock was broken: the lock is not this writer's to release.
+            Err(StoreError::Fenced { .. }) => Ok(()),
             other => other,
         }
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{
-    CreateOptions, Image, ImageError, ImageUri, LayoutKind, OpenOptions, PayloadPlacement,
+    CreateOptions, Fencing, Image, ImageError, ImageUri, LayoutKind, OpenOptions, PayloadPlacement,
     WritePayload,
 };
 
@@ -198,7 +198,7 @@ async fn second_writer_is_refused_and_readers_are_not() {
         Err(ImageError::ReadOnly { .. })
     ));
     // Breaking the lock makes the old writer refuse writes once its renewal notices.
-    let broken = Image::break_lock(&uri).await.unwrap();
+    let broken = Image::break_lock(&uri, Fencing::Holder).await.unwrap();
     assert!(broken.is_some());
     let second = Image::open(&uri, PASS, &OpenOptions::default())
         .await

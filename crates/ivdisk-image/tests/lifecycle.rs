@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use common::{Backend, Rng, PASS};
 use ivdisk_crypto::Suite;
 use ivdisk_image::{
-    data_object_prefix, header_object_name, CreateOptions, Image, ImageError, ImageUri, LayoutKind,
-    OpenOptions, WRITER_LOCK,
+    data_object_prefix, header_object_name, CreateOptions, Fencing, Image, ImageError, ImageUri,
+    LayoutKind, OpenOptions, WRITER_LOCK,
 };
 use ivdisk_store::{LockRequest, ObjectName, ObjectStore, ObjectStoreExt};
 
@@ -498,13 +498,22 @@ async fn writer_with_short_lock(prefix: &str) -> (ImageUri, Image) {
     (uri, writer)
 }
 
+/// `break_lock` of `writer`'s lock, which a memory store breaks without fencing.
+async fn break_writer_lock(uri: &ImageUri, writer: &Image) {
+    let broken = Image::break_lock(uri, Fencing::Holder)
+        .await
+        .unwrap()
+        .expect("a holder");
+    assert_eq!(broken.holder.client, writer.store().client_id());
+    assert_eq!(broken.fenced_at, None, "a memory store needs no fencing");
+}
+
 /// `break_lock` alone (no new writer yet): the old writer's next renewal must notice, and its
 /// writes fail from then on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_lock_makes_the_old_writer_refuse_writes() {
     let (uri, writer) = writer_with_short_lock("break").await;
-    let broken = Image::break_lock(&uri).await.unwrap().expect("a holder");
-    assert_eq!(broken.client, writer.store().client_id());
+    break_writer_lock(&uri, &writer).await;
     let took = wait_for_lock_lost(&writer, SHORT_LOCK / 3 + Duration::from_secs(2)).await;
     eprintln!("the old writer noticed after {took:?}");
     assert_eq!(read(&writer, 0, 6).await, b"before", "reads still work");
@@ -521,8 +530,7 @@ async fn a_broken_lock_makes_the_old_writer_refuse_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_lock_taken_by_a_new_writer_makes_the_old_writer_refuse_writes() {
     let (uri, writer) = writer_with_short_lock("break-new").await;
-    let broken = Image::break_lock(&uri).await.unwrap().expect("a holder");
-    assert_eq!(broken.client, writer.store().client_id());
+    break_writer_lock(&uri, &writer).await;
     let second = Image::open(&uri, PASS, &OpenOptions::default())
         .await
         .unwrap();
@@ -551,7 +559,10 @@ async fn a_broken_lock_taken_by_a_new_writer_makes_the_old_writer_refuse_writes(
     second.close().await.unwrap();
     assert_eq!(Image::lock_holder(&uri).await.unwrap(), None);
     // Nothing to break now.
-    assert_eq!(Image::break_lock(&uri).await.unwrap(), None);
+    assert_eq!(
+        Image::break_lock(&uri, Fencing::Holder).await.unwrap(),
+        None
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

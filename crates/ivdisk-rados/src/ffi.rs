@@ -75,6 +75,12 @@ mod sys {
         pub fn rados_connect(cluster: rados_t) -> c_int;
         pub fn rados_shutdown(cluster: rados_t);
         pub fn rados_get_instance_id(cluster: rados_t) -> u64;
+        pub fn rados_blocklist_add(
+            cluster: rados_t,
+            client_address: *mut c_char,
+            expire_seconds: u32,
+        ) -> c_int;
+        pub fn rados_wait_for_latest_osdmap(cluster: rados_t) -> c_int;
 
         pub fn rados_ioctx_create(
             cluster: rados_t,
@@ -405,6 +411,28 @@ impl Cluster {
     pub fn instance_id(&self) -> u64 {
         // SAFETY: valid, connected handle (only called after `connect`).
         unsafe { sys::rados_get_instance_id(self.raw) }
+    }
+
+    /// Have the monitors blocklist the client at `address` (`IP:PORT/NONCE`) for
+    /// `expire_seconds` (0: the cluster's default, an hour): the OSDs refuse its operations
+    /// once their map says so (blocking: a monitor command).
+    pub fn blocklist_add(&self, address: &str, expire_seconds: u32) -> Result<(), Errno> {
+        let address = c_string(address)?;
+        // SAFETY: valid, connected handle; librados only reads the string (the C API's `char *`
+        // is not const, but `rados_blocklist_add` copies it into a `std::string`), which lives
+        // across the call.
+        Errno::check(unsafe {
+            sys::rados_blocklist_add(self.raw, address.as_ptr().cast_mut(), expire_seconds)
+        })?;
+        Ok(())
+    }
+
+    /// Wait until this client has the newest OSD map (blocking): a blocklisting this client
+    /// asked for is then in the map every later operation of every client carries.
+    pub fn wait_for_latest_osdmap(&self) -> Result<(), Errno> {
+        // SAFETY: valid, connected handle.
+        Errno::check(unsafe { sys::rados_wait_for_latest_osdmap(self.raw) })?;
+        Ok(())
     }
 }
 

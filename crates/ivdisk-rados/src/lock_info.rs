@@ -84,6 +84,10 @@ pub struct RawLocker {
     pub expiration_nsec: u32,
     /// Free text the holder attached (not load-bearing, so invalid UTF-8 is replaced).
     pub description: String,
+    /// The holder's client address as Ceph prints it for `ceph osd blocklist add`:
+    /// `IP:PORT/NONCE` (`[IP]:PORT/NONCE` for IPv6); `None` when the OSD recorded none or one
+    /// of a family other than IPv4 and IPv6.
+    pub address: Option<String>,
 }
 
 impl RawLocker {
@@ -160,13 +164,14 @@ fn decode_reply_body(r: &mut Reader<'_>) -> Result<LockInfo, LockInfoError> {
             let cookie = r.string("cookie")?;
             Ok((entity_type, entity_num, cookie))
         })?;
-        let (expiration_sec, expiration_nsec, description) = r.versioned("locker_info", |r| {
-            let sec = r.u32("expiration sec")?;
-            let nsec = r.u32("expiration nsec")?;
-            skip_entity_addr(r)?;
-            let description = r.string_lossy("description")?;
-            Ok((sec, nsec, description))
-        })?;
+        let (expiration_sec, expiration_nsec, address, description) =
+            r.versioned("locker_info", |r| {
+                let sec = r.u32("expiration sec")?;
+                let nsec = r.u32("expiration nsec")?;
+                let address = decode_entity_addr(r)?;
+                let description = r.string_lossy("description")?;
+                Ok((sec, nsec, address, description))
+            })?;
         lockers.push(RawLocker {
             entity_type,
             entity_num,
@@ -174,6 +179,7 @@ fn decode_reply_body(r: &mut Reader<'_>) -> Result<LockInfo, LockInfoError> {
             expiration_sec,
             expiration_nsec,
             description,
+            address,
         });
     }
     let lock_type = r.u8("lock type")?;
@@ -188,22 +194,53 @@ fn decode_reply_body(r: &mut Reader<'_>) -> Result<LockInfo, LockInfoError> {
     })
 }
 
-/// Skip an `entity_addr_t` (we do not need the holder's address), in either encoding.
-fn skip_entity_addr(r: &mut Reader<'_>) -> Result<(), LockInfoError> {
+/// Decode an `entity_addr_t`, in either encoding, into the form `ceph osd blocklist add`
+/// takes (the holder's address is what fencing it needs). The address type (`v1:`, `v2:`,
+/// `any:`) is left out: the monitors store every blocklist entry as type `any`.
+fn decode_entity_addr(r: &mut Reader<'_>) -> Result<Option<String>, LockInfoError> {
     match r.u8("address marker")? {
-        // Legacy: the marker was the low byte of a u32 type that is always zero.
+        // Legacy: the marker was the low byte of a u32 type that is always zero, and the
+        // family of the `sockaddr_storage` that follows is big-endian.
         0 => {
-            r.take(LEGACY_ADDR_LEN - 1, "legacy address")?;
-            Ok(())
+            let rest = r.take(LEGACY_ADDR_LEN - 1, "legacy address")?;
+            let nonce = u32::from_le_bytes(rest[3..7].try_into().expect("4 bytes"));
+            let storage = &rest[7..];
+            let family = u16::from_be_bytes([storage[0], storage[1]]);
+            Ok(format_sockaddr(family, &storage[2..], nonce))
         }
         1 => r.versioned("entity_addr", |r| {
             r.u32("address type")?;
-            r.u32("address nonce")?;
+            let nonce = r.u32("address nonce")?;
             let len = r.u32("sockaddr length")?;
-            r.take_u32_len(len, "sockaddr")?;
-            Ok(())
+            let sockaddr = r.take_u32_len(len, "sockaddr")?;
+            // The family is little-endian here, the rest as in the kernel's `sockaddr`.
+            Ok(match sockaddr {
+                [lo, hi, data @ ..] => format_sockaddr(u16::from_le_bytes([*lo, *hi]), data, nonce),
+                _ => None,
+            })
         }),
         other => Err(LockInfoError(format!("unknown address marker {other}"))),
+    }
+}
+
+/// `IP:PORT/NONCE` from the bytes of a `sockaddr_in` or `sockaddr_in6` after the family
+/// (port and address in network order), as Ceph prints an `entity_addr_t`; `None` for another
+/// family or too few bytes.
+fn format_sockaddr(family: u16, data: &[u8], nonce: u32) -> Option<String> {
+    const AF_INET: u16 = 2;
+    const AF_INET6: u16 = 10;
+    let port = u16::from_be_bytes([*data.first()?, *data.get(1)?]);
+    match family {
+        AF_INET => {
+            let ip: [u8; 4] = data.get(2..6)?.try_into().ok()?;
+            Some(format!("{}:{port}/{nonce}", std::net::Ipv4Addr::from(ip)))
+        }
+        // After the port: u32 flow info, then the address.
+        AF_INET6 => {
+            let ip: [u8; 16] = data.get(6..22)?.try_into().ok()?;
+            Some(format!("[{}]:{port}/{nonce}", std::net::Ipv6Addr::from(ip)))
+        }
+        _ => None,
     }
 }
 
@@ -397,6 +434,8 @@ mod tests {
         assert_eq!(l.description, "held forever by test");
         assert_eq!((l.expiration_sec, l.expiration_nsec), (0, 0));
         assert_eq!(l.expiration(), None);
+        // What `rados lock info` and `ceph osd blocklist ls` print for that client.
+        assert_eq!(l.address.as_deref(), Some("127.0.0.1:0/3290295409"));
     }
 
     #[test]
@@ -584,6 +623,7 @@ mod tests {
                 expiration_sec: 1000,
                 expiration_nsec: 500_000_000,
                 description: "d".into(),
+                address: Some("10.0.0.1:6789/7".into()),
             }],
             exclusive: false,
             tag: "t".into(),
@@ -602,6 +642,32 @@ mod tests {
                 Some(UNIX_EPOCH + Duration::from_millis(1_000_500))
             );
         }
+    }
+
+    #[test]
+    fn addresses_of_either_family_and_none_of_others() {
+        let msgr2 = |sockaddr: &[u8]| {
+            let addr = Enc::default().u8(1).versioned(
+                1,
+                1,
+                Enc::default()
+                    .u32(3)
+                    .u32(42)
+                    .u32(sockaddr.len() as u32)
+                    .bytes(sockaddr),
+            );
+            decode_get_info_reply(&reply(1, &[], addr)).unwrap().lockers[0]
+                .address
+                .clone()
+        };
+        let mut v6 = vec![10, 0, 0x1a, 0x85, 0, 0, 0, 0];
+        v6.extend_from_slice(&std::net::Ipv6Addr::LOCALHOST.octets());
+        v6.extend_from_slice(&[0; 4]);
+        assert_eq!(msgr2(&v6).as_deref(), Some("[::1]:6789/42"));
+        // A family we do not print (AF_UNIX), an empty address, and a truncated sockaddr.
+        assert_eq!(msgr2(&[1, 0, b'/', b'x']), None);
+        assert_eq!(msgr2(&[]), None);
+        assert_eq!(msgr2(&[2, 0, 0, 0, 127]), None);
     }
 
     #[test]

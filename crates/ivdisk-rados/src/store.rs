@@ -58,6 +58,8 @@ pub struct RadosStore {
     /// Rollbacks run (blocking) under their operation's write context.
     rollbacks: Arc<Mutex<IoCtx>>,
     client: String,
+    /// The cephx user (`client.<id>`) this store connected as: whose capabilities count.
+    user: String,
     pool: String,
     expected_object_size: Option<u64>,
     cluster: Arc<Cluster>,
@@ -221,6 +223,7 @@ impl RadosStore {
             control: Arc::new(io()?),
             rollbacks: Arc::new(Mutex::new(io()?)),
             client,
+            user: format!("client.{client_id}"),
             pool: config.pool.clone(),
             expected_object_size: config.expected_object_size,
             cluster,
@@ -268,18 +271,57 @@ impl RadosStore {
                 ),
                 source: e.io_error(),
             },
-            libc::ESHUTDOWN => StoreError::Io {
-                context: format!(
-                    "RADOS {what} `{object}`: this client was blocklisted by the cluster \
-                     (another client broke its lock?); reopen the store"
-                ),
-                source: e.io_error(),
+            // EBLOCKLISTED: the OSDs (or librados, once it has the map) refuse this client.
+            libc::ESHUTDOWN => StoreError::Fenced {
+                context: format!("RADOS {what} `{object}` ({})", self.client),
             },
             _ => StoreError::Io {
                 context: format!("RADOS {what} `{object}` in pool `{}`", self.pool),
                 source: e.io_error(),
             },
         }
+    }
+
+    /// The holders of `lock` on `object` as the OSD reports them, from `cls_lock`'s
+    /// `get_info`, which, unlike `rados_list_lockers`, reports when each holder's lock
+    /// expires.
+    async fn raw_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<lock_info::RawLocker>, StoreError> {
+        let mut op = ffi::ReadOp::new().map_err(|e| self.error(object, "reading locks of", e))?;
+        let class = CString::new("lock").expect("no NUL");
+        let method = CString::new("get_info").expect("no NUL");
+        op.exec(&class, &method, &lock_info::encode_get_info_request(lock));
+        let done = self
+            .control
+            .submit_read(&cstring(object), op)
+            .map_err(|e| self.error(object, "reading locks of", e))?
+            .await
+            .map_err(closed)?;
+        if done.rval == -libc::ENOENT || done.rval == -libc::ENODATA {
+            return Ok(Vec::new());
+        }
+        if done.rval < 0 {
+            return Err(self.error(object, "reading locks of", Errno(-done.rval)));
+        }
+        let reply = match done.payload.results().pop() {
+            Some(Ok(SlotResult::Exec(reply))) => reply,
+            Some(Err(e)) if e.0 == libc::ENOENT || e.0 == libc::ENODATA => return Ok(Vec::new()),
+            Some(Err(e)) => return Err(self.error(object, "reading locks of", e)),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "lock.get_info on `{object}` returned {other:?}"
+                )))
+            }
+        };
+        let info = lock_info::decode_get_info_reply(&reply).map_err(|e| {
+            StoreError::Corrupt(format!(
+                "cannot decode the lock info of `{object}` (lock `{lock}`): {e}"
+            ))
+        })?;
+        Ok(info.lockers)
     }
 
     /// Apply a rollback, which librados only offers as a blocking call of its own.
@@ -776,42 +818,9 @@ impl ObjectStore for RadosStore {
         object: &ObjectName,
         lock: &str,
     ) -> Result<Vec<Locker>, StoreError> {
-        // From `cls_lock`'s `get_info`, which, unlike `rados_list_lockers`, reports when
-        // each holder's lock expires.
-        let mut op = ffi::ReadOp::new().map_err(|e| self.error(object, "reading locks of", e))?;
-        let class = CString::new("lock").expect("no NUL");
-        let method = CString::new("get_info").expect("no NUL");
-        op.exec(&class, &method, &lock_info::encode_get_info_request(lock));
-        let done = self
-            .control
-            .submit_read(&cstring(object), op)
-            .map_err(|e| self.error(object, "reading locks of", e))?
-            .await
-            .map_err(closed)?;
-        if done.rval == -libc::ENOENT || done.rval == -libc::ENODATA {
-            return Ok(Vec::new());
-        }
-        if done.rval < 0 {
-            return Err(self.error(object, "reading locks of", Errno(-done.rval)));
-        }
-        let reply = match done.payload.results().pop() {
-            Some(Ok(SlotResult::Exec(reply))) => reply,
-            Some(Err(e)) if e.0 == libc::ENOENT || e.0 == libc::ENODATA => return Ok(Vec::new()),
-            Some(Err(e)) => return Err(self.error(object, "reading locks of", e)),
-            other => {
-                return Err(StoreError::Corrupt(format!(
-                    "lock.get_info on `{object}` returned {other:?}"
-                )))
-            }
-        };
-        let info = lock_info::decode_get_info_reply(&reply).map_err(|e| {
-            StoreError::Corrupt(format!(
-                "cannot decode the lock info of `{object}` (lock `{lock}`): {e}"
-            ))
-        })?;
+        let lockers = self.raw_lockers(object, lock).await?;
         let now = SystemTime::now();
-        Ok(info
-            .lockers
+        Ok(lockers
             .into_iter()
             .map(|l| Locker {
                 client: l.entity_name(),
@@ -847,6 +856,64 @@ impl ObjectStore for RadosStore {
                 format!("cannot break a lock of {client:?}: name the holder as `client.<id>`"),
             )),
             Err(e) => Err(self.error(object, "breaking a lock on", e)),
+        }
+    }
+
+    async fn fence_lock_holder(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let holder = self
+            .raw_lockers(object, lock)
+            .await?
+            .into_iter()
+            .find(|l| l.entity_name() == client && l.cookie == cookie)
+            .ok_or_else(|| not_locked(object, lock, client, cookie))?;
+        let cannot = |address: &str, reason: String| StoreError::CannotFence {
+            holder: format!("{client} (at {address}), the holder of lock `{lock}` on `{object}`"),
+            reason,
+        };
+        let Some(address) = holder.address else {
+            return Err(cannot(
+                "no address",
+                "the OSD recorded no IPv4 or IPv6 address for it".into(),
+            ));
+        };
+        if client == self.client {
+            return Err(cannot(
+                &address,
+                "that is this client itself, which would cut itself off".into(),
+            ));
+        }
+        let cluster = self.cluster.clone();
+        let target = address.clone();
+        // The expiry is the cluster's default (`mon_osd_blocklist_default_expire`, an hour), as
+        // librbd's own lock breaking leaves it.
+        let fenced = blocking("blocklisting a lock holder", move || {
+            cluster.blocklist_add(&target, 0)?;
+            // The new map reaches the OSDs with the next operation of any client that has it:
+            // every later client (the next writer among them) fetches it when it connects.
+            cluster.wait_for_latest_osdmap()
+        })
+        .await?;
+        match fenced {
+            Ok(()) => Ok(Some(address)),
+            Err(Errno(libc::EPERM | libc::EACCES)) => Err(cannot(
+                &address,
+                format!(
+                    "{} may not blocklist clients (it needs the monitor capability `allow \
+                     command \"osd blocklist\"`, which `profile rbd` grants)",
+                    self.user
+                ),
+            )),
+            Err(Errno(libc::EINVAL)) => Err(cannot(
+                &address,
+                "the monitors did not take that address".into(),
+            )),
+            Err(e) => Err(self.error(object, "blocklisting the lock holder of", e)),
         }
     }
 

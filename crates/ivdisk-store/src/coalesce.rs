@@ -451,6 +451,13 @@ fn duplicate(e: &StoreError) -> StoreError {
             client: client.clone(),
             cookie: cookie.clone(),
         },
+        CannotFence { holder, reason } => CannotFence {
+            holder: holder.clone(),
+            reason: reason.clone(),
+        },
+        Fenced { context } => Fenced {
+            context: context.clone(),
+        },
         NoSuchSnapshot(snap) => NoSuchSnapshot(*snap),
         NoSpace { context } => NoSpace {
             context: context.clone(),

@@ -51,6 +51,19 @@ pub enum StoreError {
         cookie: String,
     },
 
+    /// `fence_lock_holder` was refused; `holder` names the client, where it is, and its lock.
+    #[error("cannot fence {holder}: {reason}")]
+    CannotFence { holder: String, reason: String },
+
+    /// This client was cut off from the store (RADOS: blocklisted), as another client does
+    /// before it breaks this one's lock: nothing it sends is applied any more, for good.
+    #[error(
+        "{context}: this client was fenced off the store (blocklisted, as `ivdisk lock break` \
+         does to a writer before it breaks its lock); nothing it sends is applied any more: stop \
+         it, and open the image anew once the lock is free"
+    )]
+    Fenced { context: String },
+
     #[error("snapshot {0} does not exist")]
     NoSuchSnapshot(SnapId),
 

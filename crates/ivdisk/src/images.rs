@@ -12,11 +12,11 @@ use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use ivdisk_crypto::Suite;
 use ivdisk_image::{
-    CreateOptions, Image, ImageError, ImageInfo, ImageUri, LayoutKind, OpenOptions,
-    DEFAULT_LOCK_DURATION, MAX_OBJECT_SIZE,
+    BrokenLock, CreateOptions, Fencing, Image, ImageError, ImageInfo, ImageUri, LayoutKind,
+    OpenOptions, DEFAULT_LOCK_DURATION, MAX_OBJECT_SIZE,
 };
 use ivdisk_rbd::{RbdImage, RbdUri};
-use ivdisk_store::Locker;
+use ivdisk_store::{Locker, StoreError};
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
@@ -54,8 +54,14 @@ pub fn lock_help() -> String {
         "Opening an image for writing (ivdisk resize, and later ivdisk serve) takes its writer \
          lock: one writer per image. The writer renews the lock while it runs; a lock that is not \
          renewed expires by itself after {} s. `lock break` is for a writer that died (killed, \
-         crashed, host down) when you cannot wait for the expiry. Never break the lock of a \
-         writer that still runs: two writers lose each other's writes.\n\nOn the local backend \
+         crashed, host down) when you cannot wait for the expiry.\n\nOn RADOS, `lock break` \
+         first fences the holder, as librbd does when it breaks a lock: it blocklists that \
+         client on the cluster (for an hour), so a writer that only seemed dead (hung, or cut \
+         off by the network) cannot write beside the next one; its IO fails instead. That needs \
+         the monitor capability `osd blocklist` (`profile rbd` grants it); without it the \
+         break is refused, and `--no-fence` breaks without fencing. Never break without \
+         fencing the lock of a writer that still runs: two writers lose each other's \
+         writes.\n\nOn the local backend \
          a store directory is open for writing in one process at a time: while a writer runs \
          there, `lock break` and other writers fail, naming the process that has the store \
          open; `lock status` and `info` work beside it, and `lock status` says when the \
@@ -245,7 +251,13 @@ pub enum LockCommand {
         /// Do not ask for confirmation (needed when standard input is not a terminal).
         #[arg(long, short = 'y')]
         yes: bool,
-        /// Print JSON: image, broken (null, or the lock removed).
+        /// Break without fencing the holder first (on RADOS: without blocklisting its
+        /// client). Only for a writer you know is stopped, when your cephx user may not
+        /// blocklist clients.
+        #[arg(long)]
+        no_fence: bool,
+        /// Print JSON: image, broken (null, or the lock removed), fenced_at (null, or the
+        /// address of the holder's client now on the cluster's blocklist).
         #[arg(long)]
         json: bool,
     },
@@ -787,21 +799,37 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
             };
             print(json, json!({"image": uri.to_string(), "lock": lock}), text);
         }
-        LockCommand::Break { image, yes, json } => {
+        LockCommand::Break {
+            image,
+            yes,
+            no_fence,
+            json,
+        } => {
             let uri = parse_uri(&image)?;
+            let nothing =
+                json!({"image": uri.to_string(), "broken": Value::Null, "fenced_at": Value::Null});
             let Some(holder) = rt.block_on(Image::lock_holder(&uri)).map_err(flat)? else {
                 print(
                     json,
-                    json!({"image": uri.to_string(), "broken": Value::Null}),
+                    nothing,
                     format!("image {uri}: no writer lock held; nothing to break"),
                 );
                 return Ok(());
             };
-            let question = format!(
-                "Break the writer lock of {} on image {uri}? Only if that client is really gone: \
-                 a writer that still runs would lose writes",
-                describe_locker(&holder)
-            );
+            let fences = matches!(uri, ImageUri::Rados { .. }) && !no_fence;
+            let question = if fences {
+                format!(
+                    "Break the writer lock of {} on image {uri}? Its client is blocklisted \
+                     first: if it still runs, its IO fails from now on",
+                    describe_locker(&holder)
+                )
+            } else {
+                format!(
+                    "Break the writer lock of {} on image {uri}? Only if that client is really \
+                     gone: a writer that still runs would lose writes",
+                    describe_locker(&holder)
+                )
+            };
             let refusal = format!(
                 "not breaking the writer lock of image {uri} (held by {}) without confirmation: \
                  standard input is not a terminal; pass --yes to break it",
@@ -810,32 +838,65 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
             if !confirm(&question, yes, &refusal)? {
                 bail!("the writer lock of image {uri} was left in place");
             }
-            let broken = rt.block_on(Image::break_lock(&uri)).map_err(flat)?;
+            let fencing = match no_fence {
+                true => Fencing::Skip,
+                false => Fencing::Holder,
+            };
+            let broken = match rt.block_on(Image::break_lock(&uri, fencing)) {
+                Err(
+                    e @ ImageError::Store {
+                        source: StoreError::CannotFence { .. },
+                        ..
+                    },
+                ) => bail!(
+                    "{e}; the lock was left in place. If you know that writer is stopped, run \
+                     `ivdisk lock break '{image}' --no-fence`"
+                ),
+                other => other.map_err(flat)?,
+            };
             match &broken {
                 None => print(
                     json,
-                    json!({"image": uri.to_string(), "broken": Value::Null}),
+                    nothing,
                     format!("image {uri}: the writer lock was released meanwhile; nothing broken"),
                 ),
-                Some(removed) => {
+                Some(BrokenLock {
+                    holder: removed,
+                    fenced_at,
+                }) => {
+                    let described = match removed.description.is_empty() {
+                        true => String::new(),
+                        false => format!(" ({})", removed.description),
+                    };
+                    let text = match fenced_at {
+                        Some(address) => format!(
+                            "image {uri}: fenced {} at {address} (the cluster refuses its \
+                             operations for an hour; `ceph osd blocklist rm {address}` lifts \
+                             that early) and broke its writer lock{described}",
+                            removed.client
+                        ),
+                        None => format!(
+                            "image {uri}: broke the writer lock of client {}{described}",
+                            removed.client
+                        ),
+                    };
                     print(
                         json,
-                        json!({"image": uri.to_string(), "broken": locker_json(removed)}),
-                        format!(
-                            "image {uri}: broke the writer lock of client {}{}",
-                            removed.client,
-                            if removed.description.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", removed.description)
-                            }
-                        ),
+                        json!({
+                            "image": uri.to_string(),
+                            "broken": locker_json(removed),
+                            "fenced_at": fenced_at,
+                        }),
+                        text,
                     );
-                    eprintln!(
-                        "ivdisk: warning: client {} must really be gone (process stopped, host \
-                         down): if it still runs, it and the next writer lose each other's writes",
-                        removed.client
-                    );
+                    if fenced_at.is_none() {
+                        eprintln!(
+                            "ivdisk: warning: client {} must really be gone (process stopped, \
+                             host down): if it still runs, it and the next writer lose each \
+                             other's writes",
+                            removed.client
+                        );
+                    }
                     if removed.client != holder.client {
                         eprintln!(
                             "ivdisk: warning: the lock changed hands while you confirmed: the \

@@ -3,7 +3,9 @@
 //! a stopped container pauses one) is seen again once it runs: its watch is registered
 //! again, and `snap rm` refuses once more.
 //!
-//! A second writer is refused before it asks for a passphrase, naming the holder.
+//! A second writer is refused before it asks for a passphrase, naming the holder. A writer
+//! whose lock `ivdisk lock break` removes is fenced first (blocklisted): it writes nothing
+//! from then on, beside the next writer.
 //!
 //! A client whose OSD caps allow no writes may not watch: it still reads (as librbd's
 //! read-only opens do), with a warning that removals will not see it.
@@ -18,7 +20,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{fails, ok, p, Fixture, FAST};
+use common::{fails, json, ok, p, Fixture, FAST};
 
 /// The pool, or `None` (skip) with IVDISK_NO_CEPH=1; `CEPH_CONF` names the cluster.
 fn pool() -> Option<String> {
@@ -146,6 +148,23 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
 /// Deletes a Ceph client's key at the end, also when the test fails.
 struct CephClient(String);
 
+/// A new cephx user `client.<id>` with these monitor and OSD capabilities, and its keyring
+/// in the fixture's directory.
+fn ceph_client(f: &Fixture, id: &str, mon: &str, osd: &str) -> (CephClient, std::path::PathBuf) {
+    let out = Command::new("ceph")
+        .args(["auth", "get-or-create", &format!("client.{id}")])
+        .args(["mon", mon, "osd", osd])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let client = CephClient(format!("client.{id}"));
+    (client, f.file(&format!("{id}.keyring"), &out.stdout))
+}
+
 impl Drop for CephClient {
     fn drop(&mut self) {
         let _ = Command::new("ceph")
@@ -166,19 +185,8 @@ fn a_client_with_read_only_caps_reads_unwatched() {
     let _cleanup = create(&f, &image);
 
     let client = format!("ivdisk-test-ro-{}", std::process::id());
-    let out = Command::new("ceph")
-        .args(["auth", "get-or-create", &format!("client.{client}")])
-        .args(["mon", "profile rbd", "osd"])
-        .arg(format!("profile rbd-read-only pool={pool}"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let _client = CephClient(format!("client.{client}"));
-    let keyring = f.file("ro.keyring", &out.stdout);
+    let osd = format!("profile rbd-read-only pool={pool}");
+    let (_client, keyring) = ceph_client(&f, &client, "profile rbd", &osd);
     let read_only = format!("{image}?id={client}&keyring={}", p(&keyring));
 
     // Writing is refused by the cluster; reading works, and says what it lacks.
@@ -222,4 +230,134 @@ fn a_second_writer_is_refused_before_its_passphrase() {
     signal(&first.0, "-TERM");
     assert!(first.0.wait().unwrap().success());
     drop(serve(&f, &image, "second.sock", &[]));
+}
+
+/// `qemu-io` with one command on the NBD socket `sock`; its stdout and stderr.
+fn qemu_io(sock: &std::path::Path, command: &str) -> String {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", command])
+        .arg(format!("nbd+unix:///?socket={}", sock.display()))
+        .output()
+        .expect("qemu-io (apt install qemu-utils)");
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+fn blocklist() -> String {
+    let out = Command::new("ceph")
+        .args(["osd", "blocklist", "ls"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ceph osd blocklist ls");
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+/// `lock break` of a writer that still runs fences it first: its client is blocklisted, so
+/// nothing it sends is applied beside the next writer (without fencing, its writes went on
+/// until its lock renewal noticed, up to 10 s). `--no-fence` breaks without.
+#[test]
+fn a_broken_lock_fences_its_writer_before_the_next_one_writes() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let image = format!("rados://{pool}/fence-{}", std::process::id());
+    let _cleanup = create(&f, &image);
+    let (first_sock, second_sock) = (f.path("first.sock"), f.path("second.sock"));
+    let mut first = serve(&f, &image, "first.sock", &[]);
+    let wrote = qemu_io(&first_sock, "write -P 0xaa 0 64k");
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+
+    let broken = json(&["lock", "break", &image, "--yes"]);
+    let description = broken["broken"]["description"].as_str().unwrap();
+    assert!(
+        description.contains(&format!("ivdisk pid {} on", first.0.id())),
+        "{broken}"
+    );
+    let fenced_at = broken["fenced_at"].as_str().expect("fenced").to_owned();
+    assert!(
+        blocklist().contains(&fenced_at),
+        "{fenced_at}: {}",
+        blocklist()
+    );
+
+    let refused = qemu_io(&first_sock, "write -P 0xcc 0 64k");
+    assert!(
+        refused.contains("write failed"),
+        "the fenced writer: {refused}"
+    );
+    let second = serve(&f, &image, "second.sock", &[]);
+    let wrote = qemu_io(&second_sock, "write -P 0xbb 64k 64k");
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+    let refused = qemu_io(&first_sock, "write -P 0xcc 64k 64k");
+    assert!(
+        refused.contains("write failed"),
+        "the fenced writer: {refused}"
+    );
+    for (command, what) in [
+        (
+            "read -P 0xaa 0 64k",
+            "what the first wrote before it was fenced",
+        ),
+        ("read -P 0xbb 64k 64k", "what the second wrote"),
+    ] {
+        let read = qemu_io(&second_sock, command);
+        assert!(
+            read.contains("read 65536/65536") && !read.contains("verification failed"),
+            "{what}: {read}"
+        );
+    }
+    // The fenced server stops cleanly: its lock was not its own to release any more.
+    signal(&first.0, "-TERM");
+    assert!(first.0.wait().unwrap().success());
+
+    // The text form says what it did, and how to lift the blocklisting.
+    let text = ok(&["lock", "break", &image, "--yes"]);
+    assert!(
+        text.contains("fenced client.")
+            && text.contains("ceph osd blocklist rm")
+            && text.contains("and broke its writer lock"),
+        "{text}"
+    );
+    let refused = qemu_io(&second_sock, "write -P 0xdd 0 4k");
+    assert!(
+        refused.contains("write failed"),
+        "the fenced second writer: {refused}"
+    );
+    drop(second);
+}
+
+/// A cephx user that may not blocklist clients cannot fence: `lock break` refuses, leaves the
+/// lock in place and names `--no-fence`, which then breaks it without fencing.
+#[test]
+fn a_break_that_cannot_fence_is_refused_and_names_no_fence() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let image = format!("rados://{pool}/nofence-{}", std::process::id());
+    let _cleanup = create(&f, &image);
+    let client = format!("ivdisk-test-nofence-{}", std::process::id());
+    let (_client, keyring) = ceph_client(&f, &client, "allow r", &format!("allow rwx pool={pool}"));
+    let as_client = format!("{image}?id={client}&keyring={}", p(&keyring));
+
+    let writer = serve(&f, &image, "writer.sock", &[]);
+    let refused = fails(&["lock", "break", &as_client, "--yes"]);
+    assert!(
+        refused.contains(&format!("client.{client} may not blocklist"))
+            && refused.contains("the lock was left in place")
+            && refused.contains("--no-fence"),
+        "{refused}"
+    );
+    let status = json(&["lock", "status", &image]);
+    let holder = status["lock"]["description"].as_str().unwrap_or_default();
+    assert!(
+        holder.contains(&format!("ivdisk pid {} on", writer.0.id())),
+        "{status}"
+    );
+
+    let broken = json(&["lock", "break", &as_client, "--yes", "--no-fence"]);
+    assert!(broken["fenced_at"].is_null(), "{broken}");
+    assert!(broken["broken"]["client"].is_string(), "{broken}");
+    assert!(json(&["lock", "status", &image])["lock"].is_null());
+    drop(writer);
 }

@@ -171,6 +171,19 @@ pub fn rados_uri(prefix: &str) -> Option<ImageUri> {
     Some(ImageUri::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}")))
 }
 
+/// The output of the `ceph` command with `args` on the test cluster (`CEPH_CONF`); panics
+/// naming the command if it fails.
+pub fn ceph(args: &[&str]) -> String {
+    let out = std::process::Command::new("ceph")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running ceph {args:?}: {e}"));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ceph {args:?}: {text}");
+    text
+}
+
 // ---------------------------------------------------------------------------------------------
 // Seeded randomness
 
