@@ -550,6 +550,7 @@ impl ObjectStore for MapStore {
                 cookie: l.cookie.clone(),
                 description: l.description.clone(),
                 expires_in: l.expires.map(|e| e - now),
+                address: None,
             })
             .into_iter()
             .collect())

@@ -1027,17 +1027,19 @@ impl Image {
         else {
             return Ok(None);
         };
-        let fenced_at = match fencing {
-            Fencing::Holder => match store
-                .fence_lock_holder(&object, WRITER_LOCK, &holder.client, &holder.cookie)
-                .await
-            {
-                Ok(address) => address,
-                // Released meanwhile: nothing to fence or break.
-                Err(StoreError::NotLocked { .. }) => return Ok(None),
-                Err(e) => return Err(ImageError::store(&image)(e)),
-            },
-            Fencing::Skip => None,
+        let fenced_at = match (fencing, &holder.address) {
+            (Fencing::Holder, Some(address)) => {
+                let fenced = store.fence_client(&holder.client, address).await;
+                match fenced.map_err(ImageError::store(&image))? {
+                    true => {
+                        writer_lock::forget_fenced_writer(store.as_ref(), &object, &holder.client)
+                            .await;
+                        Some(address.clone())
+                    }
+                    false => None,
+                }
+            }
+            _ => None,
         };
         if let Some(address) = &fenced_at {
             tracing::warn!(image = %image, client = %holder.client, %address, "fenced the writer");

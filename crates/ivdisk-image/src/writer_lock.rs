@@ -27,6 +27,13 @@ pub const DEFAULT_LOCK_DURATION: Duration = Duration::from_secs(30);
 /// written right after taking the lock and before anything else: a writer whose lock expired
 /// takes it again only if this still names it, that is, if nobody held it meanwhile.
 pub(crate) const LAST_WRITER_KEY: &[u8] = b"ivdisk.last_writer";
+/// The header object's omap key saying where the writer that holds (or last held) the lock
+/// runs, `CLIENT ADDRESS` (RADOS: `client.4123 10.0.0.1:0/3825123`), while it has the image
+/// open: set with [`LAST_WRITER_KEY`], removed when it closes. Found by the next writer, it
+/// names a writer that did not close (killed, crashed, paused, cut off by the network): that
+/// one is fenced before the next one writes, as librbd fences a lock owner that stopped
+/// answering.
+pub(crate) const LAST_WRITER_CLIENT_KEY: &[u8] = b"ivdisk.last_writer_client";
 
 /// Whether taking the lock records its holder in the header object's omap (see
 /// [`LAST_WRITER_KEY`]). Without the record a lock that expired is lost for good: there is no
@@ -44,6 +51,9 @@ pub(crate) struct WriterLock {
     store: Arc<dyn ObjectStore>,
     object: ObjectName,
     cookie: String,
+    /// Whether this writer recorded itself in the header object (and takes its
+    /// [`LAST_WRITER_CLIENT_KEY`] away again when it closes).
+    record: HolderRecord,
     stop: Option<mpsc::Sender<()>>,
     renewer: Option<JoinHandle<()>>,
     /// Why writes are refused, while they are (for good once the lock is lost, until the next
@@ -202,6 +212,72 @@ pub(crate) fn host_name() -> String {
         .unwrap_or_default()
 }
 
+/// Fence the writer that [`LAST_WRITER_CLIENT_KEY`] names, if one is named: it did not close,
+/// and may still run past its lock's expiry (paused, cut off by the network) with writes in
+/// flight. Called with the lock just taken, before this writer writes anything. A store that
+/// cannot fence (a cephx user without `osd blocklist`) leaves a warning: the image opens as it
+/// did before fencing existed.
+async fn fence_an_unclosed_writer(store: &dyn ObjectStore, object: &ObjectName, image: &str) {
+    let Some(recorded) = recorded_writer(store, object).await else {
+        return;
+    };
+    let Some((client, address)) = recorded.split_once(' ') else {
+        tracing::warn!(image, %recorded, "the record of the image's last writer is not `CLIENT ADDRESS`; not fencing it");
+        return;
+    };
+    match store.fence_client(client, address).await {
+        Ok(true) => tracing::warn!(
+            image,
+            client,
+            address,
+            "the image's last writer did not close; fenced it (blocklisted) before writing"
+        ),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(
+            image,
+            error = %e,
+            "the image's last writer did not close and could not be fenced: if it still runs \
+             (paused, or cut off by the network), writes it has in flight may land beside this \
+             writer's"
+        ),
+    }
+}
+
+/// What [`LAST_WRITER_CLIENT_KEY`] holds, if anything (nothing either where the store has no
+/// omap, a LUKS file, or cannot be read now).
+async fn recorded_writer(store: &dyn ObjectStore, object: &ObjectName) -> Option<String> {
+    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
+        LAST_WRITER_CLIENT_KEY.to_vec()
+    ]));
+    match store.read_op(object, op).await.ok()?.into_iter().next() {
+        Some(ReadResult::Omap { pairs, .. }) => pairs
+            .into_iter()
+            .next()
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
+        _ => None,
+    }
+}
+
+/// After `client` was fenced and before its lock is broken (so no new writer has recorded
+/// itself yet): take its record away, so the next writer does not fence it a second time.
+pub(crate) async fn forget_fenced_writer(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    client: &str,
+) {
+    let named = recorded_writer(store, object)
+        .await
+        .is_some_and(|recorded| recorded.split_once(' ').map(|(c, _)| c) == Some(client));
+    if named {
+        let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![
+            LAST_WRITER_CLIENT_KEY.to_vec()
+        ]));
+        if let Err(e) = store.write_op(object, op).await {
+            tracing::debug!(error = %e, "could not remove the fenced writer's record");
+        }
+    }
+}
+
 /// The cookie the holder record names (see [`LAST_WRITER_KEY`]), if any.
 fn last_holder(
     store: &dyn ObjectStore,
@@ -249,8 +325,23 @@ impl WriterLock {
         }
         let mut record = record;
         if record == HolderRecord::Keep {
-            let op = WriteOp::new()
+            fence_an_unclosed_writer(store.as_ref(), &object, image).await;
+            // Where this writer runs, as the store lists it (the address the next writer
+            // would fence).
+            let own = store
+                .list_lockers(&object, WRITER_LOCK)
+                .await
+                .ok()
+                .and_then(|lockers| lockers.into_iter().find(|l| l.cookie == cookie))
+                .and_then(|l| l.address.map(|address| format!("{} {address}", l.client)));
+            let mut op = WriteOp::new()
                 .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
+            op = match own {
+                Some(own) => op.omap_set(vec![(LAST_WRITER_CLIENT_KEY.to_vec(), own.into_bytes())]),
+                None => op.step(WriteStep::OmapRemoveKeys(vec![
+                    LAST_WRITER_CLIENT_KEY.to_vec()
+                ])),
+            };
             match store.write_op(&object, op).await {
                 Ok(_) => {}
                 // A store without omap (a LUKS file): no record, no taking it again.
@@ -310,6 +401,7 @@ impl WriterLock {
             store,
             object,
             cookie,
+            record,
             stop: Some(stop),
             renewer: Some(renewer),
             lost,
@@ -363,6 +455,16 @@ impl WriterLock {
     /// Stop renewing and release the lock.
     pub(crate) async fn release(mut self) -> Result<(), StoreError> {
         self.stop_renewing();
+        if self.record == HolderRecord::Keep && self.lost().is_none() {
+            // Closed: the next writer has nothing to fence. Best effort: left behind, it costs
+            // the next writer a fencing of a client that is gone.
+            let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![
+                LAST_WRITER_CLIENT_KEY.to_vec()
+            ]));
+            if let Err(e) = self.store.write_op(&self.object, op).await {
+                tracing::debug!(error = %e, "could not mark the writer lock's holder closed");
+            }
+        }
         let result = self
             .store
             .unlock(&self.object, WRITER_LOCK, &self.cookie)

@@ -79,6 +79,29 @@ async fn rados_omap_discard_with_a_partial_edge_sector_in_a_missing_object() {
     result.unwrap();
 }
 
+/// A 1 MiB image of the default suite in `omap-packed`, in 64 KiB objects.
+fn small_image() -> ivdisk_image::CreateOptions {
+    common::options(
+        1 << 20,
+        Suite::DEFAULT,
+        LayoutKind::OmapPacked,
+        4096,
+        64 << 10,
+    )
+}
+
+/// A write of a fenced writer: refused by the store, or by its renewal, which saw that first.
+fn assert_fenced(write: Result<(), ImageError>) {
+    match write {
+        Err(ImageError::Store {
+            source: StoreError::Fenced { .. },
+            ..
+        }) => {}
+        Err(ImageError::LockLost { reason, .. }) if reason.contains("fenced") => {}
+        other => panic!("the fenced writer wrote: {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writer_lock_between_two_rados_clients() {
     let Some(uri) = common::rados_uri("lock") else {
@@ -150,14 +173,7 @@ async fn writer_lock_between_two_rados_clients() {
     third.write(0, b"new").await.unwrap();
     // Without fencing the second's writes would be applied until its renewal noticed. The
     // store refuses them, or the renewal (every second here) has seen that already.
-    match second.write(0, b"old").await {
-        Err(ImageError::Store {
-            source: StoreError::Fenced { .. },
-            ..
-        }) => {}
-        Err(ImageError::LockLost { reason, .. }) if reason.contains("fenced") => {}
-        other => panic!("the fenced writer wrote: {other:?}"),
-    }
+    assert_fenced(second.write(0, b"old").await);
     // Its close has no lock to release, and says nothing failed that it could have done.
     second.close().await.unwrap();
     assert_eq!(
@@ -176,6 +192,65 @@ async fn writer_lock_between_two_rados_clients() {
     ));
 }
 
+/// A writer whose lock went away without a close (here broken unfenced, as an expiry after a
+/// pause or a network cut leaves it) is fenced by the next writer before that one writes; a
+/// writer that closed is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_writer_fences_one_that_did_not_close() {
+    let Some(uri) = common::rados_uri("unclosed") else {
+        return;
+    };
+    let options = small_image();
+    Image::create(&uri, &options, PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let address = |holder: Option<ivdisk_store::Locker>| {
+        holder
+            .expect("held")
+            .address
+            .expect("RADOS names the holder's address")
+    };
+
+    // Closed: the next writer fences nothing.
+    let closed = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    let closed_at = address(Image::lock_holder(&uri).await.unwrap());
+    closed.close().await.unwrap();
+    let first = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        !common::ceph(&["osd", "blocklist", "ls"]).contains(&closed_at),
+        "a writer that closed was fenced"
+    );
+
+    // Gone without a close: fenced when the next writer takes the lock.
+    let first_at = address(Image::lock_holder(&uri).await.unwrap());
+    first.write(0, b"first").await.unwrap();
+    let broken = Image::break_lock(&uri, Fencing::Skip).await.unwrap();
+    assert_eq!(broken.expect("a holder").fenced_at, None);
+    assert!(!common::ceph(&["osd", "blocklist", "ls"]).contains(&first_at));
+    let second = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert!(
+        common::ceph(&["osd", "blocklist", "ls"]).contains(&first_at),
+        "the writer that did not close is not fenced"
+    );
+    assert_fenced(first.write(0, b"stale").await);
+    second.write(5, b"second").await.unwrap();
+    let mut buf = [0u8; 11];
+    second.read(0, &mut buf).await.unwrap();
+    assert_eq!(&buf, b"firstsecond");
+    first.close().await.unwrap();
+    second.close().await.unwrap();
+    Image::delete(&uri, |_, _| {}).await.unwrap();
+}
+
 /// Keyslot changes on RADOS while the image's writer runs on another client: each reads the
 /// header without the writer lock and stores one version-asserted operation; the writer goes
 /// on, and the image opens with the passphrases now in it.
@@ -184,13 +259,7 @@ async fn passphrases_change_while_the_writer_runs() {
     let Some(uri) = common::rados_uri("keys") else {
         return;
     };
-    let options = common::options(
-        1 << 20,
-        Suite::DEFAULT,
-        LayoutKind::OmapPacked,
-        4096,
-        64 << 10,
-    );
+    let options = small_image();
     let fast = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
     let writer = Image::create(&uri, &options, PASS).await.unwrap();
     writer.write(0, &[0x3c; 8192]).await.unwrap();
@@ -319,13 +388,7 @@ async fn a_reader_gives_up_while_a_removal_is_recorded() {
     let Some(uri) = common::rados_uri("removing") else {
         return;
     };
-    let options = common::options(
-        1 << 20,
-        Suite::DEFAULT,
-        LayoutKind::OmapPacked,
-        4096,
-        64 << 10,
-    );
+    let options = small_image();
     let writer = Image::create(&uri, &options, PASS).await.unwrap();
     let holder = Image::lock_holder(&uri).await.unwrap().expect("held");
     let header = ObjectName::new(header_object_name(uri.image_name())).unwrap();

@@ -829,6 +829,7 @@ impl ObjectStore for RadosStore {
                     .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO)),
                 cookie: l.cookie,
                 description: l.description,
+                address: l.address,
             })
             .collect())
     }
@@ -859,40 +860,21 @@ impl ObjectStore for RadosStore {
         }
     }
 
-    async fn fence_lock_holder(
-        &self,
-        object: &ObjectName,
-        lock: &str,
-        client: &str,
-        cookie: &str,
-    ) -> Result<Option<String>, StoreError> {
-        let holder = self
-            .raw_lockers(object, lock)
-            .await?
-            .into_iter()
-            .find(|l| l.entity_name() == client && l.cookie == cookie)
-            .ok_or_else(|| not_locked(object, lock, client, cookie))?;
-        let cannot = |address: &str, reason: String| StoreError::CannotFence {
-            holder: format!("{client} (at {address}), the holder of lock `{lock}` on `{object}`"),
+    async fn fence_client(&self, client: &str, address: &str) -> Result<bool, StoreError> {
+        let cannot = |reason: String| StoreError::CannotFence {
+            holder: format!("{client} (at {address})"),
             reason,
-        };
-        let Some(address) = holder.address else {
-            return Err(cannot(
-                "no address",
-                "the OSD recorded no IPv4 or IPv6 address for it".into(),
-            ));
         };
         if client == self.client {
             return Err(cannot(
-                &address,
                 "that is this client itself, which would cut itself off".into(),
             ));
         }
         let cluster = self.cluster.clone();
-        let target = address.clone();
+        let target = address.to_owned();
         // The expiry is the cluster's default (`mon_osd_blocklist_default_expire`, an hour), as
         // librbd's own lock breaking leaves it.
-        let fenced = blocking("blocklisting a lock holder", move || {
+        let fenced = blocking("blocklisting a client", move || {
             cluster.blocklist_add(&target, 0)?;
             // The new map reaches the OSDs with the next operation of any client that has it:
             // every later client (the next writer among them) fetches it when it connects.
@@ -900,20 +882,19 @@ impl ObjectStore for RadosStore {
         })
         .await?;
         match fenced {
-            Ok(()) => Ok(Some(address)),
-            Err(Errno(libc::EPERM | libc::EACCES)) => Err(cannot(
-                &address,
-                format!(
-                    "{} may not blocklist clients (it needs the monitor capability `allow \
-                     command \"osd blocklist\"`, which `profile rbd` grants)",
-                    self.user
-                ),
-            )),
-            Err(Errno(libc::EINVAL)) => Err(cannot(
-                &address,
-                "the monitors did not take that address".into(),
-            )),
-            Err(e) => Err(self.error(object, "blocklisting the lock holder of", e)),
+            Ok(()) => Ok(true),
+            Err(Errno(libc::EPERM | libc::EACCES)) => Err(cannot(format!(
+                "{} may not blocklist clients (it needs the monitor capability `allow command \
+                 \"osd blocklist\"`, which `profile rbd` grants)",
+                self.user
+            ))),
+            Err(Errno(libc::EINVAL)) => {
+                Err(cannot("the monitors did not take that address".into()))
+            }
+            Err(e) => Err(StoreError::Io {
+                context: format!("RADOS: blocklisting {client} at {address}"),
+                source: e.io_error(),
+            }),
         }
     }
 

@@ -4018,6 +4018,7 @@ impl Engine {
                     cookie: r.get(1)?,
                     description: r.get(2)?,
                     expires_in: expires.map(|e| Duration::from_millis((e - now).max(0) as u64)),
+                    address: None,
                 })
             })?
             .collect::<Result<_, _>>()?;

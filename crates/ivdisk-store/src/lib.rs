@@ -113,21 +113,15 @@ pub trait ObjectStore: Send + Sync {
         cookie: &str,
     ) -> Result<(), StoreError>;
 
-    /// Cut the client holding `lock` on `object` with `cookie` off from the store, so that
-    /// nothing it sends from now on is applied, and only then return: called before its lock
-    /// is broken, it keeps a holder that only seemed dead (hung, cut off by the network) from
-    /// writing beside the next one. `Ok(Some(address))`: the holder's client at `address` is
-    /// cut off. `Ok(None)`: this store needs no fencing (the local store's lock holders are
-    /// processes on this machine, which it tells apart itself) and keeps this default.
-    /// `NotLocked` when no such holder is listed; `CannotFence` when the store refuses.
-    async fn fence_lock_holder(
-        &self,
-        _object: &ObjectName,
-        _lock: &str,
-        _client: &str,
-        _cookie: &str,
-    ) -> Result<Option<String>, StoreError> {
-        Ok(None)
+    /// Cut `client`, at `address` (a [`Locker::address`]), off from the store, so that nothing
+    /// it sends from now on is applied, and only then return. Called before a lock is broken
+    /// or taken over from a holder that may still run (hung, cut off by the network), it
+    /// keeps that holder from writing beside the next one. `Ok(true)`: cut off. `Ok(false)`:
+    /// this store needs no fencing (the local store's lock holders are processes on this
+    /// machine, which it tells apart itself) and keeps this default. `CannotFence` when the
+    /// store refuses.
+    async fn fence_client(&self, _client: &str, _address: &str) -> Result<bool, StoreError> {
+        Ok(false)
     }
 
     /// Make every operation completed before this call durable.
@@ -202,7 +196,7 @@ pub trait ObjectStore: Send + Sync {
 /// ... }`; a store in another field names it after the type: `impl[] Newtype, 0 { ... }`.
 /// The provided methods (`distinguishes_holes`, `write_unit`, `merges_operations`)
 /// keep their defaults unless the braces define them; `lost_transactions`, `list_at`, `watch`,
-/// `notify` and `fence_lock_holder` are passed on.
+/// `notify` and `fence_client` are passed on.
 // `async_trait` rewrites the methods it sees before inner macros expand, so the macro emits the
 // whole impl (the wrapper's own methods first, then the forwarded ones) under the attribute.
 #[macro_export]
@@ -268,14 +262,12 @@ macro_rules! object_store_forwarding_to_inner {
         ) -> Result<(), $crate::StoreError> {
             self.$inner.break_lock(object, lock, client, cookie).await
         }
-        async fn fence_lock_holder(
+        async fn fence_client(
             &self,
-            object: &$crate::ObjectName,
-            lock: &str,
             client: &str,
-            cookie: &str,
-        ) -> Result<Option<String>, $crate::StoreError> {
-            self.$inner.fence_lock_holder(object, lock, client, cookie).await
+            address: &str,
+        ) -> Result<bool, $crate::StoreError> {
+            self.$inner.fence_client(client, address).await
         }
         async fn flush(&self) -> Result<(), $crate::StoreError> {
             self.$inner.flush().await

@@ -473,6 +473,9 @@ pub struct Locker {
     pub description: String,
     /// Time left before the lock expires by itself (`None`: held until unlocked or broken).
     pub expires_in: Option<Duration>,
+    /// Where the holder's client is, as [`crate::ObjectStore::fence_client`] takes it (RADOS:
+    /// `IP:PORT/NONCE`); `None` where the store has no such thing (local, memory).
+    pub address: Option<String>,
 }
 
 /// How to take an advisory exclusive lock.

@@ -61,6 +61,8 @@ pub fn lock_help() -> String {
          the monitor capability `osd blocklist` (`profile rbd` grants it); without it the \
          break is refused, and `--no-fence` breaks without fencing. Never break without \
          fencing the lock of a writer that still runs: two writers lose each other's \
+         writes. A writer that takes a lock which expired (its holder did not close: killed, \
+         or paused or cut off past the expiry) fences that holder the same way before it \
          writes.\n\nOn the local backend \
          a store directory is open for writing in one process at a time: while a writer runs \
          there, `lock break` and other writers fail, naming the process that has the store \
@@ -238,8 +240,8 @@ pub enum LockCommand {
     Status {
         #[arg(help = IMAGE_HELP)]
         image: String,
-        /// Print JSON: image, lock (null, or client, description, expires_in_secs, and
-        /// holder_gone for a local store).
+        /// Print JSON: image, lock (null, or client, address (RADOS, else null),
+        /// description, expires_in_secs, and holder_gone for a local store).
         #[arg(long)]
         json: bool,
     },
@@ -373,6 +375,7 @@ pub fn human_size(bytes: u64) -> String {
 fn locker_json(locker: &Locker) -> Value {
     json!({
         "client": locker.client,
+        "address": locker.address,
         "description": locker.description,
         "expires_in_secs": locker.expires_in.map(|d| d.as_secs()),
     })
@@ -407,6 +410,9 @@ fn lock_report(uri: &ImageUri, holder: Option<&Locker>) -> Result<(Value, String
 
 fn describe_locker(locker: &Locker) -> String {
     let mut text = format!("client {}", locker.client);
+    if let Some(address) = &locker.address {
+        text.push_str(&format!(" at {address}"));
+    }
     if !locker.description.is_empty() {
         text.push_str(&format!(" ({})", locker.description));
     }

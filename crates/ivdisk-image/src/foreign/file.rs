@@ -559,6 +559,7 @@ impl ObjectStore for LuksFileStore {
                 cookie: h.cookie.clone(),
                 description: h.description.clone(),
                 expires_in: None,
+                address: None,
             }]);
         }
         Ok(self
@@ -571,6 +572,7 @@ impl ObjectStore for LuksFileStore {
                     self.path.display()
                 ),
                 expires_in: None,
+                address: None,
             })
             .into_iter()
             .collect())
