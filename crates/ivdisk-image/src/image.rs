@@ -982,7 +982,9 @@ impl Image {
     /// [`LOCK_HELD_MARGIN`], found without a passphrase (`ivdisk serve` asks for one only
     /// after this). Other images pass: a local store names the process that has it open
     /// itself (`LocalStore::writing_process`), a LUKS file's flock is found by the open, and
-    /// a lock about to expire is left to the open, which takes it once it has.
+    /// a lock about to expire is left to the open, which takes it once it has. A holder that
+    /// does not answer within 5 s (killed, paused) is fenced and its lock broken instead
+    /// (`writer_lock::take_over_if_silent`).
     pub async fn refuse_if_write_locked(uri: &ImageUri) -> Result<(), ImageError> {
         if !matches!(uri, ImageUri::Rados { .. }) {
             return Ok(());
@@ -996,6 +998,13 @@ impl Image {
             .is_some_and(|left| left < LOCK_HELD_MARGIN)
         {
             return Ok(());
+        }
+        // A holder that does not answer is fenced and its lock taken away here, so the open
+        // finds it free (and does not ask a second time).
+        if let Ok((image, store, object)) = existing_header_object(uri, false).await {
+            if writer_lock::take_over_if_silent(store.as_ref(), &object, &locker, &image).await {
+                return Ok(());
+            }
         }
         Err(ImageError::Locked {
             image: uri.to_string(),

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ivdisk_store::{
-    LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError,
+    LockRequest, Locker, ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, StoreError, Watch,
     WriteOp, WriteStep,
 };
 
@@ -34,6 +34,88 @@ pub(crate) const LAST_WRITER_KEY: &[u8] = b"ivdisk.last_writer";
 /// one is fenced before the next one writes, as librbd fences a lock owner that stopped
 /// answering.
 pub(crate) const LAST_WRITER_CLIENT_KEY: &[u8] = b"ivdisk.last_writer_client";
+/// First word of a writer's answer to a notify on its header object (readers answer with
+/// their own tag, see readers.rs).
+const WRITER_REPLY_TAG: &str = "ivdisk-writer";
+/// How long an open that finds the lock held waits for its holder to answer: a live writer
+/// answers in milliseconds (librados answers from its own thread).
+const HOLDER_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Take the lock of a holder that does not answer, as librbd takes an exclusive lock from an
+/// owner that stopped answering: fence it, then break its lock, so the caller can take it at
+/// once instead of waiting up to the lock's duration for the expiry. Only for a writer that
+/// records itself ([`LAST_WRITER_CLIENT_KEY`] names its client) and so watches the header
+/// (registered before the record is written): asked through a notify, a live one answers. One
+/// that does not (killed, crashed, paused, cut off from the cluster) is fenced: even if it
+/// runs again, nothing it sends is applied. `true` when the lock was taken from it.
+pub(crate) async fn take_over_if_silent(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    holder: &Locker,
+    image: &str,
+) -> bool {
+    let Some(address) = &holder.address else {
+        return false;
+    };
+    let recorded = recorded_writer(store, object).await;
+    if recorded
+        .as_deref()
+        .and_then(|r| r.split_once(' '))
+        .map(|(c, _)| c)
+        != Some(holder.client.as_str())
+    {
+        return false;
+    }
+    let answers = match store.notify(object, HOLDER_ANSWER_TIMEOUT).await {
+        Ok(answers) => answers,
+        Err(e) => {
+            tracing::debug!(image, error = %e, "could not ask the writer lock's holder");
+            return false;
+        }
+    };
+    if answers
+        .replies
+        .iter()
+        .any(|(client, _)| *client == holder.client)
+    {
+        return false;
+    }
+    match store.fence_client(&holder.client, address).await {
+        Ok(true) => {}
+        Ok(false) => return false,
+        Err(e) => {
+            tracing::warn!(
+                image,
+                error = %e,
+                "the writer lock's holder does not answer, but cannot be fenced: waiting for \
+                 its lock to expire"
+            );
+            return false;
+        }
+    }
+    forget_fenced_writer(store, object, &holder.client).await;
+    match store
+        .break_lock(object, WRITER_LOCK, &holder.client, &holder.cookie)
+        .await
+    {
+        Ok(()) | Err(StoreError::NotLocked { .. }) => {
+            tracing::warn!(
+                image,
+                client = %holder.client,
+                %address,
+                description = %holder.description,
+                "the writer lock's holder did not answer within {} s; fenced it (blocklisted) \
+                 and took its lock",
+                HOLDER_ANSWER_TIMEOUT.as_secs()
+            );
+            true
+        }
+        Err(e) => {
+            tracing::warn!(image, error = %e, "breaking the lock of a fenced holder");
+            false
+        }
+    }
+}
 
 /// Whether taking the lock records its holder in the header object's omap (see
 /// [`LAST_WRITER_KEY`]). Without the record a lock that expired is lost for good: there is no
@@ -54,6 +136,8 @@ pub(crate) struct WriterLock {
     /// Whether this writer recorded itself in the header object (and takes its
     /// [`LAST_WRITER_CLIENT_KEY`] away again when it closes).
     record: HolderRecord,
+    /// The header object's watch that answers openers that find the lock held (RADOS).
+    _watch: Option<Watch>,
     stop: Option<mpsc::Sender<()>>,
     renewer: Option<JoinHandle<()>>,
     /// Why writes are refused, while they are (for good once the lock is lost, until the next
@@ -310,7 +394,15 @@ impl WriterLock {
             duration: Some(duration),
             renew: false,
         };
-        match store.lock_exclusive(&object, request.clone()).await {
+        let mut taken = store.lock_exclusive(&object, request.clone()).await;
+        if matches!(taken, Err(StoreError::Busy { .. })) && record == HolderRecord::Keep {
+            if let Ok(Some(locker)) = holder(store.as_ref(), &object).await {
+                if take_over_if_silent(store.as_ref(), &object, &locker, image).await {
+                    taken = store.lock_exclusive(&object, request.clone()).await;
+                }
+            }
+        }
+        match taken {
             Ok(()) => {}
             Err(StoreError::Busy { holder: h, .. }) => {
                 let locker = holder(store.as_ref(), &object).await.ok().flatten();
@@ -324,8 +416,19 @@ impl WriterLock {
             Err(e) => return Err(ImageError::store(image)(e)),
         }
         let mut record = record;
+        let mut watch = None;
         if record == HolderRecord::Keep {
             fence_an_unclosed_writer(store.as_ref(), &object, image).await;
+            // Answering the next opener's notify (`take_over_if_silent`), registered before
+            // the record that lets that opener take the lock from a writer that is silent.
+            let reply = format!("{WRITER_REPLY_TAG} {cookie}").into_bytes();
+            match store.watch(&object, reply).await {
+                Ok(registered) => watch = registered,
+                Err(e) => {
+                    let _ = store.unlock(&object, WRITER_LOCK, &cookie).await;
+                    return Err(ImageError::store(image)(e));
+                }
+            }
             // Where this writer runs, as the store lists it (the address the next writer
             // would fence).
             let own = store
@@ -402,6 +505,7 @@ impl WriterLock {
             object,
             cookie,
             record,
+            _watch: watch,
             stop: Some(stop),
             renewer: Some(renewer),
             lost,

@@ -715,7 +715,8 @@ impl WatchContext {
     }
 
     /// After librados reported registration `lost` gone: unregister it and register anew,
-    /// retrying every second while the OSDs do not take it, until the `Watch` is dropped.
+    /// retrying every second while the OSDs do not take it, until the `Watch` is dropped or
+    /// the client is found fenced.
     fn reregister(self: Arc<Self>, lost: u64) {
         let mut expected = lost;
         let mut failures = 0u32;
@@ -735,6 +736,14 @@ impl WatchContext {
                     Ok(cookie) => {
                         state.cookie = cookie;
                         tracing::warn!(lost, cookie, "a lost RADOS watch is registered again");
+                        return;
+                    }
+                    // EBLOCKLISTED: this client was fenced, for good; nothing to retry.
+                    Err(Errno(libc::ESHUTDOWN)) => {
+                        tracing::warn!(
+                            "a lost RADOS watch is not registered again: this client was fenced \
+                             (blocklisted)"
+                        );
                         return;
                     }
                     Err(e) => {

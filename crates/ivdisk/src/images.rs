@@ -51,7 +51,7 @@ pub fn layouts_help() -> String {
 /// Help of `ivdisk lock`: when to break a lock.
 pub fn lock_help() -> String {
     format!(
-        "Opening an image for writing (ivdisk resize, and later ivdisk serve) takes its writer \
+        "Opening an image for writing (ivdisk serve, resize, restore...) takes its writer \
          lock: one writer per image. The writer renews the lock while it runs; a lock that is not \
          renewed expires by itself after {} s. `lock break` is for a writer that died (killed, \
          crashed, host down) when you cannot wait for the expiry.\n\nOn RADOS, `lock break` \
@@ -61,9 +61,10 @@ pub fn lock_help() -> String {
          the monitor capability `osd blocklist` (`profile rbd` grants it); without it the \
          break is refused, and `--no-fence` breaks without fencing. Never break without \
          fencing the lock of a writer that still runs: two writers lose each other's \
-         writes. A writer that takes a lock which expired (its holder did not close: killed, \
-         or paused or cut off past the expiry) fences that holder the same way before it \
-         writes.\n\nOn the local backend \
+         writes. A writer that opens an image whose lock holder does not answer within 5 s \
+         (killed, paused, cut off from the cluster) fences that holder the same way and takes \
+         its lock, without waiting for the expiry; so does one that takes a lock which expired \
+         without its holder closing.\n\nOn the local backend \
          a store directory is open for writing in one process at a time: while a writer runs \
          there, `lock break` and other writers fail, naming the process that has the store \
          open; `lock status` and `info` work beside it, and `lock status` says when the \

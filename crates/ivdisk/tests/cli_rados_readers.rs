@@ -362,58 +362,75 @@ fn a_break_that_cannot_fence_is_refused_and_names_no_fence() {
     drop(writer);
 }
 
-/// A writer paused past its lock's expiry (as a VM host or a stopped container pauses one)
-/// is fenced by the next writer, which takes the expired lock: once it runs again, nothing it
-/// sends is applied (without fencing, its writes went on until its renewal noticed).
+/// A writer that does not answer (paused, as a VM host or a stopped container pauses one, or
+/// killed) is fenced by the next writer, which takes its lock at once instead of waiting for
+/// the expiry: once the paused one runs again, nothing it sends is applied.
 #[test]
-fn a_writer_paused_past_its_lock_is_fenced_by_the_next() {
+fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
     let Some(pool) = pool() else {
         return;
     };
     let f = Fixture::new();
-    let image = format!("rados://{pool}/paused-{}", std::process::id());
+    let image = format!("rados://{pool}/silent-{}", std::process::id());
     let _cleanup = create(&f, &image);
-    let (first_sock, second_sock) = (f.path("first.sock"), f.path("second.sock"));
-    let mut first = serve(&f, &image, "first.sock", &[]);
-    let wrote = qemu_io(&first_sock, "write -P 0xaa 0 64k");
-    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
-    let status = json(&["lock", "status", &image]);
-    let first_at = status["lock"]["address"]
-        .as_str()
-        .expect("an address")
-        .to_owned();
+    let socket = |name: &str| f.path(name);
+    let holder_at = || {
+        let status = json(&["lock", "status", &image]);
+        status["lock"]["address"]
+            .as_str()
+            .expect("an address")
+            .to_owned()
+    };
 
-    signal(&first.0, "-STOP");
-    let waited = std::time::Instant::now();
-    while !json(&["lock", "status", &image])["lock"].is_null() {
-        assert!(
-            waited.elapsed() < Duration::from_secs(60),
-            "the paused writer's lock did not expire"
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    }
-    let second = serve(&f, &image, "second.sock", &[]);
+    let mut paused = serve(&f, &image, "paused.sock", &[]);
+    let wrote = qemu_io(&socket("paused.sock"), "write -P 0xaa 0 64k");
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+    let paused_at = holder_at();
+    signal(&paused.0, "-STOP");
+    let started = std::time::Instant::now();
+    let mut next = serve(&f, &image, "next.sock", &[]);
+    let took = started.elapsed();
     assert!(
-        blocklist().contains(&first_at),
-        "{first_at}: {}",
+        took < Duration::from_secs(20),
+        "took {took:?}, as if waiting for the 30 s expiry"
+    );
+    assert!(
+        blocklist().contains(&paused_at),
+        "{paused_at}: {}",
         blocklist()
     );
-    signal(&first.0, "-CONT");
-    let refused = qemu_io(&first_sock, "write -P 0xcc 0 64k");
+    signal(&paused.0, "-CONT");
+    let refused = qemu_io(&socket("paused.sock"), "write -P 0xcc 0 64k");
     assert!(
         refused.contains("write failed"),
         "the paused writer: {refused}"
     );
-    let wrote = qemu_io(&second_sock, "write -P 0xbb 64k 64k");
+    let wrote = qemu_io(&socket("next.sock"), "write -P 0xbb 64k 64k");
     assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
     for command in ["read -P 0xaa 0 64k", "read -P 0xbb 64k 64k"] {
-        let read = qemu_io(&second_sock, command);
+        let read = qemu_io(&socket("next.sock"), command);
         assert!(
             read.contains("read 65536/65536") && !read.contains("verification failed"),
             "{command}: {read}"
         );
     }
-    signal(&first.0, "-TERM");
-    assert!(first.0.wait().unwrap().success());
-    drop(second);
+    signal(&paused.0, "-TERM");
+    assert!(paused.0.wait().unwrap().success());
+
+    // Killed: the same, and what it acknowledged stays.
+    let killed_at = holder_at();
+    signal(&next.0, "-KILL");
+    let _ = next.0.wait();
+    let last = serve(&f, &image, "last.sock", &[]);
+    assert!(
+        blocklist().contains(&killed_at),
+        "{killed_at}: {}",
+        blocklist()
+    );
+    let read = qemu_io(&socket("last.sock"), "read -P 0xbb 64k 64k");
+    assert!(
+        read.contains("read 65536/65536") && !read.contains("verification failed"),
+        "{read}"
+    );
+    drop(last);
 }
