@@ -424,19 +424,26 @@ impl WriterLock {
             let reply = format!("{WRITER_REPLY_TAG} {cookie}").into_bytes();
             match store.watch(&object, reply).await {
                 Ok(registered) => watch = registered,
-                Err(e) => {
-                    let _ = store.unlock(&object, WRITER_LOCK, &cookie).await;
-                    return Err(ImageError::store(image)(e));
-                }
+                // Without a watch this writer could not answer, so it must not record itself
+                // (the record is what lets a next opener take a silent holder's lock): it is
+                // then left to its lock's expiry, as before fencing.
+                Err(e) => tracing::warn!(
+                    image,
+                    error = %e,
+                    "cannot watch the image's header: a writer that finds this one's lock will                      wait for its expiry"
+                ),
             }
             // Where this writer runs, as the store lists it (the address the next writer
-            // would fence).
-            let own = store
-                .list_lockers(&object, WRITER_LOCK)
-                .await
-                .ok()
-                .and_then(|lockers| lockers.into_iter().find(|l| l.cookie == cookie))
-                .and_then(|l| l.address.map(|address| format!("{} {address}", l.client)));
+            // would fence), recorded only if it answers.
+            let own = match watch.is_some() {
+                true => store
+                    .list_lockers(&object, WRITER_LOCK)
+                    .await
+                    .ok()
+                    .and_then(|lockers| lockers.into_iter().find(|l| l.cookie == cookie))
+                    .and_then(|l| l.address.map(|address| format!("{} {address}", l.client))),
+                false => None,
+            };
             let mut op = WriteOp::new()
                 .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
             op = match own {
