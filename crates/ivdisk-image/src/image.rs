@@ -1041,7 +1041,7 @@ impl Image {
                 let fenced = store.fence_client(&holder.client, address).await;
                 match fenced.map_err(ImageError::store(&image))? {
                     true => {
-                        writer_lock::forget_fenced_writer(store.as_ref(), &object, &holder.client)
+                        writer_lock::remove_writer_record(store.as_ref(), &object, &holder.client)
                             .await;
                         Some(address.clone())
                     }

@@ -93,7 +93,7 @@ pub(crate) async fn take_over_if_silent(
             return false;
         }
     }
-    forget_fenced_writer(store, object, &holder.client).await;
+    remove_writer_record(store, object, &holder.client).await;
     match store
         .break_lock(object, WRITER_LOCK, &holder.client, &holder.cookie)
         .await
@@ -342,9 +342,11 @@ async fn recorded_writer(store: &dyn ObjectStore, object: &ObjectName) -> Option
     }
 }
 
-/// After `client` was fenced and before its lock is broken (so no new writer has recorded
-/// itself yet): take its record away, so the next writer does not fence it a second time.
-pub(crate) async fn forget_fenced_writer(
+/// Take `client`'s [`LAST_WRITER_CLIENT_KEY`] record away, if it is still `client`'s (read
+/// first, so that a writer whose lock was broken unfenced does not remove its successor's):
+/// by a writer that closes, and after `client` was fenced and before its lock is broken (so
+/// the next writer does not fence it a second time).
+pub(crate) async fn remove_writer_record(
     store: &dyn ObjectStore,
     object: &ObjectName,
     client: &str,
@@ -357,7 +359,7 @@ pub(crate) async fn forget_fenced_writer(
             LAST_WRITER_CLIENT_KEY.to_vec()
         ]));
         if let Err(e) = store.write_op(object, op).await {
-            tracing::debug!(error = %e, "could not remove the fenced writer's record");
+            tracing::debug!(error = %e, client, "could not remove a writer's record");
         }
     }
 }
@@ -569,12 +571,8 @@ impl WriterLock {
         if self.record == HolderRecord::Keep && self.lost().is_none() {
             // Closed: the next writer has nothing to fence. Best effort: left behind, it costs
             // the next writer a fencing of a client that is gone.
-            let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![
-                LAST_WRITER_CLIENT_KEY.to_vec()
-            ]));
-            if let Err(e) = self.store.write_op(&self.object, op).await {
-                tracing::debug!(error = %e, "could not mark the writer lock's holder closed");
-            }
+            let client = self.store.client_id().to_owned();
+            remove_writer_record(self.store.as_ref(), &self.object, &client).await;
         }
         let result = self
             .store
