@@ -51,16 +51,19 @@ pub enum StoreError {
         cookie: String,
     },
 
-    /// `fence_lock_holder` was refused; `holder` names the client, where it is, and its lock.
+    /// [`crate::ObjectStore::fence_client`] was refused; `holder` names the client and where
+    /// it is.
     #[error("cannot fence {holder}: {reason}")]
     CannotFence { holder: String, reason: String },
 
     /// This client was cut off from the store (RADOS: blocklisted), as another client does
-    /// before it breaks this one's lock: nothing it sends is applied any more, for good.
+    /// before it breaks or takes this one's lock: nothing it sends is applied any more, for
+    /// good.
     #[error(
-        "{context}: this client was fenced off the store (blocklisted, as `ivdisk lock break` \
-         does to a writer before it breaks its lock); nothing it sends is applied any more: stop \
-         it, and open the image anew once the lock is free"
+        "{context}: this client was fenced off the store (blocklisted: `ivdisk lock break` \
+         does that to a writer before it breaks its lock, and the next writer to one that did \
+         not answer it); nothing it sends is applied any more: stop it, and open the image anew \
+         once the lock is free"
     )]
     Fenced { context: String },
 
