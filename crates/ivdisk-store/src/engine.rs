@@ -2655,6 +2655,7 @@ impl Engine {
         }
         // Held extents and SQLite's rows that no held change replaces are each a set of
         // extents referencing disjoint bytes (blobs), so each is walked down on its own.
+        self.extents.borrow_mut().settle_partial();
         let extents = self.extents.borrow();
         for (start, len, blob_end) in extents.partial_below(seg, to) {
             if start + len > from {
