@@ -151,37 +151,6 @@ impl OverlayValue for HeldExtent {
     }
 }
 
-/// `map`'s entries with `changes` (sorted, one per place; `None` removes) applied, in order.
-fn merge_changes<V>(
-    map: BTreeMap<PartialPlace, V>,
-    changes: impl Iterator<Item = (PartialPlace, Option<V>)>,
-) -> impl Iterator<Item = (PartialPlace, V)> {
-    let mut entries = map.into_iter().peekable();
-    let mut changes = changes.peekable();
-    std::iter::from_fn(move || loop {
-        let at = entries.peek().map(|(place, _)| *place);
-        let changed = changes.peek().map(|(place, _)| *place);
-        let take_entry = match (at, changed) {
-            (None, None) => return None,
-            (Some(_), None) => true,
-            (None, Some(_)) => false,
-            (Some(at), Some(changed)) => {
-                if at == changed {
-                    // Replaced or removed by the change.
-                    entries.next();
-                }
-                at < changed
-            }
-        };
-        if take_entry {
-            return entries.next();
-        }
-        if let Some((place, Some(value))) = changes.next() {
-            return Some((place, value));
-        }
-    })
-}
-
 /// Where a segment extent `[lo, hi)` that does not cover whole blocks is, for `partial`.
 fn partial_place(node: i64, lo: u64, hi: u64, stored: &Stored) -> Option<PartialPlace> {
     match stored {
@@ -228,8 +197,8 @@ impl HeldExtents {
 
     /// Apply `partial_log` to `partial`: sorted by place (stably, so that the last change of
     /// a place is the one that stands), each place once. A batch that is large against the
-    /// map is merged with it into a new one in one pass (a descent per change would find most
-    /// leaves out of the CPU's caches); a small one is applied change by change.
+    /// map is applied in one walk through it (a descent per change would find most leaves out
+    /// of the CPU's caches); a small one change by change.
     pub(crate) fn settle_partial(&mut self) {
         if self.partial_log.is_empty() {
             return;
@@ -246,8 +215,31 @@ impl HeldExtents {
         }
         log.truncate(kept);
         if log.len() * 16 >= self.partial.len() {
-            let old = std::mem::take(&mut self.partial);
-            self.partial = merge_changes(old, log.drain(..)).collect();
+            // One walk through the map in place order beside the sorted changes: each of its
+            // entries changed where it is; the new places inserted after, in order.
+            let mut changes = log.drain(..).peekable();
+            let mut inserts = Vec::new();
+            self.partial.retain(|place, value| {
+                while let Some(&(changed, entry)) = changes.peek() {
+                    if changed > *place {
+                        break;
+                    }
+                    changes.next();
+                    if changed == *place {
+                        return match entry {
+                            Some(entry) => {
+                                *value = entry;
+                                true
+                            }
+                            None => false,
+                        };
+                    }
+                    inserts.extend(entry.map(|entry| (changed, entry)));
+                }
+                true
+            });
+            inserts.extend(changes.filter_map(|(place, entry)| Some((place, entry?))));
+            self.partial.extend(inserts);
         } else {
             for (place, entry) in log.drain(..) {
                 match entry {
@@ -546,7 +538,7 @@ mod tests {
                     held.put(node, lo, Some((lo + len, seg(place.0, place.1, len))));
                 }
             }
-            // Large batches are merged into the map, small ones applied one by one: both,
+            // Large batches are applied in one walk through the map, small ones one by one: both,
             // besides those `PARTIAL_LOG_MAX` settles.
             if round % 10_007 == 0 || (round % 2 == 1 && round % 13 == 0) {
                 held.settle_partial();
