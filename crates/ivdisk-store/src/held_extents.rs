@@ -65,7 +65,7 @@ pub(crate) struct HeldExtents {
 type PartialPlace = (u32, u64, i64);
 
 /// Changes to `partial` past which they are applied even if no one reads it (between
-/// transactions that free nothing, the log would otherwise only grow): about 10 MB.
+/// transactions that free nothing, the log would otherwise only grow): about 12 MB.
 const PARTIAL_LOG_MAX: usize = 256 << 10;
 
 /// Byte length of an encoded segment extent: `hi`, `seg`, `seg_off`, `blob`, `blob_end`.
@@ -276,6 +276,18 @@ impl HeldExtents {
     /// Whether some change of `node` is held.
     pub(crate) fn holds_node(&self, node: i64) -> bool {
         self.overlay.holds_node(node)
+    }
+
+    /// Apply `partial_log` and give its buffer back (the store is idle: see
+    /// `Engine::release_idle_memory`).
+    pub(crate) fn release_idle_memory(&mut self) {
+        self.settle_partial();
+        self.partial_log = Vec::new();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn partial_log_capacity(&self) -> usize {
+        self.partial_log.capacity()
     }
 
     /// Held segment extents of `segment` that do not cover whole blocks and start below
