@@ -4918,7 +4918,9 @@ mod tests {
         // Partial segment extents: their places wait in the held extents' log.
         for name in ["partial-1", "partial-2"] {
             let op = WriteOp::new().write(0, vec![1; 6000]);
-            engine.apply_write(&ObjectName::new(name).unwrap(), &op).unwrap();
+            engine
+                .apply_write(&ObjectName::new(name).unwrap(), &op)
+                .unwrap();
         }
         engine.commit(false);
         assert!(engine.extents.borrow().partial_log_capacity() > 0);
