@@ -27,7 +27,7 @@ use futures_channel::oneshot;
 use rusqlite::{config::DbConfig, params, Connection, OptionalExtension};
 
 use crate::held_extents::{ExtentWriteBack, Held, HeldExtents};
-use crate::omap_overlay::{Lookup, OmapOverlay, WriteBack};
+use crate::omap_overlay::{Lookup, OmapKey, OmapOverlay, WriteBack};
 use crate::{
     check_range, Extent, LockRequest, Locker, ObjectName, OmapPairs, ReadOp, ReadResult, ReadStep,
     SnapContext, SnapId, Stat, StoreError, WriteOp, WriteOutcome, WriteStep,
@@ -1293,8 +1293,8 @@ impl Engine {
             .prepare_cached("DELETE FROM omap WHERE node = ?1 AND key = ?2")?;
         for ((node, key), value) in changes {
             match value {
-                Some(value) => set.execute(params![node, key, value])?,
-                None => remove.execute(params![node, key])?,
+                Some(value) => set.execute(params![node, key.as_bytes(), value])?,
+                None => remove.execute(params![node, key.as_bytes()])?,
             };
         }
         Ok(())
@@ -2274,7 +2274,8 @@ impl Engine {
     /// to the kernel (`ffi_heap`). Why: an idle `ivdisk serve` kept hundreds of MB resident
     /// for as long as it ran, per image. The next writes read their pages back from the page
     /// cache of the database file (docs/BENCHMARKS.md, "Memory given back when idle"). The
-    /// held extents' log of partial-index changes goes too (up to 12 MB).
+    /// held extents' partial index gives back its log of changes (up to 10 MB) and its spare
+    /// vector (as large as the index) too.
     fn release_idle_memory(&mut self) {
         self.extents.get_mut().release_idle_memory();
         if let Err(e) = self.db.execute_batch("PRAGMA shrink_memory") {
@@ -3534,7 +3535,7 @@ impl Engine {
                     let node = h.id;
                     let mut omap = self.omap.borrow_mut();
                     for (key, value) in pairs {
-                        omap.set(node, key.to_vec(), value.to_vec());
+                        omap.set(node, OmapKey::new(key), value.to_vec());
                     }
                     changed = true;
                 }
@@ -3542,7 +3543,7 @@ impl Engine {
                     let h = head.as_ref().ok_or_else(|| not_found(object))?;
                     let mut omap = self.omap.borrow_mut();
                     for key in keys {
-                        omap.remove(h.id, key.to_vec());
+                        omap.remove(h.id, OmapKey::new(key));
                     }
                     changed = true;
                 }
@@ -4923,7 +4924,7 @@ mod tests {
                 .unwrap();
         }
         engine.commit(false);
-        assert!(engine.extents.borrow().partial_log_capacity() > 0);
+        assert!(engine.extents.borrow().partial_reserve_capacity() > 0);
         engine.write_back_omap().unwrap();
         engine.commit(false);
         let full = crate::ffi_heap::sqlite_cache_used(&engine.db);
@@ -4944,7 +4945,7 @@ mod tests {
             idle < full / 16,
             "{idle} bytes cached after compaction, {full} before"
         );
-        assert_eq!(engine.extents.borrow().partial_log_capacity(), 0);
+        assert_eq!(engine.extents.borrow().partial_reserve_capacity(), 0);
 
         // The store reads on as before, from the file.
         let object = ObjectName::new("o7").unwrap();

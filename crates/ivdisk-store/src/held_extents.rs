@@ -16,11 +16,10 @@
 //! `partial_block_by_place` is to the table: where the held segment extents that do not
 //! cover whole blocks are, for `Engine::referenced`.
 
-use std::collections::BTreeMap;
-
 use crate::engine::{Piece, Stored, BLOCK, INLINE_SEG};
 use crate::error::StoreError;
 use crate::omap_overlay::{damaged_row, Lookup, Overlay, OverlayKey, OverlayValue, WriteBack};
+use crate::partial_index::{PartialIndex, PartialPlace};
 
 /// What the overlay knows of the extent starting at some offset.
 #[derive(Debug, Clone)]
@@ -48,25 +47,10 @@ pub(crate) struct HeldExtents {
     /// Keyed by the extent's start.
     overlay: Overlay<u64, HeldExtent>,
     /// Held segment extents that do not cover whole blocks: (segment, offset, node) ->
-    /// (length, blob end). Behind by the changes in `partial_log`.
-    partial: BTreeMap<PartialPlace, (u64, u64)>,
-    /// Changes to `partial` not applied yet, oldest first (`None` removes the place).
-    ///
-    /// Why: a put that replaces a partial extent removes its place from `partial`, a place
-    /// written long ago, so the removal descends to a leaf that is not in the CPU's caches:
-    /// 14% of the store worker's time in 4 KiB store writes (docs/BENCHMARKS.md, "The
-    /// partial-block index changed in batches"). `partial` is read only between transactions
-    /// (`partial_below`, for the widening of dead ranges at a durable commit), so its changes
-    /// wait in this log and are applied then, sorted by place, in one pass through the map.
-    partial_log: Vec<(PartialPlace, Option<(u64, u64)>)>,
+    /// (length, blob end). Read only between transactions (`partial_below`), after
+    /// `settle_partial`.
+    partial: PartialIndex,
 }
-
-/// Where a segment extent that does not cover whole blocks is: segment, offset, node.
-type PartialPlace = (u32, u64, i64);
-
-/// Changes to `partial` past which they are applied even if no one reads it (between
-/// transactions that free nothing, the log would otherwise only grow): about 12 MB.
-const PARTIAL_LOG_MAX: usize = 256 << 10;
 
 /// Byte length of an encoded segment extent: `hi`, `seg`, `seg_off`, `blob`, `blob_end`.
 const SEGMENT_VALUE: usize = 40;
@@ -187,70 +171,14 @@ impl HeldExtents {
         }
     }
 
-    /// Set (`Some`) or remove a place of `partial`, through `partial_log`.
+    /// Set (`Some`) or remove a place of `partial`.
     fn change_partial(&mut self, place: PartialPlace, entry: Option<(u64, u64)>) {
-        self.partial_log.push((place, entry));
-        if self.partial_log.len() >= PARTIAL_LOG_MAX {
-            self.settle_partial();
-        }
+        self.partial.change(place, entry);
     }
 
-    /// Apply `partial_log` to `partial`: sorted by place (stably, so that the last change of
-    /// a place is the one that stands), each place once. A batch that is large against the
-    /// map is applied in one walk through it (a descent per change would find most leaves out
-    /// of the CPU's caches); a small one change by change.
+    /// Make the changes to `partial` so far visible to `partial_below`.
     pub(crate) fn settle_partial(&mut self) {
-        if self.partial_log.is_empty() {
-            return;
-        }
-        let log = &mut self.partial_log;
-        log.sort_by_key(|(place, _)| *place);
-        let mut kept = 0;
-        for i in 0..log.len() {
-            if log.get(i + 1).is_some_and(|(next, _)| *next == log[i].0) {
-                continue;
-            }
-            log[kept] = log[i];
-            kept += 1;
-        }
-        log.truncate(kept);
-        if log.len() * 16 >= self.partial.len() {
-            // One walk through the map in place order beside the sorted changes: each of its
-            // entries changed where it is; the new places inserted after, in order.
-            let mut changes = log.drain(..).peekable();
-            let mut inserts = Vec::new();
-            self.partial.retain(|place, value| {
-                while let Some(&(changed, entry)) = changes.peek() {
-                    if changed > *place {
-                        break;
-                    }
-                    changes.next();
-                    if changed == *place {
-                        return match entry {
-                            Some(entry) => {
-                                *value = entry;
-                                true
-                            }
-                            None => false,
-                        };
-                    }
-                    inserts.extend(entry.map(|entry| (changed, entry)));
-                }
-                true
-            });
-            inserts.extend(changes.filter_map(|(place, entry)| Some((place, entry?))));
-            self.partial.extend(inserts);
-        } else {
-            for (place, entry) in log.drain(..) {
-                match entry {
-                    Some(entry) => self.partial.insert(place, entry),
-                    None => self.partial.remove(&place),
-                };
-            }
-        }
-        if self.partial_log.capacity() > 2 * PARTIAL_LOG_MAX {
-            self.partial_log = Vec::new();
-        }
+        self.partial.settle();
     }
 
     pub(crate) fn get(&self, node: i64, lo: u64) -> Held {
@@ -278,16 +206,15 @@ impl HeldExtents {
         self.overlay.holds_node(node)
     }
 
-    /// Apply `partial_log` and give its buffer back (the store is idle: see
-    /// `Engine::release_idle_memory`).
+    /// Settle `partial` and give back what it holds besides its places (the store is idle:
+    /// see `Engine::release_idle_memory`).
     pub(crate) fn release_idle_memory(&mut self) {
-        self.settle_partial();
-        self.partial_log = Vec::new();
+        self.partial.release_idle_memory();
     }
 
     #[cfg(test)]
-    pub(crate) fn partial_log_capacity(&self) -> usize {
-        self.partial_log.capacity()
+    pub(crate) fn partial_reserve_capacity(&self) -> usize {
+        self.partial.reserve_capacity()
     }
 
     /// Held segment extents of `segment` that do not cover whole blocks and start below
@@ -298,14 +225,7 @@ impl HeldExtents {
         segment: u32,
         to: u64,
     ) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        debug_assert!(
-            self.partial_log.is_empty(),
-            "partial_below before settle_partial"
-        );
-        self.partial
-            .range((segment, 0, i64::MIN)..(segment, to, i64::MIN))
-            .rev()
-            .map(|(&(_, start, _), &(len, blob_end))| (start, len, blob_end))
+        self.partial.below(segment, to)
     }
 
     fn written_back(&mut self, changes: Vec<WriteBack<u64, HeldExtent>>) -> Vec<ExtentWriteBack> {
@@ -340,7 +260,6 @@ impl HeldExtents {
         let all = self.overlay.take_all();
         let written_back = self.written_back(all);
         self.partial.clear();
-        self.partial_log.clear();
         written_back
     }
 
@@ -371,7 +290,6 @@ impl HeldExtents {
     pub(crate) fn clear(&mut self) {
         self.overlay.clear();
         self.partial.clear();
-        self.partial_log.clear();
     }
 
     /// Replay `extents_pending` row number `seq` (rows oldest first); `index_places` after the
@@ -382,19 +300,14 @@ impl HeldExtents {
 
     /// Rebuild `partial` from the held changes (after replaying rows).
     pub(crate) fn index_places(&mut self) {
-        let mut partial = BTreeMap::new();
-        for (node, &lo, extent) in self.overlay.iter() {
-            let Some(HeldExtent { hi, stored }) = extent else {
-                continue;
-            };
-            if let (Some(place), Stored::Segment(p)) =
-                (partial_place(node, lo, *hi, stored), stored)
-            {
-                partial.insert(place, (hi - lo, p.blob_end));
+        let places = self.overlay.iter().filter_map(|(node, &lo, extent)| {
+            let HeldExtent { hi, stored } = extent.as_ref()?;
+            match (partial_place(node, lo, *hi, stored), stored) {
+                (Some(place), Stored::Segment(p)) => Some((place, (hi - lo, p.blob_end))),
+                _ => None,
             }
-        }
-        self.partial = partial;
-        self.partial_log.clear();
+        });
+        self.partial.rebuild(places);
     }
 
     pub(crate) fn pending(&self) -> bool {
@@ -510,23 +423,17 @@ mod tests {
         assert_eq!(places(&mut replayed), []);
     }
 
-    /// The changes held back in `partial_log` come out as if applied one by one: after
+    /// The changes held back in `partial`'s log come out as if applied one by one: after
     /// thousands of random puts, cuts at the same key, removals and write-backs (past
-    /// `PARTIAL_LOG_MAX`, so that some are applied on the way), the index equals the one
+    /// `LOG_MAX`, so that some are merged on the way), the index equals the one
     /// rebuilt from the held extents.
     #[test]
     fn the_index_changed_in_batches_equals_the_one_rebuilt() {
         let mut held = HeldExtents::default();
-        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut next = crate::test_rng::draws_below(0x2545_f491_4f6c_dd1d);
         let mut seg_off = 0;
         let mut places = std::collections::HashMap::new();
-        for round in 0..(3 * PARTIAL_LOG_MAX as u64) {
+        for round in 0..(3 * crate::partial_index::LOG_MAX as u64) {
             let node = next(8) as i64;
             let lo = next(64) * 512;
             match next(10) {
@@ -550,8 +457,8 @@ mod tests {
                     held.put(node, lo, Some((lo + len, seg(place.0, place.1, len))));
                 }
             }
-            // Large batches are applied in one walk through the map, small ones one by one: both,
-            // besides those `PARTIAL_LOG_MAX` settles.
+            // Large batches are merged into the sorted places, small ones left beside them:
+            // both, besides the merges at `LOG_MAX` changes.
             if round % 10_007 == 0 || (round % 2 == 1 && round % 13 == 0) {
                 held.settle_partial();
             }

@@ -30,8 +30,11 @@ mod held_extents;
 mod local;
 mod memory;
 mod omap_overlay;
+mod partial_index;
 pub mod process_flock;
 pub mod reader_marks;
+#[cfg(test)]
+mod test_rng;
 mod types;
 mod wal_check;
 

@@ -65,23 +65,90 @@ pub(crate) trait OverlayValue: Clone {
     fn read_value(bytes: &[u8]) -> Result<Self, StoreError>;
 }
 
-impl OverlayKey for Vec<u8> {
+/// Omap keys up to this long are held inside the map's nodes (an image's keys are 8 bytes).
+const INLINE_KEY: usize = 22;
+
+/// An omap key in the overlay's map: up to `INLINE_KEY` bytes inline, longer ones behind a
+/// pointer. 24 bytes, as a `Vec<u8>`.
+///
+/// Why: as owned vectors, every comparison of a descent read its key behind a pointer, a
+/// cache miss each in a map of a million keys: the `memcmp` calls alone were 4.5% of the
+/// store worker's time in the store bench's 4 KiB writes (docs/BENCHMARKS.md, "The
+/// partial-block index as a sorted vector; omap keys inline").
+#[derive(Clone)]
+pub(crate) enum OmapKey {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
+    Heap(Box<[u8]>),
+}
+
+impl OmapKey {
+    pub(crate) fn new(key: &[u8]) -> Self {
+        if key.len() <= INLINE_KEY {
+            let mut bytes = [0; INLINE_KEY];
+            bytes[..key.len()].copy_from_slice(key);
+            OmapKey::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            OmapKey::Heap(key.into())
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match self {
+            OmapKey::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            OmapKey::Heap(bytes) => bytes,
+        }
+    }
+}
+
+impl PartialEq for OmapKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for OmapKey {}
+
+impl PartialOrd for OmapKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for OmapKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+impl std::fmt::Debug for OmapKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_bytes().fmt(f)
+    }
+}
+
+impl OverlayKey for OmapKey {
     type Ref = [u8];
-    const MIN: Self = Vec::new();
+    const MIN: Self = OmapKey::Inline {
+        len: 0,
+        bytes: [0; INLINE_KEY],
+    };
     fn owned(key: &[u8]) -> Self {
-        key.to_vec()
+        OmapKey::new(key)
     }
     fn borrowed(&self) -> &[u8] {
-        self
+        self.as_bytes()
     }
     fn key_len(&self) -> usize {
-        self.len()
+        self.as_bytes().len()
     }
     fn write_key(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(self);
+        out.extend_from_slice(self.as_bytes());
     }
     fn read_key(bytes: &[u8]) -> Result<Self, StoreError> {
-        Ok(bytes.to_vec())
+        Ok(OmapKey::new(bytes))
     }
 }
 
@@ -120,13 +187,13 @@ pub(crate) struct Change<V> {
 }
 
 /// A change to write to SQLite's table: `None` removes the key.
-pub(crate) type WriteBack<K = Vec<u8>, V = Vec<u8>> = ((i64, K), Option<V>);
+pub(crate) type WriteBack<K = OmapKey, V = Vec<u8>> = ((i64, K), Option<V>);
 
 /// Memory one held change costs besides its key and value (map node, vectors).
 const ENTRY_OVERHEAD: usize = 64;
 
 /// The overlay of the `omap` table.
-pub(crate) type OmapOverlay = Overlay<Vec<u8>, Vec<u8>>;
+pub(crate) type OmapOverlay = Overlay<OmapKey, Vec<u8>>;
 
 /// Changes held in front of one SQLite table, with their pending rows (see the module's
 /// documentation).
@@ -602,6 +669,10 @@ mod tests {
         s.as_bytes().to_vec()
     }
 
+    fn okey(s: &str) -> OmapKey {
+        OmapKey::new(s.as_bytes())
+    }
+
     /// The open transaction's row, as the engine stores it.
     fn stored(o: &mut OmapOverlay) -> (u64, Vec<u8>) {
         let (seq, row) = o.transaction_row();
@@ -612,10 +683,36 @@ mod tests {
 
     fn done(o: &mut OmapOverlay, node: i64, key: &str, value: Option<&str>) {
         match value {
-            Some(v) => o.set(node, k(key), k(v)),
-            None => o.remove(node, k(key)),
+            Some(v) => o.set(node, okey(key), k(v)),
+            None => o.remove(node, okey(key)),
         }
         o.operation_done();
+    }
+
+    /// Keys inline and behind a pointer order as their bytes do, among themselves and
+    /// against each other (the map's order is the table's and the pending rows' order).
+    #[test]
+    fn omap_keys_order_as_their_bytes_inline_or_not() {
+        assert_eq!(std::mem::size_of::<OmapKey>(), 24);
+        let mut next = crate::test_rng::draws_below(0x1234_5678_9abc_def1);
+        let keys: Vec<Vec<u8>> = (0..400)
+            .map(|_| {
+                let len = [0, 1, 8, 21, 22, 23, 40][next(7) as usize];
+                // Few distinct bytes, so that keys share prefixes and differ only in length.
+                (0..len).map(|_| next(2) as u8 * 255).collect()
+            })
+            .collect();
+        for a in &keys {
+            let ka = OmapKey::new(a);
+            assert_eq!(ka.as_bytes(), &a[..]);
+            assert_eq!(OmapKey::read_key(a).unwrap(), ka);
+            for b in &keys {
+                assert_eq!(ka.cmp(&OmapKey::new(b)), a.cmp(b), "{a:?} against {b:?}");
+            }
+        }
+        assert!(OmapKey::MIN <= OmapKey::new(b""));
+        assert!(matches!(OmapKey::new(&[7; 22]), OmapKey::Inline { .. }));
+        assert!(matches!(OmapKey::new(&[7; 23]), OmapKey::Heap(_)));
     }
 
     #[test]
@@ -626,8 +723,8 @@ mod tests {
         assert_eq!(o.get(1, b"a"), Lookup::Value(&b"one"[..]));
         done(&mut o, 1, "a", None);
         assert_eq!(o.get(1, b"a"), Lookup::Removed);
-        o.set(1, k("a"), k("lost"));
-        o.set(2, k("b"), k("lost"));
+        o.set(1, okey("a"), k("lost"));
+        o.set(2, okey("b"), k("lost"));
         o.operation_failed();
         assert_eq!(o.get(1, b"a"), Lookup::Removed);
         assert_eq!(o.get(2, b"b"), Lookup::Unknown);
@@ -721,15 +818,15 @@ mod tests {
         let mut o = OmapOverlay::default();
         done(&mut o, 1, "a", Some("held"));
         done(&mut o, 1, "b", None);
-        o.set(1, k("c"), k("x"));
-        o.set(1, k("d"), k("x"));
-        o.set(2, k("c"), k("other node"));
+        o.set(1, okey("c"), k("x"));
+        o.set(1, okey("d"), k("x"));
+        o.set(2, okey("c"), k("other node"));
         o.forget_in_operation(1, Some((b"c", b"d")));
         o.operation_done();
         assert_eq!(o.get(1, b"c"), Lookup::Unknown);
         assert_eq!(o.get(1, b"d"), Lookup::Value(&b"x"[..]));
         assert_eq!(o.get(2, b"c"), Lookup::Value(&b"other node"[..]));
-        o.set(1, k("e"), k("x"));
+        o.set(1, okey("e"), k("x"));
         o.forget_in_operation(1, None);
         o.operation_done();
         assert_eq!(o.get(1, b"e"), Lookup::Unknown);
@@ -765,7 +862,12 @@ mod tests {
         let keys = |piece: Vec<WriteBack>| {
             piece
                 .into_iter()
-                .map(|((_, key), value)| (String::from_utf8(key).unwrap(), value.is_some()))
+                .map(|((_, key), value)| {
+                    (
+                        String::from_utf8(key.as_bytes().to_vec()).unwrap(),
+                        value.is_some(),
+                    )
+                })
                 .collect::<Vec<_>>()
         };
         assert_eq!(
@@ -810,13 +912,13 @@ mod tests {
         let second = stored(&mut o);
         // Key order: k first, so row 2 (k's newest) empties while row 1 holds l.
         let piece = o.take_piece(1);
-        assert_eq!(piece, [((1, k("k")), Some(k("new")))]);
+        assert_eq!(piece, [((1, okey("k")), Some(k("new")))]);
         assert!(o.take_emptied().is_empty(), "row 2 must outlive row 1");
         let mut replayed = OmapOverlay::default();
         replayed.replay(first.0, &first.1).unwrap();
         replayed.replay(second.0, &second.1).unwrap();
         assert_eq!(replayed.get(1, b"k"), Lookup::Value(&b"new"[..]));
-        assert_eq!(o.take_piece(1), [((1, k("l")), Some(k("x")))]);
+        assert_eq!(o.take_piece(1), [((1, okey("l")), Some(k("x")))]);
         assert_eq!(o.take_emptied(), [1, 2]);
         assert!(!o.pending());
     }
@@ -855,8 +957,8 @@ mod tests {
         assert!(last >= 3, "the test wants several rows written back");
         let written = o.take_oldest(max);
         let expected: Vec<WriteBack> = (2..=last)
-            .map(|r| ((1, k(&format!("b{r}"))), Some(k("b"))))
-            .chain([((9, k("header")), Some(k("set once")))])
+            .map(|r| ((1, okey(&format!("b{r}"))), Some(k("b"))))
+            .chain([((9, okey("header")), Some(k("set once")))])
             .collect();
         assert_eq!(
             written, expected,
@@ -885,10 +987,10 @@ mod tests {
     fn the_open_transactions_row_is_never_emptied() {
         let mut o = OmapOverlay::default();
         o.next_row(5);
-        o.put(1, k("a"), Some(k("v")));
+        o.put(1, okey("a"), Some(k("v")));
         assert_eq!(o.take_node(1).len(), 1);
         assert!(o.take_emptied().is_empty());
-        o.put(1, k("b"), Some(k("w")));
+        o.put(1, okey("b"), Some(k("w")));
         let (seq, row) = stored(&mut o);
         assert_eq!(seq, 5);
         let mut replayed = OmapOverlay::default();
