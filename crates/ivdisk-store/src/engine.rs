@@ -2617,10 +2617,15 @@ impl Engine {
         if reading {
             self.db.execute_batch("BEGIN DEFERRED")?;
         }
-        let lookups = frees.iter_mut().try_for_each(|(segment, from, to)| {
-            (*from, *to) = self.widen_to_blocks(*segment, *from, *to)?;
-            Ok::<(), StoreError>(())
-        });
+        // One statement for all of them: taking it from rusqlite's cache and handing it back
+        // per lookup was 2% of the store worker's time in 4 KiB store writes.
+        let lookups = (|| {
+            let mut referenced = self.db.prepare_cached(REFERENCED)?;
+            frees.iter_mut().try_for_each(|(segment, from, to)| {
+                (*from, *to) = self.widen_to_blocks(&mut referenced, *segment, *from, *to)?;
+                Ok::<(), StoreError>(())
+            })
+        })();
         if reading {
             self.db.execute_batch("COMMIT")?;
         }
@@ -2652,7 +2657,15 @@ impl Engine {
     /// through the extents of the blob (one append, `[blob, blob_end)`) that holds `from`:
     /// every extent lies inside the blob its data was written in, blobs do not overlap, so
     /// the first extent of a blob ending at or before `from` ends the search.
-    fn referenced(&self, seg: u32, from: u64, to: u64) -> Result<bool, StoreError> {
+    ///
+    /// `stmt` is `REFERENCED`, prepared once for all of a durable commit's lookups.
+    fn referenced(
+        &self,
+        stmt: &mut rusqlite::Statement<'_>,
+        seg: u32,
+        from: u64,
+        to: u64,
+    ) -> Result<bool, StoreError> {
         if from >= to {
             return Ok(false);
         }
@@ -2668,7 +2681,6 @@ impl Engine {
                 break;
             }
         }
-        let mut stmt = self.db.prepare_cached(REFERENCED)?;
         let mut rows = stmt.query(params![seg, to as i64])?;
         while let Some(row) = rows.next()? {
             let (node, lo) = (row.get::<_, i64>(3)?, row.get::<_, i64>(4)? as u64);
@@ -2691,15 +2703,21 @@ impl Engine {
     /// of just its bytes would free no block. Extend it over the partial blocks at its ends when
     /// nothing live shares them (their other bytes are dead too, or not written yet). Called
     /// only between transactions, when every extent is committed.
-    fn widen_to_blocks(&self, seg: u32, from: u64, to: u64) -> Result<(u64, u64), StoreError> {
+    fn widen_to_blocks(
+        &self,
+        referenced: &mut rusqlite::Statement<'_>,
+        seg: u32,
+        from: u64,
+        to: u64,
+    ) -> Result<(u64, u64), StoreError> {
         let down = from / BLOCK * BLOCK;
         let up = to.div_ceil(BLOCK) * BLOCK;
-        let start = if down < from && !self.referenced(seg, down, from)? {
+        let start = if down < from && !self.referenced(referenced, seg, down, from)? {
             down
         } else {
             from
         };
-        let end = if up > to && !self.referenced(seg, to, up)? {
+        let end = if up > to && !self.referenced(referenced, seg, to, up)? {
             up
         } else {
             to
@@ -4623,9 +4641,14 @@ mod tests {
         };
         assert_eq!(rows(&engine, "extents_pending"), 1);
         let (seg, at) = (piece.seg, piece.seg_off);
-        assert!(engine.referenced(seg, at, at + 1).unwrap());
-        assert!(engine.referenced(seg, at + 2999, at + 3000).unwrap());
-        assert!(!engine.referenced(seg, at + 3000, at + 4096).unwrap());
+        let mut stmt = engine.db.prepare_cached(REFERENCED).unwrap();
+        assert!(engine.referenced(&mut stmt, seg, at, at + 1).unwrap());
+        assert!(engine
+            .referenced(&mut stmt, seg, at + 2999, at + 3000)
+            .unwrap());
+        assert!(!engine
+            .referenced(&mut stmt, seg, at + 3000, at + 4096)
+            .unwrap());
     }
 
     /// A snapshot's clone copies its head's extents in SQL. Its node id may be that of a node
