@@ -7,8 +7,9 @@
 //! a partial extent removes a place written long ago, and each lookup of a durable commit
 //! descends to another. In a map both miss the CPU's caches: in the store bench's 4 KiB
 //! writes, a `BTreeMap` changed in sorted batches still took 18% of the worker's time in its
-//! updates (half of it the kernel zeroing pages for its nodes and the batches' buffers) and
-//! 11% in the lookups (docs/BENCHMARKS.md, "The partial-block index as a sorted vector").
+//! updates (a third of it the kernel zeroing fresh pages for its nodes and buffers) and
+//! 11% in the lookups (docs/BENCHMARKS.md, "The partial-block index as a sorted vector;
+//! omap keys inline").
 //! Here a change is a push to the log; the log is sorted when the index is read and merged
 //! into the vector in one sequential pass once it is large against it, in a vector kept from
 //! the merge before; and the lookups of a durable commit come in ascending order, so each
