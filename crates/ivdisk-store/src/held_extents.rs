@@ -162,18 +162,13 @@ impl HeldExtents {
         // took two (the put was 5% of the store bench's samples at 4 KiB).
         if let Some(old) = self.overlay.put(node, lo, value) {
             if let Some(old_place) = partial_place(node, lo, old.hi, &old.stored) {
-                self.change_partial(old_place, None);
+                self.partial.change(old_place, None);
             }
         }
         // After the old one's removal: both may be at the same place (a cut at the same key).
         if let Some((place, entry)) = place {
-            self.change_partial(place, Some(entry));
+            self.partial.change(place, Some(entry));
         }
-    }
-
-    /// Set (`Some`) or remove a place of `partial`.
-    fn change_partial(&mut self, place: PartialPlace, entry: Option<(u64, u64)>) {
-        self.partial.change(place, entry);
     }
 
     /// Make the changes to `partial` so far visible to `partial_below`.
@@ -234,7 +229,7 @@ impl HeldExtents {
             .map(|((node, lo), value)| {
                 let extent = value.map(|HeldExtent { hi, stored }| {
                     if let Some(place) = partial_place(node, lo, hi, &stored) {
-                        self.change_partial(place, None);
+                        self.partial.change(place, None);
                     }
                     (hi, stored)
                 });
