@@ -2275,9 +2275,11 @@ impl Engine {
     /// for as long as it ran, per image. The next writes read their pages back from the page
     /// cache of the database file (docs/BENCHMARKS.md, "Memory given back when idle"). The
     /// held extents' partial index gives back its log of changes (up to 10 MB) and its spare
-    /// vector (as large as the index) too.
+    /// vector (as large as the index) too, and both overlays their transaction buffers (tens
+    /// of MB under random writes).
     fn release_idle_memory(&mut self) {
         self.extents.get_mut().release_idle_memory();
+        self.omap.get_mut().release_idle_memory();
         if let Err(e) = self.db.execute_batch("PRAGMA shrink_memory") {
             tracing::debug!("emptying the store's metadata cache: {e}");
         }

@@ -201,10 +201,11 @@ impl HeldExtents {
         self.overlay.holds_node(node)
     }
 
-    /// Settle `partial` and give back what it holds besides its places (the store is idle:
-    /// see `Engine::release_idle_memory`).
+    /// Settle `partial` and give back what it holds besides its places, and the overlay's
+    /// transaction buffer (the store is idle: see `Engine::release_idle_memory`).
     pub(crate) fn release_idle_memory(&mut self) {
         self.partial.release_idle_memory();
+        self.overlay.release_idle_memory();
     }
 
     #[cfg(test)]

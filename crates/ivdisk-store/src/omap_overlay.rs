@@ -189,6 +189,14 @@ pub(crate) struct Change<V> {
 /// A change to write to SQLite's table: `None` removes the key.
 pub(crate) type WriteBack<K = OmapKey, V = Vec<u8>> = ((i64, K), Option<V>);
 
+/// A transaction's row buffer up to this size is kept whatever the rows that follow need.
+const TXN_BUFFER_KEEP: usize = 1 << 20;
+
+/// A larger one is given up after this many rows in a row that filled less than a quarter of
+/// it: one small commit amid large ones (a flush) does not make the next large one grow a
+/// buffer again.
+const TXN_SMALL_ROWS_BEFORE_SHRINK: u32 = 8;
+
 /// Memory one held change costs besides its key and value (map node, vectors).
 const ENTRY_OVERHEAD: usize = 64;
 
@@ -214,6 +222,8 @@ pub(crate) struct Overlay<K, V> {
     op: Vec<(i64, K, Option<V>)>,
     /// The open transaction's changes, encoded for its pending row.
     txn: Vec<u8>,
+    /// Rows stored since the last that filled at least a quarter of `txn`'s buffer.
+    small_rows: u32,
 }
 
 impl<K, V> Default for Overlay<K, V> {
@@ -227,6 +237,7 @@ impl<K, V> Default for Overlay<K, V> {
             cursor: None,
             op: Vec::new(),
             txn: Vec::new(),
+            small_rows: 0,
         }
     }
 }
@@ -373,15 +384,34 @@ impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
         (self.txn_row, &self.txn)
     }
 
-    /// The open transaction's row was stored: start the next one in the same buffer (a fresh
-    /// one of tens of megabytes per commit cost the worker 3-4% in page faults).
+    /// The open transaction's row was stored: start the next one in the same buffer. A fresh
+    /// one of tens of megabytes per commit cost the worker 3-4% in page faults, and 10% under
+    /// random 4 KiB writes through `ivdisk serve`, whose rows of 40-50 MB outgrew a bound of
+    /// 64 MiB the buffer was once dropped past, so that it grew again from nothing at every
+    /// commit (docs/BENCHMARKS.md, "A commit's row buffer kept"). It is given up when rows have
+    /// filled less than a quarter of it for a while (the burst that grew it is over) and when
+    /// the store idles (`release_idle_memory`).
     pub(crate) fn transaction_row_stored(&mut self) {
-        self.note_row_bytes(self.txn_row, self.txn.len());
+        let used = self.txn.len();
+        self.note_row_bytes(self.txn_row, used);
         self.txn.clear();
-        if self.txn.capacity() > 64 << 20 {
-            self.txn = Vec::new();
+        if self.txn.capacity() <= TXN_BUFFER_KEEP || used >= self.txn.capacity() / 4 {
+            self.small_rows = 0;
+        } else {
+            self.small_rows += 1;
+            if self.small_rows >= TXN_SMALL_ROWS_BEFORE_SHRINK {
+                self.txn = Vec::new();
+                self.small_rows = 0;
+            }
         }
         self.txn_row += 1;
+    }
+
+    /// The store is idle: give back the open transaction's buffer if it holds no change.
+    pub(crate) fn release_idle_memory(&mut self) {
+        if self.txn.is_empty() {
+            self.txn = Vec::new();
+        }
     }
 
     fn note_row_bytes(&mut self, row: u64, bytes: usize) {
@@ -484,6 +514,12 @@ impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
     #[cfg(test)]
     pub(crate) fn pending_bytes(&self) -> usize {
         self.pending_bytes
+    }
+
+    /// The capacity of the open transaction's row buffer.
+    #[cfg(test)]
+    fn transaction_buffer_capacity(&self) -> usize {
+        self.txn.capacity()
     }
 
     /// Every held change, in key order, to write to SQLite's table in the open transaction
@@ -713,6 +749,51 @@ mod tests {
         assert!(OmapKey::MIN <= OmapKey::new(b""));
         assert!(matches!(OmapKey::new(&[7; 22]), OmapKey::Inline { .. }));
         assert!(matches!(OmapKey::new(&[7; 23]), OmapKey::Heap(_)));
+    }
+
+    /// A commit's row buffer outlives the commit: rows of tens of MB (random 4 KiB writes
+    /// through `ivdisk serve`) must not grow a fresh one every time. It goes after a run of
+    /// rows that fill less than a quarter of it, and at idle.
+    #[test]
+    fn a_transactions_row_buffer_is_kept_for_the_next_until_idle() {
+        let mut o = OmapOverlay::default();
+        let value = vec![7u8; 24 << 20];
+        // Stores a row past the old bound of 64 MiB; returns the buffer's capacity after.
+        let big_row = |o: &mut OmapOverlay| {
+            for key in ["a", "b", "c"] {
+                o.set(1, okey(key), value.clone());
+            }
+            o.operation_done();
+            assert!(o.transaction_row().1.len() > 64 << 20);
+            o.transaction_row_stored();
+            o.transaction_buffer_capacity()
+        };
+        let small_row = |o: &mut OmapOverlay| {
+            done(o, 1, "small", Some("value"));
+            o.transaction_row_stored();
+            o.transaction_buffer_capacity()
+        };
+        let kept = big_row(&mut o);
+        assert!(kept > 64 << 20, "a buffer of {kept} bytes was not kept");
+        assert_eq!(big_row(&mut o), kept, "the row grew a new buffer");
+        for _ in 1..TXN_SMALL_ROWS_BEFORE_SHRINK {
+            assert_eq!(small_row(&mut o), kept, "small rows dropped it");
+        }
+        assert_eq!(big_row(&mut o), kept, "the row grew a new buffer");
+        let after: Vec<usize> = (0..TXN_SMALL_ROWS_BEFORE_SHRINK)
+            .map(|_| small_row(&mut o))
+            .collect();
+        assert_eq!(after.last(), Some(&0), "a burst's buffer outlived it");
+
+        done(&mut o, 2, "d", Some("after"));
+        o.release_idle_memory();
+        assert!(
+            o.transaction_buffer_capacity() > 0,
+            "a held change's row was dropped"
+        );
+        o.transaction_row_stored();
+        o.release_idle_memory();
+        assert_eq!(o.transaction_buffer_capacity(), 0);
     }
 
     #[test]
