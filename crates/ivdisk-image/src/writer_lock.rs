@@ -342,26 +342,72 @@ async fn recorded_writer(store: &dyn ObjectStore, object: &ObjectName) -> Option
     }
 }
 
-/// Take `client`'s [`LAST_WRITER_CLIENT_KEY`] record away, if it is still `client`'s (read
-/// first, so that a writer whose lock was broken unfenced does not remove its successor's):
-/// by a writer that closes, and after `client` was fenced and before its lock is broken (so
-/// the next writer does not fence it a second time).
+/// Take `client`'s [`LAST_WRITER_CLIENT_KEY`] record away, if it is still `client`'s (so
+/// that a writer whose lock was broken unfenced does not remove its successor's): by a writer
+/// that closes, and after `client` was fenced and before its lock is broken (so the next
+/// writer does not fence it a second time).
+///
+/// The record is read with the object's version, and removed only at that version: a
+/// successor that records itself between the read and the removal changes the version, so
+/// the removal fails and the record is read again (a lost successor record would let a
+/// successor that dies silently go unfenced). Other changes of the header object (a lock's
+/// renewal) fail it too; a few tries get past those.
 pub(crate) async fn remove_writer_record(
     store: &dyn ObjectStore,
     object: &ObjectName,
     client: &str,
 ) {
-    let named = recorded_writer(store, object)
-        .await
-        .is_some_and(|recorded| recorded.split_once(' ').map(|(c, _)| c) == Some(client));
-    if named {
-        let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![
-            LAST_WRITER_CLIENT_KEY.to_vec()
-        ]));
-        if let Err(e) = store.write_op(object, op).await {
-            tracing::debug!(error = %e, client, "could not remove a writer's record");
+    const TRIES: usize = 4;
+    for _ in 0..TRIES {
+        let op = ReadOp::new()
+            .step(ReadStep::OmapGetByKeys(vec![
+                LAST_WRITER_CLIENT_KEY.to_vec()
+            ]))
+            .step(ReadStep::Stat);
+        let (mut recorded, mut version) = (None, None);
+        // A store that cannot read it (no omap: a LUKS file; unreachable now) has no record
+        // of ours to remove.
+        let Ok(results) = store.read_op(object, op).await else {
+            return;
+        };
+        for result in results {
+            match result {
+                ReadResult::Omap { pairs, .. } => {
+                    recorded = pairs
+                        .into_iter()
+                        .next()
+                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                }
+                ReadResult::Stat(stat) => version = Some(stat.version),
+                ReadResult::Extents(_) => {}
+            }
+        }
+        let named = recorded
+            .as_deref()
+            .and_then(|r| r.split_once(' '))
+            .is_some_and(|(c, _)| c == client);
+        let (true, Some(version)) = (named, version) else {
+            return;
+        };
+        let op =
+            WriteOp::new()
+                .step(WriteStep::AssertVersion(version))
+                .step(WriteStep::OmapRemoveKeys(vec![
+                    LAST_WRITER_CLIENT_KEY.to_vec()
+                ]));
+        match store.write_op(object, op).await {
+            Ok(_) => return,
+            Err(StoreError::VersionMismatch { .. }) => continue,
+            Err(e) => {
+                tracing::debug!(error = %e, client, "could not remove a writer's record");
+                return;
+            }
         }
     }
+    tracing::debug!(
+        client,
+        "a writer's record was not removed: the header object kept changing"
+    );
 }
 
 /// The cookie the holder record names (see [`LAST_WRITER_KEY`]), if any.
@@ -667,5 +713,86 @@ mod tests {
             .await
             .unwrap()
             .is_empty());
+    }
+
+    /// The memory store; once armed, a successor records itself right after the next read
+    /// of the writer record, before the reader can act on what it read.
+    struct SuccessorAfterRead {
+        inner: MemoryStore,
+        armed: AtomicBool,
+    }
+
+    const SUCCESSOR: &str = "client.successor 10.0.0.2:0/2";
+
+    ivdisk_store::object_store_forwarding_to_inner!(SuccessorAfterRead {
+        async fn write_op(
+            &self,
+            object: &ObjectName,
+            op: WriteOp,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.write_op(object, op).await
+        }
+        async fn read_op(
+            &self,
+            object: &ObjectName,
+            op: ReadOp,
+        ) -> Result<Vec<ReadResult>, StoreError> {
+            let reads_record = op.steps.iter().any(|step| {
+                matches!(step, ReadStep::OmapGetByKeys(keys)
+                    if keys.iter().any(|k| k == LAST_WRITER_CLIENT_KEY))
+            });
+            let results = self.inner.read_op(object, op).await;
+            if reads_record && self.armed.swap(false, Ordering::SeqCst) {
+                let record = vec![(LAST_WRITER_CLIENT_KEY.to_vec(), SUCCESSOR.as_bytes().to_vec())];
+                self.inner
+                    .write_op(object, WriteOp::new().omap_set(record))
+                    .await?;
+            }
+            results
+        }
+    });
+
+    async fn record_of(store: &dyn ObjectStore, object: &ObjectName) -> Option<String> {
+        recorded_writer(store, object).await
+    }
+
+    /// A writer that closes takes its own record away, and never a successor's, even one
+    /// written between its read of the record and its removal.
+    #[tokio::test]
+    async fn a_closing_writer_removes_its_own_record_and_never_a_successors() {
+        let store = SuccessorAfterRead {
+            inner: MemoryStore::new().unwrap(),
+            armed: AtomicBool::new(false),
+        };
+        let object = ObjectName::new("img.header").unwrap();
+        let own = vec![(
+            LAST_WRITER_CLIENT_KEY.to_vec(),
+            b"client.old 10.0.0.1:0/1".to_vec(),
+        )];
+        store
+            .write_op(&object, WriteOp::new().omap_set(own.clone()))
+            .await
+            .unwrap();
+
+        // Nobody else: the record goes.
+        remove_writer_record(&store, &object, "client.old").await;
+        assert_eq!(record_of(&store, &object).await, None);
+
+        // Another client's record stays.
+        store
+            .write_op(&object, WriteOp::new().omap_set(own.clone()))
+            .await
+            .unwrap();
+        remove_writer_record(&store, &object, "client.other").await;
+        assert_eq!(
+            record_of(&store, &object).await.as_deref(),
+            Some("client.old 10.0.0.1:0/1")
+        );
+
+        // A successor records itself right after the old writer read its own record.
+        store.armed.store(true, Ordering::SeqCst);
+        remove_writer_record(&store, &object, "client.old").await;
+        assert!(!store.armed.load(Ordering::SeqCst), "the successor wrote");
+        assert_eq!(record_of(&store, &object).await.as_deref(), Some(SUCCESSOR));
     }
 }
