@@ -654,13 +654,28 @@ mod tests {
     use super::*;
     use ivdisk_store::{MemoryStore, ObjectStoreExt, WriteOutcome};
 
-    /// The memory store, noting who held the writer lock when an object was removed.
-    struct LockersAtRemoval {
+    /// The memory store, noting who held the writer lock when an object was removed, and,
+    /// once `successor_after_read` is armed, letting a successor record itself right after
+    /// the next read of the writer record, before the reader can act on what it read.
+    struct WatchedStore {
         inner: MemoryStore,
         seen: Mutex<Vec<Vec<String>>>,
+        successor_after_read: AtomicBool,
     }
 
-    ivdisk_store::object_store_forwarding_to_inner!(LockersAtRemoval {
+    const SUCCESSOR: &str = "client.successor 10.0.0.2:0/2";
+
+    impl WatchedStore {
+        fn new() -> WatchedStore {
+            WatchedStore {
+                inner: MemoryStore::new().unwrap(),
+                seen: Mutex::new(Vec::new()),
+                successor_after_read: AtomicBool::new(false),
+            }
+        }
+    }
+
+    ivdisk_store::object_store_forwarding_to_inner!(WatchedStore {
         async fn write_op(
             &self,
             object: &ObjectName,
@@ -678,7 +693,18 @@ mod tests {
             object: &ObjectName,
             op: ReadOp,
         ) -> Result<Vec<ReadResult>, StoreError> {
-            self.inner.read_op(object, op).await
+            let reads_record = op.steps.iter().any(|step| {
+                matches!(step, ReadStep::OmapGetByKeys(keys)
+                    if keys.iter().any(|k| k == LAST_WRITER_CLIENT_KEY))
+            });
+            let results = self.inner.read_op(object, op).await;
+            if reads_record && self.successor_after_read.swap(false, Ordering::SeqCst) {
+                let record = vec![(LAST_WRITER_CLIENT_KEY.to_vec(), SUCCESSOR.as_bytes().to_vec())];
+                self.inner
+                    .write_op(object, WriteOp::new().omap_set(record))
+                    .await?;
+            }
+            results
         }
     });
 
@@ -686,10 +712,7 @@ mod tests {
     /// reader opening in between would find a header whose data objects are gone.
     #[tokio::test]
     async fn the_locked_object_is_removed_before_the_lock_goes() {
-        let store = Arc::new(LockersAtRemoval {
-            inner: MemoryStore::new().unwrap(),
-            seen: Mutex::new(Vec::new()),
-        });
+        let store = Arc::new(WatchedStore::new());
         let object = ObjectName::new("img.header").unwrap();
         store
             .write_op(&object, WriteOp::new().write(0, b"header".to_vec()))
@@ -715,43 +738,6 @@ mod tests {
             .is_empty());
     }
 
-    /// The memory store; once armed, a successor records itself right after the next read
-    /// of the writer record, before the reader can act on what it read.
-    struct SuccessorAfterRead {
-        inner: MemoryStore,
-        armed: AtomicBool,
-    }
-
-    const SUCCESSOR: &str = "client.successor 10.0.0.2:0/2";
-
-    ivdisk_store::object_store_forwarding_to_inner!(SuccessorAfterRead {
-        async fn write_op(
-            &self,
-            object: &ObjectName,
-            op: WriteOp,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.write_op(object, op).await
-        }
-        async fn read_op(
-            &self,
-            object: &ObjectName,
-            op: ReadOp,
-        ) -> Result<Vec<ReadResult>, StoreError> {
-            let reads_record = op.steps.iter().any(|step| {
-                matches!(step, ReadStep::OmapGetByKeys(keys)
-                    if keys.iter().any(|k| k == LAST_WRITER_CLIENT_KEY))
-            });
-            let results = self.inner.read_op(object, op).await;
-            if reads_record && self.armed.swap(false, Ordering::SeqCst) {
-                let record = vec![(LAST_WRITER_CLIENT_KEY.to_vec(), SUCCESSOR.as_bytes().to_vec())];
-                self.inner
-                    .write_op(object, WriteOp::new().omap_set(record))
-                    .await?;
-            }
-            results
-        }
-    });
-
     async fn record_of(store: &dyn ObjectStore, object: &ObjectName) -> Option<String> {
         recorded_writer(store, object).await
     }
@@ -760,10 +746,7 @@ mod tests {
     /// written between its read of the record and its removal.
     #[tokio::test]
     async fn a_closing_writer_removes_its_own_record_and_never_a_successors() {
-        let store = SuccessorAfterRead {
-            inner: MemoryStore::new().unwrap(),
-            armed: AtomicBool::new(false),
-        };
+        let store = WatchedStore::new();
         let object = ObjectName::new("img.header").unwrap();
         let own = vec![(
             LAST_WRITER_CLIENT_KEY.to_vec(),
@@ -790,9 +773,12 @@ mod tests {
         );
 
         // A successor records itself right after the old writer read its own record.
-        store.armed.store(true, Ordering::SeqCst);
+        store.successor_after_read.store(true, Ordering::SeqCst);
         remove_writer_record(&store, &object, "client.old").await;
-        assert!(!store.armed.load(Ordering::SeqCst), "the successor wrote");
+        assert!(
+            !store.successor_after_read.load(Ordering::SeqCst),
+            "the successor wrote"
+        );
         assert_eq!(record_of(&store, &object).await.as_deref(), Some(SUCCESSOR));
     }
 }
