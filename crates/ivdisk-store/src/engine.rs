@@ -46,6 +46,15 @@ pub(crate) trait Segments: Send {
         Ok(vec![(segment, offset, data.len() as u64)])
     }
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
+    /// [`Segments::read`] if every byte is in memory now (the page cache, a buffer): false
+    /// when the read would wait for the disk (then `buf` holds anything).
+    fn read_cached(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<bool, StoreError> {
+        self.read(segment, offset, buf)?;
+        Ok(true)
+    }
+    /// These bytes are read soon: start reading them from the disk (a hint; nothing where
+    /// the bytes are in memory).
+    fn prefetch(&self, _segment: u32, _offset: u64, _len: u64) {}
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
     /// A commit of the metadata follows: make sure it has room on the file system, where the
@@ -3755,6 +3764,19 @@ impl Engine {
         Ok(results)
     }
 
+    /// Ask the segments for the bytes of `pieces` (extent rows of a read of `[offset, end)`)
+    /// that live in segments.
+    fn prefetch_pieces(&self, pieces: &[ExtentRow], offset: u64, end: u64) {
+        for &(lo, hi, seg, seg_off, _) in pieces {
+            if seg != INLINE_SEG {
+                let from = lo.max(offset);
+                let to = hi.min(end);
+                self.segments
+                    .prefetch(seg as u32, seg_off + (from - lo), to - from);
+            }
+        }
+    }
+
     fn read_extents(&self, node: &Node, offset: u64, len: u64) -> Result<Vec<Extent>, StoreError> {
         let end = node.size.min(offset.saturating_add(len));
         if offset >= end {
@@ -3789,7 +3811,10 @@ impl Engine {
                 .collect::<Result<_, _>>()?
         };
         let mut out: Vec<Extent> = Vec::new();
-        for (lo, hi, seg, seg_off, inline) in pieces {
+        // Whether a piece had to come from the disk: then every later piece was asked for at
+        // once (`prefetch`), so the disk works on them together instead of one by one.
+        let mut cold = false;
+        for (i, &(lo, hi, seg, seg_off, ref inline)) in pieces.iter().enumerate() {
             let from = lo.max(offset);
             let to = hi.min(end);
             let data = match inline {
@@ -3814,8 +3839,18 @@ impl Engine {
                 }
                 _ => {
                     let mut data = vec![0u8; (to - from) as usize];
-                    self.segments
-                        .read(seg as u32, seg_off + (from - lo), &mut data)?;
+                    let at = seg_off + (from - lo);
+                    let later = &pieces[i + 1..];
+                    if cold
+                        || later.is_empty()
+                        || !self.segments.read_cached(seg as u32, at, &mut data)?
+                    {
+                        if !cold && !later.is_empty() {
+                            cold = true;
+                            self.prefetch_pieces(later, offset, end);
+                        }
+                        self.segments.read(seg as u32, at, &mut data)?;
+                    }
                     data
                 }
             };

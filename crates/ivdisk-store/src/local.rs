@@ -247,12 +247,42 @@ struct FileSegments {
 /// Start writeback of `[offset, offset + len)` of `file` without waiting for it
 /// (`posix_fadvise(DONTNEED)` writes dirty pages back and drops only pages already clean).
 fn start_writeback(file: &File, offset: u64, len: u64) {
-    let _ = rustix::fs::fadvise(
-        file,
-        offset,
-        std::num::NonZeroU64::new(len),
-        rustix::fs::Advice::DontNeed,
-    );
+    advise(file, offset, len, rustix::fs::Advice::DontNeed);
+}
+
+/// `posix_fadvise` over `[offset, offset + len)`; only a hint, so a refusal changes nothing.
+fn advise(file: &File, offset: u64, len: u64, advice: rustix::fs::Advice) {
+    let _ = rustix::fs::fadvise(file, offset, std::num::NonZeroU64::new(len), advice);
+}
+
+/// Start reading `[offset, offset + len)` of `file` into the page cache without waiting for
+/// it (`posix_fadvise(WILLNEED)`): the disk then works on every piece of a fragmented read at
+/// once, where reading them one by one waits for each in turn.
+fn start_reading(file: &File, offset: u64, len: u64) {
+    advise(file, offset, len, rustix::fs::Advice::WillNeed);
+}
+
+/// Fill `buf` from `file` at `offset` if the page cache holds all of it (`preadv2` with
+/// `RWF_NOWAIT`); false when a read would wait for the disk, or the file system cannot say
+/// (then `buf` holds anything and the caller reads it the usual way, which also reports any
+/// error).
+fn read_if_cached(file: &File, offset: u64, buf: &mut [u8]) -> bool {
+    let mut done = 0;
+    while done < buf.len() {
+        let piece = &mut [std::io::IoSliceMut::new(&mut buf[done..])];
+        match rustix::io::preadv2(
+            file,
+            piece,
+            offset + done as u64,
+            rustix::io::ReadWriteFlags::NOWAIT,
+        ) {
+            Ok(0) => return false,
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return false,
+        }
+    }
+    true
 }
 
 fn start_writeback_now(job: &WritebackJob) {
@@ -1266,6 +1296,37 @@ fn queue_unreferenced(
     Ok(true)
 }
 
+impl FileSegments {
+    /// The segment's file and the part of `buf` it holds from `offset` on; the rest of `buf`
+    /// (bytes appended but still in the tail, not written to the file yet) is filled from
+    /// the tail.
+    fn in_file<'b>(
+        &self,
+        segment: u32,
+        offset: u64,
+        buf: &'b mut [u8],
+    ) -> Result<(&File, &'b mut [u8]), StoreError> {
+        let file = self.files.get(&segment).ok_or_else(|| {
+            StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
+        })?;
+        let tail_at = self.len - self.tail.len() as u64;
+        let end = offset + buf.len() as u64;
+        if segment != self.active || end <= tail_at {
+            return Ok((file, buf));
+        }
+        let in_file = tail_at.saturating_sub(offset) as usize;
+        let (buf, from_tail) = buf.split_at_mut(in_file.min(buf.len()));
+        let skip = (offset + in_file as u64 - tail_at) as usize;
+        let tail = self.tail.get(skip..skip + from_tail.len()).ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "an extent points past the end of segment {segment}"
+            ))
+        })?;
+        from_tail.copy_from_slice(tail);
+        Ok((file, buf))
+    }
+}
+
 impl Segments for FileSegments {
     /// Whole blocks go into dead space held for reuse: the smallest range that holds them
     /// all, else ranges of at least `min(len, REUSE_SPLIT_MIN)`, largest first, at most
@@ -1338,26 +1399,7 @@ impl Segments for FileSegments {
     }
 
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        let file = self.files.get(&segment).ok_or_else(|| {
-            StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
-        })?;
-        // The part in the tail (appends not written to the file yet) is copied from there.
-        let tail_at = self.len - self.tail.len() as u64;
-        let end = offset + buf.len() as u64;
-        let buf = if segment == self.active && end > tail_at {
-            let in_file = tail_at.saturating_sub(offset) as usize;
-            let (buf, from_tail) = buf.split_at_mut(in_file.min(buf.len()));
-            let skip = (offset + in_file as u64 - tail_at) as usize;
-            let tail = self.tail.get(skip..skip + from_tail.len()).ok_or_else(|| {
-                StoreError::Corrupt(format!(
-                    "an extent points past the end of segment {segment}"
-                ))
-            })?;
-            from_tail.copy_from_slice(tail);
-            buf
-        } else {
-            buf
-        };
+        let (file, buf) = self.in_file(segment, offset, buf)?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -1365,6 +1407,22 @@ impl Segments for FileSegments {
             .map_err(StoreError::io_with(|| {
                 format!("reading {}", segment_path(&self.dir, segment).display())
             }))
+    }
+
+    fn read_cached(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<bool, StoreError> {
+        let (file, buf) = self.in_file(segment, offset, buf)?;
+        Ok(read_if_cached(file, offset, buf))
+    }
+
+    fn prefetch(&self, segment: u32, offset: u64, len: u64) {
+        if let Some(file) = self.files.get(&segment) {
+            // Bytes still in the tail are in memory.
+            let in_file = match segment == self.active {
+                true => (self.len - self.tail.len() as u64).saturating_sub(offset),
+                false => len,
+            };
+            start_reading(file, offset, len.min(in_file));
+        }
     }
 
     fn before_commit(&mut self, checkpoint_debt: u64) -> Option<u64> {
@@ -2126,14 +2184,13 @@ struct ReadOnlySegments {
     files: RefCell<HashMap<u32, File>>,
 }
 
-impl Segments for ReadOnlySegments {
-    fn append(&mut self, _data: &[u8]) -> Result<(u32, u64), StoreError> {
-        Err(StoreError::ReadOnly {
-            what: "appending data".into(),
-        })
-    }
-
-    fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+impl ReadOnlySegments {
+    /// Run `f` on the segment's file, opened when first needed.
+    fn with_file<T>(
+        &self,
+        segment: u32,
+        f: impl FnOnce(&File) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let path = segment_path(&self.dir, segment);
         let mut files = self.files.borrow_mut();
         let file = match files.entry(segment) {
@@ -2148,10 +2205,35 @@ impl Segments for ReadOnlySegments {
                 Err(err) => return Err(StoreError::io(format!("opening {}", path.display()))(err)),
             },
         };
-        file.read_exact_at(buf, offset)
-            .map_err(StoreError::io_with(|| {
-                format!("reading {}", path.display())
-            }))
+        f(file)
+    }
+}
+
+impl Segments for ReadOnlySegments {
+    fn append(&mut self, _data: &[u8]) -> Result<(u32, u64), StoreError> {
+        Err(StoreError::ReadOnly {
+            what: "appending data".into(),
+        })
+    }
+
+    fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        self.with_file(segment, |file| {
+            file.read_exact_at(buf, offset)
+                .map_err(StoreError::io_with(|| {
+                    format!("reading {}", segment_path(&self.dir, segment).display())
+                }))
+        })
+    }
+
+    fn read_cached(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<bool, StoreError> {
+        self.with_file(segment, |file| Ok(read_if_cached(file, offset, buf)))
+    }
+
+    fn prefetch(&self, segment: u32, offset: u64, len: u64) {
+        let _ = self.with_file(segment, |file| {
+            start_reading(file, offset, len);
+            Ok(())
+        });
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
