@@ -667,6 +667,11 @@ pub(crate) struct Engine {
     orphaned_locks: HashSet<(String, String, String, String)>,
     db: Connection,
     segments: Box<dyn Segments>,
+    /// Reads that may not wait for the disk (`handle_reads`): a piece not in memory is asked
+    /// for (`Segments::prefetch`), with the pieces after it, and `read_missed` is set; what
+    /// such a read returns is then thrown away, and the read made again later.
+    nowait_reads: std::cell::Cell<bool>,
+    read_missed: std::cell::Cell<bool>,
     durability: Arc<dyn Durability>,
     /// The thread syncing the log for durable commits (started at the first), and the
     /// durable commits whose sync is not done yet, oldest first.
@@ -900,6 +905,8 @@ impl Engine {
             clones_may_exist,
             db,
             segments,
+            nowait_reads: Default::default(),
+            read_missed: Default::default(),
             durability,
             wal_sync: None,
             durable_points: VecDeque::new(),
@@ -957,6 +964,8 @@ impl Engine {
             clones_may_exist: false,
             db,
             segments,
+            nowait_reads: Default::default(),
+            read_missed: Default::default(),
             durability: Arc::new(NoDurability),
             wal_sync: None,
             durable_points: VecDeque::new(),
@@ -1431,15 +1440,17 @@ impl Engine {
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             };
             if let Some(request) = request {
-                self.handle(request);
                 // Take what else is queued before replying (see `answer`), a bounded burst so
                 // the first reply is not held back long.
-                for _ in 1..ANSWER_BURST {
+                let mut burst = Vec::with_capacity(ANSWER_BURST);
+                burst.push(request);
+                while burst.len() < ANSWER_BURST {
                     match requests.try_recv() {
-                        Ok(request) => self.handle(request),
+                        Ok(request) => burst.push(request),
                         Err(_) => break,
                     }
                 }
+                self.handle_burst(burst);
             }
             self.finish_durable_points(false);
             self.send_answers();
@@ -1725,6 +1736,54 @@ impl Engine {
         }
         for (reply, _, reclaim) in point.flushes {
             self.answer_flush(reply, Err(flush_error((no_space, what.clone()))), reclaim);
+        }
+    }
+
+    /// Handle a burst of requests in order, where reads follow one another those together
+    /// ([`Engine::handle_reads`]).
+    fn handle_burst(&mut self, burst: Vec<Request>) {
+        let is_read = |r: &Request| matches!(r, Request::Read { .. });
+        let mut requests = burst.into_iter().peekable();
+        while let Some(request) = requests.next() {
+            if self.read_only.is_none() && is_read(&request) && requests.peek().is_some_and(is_read)
+            {
+                let mut run = vec![request];
+                while let Some(read) = requests.next_if(is_read) {
+                    run.push(read);
+                }
+                self.handle_reads(run);
+            } else {
+                self.handle(request);
+            }
+        }
+    }
+
+    /// Reads that came in one after another, none of them waiting for the disk behind
+    /// another: each is first made without waiting (`nowait_reads`), which answers those
+    /// whose bytes are in memory and asks the disk for the pieces of the others, all of
+    /// them, before any is read; then the others are read, in order. Without this a burst of
+    /// random reads of data not in the page cache (after a restart, or once its pages were
+    /// dropped) kept the disk at one read at a time. Reads change nothing, so answering
+    /// some before others that came first is the same as in order.
+    fn handle_reads(&mut self, run: Vec<Request>) {
+        let mut waiting = Vec::new();
+        self.nowait_reads.set(true);
+        for request in run {
+            let Request::Read { object, op, reply } = request else {
+                unreachable!("a run of reads");
+            };
+            self.read_missed.set(false);
+            let result = self.read(&object, &op);
+            match self.read_missed.get() {
+                true => waiting.push((object, op, reply)),
+                false => self.answer(reply, result),
+            }
+        }
+        self.nowait_reads.set(false);
+        self.read_missed.set(false);
+        for (object, op, reply) in waiting {
+            let result = self.read(&object, &op);
+            self.answer(reply, result);
         }
     }
 
@@ -3841,7 +3900,15 @@ impl Engine {
                     let mut data = vec![0u8; (to - from) as usize];
                     let at = seg_off + (from - lo);
                     let later = &pieces[i + 1..];
-                    if cold
+                    if self.nowait_reads.get() {
+                        if !self.read_missed.get()
+                            && !self.segments.read_cached(seg as u32, at, &mut data)?
+                        {
+                            self.read_missed.set(true);
+                            self.segments.prefetch(seg as u32, at, to - from);
+                            self.prefetch_pieces(later, offset, end);
+                        }
+                    } else if cold
                         || later.is_empty()
                         || !self.segments.read_cached(seg as u32, at, &mut data)?
                     {
