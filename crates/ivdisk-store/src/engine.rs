@@ -204,6 +204,10 @@ impl Durability for WalFile {
 }
 
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+/// A read request taken from a burst: its object, operation and reply.
+type PendingRead = (ObjectName, ReadOp, Reply<Vec<ReadResult>>);
+/// A read's result, and whether it missed the page cache (`Engine::nowait_reads`).
+type ReadOutcome = (Result<Vec<ReadResult>, StoreError>, bool);
 
 pub(crate) enum Request {
     Write {
@@ -1008,14 +1012,14 @@ impl Engine {
         // creating: no store (yet), not a damaged one.
         let version = engine.consistent(|e| {
             if !Self::has_table(&e.db, "meta")? {
-                return Ok((None, None));
+                return Ok((None, Vec::new()));
             }
             let version =
                 e.db.query_row("SELECT value FROM meta WHERE key = 'version'", [], |r| {
                     r.get::<_, i64>(0)
                 })
                 .optional()?;
-            Ok((version, None))
+            Ok((version, Vec::new()))
         })?;
         if version.is_none() {
             return Err(StoreError::Io {
@@ -1224,12 +1228,10 @@ impl Engine {
     }
 
     fn omap_generation(db: &Connection) -> Result<i64, StoreError> {
+        // Cached: a read-only engine asks at every read transaction.
         Ok(db
-            .query_row(
-                "SELECT value FROM meta WHERE key = 'omap_generation'",
-                [],
-                |r| r.get(0),
-            )
+            .prepare_cached("SELECT value FROM meta WHERE key = 'omap_generation'")?
+            .query_row([], |r| r.get(0))
             .optional()?
             .unwrap_or(0))
     }
@@ -1745,8 +1747,7 @@ impl Engine {
         let is_read = |r: &Request| matches!(r, Request::Read { .. });
         let mut requests = burst.into_iter().peekable();
         while let Some(request) = requests.next() {
-            if self.read_only.is_none() && is_read(&request) && requests.peek().is_some_and(is_read)
-            {
+            if is_read(&request) && requests.peek().is_some_and(is_read) {
                 let mut run = vec![request];
                 while let Some(read) = requests.next_if(is_read) {
                     run.push(read);
@@ -1764,27 +1765,94 @@ impl Engine {
     /// them, before any is read; then the others are read, in order. Without this a burst of
     /// random reads of data not in the page cache (after a restart, or once its pages were
     /// dropped) kept the disk at one read at a time. Reads change nothing, so answering
-    /// some before others that came first is the same as in order.
+    /// some before others that came first is the same as in order. A read-only engine does
+    /// the same, each pass in one checked query (`reads_consistent`).
     fn handle_reads(&mut self, run: Vec<Request>) {
-        let mut waiting = Vec::new();
-        self.nowait_reads.set(true);
-        for request in run {
-            let Request::Read { object, op, reply } = request else {
-                unreachable!("a run of reads");
-            };
-            self.read_missed.set(false);
-            let result = self.read(&object, &op);
-            match self.read_missed.get() {
-                true => waiting.push((object, op, reply)),
-                false => self.answer(reply, result),
-            }
+        let reads = run
+            .into_iter()
+            .map(|request| match request {
+                Request::Read { object, op, reply } => (object, op, reply),
+                _ => unreachable!("a run of reads"),
+            })
+            .collect();
+        let waiting = self.answer_reads(reads, true);
+        self.answer_reads(waiting, false);
+    }
+
+    /// Make `reads` (without waiting for the disk when `nowait`) and answer them, all but
+    /// those that missed the page cache, which are given back.
+    fn answer_reads(&mut self, reads: Vec<PendingRead>, nowait: bool) -> Vec<PendingRead> {
+        if reads.is_empty() {
+            return reads;
         }
+        self.nowait_reads.set(nowait);
+        let outcomes = match self.read_only {
+            Some(_) => {
+                let pairs: Vec<_> = reads.iter().map(|(object, op, _)| (object, op)).collect();
+                self.reads_consistent(&pairs)
+            }
+            None => Ok(reads
+                .iter()
+                .map(|(object, op, _)| {
+                    self.read_missed.set(false);
+                    let result = self.read(object, op);
+                    (result, self.read_missed.get())
+                })
+                .collect()),
+        };
         self.nowait_reads.set(false);
         self.read_missed.set(false);
-        for (object, op, reply) in waiting {
-            let result = self.read(&object, &op);
-            self.answer(reply, result);
+        let mut missed = Vec::new();
+        match outcomes {
+            Ok(outcomes) => {
+                for ((object, op, reply), (result, miss)) in reads.into_iter().zip(outcomes) {
+                    match miss {
+                        true => missed.push((object, op, reply)),
+                        false => self.answer(reply, result),
+                    }
+                }
+            }
+            // The query as a whole failed (no read transaction, or the data kept changing):
+            // each read on its own, so that each gets its own answer.
+            Err(_) => {
+                for (object, op, reply) in reads {
+                    let result = self
+                        .reads_consistent(&[(&object, &op)])
+                        .and_then(|mut outcomes| outcomes.remove(0).0);
+                    self.answer(reply, result);
+                }
+            }
         }
+        missed
+    }
+
+    /// Reads of a read-only engine in one query (see `consistent`): the nodes whose segment
+    /// data they read are checked unchanged afterwards, all at once. Each read's result
+    /// comes with whether it missed the page cache (`nowait_reads`).
+    fn reads_consistent(
+        &mut self,
+        reads: &[(&ObjectName, &ReadOp)],
+    ) -> Result<Vec<ReadOutcome>, StoreError> {
+        self.consistent(|e| {
+            let mut nodes = Vec::new();
+            let outcomes = reads
+                .iter()
+                .map(|&(object, op)| {
+                    e.read_missed.set(false);
+                    let result = e.read_with_node(object, op).map(|(results, node)| {
+                        if op.steps.iter().any(|s| matches!(s, ReadStep::Read { .. })) {
+                            nodes.push(node);
+                        }
+                        results
+                    });
+                    (result, e.read_missed.get())
+                })
+                .collect();
+            // Reads of a burst often share objects: each node checked once.
+            nodes.sort_unstable();
+            nodes.dedup();
+            Ok((outcomes, nodes))
+        })
     }
 
     fn handle(&mut self, request: Request) {
@@ -1893,17 +1961,9 @@ impl Engine {
         }
         match request {
             Request::Read { object, op, reply } => {
-                let reads_data = op.steps.iter().any(|s| matches!(s, ReadStep::Read { .. }));
-                let result = self.consistent(|e| {
-                    let results = e.read(&object, &op)?;
-                    // The node whose segment data was read, checked unchanged afterwards.
-                    let node = match (reads_data, op.snap) {
-                        (false, _) => None,
-                        (true, Some(snap)) => e.node_at(&object, snap)?,
-                        (true, None) => e.head(&object)?,
-                    };
-                    Ok((results, node.map(|n| (n.id, n.version))))
-                });
+                let result = self
+                    .reads_consistent(&[(&object, &op)])
+                    .and_then(|mut outcomes| outcomes.remove(0).0);
                 let _ = reply.send(result);
             }
             Request::List {
@@ -1911,14 +1971,15 @@ impl Engine {
                 snap,
                 reply,
             } => {
-                let _ = reply.send(self.consistent(|e| Ok((e.list(&prefix, snap)?, None))));
+                let _ = reply.send(self.consistent(|e| Ok((e.list(&prefix, snap)?, Vec::new()))));
             }
             Request::ListLockers {
                 object,
                 lock,
                 reply,
             } => {
-                let _ = reply.send(self.consistent(|e| Ok((e.lockers(&object, &lock)?, None))));
+                let _ =
+                    reply.send(self.consistent(|e| Ok((e.lockers(&object, &lock)?, Vec::new()))));
             }
             Request::Flush { reply, .. } => {
                 let _ = reply.send(Ok(()));
@@ -1975,7 +2036,7 @@ impl Engine {
     /// meanwhile), read again on a fresh connection when the source says the connection went
     /// stale, and tried again when SQLite cannot start a read transaction for now.
     ///
-    /// `query` also returns the node (id, version) whose segment data it read, if any. Segment
+    /// `query` also returns the nodes (id, version) whose segment data it read. Segment
     /// data is not under the transaction: a writer frees the data of an overwritten range and
     /// punches it out of its segment, or writes new data there, once that commit is durable,
     /// so a read racing with it can find zeros or other data. The node being unchanged in a
@@ -1984,15 +2045,21 @@ impl Engine {
     /// again.
     fn consistent<T>(
         &mut self,
-        mut query: impl FnMut(&mut Self) -> Result<(T, Option<(i64, u64)>), StoreError>,
+        mut query: impl FnMut(&mut Self) -> Result<(T, Vec<(i64, u64)>), StoreError>,
     ) -> Result<T, StoreError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
             let outcome = match self.read_transaction(&mut query) {
-                Ok((value, None)) => Ok(Some(value)),
-                Ok((value, Some((id, version)))) => self
-                    .read_transaction(&mut |e: &mut Self| Ok((e.node_unchanged(id, version)?, ())))
+                Ok((value, nodes)) if nodes.is_empty() => Ok(Some(value)),
+                Ok((value, nodes)) => self
+                    .read_transaction(&mut |e: &mut Self| {
+                        let mut same = true;
+                        for &(id, version) in &nodes {
+                            same &= e.node_unchanged(id, version)?;
+                        }
+                        Ok((same, ()))
+                    })
                     .map(|(same, ())| same.then_some(value)),
                 Err(failure) => Err(failure),
             };
@@ -2039,8 +2106,11 @@ impl Engine {
                 self.inline_column = Self::has_inline_column(&self.db).map_err(permanent)?;
             }
         }
+        // Cached statements, as every read makes this transaction: parsing its three
+        // statements anew was a fifth of a read-only server's worker (random 4 KiB reads).
         self.db
-            .execute_batch("BEGIN")
+            .prepare_cached("BEGIN")
+            .and_then(|mut begin| begin.execute([]))
             .map_err(|e| permanent(e.into()))?;
         // The read transaction starts at the first read: done here, so that SQLite's refusals
         // to start one for now (busy, a log being recovered) are told from real failures.
@@ -2048,9 +2118,8 @@ impl Engine {
         // have none yet, which the body is to tell.)
         let started = self
             .db
-            .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
-                r.get::<_, i64>(0)
-            });
+            .prepare_cached("SELECT count(*) FROM sqlite_master")
+            .and_then(|mut count| count.query_row([], |r| r.get::<_, i64>(0)));
         let result = match started {
             Ok(_) => self
                 .follow_omap_pending()
@@ -2062,18 +2131,20 @@ impl Engine {
             }),
         };
         if !self.db.is_autocommit() {
-            let _ = self.db.execute_batch("COMMIT");
+            let _ = self
+                .db
+                .prepare_cached("COMMIT")
+                .and_then(|mut commit| commit.execute([]));
         }
         result
     }
 
     /// Whether node `id` still exists at `version`.
     fn node_unchanged(&self, id: i64, version: u64) -> Result<bool, StoreError> {
-        Ok(self.db.query_row(
-            "SELECT EXISTS (SELECT 1 FROM nodes WHERE id = ?1 AND version = ?2)",
-            params![id, version as i64],
-            |r| r.get::<_, bool>(0),
-        )?)
+        Ok(self
+            .db
+            .prepare_cached("SELECT EXISTS (SELECT 1 FROM nodes WHERE id = ?1 AND version = ?2)")?
+            .query_row(params![id, version as i64], |r| r.get::<_, bool>(0))?)
     }
 
     /// Open the group transaction if none is open.
@@ -3701,6 +3772,15 @@ impl Engine {
     }
 
     fn read(&mut self, object: &ObjectName, op: &ReadOp) -> Result<Vec<ReadResult>, StoreError> {
+        self.read_with_node(object, op).map(|(results, _)| results)
+    }
+
+    /// A read, and the node it read: (id, version).
+    fn read_with_node(
+        &mut self,
+        object: &ObjectName,
+        op: &ReadOp,
+    ) -> Result<(Vec<ReadResult>, (i64, u64)), StoreError> {
         let node = match op.snap {
             Some(snap) => self.node_at(object, snap)?,
             None => self.head(object)?,
@@ -3820,7 +3900,7 @@ impl Engine {
                 }
             });
         }
-        Ok(results)
+        Ok((results, (node.id, node.version)))
     }
 
     /// Ask the segments for the bytes of `pieces` (extent rows of a read of `[offset, end)`)

@@ -121,6 +121,11 @@ const SYNC_AHEAD: u64 = 16 << 20;
 /// indexed only").
 const META_CACHE_KIB: u32 = 256 * 1024;
 
+/// A read-only opener's SQLite page cache, in KiB (taken as needed, up to this). With
+/// SQLite's default of 2 MiB, random reads of a served read-only image read most of their
+/// metadata pages back from the OS (docs/BENCHMARKS.md, "Read-only opens read in bursts").
+const READ_ONLY_META_CACHE_KIB: u32 = 64 * 1024;
+
 /// SQLite checkpoints its log into the database once the log holds this many pages of 4 KiB
 /// (`PRAGMA wal_autocheckpoint`; SQLite's default is 1000).
 ///
@@ -2141,6 +2146,7 @@ impl ReadOnlyMeta {
         })?;
         db.busy_timeout(Duration::from_secs(5))?;
         db.execute_batch(setup)?;
+        db.execute_batch(&format!("PRAGMA cache_size = -{READ_ONLY_META_CACHE_KIB}"))?;
         Ok(db)
     }
 }

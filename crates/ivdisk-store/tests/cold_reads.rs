@@ -100,7 +100,8 @@ async fn fragmented_data_read_from_the_disk_comes_back_whole() {
 
 /// Many reads of one piece each at once, their pages dropped: the worker takes them in bursts,
 /// makes each without waiting for the disk, asks the disk for those it missed, and reads those
-/// again (`Engine::handle_reads`). Every read returns its own bytes.
+/// again (`Engine::handle_reads`). Every read returns its own bytes, through a writer's open
+/// (even rounds) and a read-only one (odd rounds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_reads_from_the_disk_each_return_their_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -123,7 +124,10 @@ async fn concurrent_reads_from_the_disk_each_return_their_bytes() {
     }
     for round in 0..4 {
         drop_cached_pages(dir.path());
-        let store = LocalStore::open(dir.path()).unwrap();
+        let store = match round % 2 {
+            0 => LocalStore::open(dir.path()).unwrap(),
+            _ => LocalStore::open_read_only(dir.path()).unwrap(),
+        };
         let reads = (0..128).map(|i| {
             let (store, objects) = (&store, &objects);
             async move {
