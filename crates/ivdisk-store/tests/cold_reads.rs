@@ -98,7 +98,7 @@ async fn fragmented_data_read_from_the_disk_comes_back_whole() {
     check(&store, &object, &model).await;
 }
 
-/// Many reads of one piece each at once, their pages dropped: the worker takes them in bursts,
+/// Many reads of one to four pieces at once, their pages dropped: the worker takes them in bursts,
 /// makes each without waiting for the disk, asks the disk for those it missed, and reads those
 /// again (`Engine::handle_reads`). Every read returns its own bytes, through a writer's open
 /// (even rounds) and a read-only one (odd rounds).
@@ -132,18 +132,22 @@ async fn concurrent_reads_from_the_disk_each_return_their_bytes() {
             let (store, objects) = (&store, &objects);
             async move {
                 let o = (i + round) % objects.len();
-                let k = (i * 37 + round * 11) % BLOCKS;
+                // One to four blocks: as many pieces, each elsewhere in the segments.
+                let n = 1 + i % 4;
+                let k = (i * 37 + round * 11) % (BLOCKS - n);
                 let bytes = store
-                    .read(&objects[o], (k * BLOCK) as u64, BLOCK as u64)
+                    .read(&objects[o], (k * BLOCK) as u64, (n * BLOCK) as u64)
                     .await
                     .unwrap();
-                (o, k, bytes)
+                (o, k, n, bytes)
             }
         });
-        for (o, k, bytes) in futures_util::future::join_all(reads).await {
+        for (o, k, n, bytes) in futures_util::future::join_all(reads).await {
+            let written: Vec<u8> = (k..k + n).flat_map(|b| piece(b, BLOCK, o as u8)).collect();
             assert!(
-                bytes == piece(k, BLOCK, o as u8),
-                "round {round}: block {k} of object {o} read back as written"
+                bytes == written,
+                "round {round}: blocks {k}..{} of object {o} read back as written",
+                k + n
             );
         }
     }
