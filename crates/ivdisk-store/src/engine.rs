@@ -1837,14 +1837,22 @@ impl Engine {
             // each read on its own, so that each gets its own answer.
             Err(_) => {
                 for (object, op, reply) in reads {
-                    let result = self
-                        .reads_consistent(&[(&object, &op)])
-                        .and_then(|mut outcomes| outcomes.remove(0).0);
+                    let result = self.read_consistent(&object, &op);
                     self.answer(reply, result);
                 }
             }
         }
         missed
+    }
+
+    /// One read of a read-only engine, checked as `reads_consistent` checks a burst's.
+    fn read_consistent(
+        &mut self,
+        object: &ObjectName,
+        op: &ReadOp,
+    ) -> Result<Vec<ReadResult>, StoreError> {
+        self.reads_consistent(&[(object, op)])
+            .and_then(|mut outcomes| outcomes.remove(0).0)
     }
 
     /// Reads of a read-only engine in one query (see `consistent`): the nodes whose segment
@@ -1982,10 +1990,7 @@ impl Engine {
         }
         match request {
             Request::Read { object, op, reply } => {
-                let result = self
-                    .reads_consistent(&[(&object, &op)])
-                    .and_then(|mut outcomes| outcomes.remove(0).0);
-                let _ = reply.send(result);
+                let _ = reply.send(self.read_consistent(&object, &op));
             }
             Request::List {
                 prefix,
