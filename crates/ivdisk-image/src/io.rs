@@ -18,7 +18,7 @@ use crate::layout::{
     extent_bytes, take_or_place_extents, Decoded, ReadOutput, SectorLayout, SlotReply,
     UNALIGNED_DIRECT_GROUP,
 };
-use crate::metadata_cache::{MetadataCache, ReadPlan};
+use crate::metadata_cache::{InFlightLoads, MetadataCache, ReadPlan};
 use crate::range_lock::WriteHold;
 use crate::{ImageError, PayloadPlacement, ReadReply, WritePayload};
 
@@ -52,9 +52,9 @@ enum Fill<'a> {
 }
 
 /// What [`Inner::write_piece_whole_blocks`] sent in one pass.
-enum PackedStep {
+enum PackedStep<'a> {
     /// A read of the blocks the write needs whole (region bytes, and the loads it finishes).
-    Load(std::ops::Range<usize>, crate::metadata_cache::Loads),
+    Load(std::ops::Range<usize>, InFlightLoads<'a>),
     /// The write itself.
     Write,
     /// Nothing: the cache left a step the layout cannot store (a bug; the write fails).
@@ -308,18 +308,25 @@ impl Inner {
         let data_offset = piece.index as u64 * ss;
         let wanted = piece.index as usize * ml..(piece.index + piece.count) as usize * ml;
         let store = &self.store;
-        let (plan, result) = cache
+        let ((plan, _in_flight), result) = cache
             .submit(piece.object, store.lost_transactions(), |shard| {
                 let plan = cache.plan_read(shard, piece.object, wanted.clone());
                 let mut op = ReadOp::new().step(ReadStep::Read {
                     offset: data_offset,
                     len: piece.count as u64 * ss,
                 });
-                if let ReadPlan::Fetch { range, .. } = &plan {
+                let mut loads = Vec::new();
+                if let ReadPlan::Fetch {
+                    range,
+                    loads: started,
+                } = &plan
+                {
                     self.layout
                         .cached_fetch_steps(cache.region_offset(), range, &mut op.steps);
+                    loads = started.clone();
                 }
-                (plan, store.read_op(&object, op))
+                let in_flight = cache.in_flight(piece.object, loads);
+                ((plan, in_flight), store.read_op(&object, op))
             })
             .await;
         let corrupt = |reason: String| ImageError::Corrupt {
@@ -386,9 +393,12 @@ impl Inner {
         mut op: WriteOp,
     ) -> Result<(), StoreError> {
         let store = &self.store;
+        let given_up = cache.forget_if_dropped(n);
         let (load, (written, loaded)) = cache
             .submit(n, store.lost_transactions(), |shard| {
-                let load = cache.prepare_write(shard, n, &mut op.steps);
+                let load = cache
+                    .prepare_write(shard, n, &mut op.steps)
+                    .map(|(range, loads)| (range, cache.in_flight(n, loads)));
                 // Built on the shard's blocks: refused if the store lost what they hold.
                 op.unless_lost_since = shard.lost_seen;
                 let write = store.write_op(object, op);
@@ -409,6 +419,7 @@ impl Inner {
                 (load, both)
             })
             .await;
+        given_up.done();
         if written.is_err() {
             // What the object holds now is unknown.
             cache.forget(n);
@@ -441,17 +452,21 @@ impl Inner {
     ) -> Result<(), StoreError> {
         let store = &self.store;
         let layout = &*self.layout;
+        let given_up = cache.forget_if_dropped(n);
+        // The cache's next load id at the previous attempt (see `loads_before_write`).
+        let mut loads_seen = 0;
         for attempt in 0.. {
+            let take_over_below = (attempt >= 2).then_some(loads_seen);
+            let seen = &mut loads_seen;
             let (step, outcome) = cache
                 .submit(n, store.lost_transactions(), |shard| {
-                    let take_over = attempt >= 2;
-                    if let Some((range, loads)) =
-                        cache.loads_before_write(shard, n, &op.steps, take_over)
-                    {
+                    let load = cache.loads_before_write(shard, n, &op.steps, take_over_below);
+                    *seen = cache.next_load_id();
+                    if let Some((range, loads)) = load {
                         let mut read = ReadOp::new();
                         layout.cached_fetch_steps(cache.region_offset(), &range, &mut read.steps);
                         let read = store.read_op(object, read);
-                        let step = PackedStep::Load(range, loads);
+                        let step = PackedStep::Load(range, cache.in_flight(n, loads));
                         return (step, Either::Left(async move { Err(read.await) }));
                     }
                     let mut op = std::mem::take(&mut op);
@@ -462,6 +477,9 @@ impl Inner {
                     let load = cache.prepare_write(shard, n, &mut op.steps);
                     debug_assert!(load.is_none(), "a whole-block write left a load");
                     if let Err(reason) = layout.lower_cached_steps(&mut op.steps) {
+                        // What the cache took in is not going to the store: forgotten before
+                        // another operation is built on it.
+                        cache.forget_locked(shard, n);
                         let nothing = async { Ok(Ok(WriteOutcome { version: 0 })) };
                         let step = PackedStep::Unstorable(reason);
                         return (step, Either::Right(Either::Right(nothing)));
@@ -473,13 +491,14 @@ impl Inner {
                 .await;
             match (step, outcome) {
                 (PackedStep::Write, Ok(written)) => {
+                    given_up.done();
                     if written.is_err() {
                         cache.forget(n);
                     }
                     return written.map(|_| ());
                 }
                 (PackedStep::Unstorable(reason), _) => {
-                    cache.forget(n);
+                    given_up.done();
                     return Err(StoreError::InvalidOperation {
                         object: object.to_string(),
                         reason: format!("metadata cache left an unstorable step: {reason}"),

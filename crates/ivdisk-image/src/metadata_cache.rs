@@ -18,7 +18,9 @@
 //! loaded by a read of the whole block in the same order; the writes submitted while that read
 //! is in flight are kept as patches and applied to what it returns.
 //!
-//! A write that fails leaves its object's blocks forgotten (reloaded on next use). Writes to
+//! A write that fails, or whose future is dropped once built ([`ForgetIfDropped`]: it may
+//! reach the store or not), leaves its object's blocks forgotten (reloaded on next use); an
+//! operation dropped while it loads blocks gives the loads up ([`InFlightLoads`]). Writes to
 //! the same block submitted while it was in flight already carried its new metadata in their
 //! whole-block writes, so the failed write's sectors may then read as failing authentication
 //! until rewritten: what a failed write leaves in its range is undefined in any case.
@@ -150,6 +152,62 @@ pub(crate) type Loads = Vec<(u32, u64)>;
 /// One change of a write to the metadata region: (offset in the region, new bytes).
 type Change<'a> = (usize, std::borrow::Cow<'a, [u8]>);
 
+/// Loads an operation started, abandoned ([`MetadataCache::abandon_loads`]) if it is dropped
+/// before it finished or abandoned them itself: a caller that gives up on a read or a write
+/// after its operation was submitted (a timeout) would otherwise leave its blocks loading for
+/// ever, so that every later read of them fetched them again and every write added a patch
+/// to them. Dropped after they were finished or abandoned it changes nothing, as their
+/// blocks no longer carry their ids. Made where the operation is built and kept beside it
+/// until its result is handled; never dropped under the shard lock (it takes it).
+pub(crate) struct InFlightLoads<'a> {
+    cache: &'a MetadataCache,
+    object: u64,
+    loads: Loads,
+}
+
+impl std::ops::Deref for InFlightLoads<'_> {
+    type Target = Loads;
+    fn deref(&self) -> &Loads {
+        &self.loads
+    }
+}
+
+/// See [`MetadataCache::forget_if_dropped`]. Why: a write whose future is dropped after its
+/// operation was built (a caller's timeout) may reach the store or not (a coalescing store
+/// drops a queued operation whose caller is gone), while the cache took its metadata in. What
+/// the object's blocks hold is then as unknown as after a failed write, and they are
+/// forgotten in the same way (loaded again from the store, in order, at their next use).
+pub(crate) struct ForgetIfDropped<'a> {
+    cache: &'a MetadataCache,
+    object: u64,
+    armed: bool,
+}
+
+impl ForgetIfDropped<'_> {
+    /// The write ended (its result is handled by the caller).
+    pub(crate) fn done(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ForgetIfDropped<'_> {
+    fn drop(&mut self) {
+        // Not while unwinding: a panic in an operation's building holds the shard lock.
+        if self.armed && !std::thread::panicking() {
+            self.cache.forget(self.object);
+        }
+    }
+}
+
+impl Drop for InFlightLoads<'_> {
+    fn drop(&mut self) {
+        // Not while unwinding: a panic in an operation's building holds the shard lock.
+        if !self.loads.is_empty() && !std::thread::panicking() {
+            self.cache.abandon_loads(self.object, &self.loads);
+        }
+    }
+}
+
 impl MetadataCache {
     /// A cache for objects whose metadata region is `region_len` bytes at `region_offset`,
     /// holding about `capacity` bytes, for a store whose write unit is `write_unit` (1: none;
@@ -184,6 +242,30 @@ impl MetadataCache {
 
     pub(crate) fn region_offset(&self) -> u64 {
         self.region_offset
+    }
+
+    /// `loads` of `object`, abandoned if dropped before they were finished.
+    pub(crate) fn in_flight(&self, object: u64, loads: Loads) -> InFlightLoads<'_> {
+        InFlightLoads {
+            cache: self,
+            object,
+            loads,
+        }
+    }
+
+    /// A guard for a write on `object` built through this cache: unless [`ForgetIfDropped::done`]
+    /// is called, dropping it forgets the object's blocks.
+    pub(crate) fn forget_if_dropped(&self, object: u64) -> ForgetIfDropped<'_> {
+        ForgetIfDropped {
+            cache: self,
+            object,
+            armed: true,
+        }
+    }
+
+    /// The id the next load will get: every load with a lower id started before this call.
+    pub(crate) fn next_load_id(&self) -> u64 {
+        self.next_load.load(Ordering::Relaxed)
     }
 
     fn shard(&self, object: u64) -> MutexGuard<'_, Shard> {
@@ -359,6 +441,12 @@ impl MetadataCache {
         forget_in(&mut self.shard(object), object);
     }
 
+    /// [`MetadataCache::forget`] under the shard lock the caller holds (`shard` is
+    /// `object`'s), so that no other operation is built on the blocks first.
+    pub(crate) fn forget_locked(&self, shard: &mut Shard, object: u64) {
+        forget_in(shard, object);
+    }
+
     fn insert_known(&self, shard: &mut Shard, key: (u64, u32), content: Box<[u8]>) {
         if let Some(Block::Known(known)) = shard.blocks.get_mut(&key) {
             *known = content;
@@ -460,16 +548,20 @@ impl MetadataCache {
     /// metadata steps touch in part that are not known yet, marked as loading (the caller
     /// reads them and calls [`MetadataCache::finish_loads`] before it builds the write again).
     /// `None` when every block the write needs whole is known (or it needs none: an object
-    /// removal). Changes nothing else. With `take_over`, blocks another load is fetching are
-    /// loaded afresh by this one (that load's result is then ignored): a caller that waited
-    /// for them more than once takes them over, so a load whose future was dropped cannot hold
-    /// writes back for ever.
+    /// removal). Changes nothing else. With `take_over_below`, blocks another load is fetching
+    /// are loaded afresh by this one (that load's result is then ignored) if that load's id is
+    /// below it: the caller passes [`MetadataCache::next_load_id`] as it was at its previous
+    /// attempt, after which it waited for a read of its own, so a load older than that had its
+    /// read answered first and its owner did not take the result (a future dropped before
+    /// [`InFlightLoads`] existed, or an owner far behind). A younger load is left alone:
+    /// taking any load over let two writers that both needed a block take it from each other
+    /// for ever, each one's read answered just after the other had taken the block over.
     pub(crate) fn loads_before_write(
         &self,
         shard: &mut Shard,
         object: u64,
         steps: &[WriteStep],
-        take_over: bool,
+        take_over_below: Option<u64>,
     ) -> Option<(Range<usize>, Loads)> {
         let region_start = self.region_offset;
         let region_end = self.region_offset + self.region_len as u64;
@@ -502,10 +594,12 @@ impl MetadataCache {
             }
         }
         let blocks = missing?;
-        if take_over {
+        if let Some(below) = take_over_below {
             for b in blocks.clone() {
-                if let Some(Block::Loading { .. }) = shard.blocks.get(&(object, b)) {
-                    shard.blocks.remove(&(object, b));
+                if let Some(Block::Loading { id, .. }) = shard.blocks.get(&(object, b)) {
+                    if *id < below {
+                        shard.blocks.remove(&(object, b));
+                    }
                 }
             }
         }
@@ -905,14 +999,14 @@ mod tests {
         // The end of block 0, all of block 1, the start of block 2: 0 and 2 are loaded first.
         let steps = vec![data_write(), meta_write(BLOCK - 32, &[1; BLOCK + 64])];
         let (range, loads) = cache
-            .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+            .loads_before_write(&mut cache.shard(0), 0, &steps, None)
             .expect("blocks 0 and 2 are not known");
         assert_eq!(range, 0..3 * BLOCK);
         let stored: Vec<u8> = (0..3 * BLOCK).map(|i| (i % 251) as u8).collect();
         cache.finish_loads(0, &loads, &range, Some(&stored));
         assert!(
             cache
-                .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+                .loads_before_write(&mut cache.shard(0), 0, &steps, None)
                 .is_none(),
             "every block the write needs whole stays known"
         );
@@ -952,7 +1046,7 @@ mod tests {
         }
         let mut steps = vec![data_write(), meta_write(BLOCK - 32, &[1; BLOCK + 64])];
         assert!(cache
-            .loads_before_write(&mut cache.shard(0), 0, &steps, false)
+            .loads_before_write(&mut cache.shard(0), 0, &steps, None)
             .is_none());
         // Block 1 goes in whole: it must not push block 0 or 2 out before they are rebuilt.
         assert!(prepare(&cache, 0, &mut steps).is_none());
@@ -961,5 +1055,82 @@ mod tests {
             vec![(0, BLOCK), (BLOCK as u64, BLOCK), (2 * BLOCK as u64, BLOCK)],
             "whole blocks only"
         );
+    }
+    /// Two writers that both need block 0 whole and are past their second attempt, each
+    /// taking over the other's load where `loads_before_write` lets it, their reads answered
+    /// and handled in the order they were sent. The start: B's load is in flight and A, whose
+    /// previous read went out after B's, takes it over (B fell behind). Returns the round in
+    /// which one of them found the block known, if one did within 20.
+    fn rounds_until_known(take_over_any: bool) -> Option<usize> {
+        let cache = cache(true);
+        let steps = vec![meta_write(32, &[1; 32])];
+        // One attempt: the loads its read finishes (the read goes out whenever the block is
+        // not known), and the next load id as it saw it.
+        let attempt = |previous: &mut u64| -> Option<Loads> {
+            let below = if take_over_any { u64::MAX } else { *previous };
+            let mut shard = cache.shard(0);
+            let loads = cache.loads_before_write(&mut shard, 0, &steps, Some(below));
+            *previous = cache.next_load_id();
+            loads.map(|(range, loads)| {
+                assert_eq!(range, 0..BLOCK);
+                loads
+            })
+        };
+        let (mut b_seen, mut a_seen) = (0, 0);
+        let b_loads = attempt(&mut b_seen).expect("nothing known yet");
+        assert_eq!(b_loads.len(), 1, "B starts the load");
+        a_seen = a_seen.max(cache.next_load_id());
+        let a_loads = attempt(&mut a_seen).expect("B's load is in flight");
+        assert_eq!(a_loads.len(), 1, "A takes B's load over");
+        let mut reads: std::collections::VecDeque<(char, Loads)> =
+            [('B', b_loads), ('A', a_loads)].into();
+        for round in 0..20 {
+            let (writer, loads) = reads.pop_front().expect("a read in flight");
+            cache.finish_loads(0, &loads, &(0..BLOCK), Some(&[0; BLOCK]));
+            let seen = if writer == 'A' {
+                &mut a_seen
+            } else {
+                &mut b_seen
+            };
+            match attempt(seen) {
+                Some(loads) => reads.push_back((writer, loads)),
+                None => return Some(round),
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn two_writers_do_not_take_a_block_from_each_other_for_ever() {
+        // Taking over any load in flight: each writer's read comes back just after the other
+        // took the block over, for ever.
+        assert_eq!(rounds_until_known(true), None);
+        // Only loads older than the writer's previous read: B leaves A's load alone, A's
+        // read fills the block and A goes ahead.
+        assert_eq!(rounds_until_known(false), Some(1));
+    }
+
+    #[test]
+    fn dropped_loads_are_abandoned_and_finished_ones_stay() {
+        let cache = cache(true);
+        let ReadPlan::Fetch { range, loads } = plan(&cache, 1, 0..32) else {
+            panic!("nothing is known yet");
+        };
+        // A caller that gave up: its blocks are no longer loading, the next read loads them.
+        drop(cache.in_flight(1, loads));
+        let ReadPlan::Fetch {
+            range: again,
+            loads,
+        } = plan(&cache, 1, 0..32)
+        else {
+            panic!("the block was abandoned, not filled");
+        };
+        assert_eq!(again, range);
+        assert_eq!(loads.len(), 1, "a new load, not a wait for the dropped one");
+        // Finished, then dropped: the block stays known.
+        let in_flight = cache.in_flight(1, loads);
+        cache.finish_loads(1, &in_flight, &range, Some(&[4; BLOCK]));
+        drop(in_flight);
+        assert!(matches!(plan(&cache, 1, 0..32), ReadPlan::Cached(b) if b == vec![4; 32]));
     }
 }

@@ -63,6 +63,86 @@ async fn four_object_image(layout: LayoutKind, name: &str) -> (Arc<BlockStore>, 
     (store, image)
 }
 
+/// A read given up while it loads a metadata block (a caller's timeout, after its operation
+/// went to the store) leaves no load behind: the next read loads the block again, and the one
+/// after finds it in memory. Before, the block stayed loading for ever, so every read of it
+/// fetched it again and every write added a patch to it.
+#[tokio::test]
+async fn a_read_given_up_while_it_loads_leaves_no_load_behind() {
+    let (store, image) = four_object_image(LayoutKind::ObjectEnd, "given-up").await;
+    image.write(3 * SS, &sector(3)).await.unwrap();
+    image.close().await.unwrap();
+    let image = Image::open_on(store.clone(), "given-up", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    let object = image.data_object(0).to_string();
+    *store.hold_reads_of.lock().unwrap() = Some(object.clone());
+    store.clear();
+    let mut buf = vec![0u8; SS as usize];
+    let given_up = tokio::time::timeout(
+        std::time::Duration::from_millis(200),
+        image.read(3 * SS, &mut buf),
+    )
+    .await;
+    assert!(
+        given_up.is_err(),
+        "the read waits at the store until given up"
+    );
+    assert_eq!(
+        read_steps(&store),
+        vec![2],
+        "it went out: data and the metadata block"
+    );
+    *store.hold_reads_of.lock().unwrap() = None;
+
+    store.clear();
+    assert_eq!(read_sector(&image, 3).await, sector(3));
+    assert_eq!(read_sector(&image, 3).await, sector(3));
+    assert_eq!(
+        read_steps(&store),
+        vec![2, 1],
+        "loaded again once, then read from memory"
+    );
+    // A write into the block goes out whole: the block is known.
+    store.clear();
+    image.write(4 * SS, &sector(4)).await.unwrap();
+    assert_eq!(
+        writes_to(&store, &object),
+        vec![(4 * SS, 4096), (OBJECT_SIZE, 4096)]
+    );
+    image.close().await.unwrap();
+}
+
+/// A write given up while its operation waits at the store (never applied, as a coalescing
+/// store drops a queued operation whose caller is gone) leaves the cache as a failed write
+/// does: forgotten, so the sector reads as the store holds it. Before, the cache kept the
+/// write's metadata, and the old data read as failing authentication.
+#[tokio::test]
+async fn a_write_given_up_at_the_store_leaves_the_cache_as_the_store_is() {
+    for layout in [LayoutKind::ObjectEnd, LayoutKind::OmapPacked] {
+        let (store, image) = four_object_image(layout, "given-up-write").await;
+        image.write(5 * SS, &sector(5)).await.unwrap();
+        assert_eq!(read_sector(&image, 5).await, sector(5));
+        let object = image.data_object(0).to_string();
+        *store.hold_writes_of.lock().unwrap() = Some(object.clone());
+        let given_up = tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            image.write(5 * SS, &sector(6)),
+        )
+        .await;
+        assert!(
+            given_up.is_err(),
+            "{layout:?}: the write waits at the store until given up"
+        );
+        *store.hold_writes_of.lock().unwrap() = None;
+        assert_eq!(read_sector(&image, 5).await, sector(5), "{layout:?}");
+        image.write(6 * SS, &sector(7)).await.unwrap();
+        assert_eq!(read_sector(&image, 5).await, sector(5), "{layout:?}");
+        assert_eq!(read_sector(&image, 6).await, sector(7), "{layout:?}");
+        image.close().await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn small_ios_send_whole_metadata_blocks_and_read_data_alone() {
     let (store, image) = four_object_image(LayoutKind::ObjectEnd, "cached").await;

@@ -1045,6 +1045,11 @@ pub struct BlockStore {
     /// (object, what) of every omap step, in submission order: `set KEY:LEN,...` (values set),
     /// `remove KEY,...`, `get KEY,...` (read by keys).
     pub omap: std::sync::Mutex<Vec<(String, String)>>,
+    /// While set, reads of this object wait (after they were recorded), as a read does that
+    /// a caller gives up on.
+    pub hold_reads_of: std::sync::Mutex<Option<String>>,
+    /// The same for writes, which wait before they are applied.
+    pub hold_writes_of: std::sync::Mutex<Option<String>>,
 }
 
 impl BlockStore {
@@ -1054,7 +1059,17 @@ impl BlockStore {
             writes: Default::default(),
             reads: Default::default(),
             omap: Default::default(),
+            hold_reads_of: Default::default(),
+            hold_writes_of: Default::default(),
         }
+    }
+
+    fn reads_held(&self, object: &ObjectName) -> bool {
+        self.hold_reads_of.lock().unwrap().as_deref() == Some(object.as_str())
+    }
+
+    fn writes_held(&self, object: &ObjectName) -> bool {
+        self.hold_writes_of.lock().unwrap().as_deref() == Some(object.as_str())
     }
 
     /// Forget what was recorded so far.
@@ -1120,6 +1135,9 @@ ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
                 }
             }
         }
+        while self.writes_held(object) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
         self.inner.write_op(object, op).await
     }
     async fn read_op(
@@ -1138,6 +1156,9 @@ ivdisk_store::object_store_forwarding_to_inner!(BlockStore {
                 let what = format!("get {}", key_list(keys.iter().map(|k| &k[..])));
                 self.omap.lock().unwrap().push((object.to_string(), what));
             }
+        }
+        while self.reads_held(object) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         self.inner.read_op(object, op).await
     }
