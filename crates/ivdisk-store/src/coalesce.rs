@@ -494,7 +494,9 @@ fn duplicate(e: &StoreError) -> StoreError {
 }
 
 /// Whether every step of `op` can share an operation with others: its effect does not
-/// depend on the object's state, and it cannot fail on its own.
+/// depend on the object's state, and it cannot fail on its own. Not the omap removals: on a
+/// missing object they fail (`NotFound`; RADOS answers `ENOENT`), which would fail every
+/// operation merged with them.
 fn mergeable(op: &WriteOp) -> bool {
     op.steps.iter().all(|step| {
         matches!(
@@ -503,9 +505,6 @@ fn mergeable(op: &WriteOp) -> bool {
                 | WriteStep::Zero { .. }
                 | WriteStep::Truncate(_)
                 | WriteStep::OmapSet(_)
-                | WriteStep::OmapRemoveKeys(_)
-                | WriteStep::OmapRemoveRange { .. }
-                | WriteStep::OmapClear
         )
     })
 }
@@ -704,5 +703,11 @@ mod tests {
         assert!(!mergeable(
             &WriteOp::new().step(WriteStep::WriteFull(vec![1]))
         ));
+        assert!(!mergeable(
+            &WriteOp::new()
+                .step(write(0, b"x"))
+                .step(WriteStep::OmapRemoveKeys(vec![b"k".to_vec()]))
+        ));
+        assert!(!mergeable(&WriteOp::new().step(WriteStep::OmapClear)));
     }
 }

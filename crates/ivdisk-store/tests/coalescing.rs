@@ -147,6 +147,30 @@ async fn a_failing_operation_fails_alone() {
     );
 }
 
+/// An omap removal fails on a missing object (here as on RADOS): queued behind the object's
+/// removal, it fails alone and the write queued after it still lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_omap_removal_on_a_missing_object_fails_alone() {
+    let s = coalescing();
+    let o = object("removed-then-written");
+    // The first two go out at once; the other two queue behind them.
+    let ops = vec![
+        WriteOp::new().write(0, b"before"),
+        WriteOp::new().step(WriteStep::Remove),
+        WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![b"k".to_vec()])),
+        WriteOp::new().write(0, b"after"),
+    ];
+    let results = join_all(ops.into_iter().map(|op| s.write_op(&o, op))).await;
+    assert!(results[0].is_ok() && results[1].is_ok(), "{results:?}");
+    assert!(
+        matches!(results[2], Err(StoreError::NotFound { .. })),
+        "{:?}",
+        results[2]
+    );
+    assert!(results[3].is_ok(), "{:?}", results[3]);
+    assert_eq!(s.read(&o, 0, 100).await.unwrap(), b"after");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_after_queued_writes_sees_them() {
     let s = Arc::new(coalescing());
