@@ -913,7 +913,8 @@ pub async fn multi_step_ops_are_atomic<S: ObjectStore>(c: Clients<S>) {
 /// The omap: `OmapSet` creates the object, sets and overwrites; get by keys leaves missing keys
 /// out; ranges honour start (inclusive), end (exclusive), max and report `more` only when keys
 /// beyond `max` are in range; keys and ranges remove; a clear removes every key and leaves the
-/// data alone, also on an object with no keys, and is `NotFound` on a missing object; keys are
+/// data alone, also on an object with no keys; a clear and removals of keys or of a range are
+/// `NotFound` on a missing object; keys are
 /// binary (0x00, 0xff) and ordered bytewise; `omap_all` pages over more than 1024 keys.
 pub async fn omap<S: ObjectStore>(c: Clients<S>) {
     let p = case_prefix("omap");
@@ -1050,6 +1051,21 @@ pub async fn omap<S: ObjectStore>(c: Clients<S>) {
         .await,
         StoreError::NotFound { .. }
     );
+    // So are removals of keys and of ranges (RADOS answers ENOENT), which is why a coalescing
+    // store does not merge them into other operations.
+    for step in [
+        WriteStep::OmapRemoveKeys(vec![b"a".to_vec()]),
+        WriteStep::OmapRemoveRange {
+            start: b"a".to_vec(),
+            end: b"z".to_vec(),
+        },
+    ] {
+        assert_err!(
+            s.write_op(&name(&p, "missing"), WriteOp::new().step(step))
+                .await,
+            StoreError::NotFound { .. }
+        );
+    }
 
     // Binary keys and values, ordered bytewise (0x80 after 0x7f, shorter before longer).
     let bin = name(&p, "binary");
