@@ -308,9 +308,10 @@ impl Inner {
         let data_offset = piece.index as u64 * ss;
         let wanted = piece.index as usize * ml..(piece.index + piece.count) as usize * ml;
         let store = &self.store;
-        let ((plan, _in_flight), result) = cache
+        // The plan's loads move into `loads`, which gives them up if this read is dropped.
+        let ((plan, loads), result) = cache
             .submit(piece.object, store.lost_transactions(), |shard| {
-                let plan = cache.plan_read(shard, piece.object, wanted.clone());
+                let mut plan = cache.plan_read(shard, piece.object, wanted.clone());
                 let mut op = ReadOp::new().step(ReadStep::Read {
                     offset: data_offset,
                     len: piece.count as u64 * ss,
@@ -319,14 +320,14 @@ impl Inner {
                 if let ReadPlan::Fetch {
                     range,
                     loads: started,
-                } = &plan
+                } = &mut plan
                 {
                     self.layout
                         .cached_fetch_steps(cache.region_offset(), range, &mut op.steps);
-                    loads = started.clone();
+                    loads = std::mem::take(started);
                 }
-                let in_flight = cache.in_flight(piece.object, loads);
-                ((plan, in_flight), store.read_op(&object, op))
+                let loads = cache.in_flight(piece.object, loads);
+                ((plan, loads), store.read_op(&object, op))
             })
             .await;
         let corrupt = |reason: String| ImageError::Corrupt {
@@ -336,13 +337,13 @@ impl Inner {
         let results = match result {
             Ok(results) => results,
             Err(e) => {
-                if let ReadPlan::Fetch { range, loads } = &plan {
+                if let ReadPlan::Fetch { range, .. } = &plan {
                     match e {
                         // A missing object: its metadata is all zeros at this point.
                         StoreError::NotFound { .. } => {
-                            cache.finish_loads(piece.object, loads, range, None)
+                            cache.finish_loads(piece.object, &loads, range, None)
                         }
-                        _ => cache.abandon_loads(piece.object, loads),
+                        _ => cache.abandon_loads(piece.object, &loads),
                     }
                 }
                 return match e {
@@ -358,7 +359,7 @@ impl Inner {
         let taken = take_or_place_extents(results.next(), data_offset, out);
         let (taken, metadata) = match plan {
             ReadPlan::Cached(metadata) => (taken.map_err(corrupt)?, metadata),
-            ReadPlan::Fetch { range, loads } => {
+            ReadPlan::Fetch { range, .. } => {
                 let fetched =
                     self.layout
                         .cached_fetched(&mut results, cache.region_offset(), &range);
