@@ -766,6 +766,12 @@ pub(crate) struct Engine {
     /// that works on whole nodes), whose rollback would not undo changes held in memory.
     /// Everything held is written back before.
     extents_direct: bool,
+    /// The id the next node made gets (`new_node_id`). Never one a node had before in this
+    /// run, nor one a pending row names: SQLite's own choice (the highest rowid + 1) gave a
+    /// removed node's id to the next node made, and a pending row that still held that
+    /// node's extent removals then removed the newcomer's extents when it was replayed (a
+    /// snapshot's clone, copied in SQL, lost its extents after a crash).
+    next_node_id: std::cell::Cell<i64>,
     /// A read-only engine: the last `extents_pending` row replayed, and whether the store
     /// has that table.
     extent_rows_seen: i64,
@@ -961,6 +967,7 @@ impl Engine {
             extents_direct: false,
             extent_rows_seen: 0,
             extents_pending_table: true,
+            next_node_id: Default::default(),
             // Due at the open too: a store stopped by a crash, or by a build without
             // compaction, may hold a large log and free pages.
             compaction: Compaction::new(true),
@@ -971,6 +978,17 @@ impl Engine {
         .and_then(|mut engine| {
             engine.replay_omap_pending()?;
             engine.replay_extents_pending()?;
+            // Above every node SQLite has and every node the pending rows name.
+            let highest: i64 =
+                engine
+                    .db
+                    .query_row("SELECT coalesce(max(id), 0) FROM nodes", [], |r| r.get(0))?;
+            let named = [
+                engine.omap.get_mut().last_node(),
+                engine.extents.get_mut().last_node(),
+            ];
+            let highest = named.into_iter().flatten().fold(highest, i64::max);
+            engine.next_node_id.set(highest + 1);
             Ok(engine)
         })
     }
@@ -1023,6 +1041,7 @@ impl Engine {
             extents_direct: false,
             extent_rows_seen: 0,
             extents_pending_table: false,
+            next_node_id: Default::default(),
             compaction: Compaction::new(false),
             autocheckpoint_held: None,
             debt_seen: (0, Instant::now()),
@@ -1079,13 +1098,10 @@ impl Engine {
             extents.replay(seq, row)
         })?;
         extents.index_places();
-        let used: i64 = self.db.query_row(
-            "SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'extents_pending'",
-            [],
-            |r| r.get(0),
-        )?;
-        extents.next_row(used.max(last) as u64 + 1);
-        self.extent_rows_seen = last;
+        let used = rows_stored(&self.db, "extents_pending")?.max(last);
+        extents.next_row(used as u64 + 1);
+        // Rows up to `used` that are gone were written back: SQLite has their changes.
+        self.extent_rows_seen = used;
         Ok(())
     }
 
@@ -1237,14 +1253,11 @@ impl Engine {
         })?;
         // Row numbers are never used twice (AUTOINCREMENT keeps the highest ever used), so
         // that a read-only engine following the table tells new rows from old ones.
-        let used: i64 = self.db.query_row(
-            "SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'omap_pending'",
-            [],
-            |r| r.get(0),
-        )?;
-        omap.next_row(used.max(last) as u64 + 1);
+        let used = rows_stored(&self.db, "omap_pending")?.max(last);
+        omap.next_row(used as u64 + 1);
         let generation = Self::omap_generation(&self.db)?;
-        self.omap_rows_seen = Some((generation, last));
+        // Rows up to `used` that are gone were written back: SQLite has their changes.
+        self.omap_rows_seen = Some((generation, used));
         Ok(())
     }
 
@@ -1258,18 +1271,31 @@ impl Engine {
     }
 
     /// A read-only engine, at the start of each read transaction: catch up with the rows a
-    /// writer added to `omap_pending`, or replay them all again if it wrote every change back
-    /// since (a later step may have removed in SQL what older rows set). Rows the writer
-    /// deleted one by one were written back or changed again by later rows: what this engine
-    /// still holds of them agrees with SQLite, until it holds too much and starts over.
+    /// writer added to `omap_pending` and `extents_pending`, or replay them all again if it
+    /// wrote every change back since (a later step may have removed in SQL what older rows
+    /// set), or deleted a row this engine never saw. Rows the writer deleted one by one were
+    /// written back or changed again by later rows; what this engine still holds of them
+    /// agrees with SQLite only if it saw those later rows: a row written back and deleted
+    /// unseen leaves it holding the older change (a value set again, an extent's old place,
+    /// which may be punched or reused by then). Rows are deleted oldest first and numbered
+    /// one after the other, so an unseen deletion shows as the next row missing.
     fn follow_omap_pending(&mut self) -> Result<(), StoreError> {
         if !self.omap_pending_table {
             return Ok(());
         }
         let generation = Self::omap_generation(&self.db)?;
+        let missed = match self.omap_rows_seen {
+            Some((_, last)) => {
+                rows_missed(&self.db, "omap_pending", last)?
+                    || (self.extents_pending_table
+                        && rows_missed(&self.db, "extents_pending", self.extent_rows_seen)?)
+            }
+            None => true,
+        };
         match self.omap_rows_seen {
             Some((seen_generation, last))
-                if seen_generation == generation
+                if !missed
+                    && seen_generation == generation
                     && self.omap.get_mut().held().1 <= 2 * self.omap_held_max
                     && self.extents.get_mut().held().1 <= 2 * self.omap_held_max =>
             {
@@ -3047,13 +3073,22 @@ impl Engine {
         Ok(())
     }
 
+    /// An id for a node about to be made (see `next_node_id`).
+    fn new_node_id(&self) -> i64 {
+        let id = self.next_node_id.get();
+        self.next_node_id.set(id + 1);
+        id
+    }
+
     fn create_head(&self, object: &ObjectName, seq: u64) -> Result<Node, StoreError> {
+        let id = self.new_node_id();
         self.db.execute(
-            "INSERT INTO nodes (name, size, version, snap_seq, birth_seq) VALUES (?1, 0, 0, ?2, ?2)",
-            params![object.as_str(), seq as i64],
+            "INSERT INTO nodes (id, name, size, version, snap_seq, birth_seq)
+             VALUES (?1, ?2, 0, 0, ?3, ?3)",
+            params![id, object.as_str(), seq as i64],
         )?;
         Ok(Node {
-            id: self.db.last_insert_rowid(),
+            id,
             size: 0,
             version: 0,
             snap_seq: seq,
@@ -3063,13 +3098,12 @@ impl Engine {
 
     /// Copy a node's extents (sharing their data) and omap into `to`.
     fn copy_node(&mut self, from: i64, to: i64) -> Result<(), StoreError> {
-        // The copy is made in SQL: the held extent changes of both nodes go there first.
-        // `to` may hold some too: a node removed with its rows' removals still held leaves
-        // its id to the next node made (SQLite reuses the highest rowid once it is gone).
-        for node in [from, to] {
-            let held = self.extents.get_mut().take_node(node);
-            Self::store_extents_in(&self.db, &held)?;
-        }
+        // The copy is made in SQL: the held extent changes of `from` go there first. `to` is
+        // new and was never any node's id before (`next_node_id`), so no held change and no
+        // pending row names it: none can hide or remove the rows copied.
+        debug_assert!(!self.extents.get_mut().holds_node(to));
+        let held = self.extents.get_mut().take_node(from);
+        Self::store_extents_in(&self.db, &held)?;
         self.db.execute(
             "INSERT INTO extents (node, lo, hi, seg, seg_off, blob, blob_end, inline)
              SELECT ?2, lo, hi, seg, seg_off, blob, blob_end, inline FROM extents WHERE node = ?1",
@@ -3096,10 +3130,13 @@ impl Engine {
         }
         if context.snaps.iter().any(|&s| s > head.snap_seq) {
             self.clones_may_exist = true;
+            let clone = self.new_node_id();
             self.db.execute(
-                "INSERT INTO nodes (name, clone_from, clone_to, size, version, snap_seq, birth_seq)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 0, 0)",
+                "INSERT INTO nodes (id, name, clone_from, clone_to, size, version, snap_seq,
+                                    birth_seq)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 0, 0)",
                 params![
+                    clone,
                     object.as_str(),
                     head.snap_seq as i64,
                     context.seq as i64,
@@ -3107,7 +3144,6 @@ impl Engine {
                     head.version as i64
                 ],
             )?;
-            let clone = self.db.last_insert_rowid();
             self.copy_node(head.id, clone)?;
         }
         head.snap_seq = context.seq;
@@ -4600,6 +4636,27 @@ fn delete_pending_rows(db: &Connection, table: &str, rows: Vec<u64>) -> Result<(
     Ok(())
 }
 
+/// The number of the last row ever stored in the pending-changes table `table` (0 if none).
+fn rows_stored(db: &Connection, table: &str) -> Result<i64, StoreError> {
+    Ok(db
+        .prepare_cached("SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = ?1")?
+        .query_row([table], |r| r.get(0))?)
+}
+
+/// Whether a row of the pending-changes table `table` numbered above `seen` was stored and
+/// deleted again (see `Engine::follow_omap_pending`). Rows are numbered one after the other;
+/// a number skipped (a transaction that stored its row and was then lost) looks the same, and
+/// costs the reader a replay it did not need.
+fn rows_missed(db: &Connection, table: &str, seen: i64) -> Result<bool, StoreError> {
+    if rows_stored(db, table)? <= seen {
+        return Ok(false);
+    }
+    let next: Option<i64> = db
+        .prepare_cached(&format!("SELECT min(seq) FROM {table} WHERE seq > ?1"))?
+        .query_row([seen], |r| r.get(0))?;
+    Ok(next != Some(seen + 1))
+}
+
 /// Call `each` with every row of the pending-changes table `table` (`omap_pending`,
 /// `extents_pending`) numbered above `after`, oldest first; the last row's number (`after`
 /// if none).
@@ -4864,52 +4921,29 @@ mod tests {
             .unwrap());
     }
 
-    /// A snapshot's clone copies its head's extents in SQL. Its node id may be that of a node
-    /// removed while the removal of its extent rows is still held (SQLite hands out the
-    /// highest rowid again once its row is gone): the copy must neither collide with those
-    /// rows nor be hidden by the held removals.
+    /// A snapshot's clone copies its head's extents in SQL. SQLite would give it the id of a
+    /// node removed in the same transaction (the highest rowid, once its row is gone), whose
+    /// extent removals wait in the transaction's pending row: replayed after a crash or a lost
+    /// transaction, they removed the clone's copied extents. Node ids are never given twice,
+    /// also after an open that replays such a row (as one after a clean stop does).
     #[test]
-    fn a_clone_in_a_reused_node_id_sees_its_copied_extents() {
-        let db = Connection::open_in_memory().unwrap();
-        let mut engine =
-            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+    fn a_clone_made_after_a_removal_keeps_its_extents_through_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.sqlite");
         let (a, b) = (ObjectName::new("a").unwrap(), ObjectName::new("b").unwrap());
-        let data = |byte: u8| vec![byte; 6000];
-        engine
-            .apply_write(&b, &WriteOp::new().write(0, data(1)))
-            .unwrap();
-        engine
-            .apply_write(&a, &WriteOp::new().write(0, data(2)))
-            .unwrap();
-        engine.commit(false);
-        engine.write_back_extents().unwrap();
-        engine.commit(false);
-        let a_id = engine.head(&a).unwrap().unwrap().id;
-        assert!(a_id > engine.head(&b).unwrap().unwrap().id);
-        engine
-            .apply_write(&a, &WriteOp::new().step(WriteStep::Remove))
-            .unwrap();
-        engine.commit(false);
-        assert_eq!(rows(&engine, "extents"), 2, "a's row is still in SQLite");
-        let snap = engine.snap_create().unwrap();
-        let context = SnapContext {
-            seq: snap,
-            snaps: vec![snap],
+        // Inline (small): kept in SQLite, so the in-memory segments lost at a reopen do not
+        // matter.
+        let data = |byte: u8| vec![byte; 600];
+        let whole = |snap: Option<SnapId>| {
+            let op = ReadOp::new().step(ReadStep::Read {
+                offset: 0,
+                len: 600,
+            });
+            match snap {
+                Some(s) => op.at_snap(s),
+                None => op,
+            }
         };
-        engine
-            .apply_write(
-                &b,
-                &WriteOp::new().write(0, data(3)).with_snap_context(context),
-            )
-            .unwrap();
-        engine.commit(false);
-        let clone: i64 = engine
-            .db
-            .query_row("SELECT id FROM nodes WHERE clone_to IS NOT NULL", [], |r| {
-                r.get(0)
-            })
-            .unwrap();
-        assert_eq!(clone, a_id, "the clone took the removed node's id");
         let read = |engine: &mut Engine, op: ReadOp| match engine.read(&b, &op).unwrap().pop() {
             Some(ReadResult::Extents(extents)) => extents
                 .into_iter()
@@ -4917,18 +4951,171 @@ mod tests {
                 .collect::<Vec<u8>>(),
             other => panic!("{other:?}"),
         };
-        let whole = |snap: Option<SnapId>| {
-            let op = ReadOp::new().step(ReadStep::Read {
-                offset: 0,
-                len: 6000,
-            });
-            match snap {
-                Some(s) => op.at_snap(s),
-                None => op,
+        for (lose, reopen_before_clone) in [(false, false), (true, false), (false, true)] {
+            std::fs::remove_file(&path).ok();
+            let mut engine = engine_on_file(&path);
+            engine
+                .apply_write(&b, &WriteOp::new().write(0, data(1)))
+                .unwrap();
+            engine
+                .apply_write(&a, &WriteOp::new().write(0, data(2)))
+                .unwrap();
+            engine.commit(false);
+            engine.write_back_extents().unwrap();
+            engine.commit(false);
+            let a_id = engine.head(&a).unwrap().unwrap().id;
+            assert!(a_id > engine.head(&b).unwrap().unwrap().id);
+            // One transaction: a's removal held, then b's clone made (or the removal, an open
+            // that replays its row, then the clone).
+            engine
+                .apply_write(&a, &WriteOp::new().step(WriteStep::Remove))
+                .unwrap();
+            if reopen_before_clone {
+                engine.commit(false);
+                drop(engine);
+                engine = engine_on_file(&path);
             }
+            let snap = engine.snap_create().unwrap();
+            let context = SnapContext {
+                seq: snap,
+                snaps: vec![snap],
+            };
+            engine
+                .apply_write(
+                    &b,
+                    &WriteOp::new().write(0, data(3)).with_snap_context(context),
+                )
+                .unwrap();
+            engine.commit(false);
+            let clone: i64 = engine
+                .db
+                .query_row("SELECT id FROM nodes WHERE clone_to IS NOT NULL", [], |r| {
+                    r.get(0)
+                })
+                .unwrap();
+            assert!(
+                clone > a_id,
+                "the clone got a new id, not the removed node's"
+            );
+            assert!(
+                rows(&engine, "extents_pending") > 0,
+                "a's removal is pending"
+            );
+            assert_eq!(read(&mut engine, whole(Some(snap))), data(1));
+            if lose {
+                // The next transaction is lost: the pending rows are replayed.
+                engine
+                    .apply_write(&b, &WriteOp::new().write(0, data(4)))
+                    .unwrap();
+                engine.lose_transaction(&StoreError::Database("lost for the test".into()));
+            } else {
+                // A crash: the next open replays the pending rows.
+                drop(engine);
+                engine = engine_on_file(&path);
+            }
+            let case = format!("lost {lose}, reopened before the clone {reopen_before_clone}");
+            assert!(read(&mut engine, whole(Some(snap))) == data(1), "{case}");
+            assert!(read(&mut engine, whole(None)) == data(3), "{case}");
+            engine.write_back_extents().unwrap();
+            engine.commit(false);
+            assert!(read(&mut engine, whole(Some(snap))) == data(1), "{case}");
+        }
+    }
+
+    /// A read-only engine on the database file `path`, as `LocalStore::open_read_only` makes
+    /// one (plain read-only connections here: the writer keeps its log and index open).
+    fn reader_on_file(path: &std::path::Path) -> Engine {
+        struct File(std::path::PathBuf);
+        impl MetaSource for File {
+            fn connect(&mut self) -> Result<Connection, StoreError> {
+                let db = Connection::open_with_flags(
+                    &self.0,
+                    rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+                )?;
+                db.execute_batch("PRAGMA query_only = 1")?;
+                Ok(db)
+            }
+            fn stale(&self) -> bool {
+                false
+            }
+        }
+        Engine::new_read_only(
+            Box::new(File(path.to_owned())),
+            Box::<MemorySegments>::default(),
+        )
+        .unwrap()
+    }
+
+    /// A reader holds what the pending rows it saw changed. When the writer changes that
+    /// again and writes the newer change back and deletes its row before the reader looks
+    /// (pieces written back under load, or an idle store's compaction), the reader must not
+    /// go on with the older change: a value set again, an extent's old place.
+    #[test]
+    fn a_reader_does_not_keep_changes_written_back_while_it_was_away() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.sqlite");
+        let object = ObjectName::new("o").unwrap();
+        let op = |byte: u8, value: &[u8]| {
+            WriteOp::new()
+                .write(0, vec![byte; 600])
+                .omap_set(vec![(b"k".to_vec(), value.to_vec())])
         };
-        assert_eq!(read(&mut engine, whole(Some(snap))), data(1));
-        assert_eq!(read(&mut engine, whole(None)), data(3));
+        let state = |engine: &mut Engine| {
+            let data = match engine
+                .read(
+                    &object,
+                    &ReadOp::new().step(ReadStep::Read {
+                        offset: 0,
+                        len: 600,
+                    }),
+                )
+                .unwrap()
+                .pop()
+            {
+                Some(ReadResult::Extents(extents)) => extents
+                    .into_iter()
+                    .flat_map(|e| e.data)
+                    .collect::<Vec<u8>>(),
+                other => panic!("{other:?}"),
+            };
+            (data[0], omap_of(engine, &object))
+        };
+        // As a read-only store reads: one read transaction that follows the pending rows.
+        let follow = |reader: &mut Engine| {
+            reader
+                .consistent(|engine| Ok((state(engine), Vec::new())))
+                .unwrap()
+        };
+        let mut writer = engine_on_file(&path);
+        writer.apply_write(&object, &op(1, b"v1")).unwrap();
+        writer.commit(false);
+        let mut reader = reader_on_file(&path);
+        assert_eq!(
+            follow(&mut reader),
+            (1, vec![(b"k".to_vec(), b"v1".to_vec())])
+        );
+        // The reader replayed the writer's rows: it holds both changes.
+        assert_eq!(reader.omap.get_mut().held().0, 1);
+        assert!(reader.extents.get_mut().held().0 > 0);
+        writer.apply_write(&object, &op(2, b"v2")).unwrap();
+        // Written back in pieces at the commit, as an idle store's compaction does: every
+        // row is emptied and deleted, and no whole write-back is counted.
+        writer.compaction.draining = true;
+        writer.commit(false);
+        writer.compaction.draining = false;
+        assert_eq!(rows(&writer, "omap_pending"), 0);
+        assert_eq!(rows(&writer, "extents_pending"), 0);
+        assert_eq!(
+            follow(&mut reader),
+            (2, vec![(b"k".to_vec(), b"v2".to_vec())])
+        );
+        // And it follows new rows without starting over.
+        writer.apply_write(&object, &op(3, b"v3")).unwrap();
+        writer.commit(false);
+        assert_eq!(
+            follow(&mut reader),
+            (3, vec![(b"k".to_vec(), b"v3".to_vec())])
+        );
     }
 
     /// Omap changes wait in memory and in `omap_pending` (omap_overlay.rs): reads see them

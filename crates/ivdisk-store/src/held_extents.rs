@@ -196,6 +196,11 @@ impl HeldExtents {
             .map(|(lo, extent)| (*lo, extent))
     }
 
+    /// The highest node some change is held of.
+    pub(crate) fn last_node(&self) -> Option<i64> {
+        self.overlay.last_node()
+    }
+
     /// Whether some change of `node` is held.
     pub(crate) fn holds_node(&self, node: i64) -> bool {
         self.overlay.holds_node(node)

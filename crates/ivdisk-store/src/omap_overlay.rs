@@ -336,6 +336,11 @@ impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
         })
     }
 
+    /// The highest node some change is held of.
+    pub(crate) fn last_node(&self) -> Option<i64> {
+        self.held.last_key_value().map(|((node, _), _)| *node)
+    }
+
     /// Whether some change of `node` is held.
     pub(crate) fn holds_node(&self, node: i64) -> bool {
         // One descent (a bounded range takes two, see `below`).
