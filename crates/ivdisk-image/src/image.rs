@@ -684,7 +684,10 @@ impl Image {
             layout: spec.layout.build(geometry),
             cipher: spec.cipher,
             image_id: spec.image_id,
-            ranges: RangeLocks::new(spec.object_size / spec.sector_size as u64),
+            ranges: RangeLocks::new(
+                spec.object_size / spec.sector_size as u64,
+                spec.data_offset / spec.sector_size as u64,
+            ),
             read_only: spec.read_only,
             writes_allowed: spec
                 .lock
@@ -817,6 +820,14 @@ impl Image {
         }
         let _change = inner.header_change.lock().await;
         let old = self.size();
+        // Until the header says `new_size`, a shrink that fails (or is dropped) puts the old
+        // size back: the header still has it, and a retry must see a shrink to make, and
+        // discard what lies past the new end, or a later grow showed that data again.
+        let mut restore = SizeRestore {
+            size: &inner.size,
+            old,
+            armed: false,
+        };
         if new_size < old {
             if !allow_shrink {
                 return Err(invalid(
@@ -828,6 +839,7 @@ impl Image {
             }
             // Stop IO past the new end first, then free what lies there.
             inner.size.store(new_size, Ordering::Release);
+            restore.armed = true;
             let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
             // Only what holds data: a shrink of a sparse 8 EiB image must not visit 2^41
             // objects.
@@ -849,6 +861,7 @@ impl Image {
             .write_op(&inner.header_object, op)
             .await
             .map_err(ImageError::store(&inner.name))?;
+        restore.armed = false;
         inner.size.store(new_size, Ordering::Release);
         tracing::info!(image = %inner.name, old, new = new_size, "resized image");
         Ok(())
@@ -1228,5 +1241,20 @@ impl Inner {
             .map_err(ImageError::store(&self.name))?;
         self.nonces_reserved.store(new, Ordering::Release);
         Ok(())
+    }
+}
+
+/// Puts an image's size back to `old` when dropped while `armed` (`Image::resize`).
+struct SizeRestore<'a> {
+    size: &'a AtomicU64,
+    old: u64,
+    armed: bool,
+}
+
+impl Drop for SizeRestore<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.size.store(self.old, Ordering::Release);
+        }
     }
 }

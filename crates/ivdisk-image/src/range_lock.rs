@@ -43,6 +43,12 @@ const SHARDS: u64 = 64;
 pub(crate) struct RangeLocks {
     /// Sectors per granule (at least 1).
     granule: u64,
+    /// Sectors before the first one locked by number 0: a foreign volume's data area starts
+    /// `offset` sectors into its objects (a LUKS1 file's at 2 MiB of 4 MiB objects), and a
+    /// granule must be an object, not the `granule` sectors from the data area's start, or
+    /// a write inside one object counted in one shard was not seen by a read-modify-write of
+    /// its later sectors, which announced itself in the next shard only (and lost the write).
+    offset: u64,
     shards: Box<[CachePadded<Mutex<Held>>]>,
     released: Notify,
     /// Writes in flight without a range lock, counted per slot and shard: a thread counts in
@@ -118,10 +124,13 @@ impl Drop for Waiting<'_> {
 }
 
 impl RangeLocks {
-    /// Locks for ranges of sectors, sharded by granules of `granule` sectors.
-    pub(crate) fn new(granule: u64) -> Self {
+    /// Locks for ranges of sectors, sharded by granules of `granule` sectors, the first of
+    /// which holds sectors up to `granule - offset % granule` (the image's objects, the
+    /// first of which starts `offset` sectors before sector 0).
+    pub(crate) fn new(granule: u64, offset: u64) -> Self {
         RangeLocks {
             granule: granule.max(1),
+            offset,
             shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
             released: Notify::new(),
             unlocked: (0..UNLOCKED_SLOTS)
@@ -135,6 +144,7 @@ impl RangeLocks {
     /// Hold `[start, end)` for a write of whole sectors inside one object: counted in flight
     /// without a range lock, or, while an exclusive holder is about, the range lock.
     pub(crate) async fn hold_whole_sectors(&self, start: u64, end: u64) -> WriteHold<'_> {
+        let (start, end) = self.placed(start, end);
         let shard = self.shard_of(start);
         // Counted first, then the check: an exclusive holder announces itself first, then
         // sums the counts, so (all four sequentially consistent) either this write sees it
@@ -147,13 +157,14 @@ impl RangeLocks {
         }
         self.uncount_unlocked(shard);
         WriteHold::Range {
-            _range: self.lock(start, end).await,
+            _range: self.lock_placed(start, end).await,
         }
     }
 
     /// Hold `[start, end)` for a write that must not overlap any other in flight (a
     /// read-modify-write of partial sectors; a snapshot or shrink, over the whole image).
     pub(crate) async fn lock_exclusive(&self, start: u64, end: u64) -> WriteHold<'_> {
+        let (start, end) = self.placed(start, end);
         let shards = self.shards_of(start, end);
         for shard in shards.clone() {
             self.exclusive[shard].fetch_add(1, SeqCst);
@@ -174,9 +185,18 @@ impl RangeLocks {
             drained.await;
         }
         WriteHold::Exclusive {
-            _range: self.lock(start, end).await,
+            _range: self.lock_placed(start, end).await,
             _announced: announced,
         }
+    }
+
+    /// Sectors `[start, end)` numbered from the first granule's start, as every lock below
+    /// holds them (the end saturates: `u64::MAX` is the whole image).
+    fn placed(&self, start: u64, end: u64) -> (u64, u64) {
+        (
+            start.saturating_add(self.offset),
+            end.saturating_add(self.offset),
+        )
     }
 
     /// Writes in flight without a range lock in `shard`. Never less than the true count while
@@ -223,6 +243,12 @@ impl RangeLocks {
 
     /// Wait until no other guard overlaps `[start, end)`, then hold it.
     pub(crate) async fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
+        let (start, end) = self.placed(start, end);
+        self.lock_placed(start, end).await
+    }
+
+    /// `lock`, for sectors already `placed`.
+    async fn lock_placed(&self, start: u64, end: u64) -> RangeGuard<'_> {
         // Built first, so that parts taken are released if this future is dropped while it
         // waits for a later one.
         let mut guard = RangeGuard {
@@ -373,7 +399,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn overlapping_ranges_wait_disjoint_ones_do_not() {
         // Granules of 8 sectors: these ranges have parts in two or three shards.
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         let first = locks.lock(10, 20).await;
         // Disjoint: immediate.
         let _other = tokio::time::timeout(Duration::from_secs(1), locks.lock(20, 30))
@@ -396,7 +422,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn contended_lockers_all_finish_and_cancelled_waiters_are_uncounted() {
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         // A waiter given up on (its future dropped) no longer counts.
         let first = locks.lock(0, 8).await;
         let gave_up = tokio::time::timeout(Duration::from_millis(50), locks.lock(4, 5)).await;
@@ -434,7 +460,7 @@ mod tests {
     async fn whole_sector_writes_take_no_range_lock_until_an_exclusive_holder_comes() {
         // Granules of 8 sectors: sectors 0..8 in shard 0, 40..48 in shard 5, and 512..520
         // (granule 64) in shard 0 again.
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         let wait = Duration::from_millis(50);
         let first = locks.hold_whole_sectors(0, 8).await;
         assert!(matches!(first, WriteHold::Unlocked { .. }));
@@ -493,12 +519,42 @@ mod tests {
         assert!(idle(&locks));
     }
 
+    /// A LUKS1 file's data starts 4096 sectors into its first object of 8192: object 1 holds
+    /// sectors 4096..12288. A write inside it, counted without a range lock, must be seen by
+    /// a read-modify-write of any of its sectors, also of those past 8192 (in the data
+    /// area's second 8192 sectors, which was another granule and shard).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn granules_are_objects_when_the_data_starts_inside_one() {
+        let locks = RangeLocks::new(8192, 4096);
+        let write = locks.hold_whole_sectors(8190, 8194).await;
+        assert!(matches!(write, WriteHold::Unlocked { .. }));
+        let beside =
+            tokio::time::timeout(Duration::from_millis(200), locks.lock_exclusive(8192, 8193))
+                .await;
+        assert!(
+            beside.is_err(),
+            "a read-modify-write of sector 8192 waits for the write"
+        );
+        // Sector 12288 is object 2's: nothing to wait for there.
+        let next_object =
+            tokio::time::timeout(Duration::from_secs(5), locks.lock_exclusive(12288, 12289))
+                .await
+                .expect("another object's read-modify-write does not wait");
+        drop(next_object);
+        drop(write);
+        let after = tokio::time::timeout(Duration::from_secs(5), locks.lock_exclusive(8192, 8193))
+            .await
+            .expect("the read-modify-write goes on once the write is done");
+        drop(after);
+        assert!(idle(&locks));
+    }
+
     /// The shards an exclusive holder announces itself in: those of the granules it touches,
     /// wrapping around, and all of them for a range over as many granules as there are
     /// shards; every write in them sees it, no other.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_exclusive_holder_announces_itself_in_the_shards_it_touches() {
-        let locks = RangeLocks::new(8);
+        let locks = RangeLocks::new(8, 0);
         let shards = |start, end| locks.shards_of(start, end).collect::<Vec<_>>();
         assert_eq!(shards(0, 1), [0]);
         assert_eq!(shards(7, 9), [0, 1]);
@@ -528,7 +584,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_exclusive_holder_is_never_inside_with_another_writer_of_its_sectors() {
         use std::sync::atomic::AtomicUsize;
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         // Per slot of 4 sectors: writers inside, and exclusive holders inside.
         let inside = Arc::new([(); 4].map(|_| (AtomicUsize::new(0), AtomicUsize::new(0))));
         let tasks: Vec<_> = (0..16u64)
@@ -589,7 +645,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_range_over_granules_holds_every_part_and_gives_up_what_it_took() {
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         // Sectors 4..28: parts in granules 0, 1, 2 and 3; also in the shard of granule
         // SHARDS + 1 (the same shard as granule 1), a range elsewhere does not wait.
         let wide = locks.lock(4, 28).await;
@@ -618,7 +674,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_whole_range_waits_for_every_write_and_nobody_deadlocks() {
-        let locks = Arc::new(RangeLocks::new(8));
+        let locks = Arc::new(RangeLocks::new(8, 0));
         // Granules 63 and 64: shards 63 and 0, taken as 0 then 63 like the whole range.
         let straddling = (SHARDS - 1) * 8 + 4..SHARDS * 8 + 4;
         let one = locks.lock(straddling.start, straddling.end).await;

@@ -19,7 +19,8 @@ use ivdisk_store::StoreError;
 const PASS: &[u8] = b"partial failure";
 const OBJECT: u64 = 64 << 10;
 
-async fn check(layout: LayoutKind) {
+/// An image of 8 objects in `layout` on a store that fails on demand.
+async fn created(layout: LayoutKind) -> (Arc<FailingStore>, Image) {
     let store = Arc::new(FailingStore::new());
     let options = CreateOptions {
         suite: Suite::DEFAULT,
@@ -31,6 +32,11 @@ async fn check(layout: LayoutKind) {
     let image = Image::create_on(store.clone(), "img", &options, PASS)
         .await
         .unwrap();
+    (store, image)
+}
+
+async fn check(layout: LayoutKind) {
+    let (store, image) = created(layout).await;
     // Old content: objects 0..4 full of 0x11.
     let old = vec![0x11u8; 4 * OBJECT as usize];
     image.write(0, &old).await.unwrap();
@@ -83,5 +89,43 @@ async fn check(layout: LayoutKind) {
 async fn a_failing_object_leaves_every_object_old_or_new() {
     for layout in LayoutKind::WITH_METADATA {
         check(layout).await;
+    }
+}
+
+/// A shrink whose discard of the data past the new end fails: the image keeps its old size
+/// (the header's), a retry discards that data, and a grow after it reads zeros there. The
+/// failed shrink once left the new size in memory, so the retry found nothing to shrink,
+/// discarded nothing, and the grow showed the old data again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shrink_that_fails_keeps_the_old_size_and_a_retry_frees_the_end() {
+    let (store, image) = created(LayoutKind::ObjectEnd).await;
+    image
+        .write(0, &vec![0x11u8; 8 * OBJECT as usize])
+        .await
+        .unwrap();
+    store.fail_object(image.data_object(7));
+    image.resize(4 * OBJECT, true).await.unwrap_err();
+    store.arm(false);
+    assert_eq!(
+        image.size(),
+        8 * OBJECT,
+        "the header still says the old size"
+    );
+    let mut last = vec![0u8; OBJECT as usize];
+    image.read(7 * OBJECT, &mut last).await.unwrap();
+    assert!(
+        last.iter().all(|&b| b == 0x11),
+        "and the old end reads as it was"
+    );
+    image.resize(4 * OBJECT, true).await.unwrap();
+    assert_eq!(image.size(), 4 * OBJECT);
+    image.resize(8 * OBJECT, false).await.unwrap();
+    for n in 4..8 {
+        let mut back = vec![0xAAu8; OBJECT as usize];
+        image.read(n * OBJECT, &mut back).await.unwrap();
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "object {n} reads zeros after the grow"
+        );
     }
 }
