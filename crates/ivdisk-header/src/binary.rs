@@ -262,8 +262,10 @@ pub fn encode_copy(
     Ok(out)
 }
 
-/// Write both copies (primary first, then secondary) and sync. A crash in between leaves one
-/// valid copy with either the old or the new seqid, and readers take the newest valid one.
+/// Write both copies (primary first, then secondary), each synced before the next is
+/// written: a crash or power cut tears at most the copy being written, so one valid copy
+/// stays, with either the old or the new seqid, and readers take the newest valid one. (With
+/// one sync after both, the medium could have kept part of each.)
 pub fn write_both(
     io: &mut dyn HeaderIo,
     binary: &BinaryHeader,
@@ -274,7 +276,8 @@ pub fn write_both(
         let bytes = encode_copy(binary, metadata, offset)?;
         io.write_at(offset, &bytes)
             .map_err(|source| HeaderError::Io { offset, source })?;
+        io.sync()
+            .map_err(|source| HeaderError::Io { offset, source })?;
     }
-    io.sync()
-        .map_err(|source| HeaderError::Io { offset: 0, source })
+    Ok(())
 }

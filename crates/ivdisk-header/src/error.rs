@@ -72,6 +72,12 @@ pub enum HeaderError {
     #[error("keyslot {slot} does not match this passphrase")]
     KeyslotMismatch { slot: u32 },
 
+    #[error(
+        "keyslot {0} holds a key that is not the volume's (an unbound key, as `cryptsetup \
+         luksAddKey --unbound` makes): it does not open the volume; name another keyslot"
+    )]
+    UnboundKeyslot(u32),
+
     #[error("keyslot {0} is already in use")]
     KeyslotInUse(u32),
 

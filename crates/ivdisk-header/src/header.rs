@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 
 use crate::binary::{self, BinaryHeader};
 use crate::io::{read_vec, HeaderIo};
-use crate::kdf::{Hash, PbkdfRequest};
+use crate::kdf::PbkdfRequest;
 use crate::keyslot::{self, AreaCipher, KeyslotSpec};
 use crate::luks1::Luks1Header;
 use crate::metadata::{
@@ -205,6 +205,16 @@ impl DataSegment {
     }
 }
 
+/// The anti-forensic split `keyslot::seal` makes, as a keyslot records it.
+fn sealed_af() -> AntiForensic {
+    AntiForensic {
+        kind: "luks1".into(),
+        stripes: crate::af::STRIPES,
+        hash: crate::keyslot::SEAL_AF_HASH.name().into(),
+        extra: Map::new(),
+    }
+}
+
 /// A keyslot as `dump` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyslotInfo {
@@ -268,24 +278,32 @@ impl Header {
             other => other.map_err(HeaderError::io(0, head.len()))?,
         }
         let version = u16::from_be_bytes([head[6], head[7]]);
-        if head[..6] == binary::MAGIC_PRIMARY && version == 1 {
-            return Ok(Header {
-                format: Format::Luks1(Box::new(Luks1Header::read(io)?)),
-                warning: None,
-            });
-        }
-        if head[..6] == binary::MAGIC_PRIMARY && version != 2 {
-            return Err(HeaderError::UnsupportedVersion(version));
-        }
-        if head[..6] != binary::MAGIC_PRIMARY {
-            // A damaged primary is fine if a secondary exists; a device with neither is not LUKS.
-            let any_secondary = binary::HEADER_SIZES.iter().any(|&offset| {
+        // A damaged primary is fine if a LUKS2 secondary exists (the LUKS2 reader falls back
+        // to it); a device with neither is not LUKS.
+        let any_secondary = || {
+            binary::HEADER_SIZES.iter().any(|&offset| {
                 let mut magic = [0u8; 6];
                 io.read_at(offset, &mut magic).is_ok() && magic == binary::MAGIC_SECONDARY
-            });
-            if !any_secondary {
-                return Err(HeaderError::NotLuks);
+            })
+        };
+        if head[..6] == binary::MAGIC_PRIMARY && version == 1 {
+            match Luks1Header::read(io) {
+                Ok(luks1) => {
+                    return Ok(Header {
+                        format: Format::Luks1(Box::new(luks1)),
+                        warning: None,
+                    })
+                }
+                // A LUKS2 primary whose version field was damaged into 1: its secondary
+                // decides, as for any other damage to the primary.
+                Err(_) if any_secondary() => {}
+                Err(e) => return Err(e),
             }
+        } else if head[..6] == binary::MAGIC_PRIMARY && version != 2 && !any_secondary() {
+            return Err(HeaderError::UnsupportedVersion(version));
+        }
+        if head[..6] != binary::MAGIC_PRIMARY && !any_secondary() {
+            return Err(HeaderError::NotLuks);
         }
         // A warning is returned, not logged: the caller names the image it belongs to.
         let loaded = binary::read_luks2(io)?;
@@ -661,6 +679,16 @@ impl Header {
         }
     }
 
+    /// Whether keyslot `slot` holds the volume key (`Metadata::keyslot_opens_segment`). Taken
+    /// for the volume key, an unbound keyslot's key decrypted garbage and encrypted writes
+    /// with the wrong key; cryptsetup tries only the keyslots bound to the segment.
+    fn holds_volume_key(&self, slot: u32) -> bool {
+        match &self.format {
+            Format::Luks1(_) => true,
+            Format::Luks2 { metadata, .. } => metadata.keyslot_opens_segment(slot),
+        }
+    }
+
     /// Try `passphrase` (or key file contents) on one keyslot.
     pub fn unlock_keyslot(
         &self,
@@ -669,6 +697,9 @@ impl Header {
         passphrase: &[u8],
     ) -> Result<VolumeKey, HeaderError> {
         let spec = self.keyslot_spec(slot)?;
+        if !self.holds_volume_key(slot) {
+            return Err(HeaderError::UnboundKeyslot(slot));
+        }
         let candidate = spec.open(io, passphrase)?;
         if self.candidate_matches(slot, &candidate)? {
             Ok(VolumeKey::from_slice(&candidate))
@@ -692,7 +723,7 @@ impl Header {
                 .keyslots
                 .iter()
                 .map(|(&id, k)| (k.priority.unwrap_or(1), id))
-                .filter(|&(priority, _)| priority > 0)
+                .filter(|&(priority, id)| priority > 0 && self.holds_volume_key(id))
                 .collect(),
         };
         order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -870,12 +901,7 @@ impl Header {
             Keyslot {
                 kind: "luks2".into(),
                 key_size: volume_key.len() as u32,
-                af: AntiForensic {
-                    kind: "luks1".into(),
-                    stripes: crate::af::STRIPES,
-                    hash: Hash::Sha256.name().into(),
-                    extra: Map::new(),
-                },
+                af: sealed_af(),
                 area,
                 kdf,
                 priority: None,
@@ -908,7 +934,13 @@ impl Header {
             .ok_or(HeaderError::NoSuchKeyslot(slot))?
             .area
             .clone();
-        if metadata.keyslots.len() == 1 && !force {
+        // The last keyslot that opens the volume: unbound ones (another key) do not count.
+        let opening = metadata
+            .keyslots
+            .keys()
+            .filter(|&&id| metadata.keyslot_opens_segment(id))
+            .count();
+        if metadata.keyslot_opens_segment(slot) && opening == 1 && !force {
             return Err(HeaderError::LastKeyslot(slot));
         }
         metadata.keyslots.remove(&slot);
@@ -959,6 +991,10 @@ impl Header {
         let entry = metadata.keyslots.get_mut(&slot).expect("unlocked");
         entry.area = area;
         entry.kdf = kdf;
+        // The split the new material was made with: a slot cryptsetup made may say another
+        // hash (its PBKDF's: `luksFormat --hash sha512`, sha1 after a LUKS1 conversion), and
+        // kept, it made the new passphrase open nothing, while the old area was wiped.
+        entry.af = sealed_af();
         self.write(io)?;
         wipe(io, old.area.offset, old.area.size)?;
         tracing::info!(keyslot = slot, "passphrase changed");

@@ -87,6 +87,9 @@ impl KeyslotSpec {
     }
 }
 
+/// The hash of the anti-forensic split of the material `seal` makes.
+pub(crate) const SEAL_AF_HASH: Hash = Hash::Sha256;
+
 /// Make the encrypted material of a new keyslot holding `volume_key`.
 pub(crate) fn seal(
     volume_key: &[u8],
@@ -95,7 +98,7 @@ pub(crate) fn seal(
     salt: &[u8],
     area_cipher: AreaCipher,
 ) -> Result<Zeroizing<Vec<u8>>, HeaderError> {
-    let split = af::split(volume_key, af::STRIPES, Hash::Sha256)?;
+    let split = af::split(volume_key, af::STRIPES, SEAL_AF_HASH)?;
     let mut material = Zeroizing::new(vec![0u8; material_len(volume_key.len() as u32) as usize]);
     material[..split.len()].copy_from_slice(&split);
     let mut area_key = Zeroizing::new(vec![0u8; area_cipher.key_size as usize]);

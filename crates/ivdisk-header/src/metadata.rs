@@ -526,6 +526,14 @@ impl Metadata {
             .map(|(&id, d)| (id, d))
     }
 
+    /// Whether keyslot `slot` holds the data segment's key: its digest is bound to segment
+    /// 0. A keyslot may hold another key (`cryptsetup luksAddKey --unbound`), which its own
+    /// digest confirms but which decrypts nothing of the volume.
+    pub fn keyslot_opens_segment(&self, slot: u32) -> bool {
+        self.digest_of_keyslot(slot)
+            .is_some_and(|(_, digest)| digest.segments.iter().any(|s| s == "0"))
+    }
+
     /// The digest bound to the data segment (segment 0).
     pub fn segment_digest(&self) -> Option<(u32, &Digest)> {
         self.digests

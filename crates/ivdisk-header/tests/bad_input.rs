@@ -145,6 +145,58 @@ fn noise(len: usize, mut state: u64) -> Vec<u8> {
 // ---------------------------------------------------------------------------------------------
 // One damaged copy: the other one is used, with a warning.
 
+/// A header region that records its writes and syncs.
+struct Recording {
+    io: MemoryHeaderIo,
+    log: Vec<String>,
+}
+
+impl HeaderIo for Recording {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.io.read_at(offset, buf)
+    }
+    fn write_at(&mut self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.log.push(format!("write {offset}"));
+        self.io.write_at(offset, buf)
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        self.log.push("sync".into());
+        self.io.sync()
+    }
+    fn size(&self) -> std::io::Result<u64> {
+        self.io.size()
+    }
+    fn ensure_len(&mut self, len: u64) -> std::io::Result<()> {
+        self.io.ensure_len(len)
+    }
+}
+
+/// Each header copy is synced before the other is written, so a power cut can tear only the
+/// one being written (with one sync after both, the medium could keep part of each).
+#[test]
+fn each_header_copy_is_synced_before_the_other_is_written() {
+    let (io, mut header, key) = formatted();
+    let mut io = Recording {
+        io,
+        log: Vec::new(),
+    };
+    header
+        .add_keyslot(&mut io, &key, b"second", None, &fast())
+        .unwrap();
+    let copies: Vec<&str> = io
+        .log
+        .iter()
+        .map(String::as_str)
+        .skip_while(|entry| *entry != "write 0")
+        .collect();
+    assert_eq!(
+        copies,
+        ["write 0", "sync", &format!("write {HDR}"), "sync"],
+        "{:?}",
+        io.log
+    );
+}
+
 #[test]
 fn damaged_primary_json_falls_back_to_secondary() {
     let (mut io, _, key) = formatted();
@@ -157,6 +209,25 @@ fn damaged_primary_json_falls_back_to_secondary() {
     let unlocked = header.unlock(&io, PASSPHRASE).unwrap();
     assert_eq!(unlocked.keyslot, 0);
     assert_eq!(unlocked.volume_key.as_bytes(), key.as_bytes());
+}
+
+/// A primary whose version field is damaged (into an unknown version, or into LUKS1's) is a
+/// damaged primary like any other: the secondary is read, with a warning. It was refused as
+/// an unsupported version, or read as LUKS1 and refused, though the secondary was intact.
+#[test]
+fn damaged_primary_version_falls_back_to_secondary() {
+    for version in [3u8, 1] {
+        let (mut io, _, key) = formatted();
+        io.0[7] = version;
+        let header = Header::read(&io).unwrap_or_else(|e| panic!("version {version}: {e}"));
+        assert!(
+            header.warning().is_some_and(|w| w.contains("primary")),
+            "version {version}: {:?}",
+            header.warning()
+        );
+        let unlocked = header.unlock(&io, PASSPHRASE).unwrap();
+        assert_eq!(unlocked.volume_key.as_bytes(), key.as_bytes());
+    }
 }
 
 #[test]

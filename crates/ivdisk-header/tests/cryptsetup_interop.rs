@@ -310,6 +310,88 @@ fn luks_change_key_and_kill_slot_are_honoured() {
     ));
 }
 
+/// cryptsetup records its PBKDF's hash as the keyslot's anti-forensic hash (`--hash sha512`
+/// here; sha1 in volumes converted from LUKS1). ivdisk splits new material with SHA-256, so a
+/// passphrase it changes in such a slot must record that too: kept as it was, the new
+/// passphrase opened nothing, and the old one's area had been wiped.
+#[test]
+fn a_passphrase_changed_in_a_slot_cryptsetup_made_with_another_hash_opens_it() {
+    let scratch = Scratch::new();
+    let path = scratch.path("vol");
+    File::create(&path).unwrap().set_len(24 << 20).unwrap();
+    let a = scratch.key_file("a", b"a");
+    let mut args = vec!["luksFormat", "-q", "--type", "luks2", "--hash", "sha512"];
+    args.extend(luks_fast_pbkdf2());
+    args.extend(["--key-file", s(&a), s(&path)]);
+    cryptsetup_ok(&args);
+    let mut header = Header::read(&File::open(&path).unwrap()).unwrap();
+    let before = header.unlock(&File::open(&path).unwrap(), b"a").unwrap();
+    let fast = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+    header
+        .change_passphrase(&mut open_rw(&path), b"a", b"b", None, &fast)
+        .unwrap();
+    let header = Header::read(&File::open(&path).unwrap()).unwrap();
+    let after = header.unlock(&File::open(&path).unwrap(), b"b").unwrap();
+    assert_eq!(after.volume_key.as_bytes(), before.volume_key.as_bytes());
+    let b = scratch.key_file("b", b"b");
+    cryptsetup_ok(&[
+        "luksOpen",
+        "--test-passphrase",
+        "--key-file",
+        s(&b),
+        s(&path),
+    ]);
+}
+
+/// An unbound keyslot (`cryptsetup luksAddKey --unbound`) holds a key of its own, which its
+/// own digest confirms, not the volume key: no passphrase opens the volume through it, and
+/// it does not count as a keyslot that opens the volume when the last one is removed. It was
+/// taken for the volume key (reads decrypted garbage, writes used the wrong key).
+#[test]
+fn an_unbound_keyslot_does_not_open_the_volume() {
+    let scratch = Scratch::new();
+    let path = scratch.path("vol");
+    File::create(&path).unwrap().set_len(24 << 20).unwrap();
+    let a = scratch.key_file("a", b"a");
+    let u = scratch.key_file("u", b"u");
+    let mut args = vec!["luksFormat", "-q", "--type", "luks2"];
+    args.extend(luks_fast_pbkdf2());
+    args.extend(["--key-file", s(&a), s(&path)]);
+    cryptsetup_ok(&args);
+    let mut args = vec!["luksAddKey", "-q", "--unbound", "--key-size", "512"];
+    args.extend(luks_fast_pbkdf2());
+    args.extend([s(&path), s(&u)]);
+    cryptsetup_ok(&args);
+    let mut header = Header::read(&File::open(&path).unwrap()).unwrap();
+    let io = File::open(&path).unwrap();
+    assert!(
+        matches!(
+            header.unlock(&io, b"u"),
+            Err(HeaderError::WrongPassphrase { tried: 1, .. })
+        ),
+        "only the bound keyslot is tried"
+    );
+    assert!(matches!(
+        header.unlock_keyslot(&io, 1, b"u"),
+        Err(HeaderError::UnboundKeyslot(1))
+    ));
+    assert_eq!(header.unlock(&io, b"a").unwrap().keyslot, 0);
+    assert!(matches!(
+        header.remove_keyslot(&mut open_rw(&path), 0, false),
+        Err(HeaderError::LastKeyslot(0))
+    ));
+    header
+        .remove_keyslot(&mut open_rw(&path), 1, false)
+        .unwrap();
+    cryptsetup_ok(&[
+        "luksOpen",
+        "--test-passphrase",
+        "--key-file",
+        s(&a),
+        s(&path),
+    ]);
+}
+
 #[test]
 fn ivdisk_changes_are_honoured_by_cryptsetup() {
     let scratch = Scratch::new();
