@@ -25,6 +25,9 @@ use crate::{ImageError, PayloadPlacement, ReadReply, WritePayload};
 /// Objects whose operations are in flight at once for one large request (write-zeroes,
 /// discard and resize can span thousands of objects).
 const OBJECTS_IN_FLIGHT: usize = 16;
+/// Encrypted zeros one write-zeroes that may not unmap holds at once (at least one object):
+/// as much as the largest NBD write's payload, which the NBD server charges it as.
+const ZEROS_IN_FLIGHT_BYTES: u64 = 32 << 20;
 /// `unaligned` runs smaller than this read into a buffer the read returns are decrypted into
 /// a fresh buffer, which the allocator hands out warm at these sizes ([`Inner::slots_down_pays`]).
 const SLOTS_DOWN_MIN_BYTES: usize = 512 << 10;
@@ -1261,7 +1264,9 @@ impl Image {
         };
         if let Fill::Zeros = fill {
             // Bounded memory: at most a batch of objects' worth of encrypted zeros at once.
-            let step = inner.object_size * OBJECTS_IN_FLIGHT as u64;
+            let objects =
+                (ZEROS_IN_FLIGHT_BYTES / inner.object_size).clamp(1, OBJECTS_IN_FLIGHT as u64);
+            let step = inner.object_size * objects;
             let mut at = offset;
             while at < offset + len {
                 let next = ((at / step) + 1) * step;

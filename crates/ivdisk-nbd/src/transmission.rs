@@ -8,6 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
+use futures_util::FutureExt as _;
 use ivdisk_image::{PayloadPlacement, ReadReply, WritePayload};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter, Interest, ReadBuf};
@@ -32,9 +33,15 @@ pub(crate) const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
 /// After shutdown, how long replies already computed wait for a client that does not read.
 const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
-fn cost(request: &Request) -> u32 {
+/// A request's budget: one unit, and one per 64 KiB of what it holds in memory. A
+/// write-zeroes that writes data (`writes_data`: it may not unmap, or the device cannot zero
+/// by unmapping) encrypts real zero sectors, a buffer as large as a write's payload (up to
+/// 32 MiB at once, `ivdisk_image`'s zero batches): charged as a write of its length, or
+/// thousands of them in flight asked for tens of gigabytes.
+fn cost(request: &Request, writes_data: bool) -> u32 {
     match request.command {
         CMD_READ | CMD_WRITE => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
+        CMD_WRITE_ZEROES if writes_data => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
         _ => 1,
     }
 }
@@ -132,17 +139,22 @@ where
         // Waiting for budget (a client that does not read its replies) and for a write's
         // payload (a client stalled mid-request) both give way to shutdown: such a request
         // was never fully received, so it is dropped unanswered.
+        let zeroes_write_data = request.command == CMD_WRITE_ZEROES
+            && !context
+                .device
+                .fast_zero(request.flags & CMD_FLAG_NO_HOLE == 0);
+        let cost = cost(&request, zeroes_write_data);
         let permit = tokio::select! {
             biased;
             _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-            permit = budget.clone().acquire_many_owned(cost(&request)) => {
+            permit = budget.clone().acquire_many_owned(cost) => {
                 permit.expect("the budget semaphore is never closed")
             }
         };
         let server_permit = tokio::select! {
             biased;
             _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-            permit = server_budget.clone().acquire_many_owned(cost(&request)) => {
+            permit = server_budget.clone().acquire_many_owned(cost) => {
                 permit.expect("the server's budget semaphore is never closed")
             }
         };
@@ -530,7 +542,18 @@ impl Context {
     /// Run one request and build its complete reply.
     async fn handle(&self, request: Request, payload: WritePayload) -> Frame {
         let write = matches!(request.command, CMD_WRITE | CMD_WRITE_ZEROES);
-        match self.run(&request, payload).await {
+        // A panic below (a bug in the device) is answered, not left unanswered: the client
+        // would wait for this reply for ever (a guest's IO hung).
+        let result = std::panic::AssertUnwindSafe(self.run(&request, payload))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| {
+                Err(DeviceError::new(
+                    DeviceErrorKind::Io,
+                    "the server failed while handling this request (a bug: see its log)",
+                ))
+            });
+        match result {
             Ok(frame) => frame,
             Err(error) => {
                 let errno = error.errno(write);

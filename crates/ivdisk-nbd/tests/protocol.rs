@@ -814,6 +814,98 @@ async fn shutdown_finishes_requests_in_flight() {
     assert!(!path.exists(), "the socket file is removed");
 }
 
+/// A device that counts the bytes being zeroed at once, zeroes by unmapping only when
+/// allowed, and panics on a read at `PANIC_OFFSET` (a bug below the server).
+#[derive(Default)]
+struct ProbeDevice {
+    zeroing: AtomicU64,
+    peak: AtomicU64,
+}
+
+const PANIC_OFFSET: u64 = 1 << 20;
+
+#[async_trait]
+impl BlockDevice for ProbeDevice {
+    fn size(&self) -> u64 {
+        1 << 40
+    }
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
+        assert_ne!(offset, PANIC_OFFSET, "a bug in the device");
+        buf.fill(0);
+        Ok(())
+    }
+    async fn write(&self, _: u64, _: &[u8]) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    async fn flush(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    async fn write_zeroes(&self, _: u64, len: u64, _: bool) -> Result<(), DeviceError> {
+        let now = self.zeroing.fetch_add(len, Ordering::SeqCst) + len;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.zeroing.fetch_sub(len, Ordering::SeqCst);
+        Ok(())
+    }
+    fn fast_zero(&self, may_unmap: bool) -> bool {
+        may_unmap
+    }
+}
+
+/// A write-zeroes that must write data (`NO_HOLE`, or a device that cannot unmap) encrypts
+/// real zero sectors: the server charges it like a write of its length, so a client's many
+/// large ones cannot ask for more memory than its budget of 256 MiB. They were charged one
+/// unit each: 40 of 32 MiB ran at once (1.25 GiB).
+#[tokio::test]
+async fn a_write_zeroes_that_writes_data_is_charged_like_a_write() {
+    let device = Arc::new(ProbeDevice::default());
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    const LEN: u32 = 32 << 20;
+    for i in 0..40u64 {
+        client
+            .send(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, i, i * LEN as u64, LEN)
+            .await;
+    }
+    for _ in 0..40 {
+        assert_eq!(client.status().await.1, 0);
+    }
+    let peak = device.peak.load(Ordering::SeqCst);
+    assert!(peak <= 256 << 20, "{peak} bytes zeroed with data at once");
+    // Zeroing by unmapping holds no such buffer: not charged so.
+    device.peak.store(0, Ordering::SeqCst);
+    for i in 0..40u64 {
+        client
+            .send(CMD_WRITE_ZEROES, 0, i, i * LEN as u64, LEN)
+            .await;
+    }
+    for _ in 0..40 {
+        assert_eq!(client.status().await.1, 0);
+    }
+    assert!(device.peak.load(Ordering::SeqCst) > 256 << 20);
+    server.stop().await;
+}
+
+/// A request whose handling panics (a bug below the server) gets EIO; it once got no reply at
+/// all, and its client waited for ever. The connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_panics_is_answered_with_eio() {
+    let server = Server::start(Arc::new(ProbeDevice::default())).await;
+    let mut client = Client::attach(&server, true).await;
+    client.send(CMD_READ, 0, 1, PANIC_OFFSET, 4096).await;
+    client.send(CMD_READ, 0, 2, 0, 4096).await;
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let reply = tokio::time::timeout(Duration::from_secs(10), client.status())
+            .await
+            .expect("every request is answered");
+        replies.push(reply);
+    }
+    replies.sort();
+    assert_eq!(replies, [(1, Errno::Io as u32), (2, 0)]);
+    server.stop().await;
+}
+
 /// The socket file lets only its owner connect (mode 0600 under the usual umask 022, which
 /// would give 0755), and binding leaves nothing else beside it.
 #[tokio::test]
