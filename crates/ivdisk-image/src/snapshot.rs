@@ -161,9 +161,48 @@ impl SnapshotTable {
                     })?;
             }
         }
-        if let Some(ReadResult::Omap { pairs, .. }) = results.next() {
+        if let Some(ReadResult::Omap { pairs, mut more }) = results.next() {
             for (key, value) in &pairs {
                 table.snapshots.push(decode(image, key, value)?);
+            }
+            // A store may list fewer keys per operation than asked (RADOS: 1024): page on
+            // from the last key (returned again, skipped). Read whole, a table of more
+            // snapshots lost those past the first 1024, whose data later writes then did not
+            // keep.
+            let mut last = pairs.last().map(|(k, _)| k.to_vec());
+            while more {
+                let Some(start) = last.take() else { break };
+                let op = ReadOp::new().step(ReadStep::OmapGetRange {
+                    start: start.clone(),
+                    end: Some(SNAPSHOT_KEY_END.to_vec()),
+                    max: usize::MAX,
+                });
+                let Some(ReadResult::Omap { pairs, more: m }) = store
+                    .read_op(header_object, op)
+                    .await
+                    .map_err(ImageError::store(image))?
+                    .pop()
+                else {
+                    return Err(ImageError::Corrupt {
+                        image: image.to_owned(),
+                        reason: "a read of the snapshot table returned the wrong result".into(),
+                    });
+                };
+                let fresh: Vec<_> = pairs
+                    .iter()
+                    .filter(|(k, _)| *k != start.as_slice())
+                    .collect();
+                if fresh.is_empty() && m {
+                    return Err(ImageError::Corrupt {
+                        image: image.to_owned(),
+                        reason: "paging through the snapshot table made no progress".into(),
+                    });
+                }
+                for (key, value) in fresh {
+                    table.snapshots.push(decode(image, key, value)?);
+                }
+                last = pairs.last().map(|(k, _)| k.to_vec());
+                more = m;
             }
         }
         table.snapshots.sort_by_key(|s| s.id);

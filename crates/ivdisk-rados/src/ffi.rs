@@ -562,9 +562,13 @@ impl IoCtx {
     ) -> Result<(), Errno> {
         let (name, cookie, description) =
             (c_string(name)?, c_string(cookie)?, c_string(description)?);
+        // Rounded up to a microsecond: `cls_lock` takes a zero timeval for no expiry at all.
         let mut tv = duration.map(|d| libc::timeval {
             tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
-            tv_usec: d.subsec_micros() as libc::suseconds_t,
+            tv_usec: match (d.as_secs(), d.subsec_micros()) {
+                (0, 0) => 1,
+                (_, micros) => micros as libc::suseconds_t,
+            },
         });
         let tv_ptr = tv
             .as_mut()

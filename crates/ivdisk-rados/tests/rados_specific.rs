@@ -238,6 +238,30 @@ async fn allocation_hint_changes_no_data() {
         .await
         .unwrap();
     assert_eq!(store.read(&object, 4096, 65536).await.unwrap(), data);
+    // The hint comes after the operation's asserts: the OSD creates the object for a hint,
+    // and an assert after it saw an object that was not there.
+    let missing = name("hint", "missing");
+    assert!(matches!(
+        store
+            .write_op(
+                &missing,
+                WriteOp::new().step(WriteStep::AssertExists).write(0, b"x")
+            )
+            .await,
+        Err(StoreError::NotFound { .. })
+    ));
+    assert!(store.stat(&missing).await.unwrap().is_none());
+    let fresh = name("hint", "fresh");
+    store
+        .write_op(
+            &fresh,
+            WriteOp::new()
+                .step(WriteStep::CreateExclusive)
+                .write(0, b"abc"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.read(&fresh, 0, 3).await.unwrap(), b"abc");
 }
 
 /// The budget of bytes in flight is widened from what the config gives, by the headroom asked

@@ -732,6 +732,14 @@ pub async fn create_exclusive_and_asserts<S: ObjectStore>(c: Clients<S>) {
     }
     assert_eq!(stat_of(s, &o).await, stat(5, next));
     assert_eq!(s.read(&o, 0, 10).await.unwrap(), b"Data!");
+    // On a missing object it is `NotFound` (to the OSD a missing object is at version 0, a
+    // mismatch), and creates nothing.
+    let missing = name(&p, "never-made");
+    assert_err!(
+        s.write_op(&missing, assert_version(5).write(0, b"x")).await,
+        StoreError::NotFound { .. }
+    );
+    assert!(s.stat(&missing).await.unwrap().is_none());
 }
 
 /// Every successful write operation, whatever its steps, returns a version greater than the
@@ -1139,6 +1147,27 @@ pub async fn omap<S: ObjectStore>(c: Clients<S>) {
     let (first, more) = omap_range(s, &many, b"", None, 1024).await;
     assert_eq!((first.as_slice(), more), (&all[..1024], true));
     assert_eq!(s.omap_all(&many).await.unwrap(), all);
+    // With no limit a store may still list fewer (RADOS: 1024 per operation), and says
+    // `more`: paging on from the last key (listed again) reaches every key, and the last
+    // page says no more.
+    let (mut got, mut more) = omap_range(s, &many, b"", None, usize::MAX).await;
+    assert!(!got.is_empty() && (more || got.len() == all.len()));
+    while more {
+        let start = got.last().unwrap().0.clone();
+        let (page, m) = omap_range(s, &many, &start, None, usize::MAX).await;
+        assert_eq!(page[0].0, start, "the start key is included");
+        assert!(page.len() > 1, "paging goes on");
+        got.extend(page.into_iter().skip(1));
+        more = m;
+    }
+    assert_eq!(got, all);
+    // Paging as librbd's headers are read (`foreign/rbd.rs`): from right after a key (the
+    // key and a NUL byte), 1024 at a time.
+    let after = [b"key00009".as_slice(), &[0]].concat();
+    let (page, more) = omap_range(s, &many, &after, None, 1024).await;
+    assert!(!page.is_empty() && page.len() <= 1024);
+    assert_eq!(page.as_slice(), &all[10..10 + page.len()]);
+    assert!(more);
 }
 
 // ---------------------------------------------------------------------------------------------

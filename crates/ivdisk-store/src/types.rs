@@ -376,7 +376,10 @@ pub enum ReadStep {
     Stat,
     /// The values of these keys, in key order (absent keys are left out).
     OmapGetByKeys(Vec<Vec<u8>>),
-    /// Up to `max` pairs with `start <= key < end` (no `end`: to the last key), in key order.
+    /// Up to `max` pairs with `start <= key < end` (no `end`: to the last key), in key order,
+    /// and whether more are in range. A store may return fewer than `max` with `more` (RADOS
+    /// lists at most `osd_max_omap_entries_per_request`, 1024 by default, per operation, even
+    /// for `max: usize::MAX`): callers that want them all page on from the last key.
     /// Portable callers start ranges at keys without NUL bytes: RADOS (librados' C API)
     /// reaches a NUL-holding start only near its NUL-free prefix (see `ivdisk-rados`).
     OmapGetRange {
