@@ -593,6 +593,24 @@ pub async fn sparse_reads<S: ObjectStore>(c: Clients<S>) {
             ext(7 * K, &b),
         ]
     );
+
+    // A Zero that reaches the end: what it covers reads as zeros, what is before it as it
+    // was. The size stays, or is cut to the Zero's start (RADOS turns such a ZERO into a
+    // TRUNCATE): callers must not tell an object's end from its size after one.
+    let end = name(&p, "zero-to-end");
+    s.write(&end, 0, &a[..(2 * K) as usize]).await.unwrap();
+    s.write_op(
+        &end,
+        WriteOp::new().step(WriteStep::Zero { offset: K, len: K }),
+    )
+    .await
+    .unwrap();
+    let size = stat_of(s, &end).await.size;
+    assert!(size == 2 * K || size == K, "size {size}");
+    assert_eq!(
+        s.read(&end, 0, 2 * K).await.unwrap()[..],
+        concat(&[&a[..K as usize], &zeros(size - K)])[..]
+    );
 }
 
 /// Truncate shrinks (the data beyond is gone: growing again reads zeros, as a hole) and grows

@@ -305,6 +305,8 @@ pub enum WriteStep {
     /// Replace the whole content (RADOS `write_full`).
     WriteFull(Vec<u8>),
     /// Make a range a hole again: reads as zeros, costs no space, and sparse reads skip it.
+    /// The size stays, except that a range reaching the end may cut the object to the
+    /// range's start instead (RADOS turns such a zero into a truncate); reads are the same.
     Zero { offset: u64, len: u64 },
     /// Set the size; bytes past it are dropped.
     Truncate(u64),
