@@ -282,6 +282,13 @@ pub(crate) fn report_failure(e: &anyhow::Error) {
     eprintln!("ivdisk: {text}");
 }
 
+/// Standard output carries data (`export IMAGE -`): a failure's JSON object must not go
+/// there, into the disk's bytes (a device's partition table); it goes to standard error
+/// with the message.
+pub(crate) fn stdout_carries_data() {
+    STDOUT_WRITTEN.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// [`outln!`]'s work.
 fn print_line(line: std::fmt::Arguments) {
     use std::io::Write;

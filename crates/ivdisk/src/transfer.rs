@@ -492,15 +492,20 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         }
         replacing = true;
     }
-    // A file replaced (--force) stays as it was until the export is complete: the export goes
-    // into a new file beside it, renamed over it at the end.
-    let target = if replacing {
+    if to_stdout {
+        crate::stdout_carries_data();
+    }
+    // The export goes into a new file beside the one named, which takes its name only once
+    // it is complete (over it with --force, never over one made meanwhile without): written
+    // at its final name, an interrupted export left a file of the image's size that read as
+    // zeros where it had not got to, a copy that looked complete.
+    let target = {
         let name = args.file.file_name().unwrap_or_default().to_string_lossy();
         args.file
             .with_file_name(format!(".{name}.ivdisk-export-{}", std::process::id()))
-    } else {
-        args.file.clone()
     };
+    // A signal stops the copy between pieces, and the partial file is removed.
+    stop_copies_on_signals(rt)?;
     let image = open_read_only_at(rt, &uri, snapshot.as_deref(), &args.passphrase)?;
     let size = image.size();
     let mut sink = if to_stdout {
@@ -511,9 +516,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     } else {
         let file = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .create_new(!args.force)
-            .truncate(true)
+            .create_new(true)
             // The plaintext of an encrypted disk: its owner's only, as cryptsetup's backups.
             .mode(0o600)
             .open(&target)
@@ -544,6 +547,16 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                     std::fs::rename(&target, &args.file).with_context(|| {
                         format!("renaming {} to {}", target.display(), args.file.display())
                     })?;
+                } else {
+                    // Linked, not renamed: a file made under that name meanwhile stays.
+                    std::fs::hard_link(&target, &args.file).with_context(|| {
+                        format!(
+                            "naming the export {} (made meanwhile by someone else? pass \
+                             --force to overwrite it)",
+                            args.file.display()
+                        )
+                    })?;
+                    let _ = std::fs::remove_file(&target);
                 }
             }
             Sink::Stdout(out) => out.flush().context("writing to standard output")?,
@@ -623,7 +636,7 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let mut reads = stream::iter(items)
-        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed)))
+        .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
         .map(|(offset, n, allocated)| {
             let image = image.clone();
             async move {
@@ -686,6 +699,7 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
     }
     match error {
         Some(e) => Err(e),
+        None if interrupted() => Err(interrupted_error()),
         None => Ok(written),
     }
 }

@@ -1118,3 +1118,70 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     }
     assert!(interrupted > 0, "every restore ended before its signal");
 }
+
+/// An export stopped by a signal leaves no file under the name asked for, nor its partial
+/// file beside it: written at that name, it left a file of the image's size that read as
+/// zeros past where it got, a copy that looked complete. And with `-` (the disk's bytes on
+/// standard output) a failure's `--json` object goes to standard error, not into the data.
+#[test]
+fn an_interrupted_export_leaves_no_file_and_data_on_stdout_gets_no_json() {
+    let f = Fixture::new();
+    let disk = random(384 << 20, 12);
+    let raw = f.file("big.raw", &disk);
+    let image = f.path("img");
+    let mut args = vec!["import", p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
+    args.extend(FAST);
+    ok_bytes(&args);
+    let mut interrupted = 0;
+    for delay_ms in [150u64, 300, 500, 800, 1200] {
+        let file = f.path(&format!("out-{delay_ms}.raw"));
+        let out = signalled(
+            &["export", p(&image), p(&file), "--passphrase-file", p(&f.pw)],
+            delay_ms,
+            "-INT",
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => assert!(std::fs::read(&file).unwrap() == disk, "export: data lost"),
+            // Killed before it took the signals over, which it does before it makes a file.
+            None => assert!(!file.exists(), "a killed export left {}", file.display()),
+            Some(code) => {
+                assert_eq!(code, 1, "export after {delay_ms} ms: {err}");
+                assert!(err.contains("interrupted"), "{err}");
+                assert!(
+                    !file.exists(),
+                    "an interrupted export left {}",
+                    file.display()
+                );
+                interrupted += 1;
+            }
+        }
+        let partial: Vec<_> = std::fs::read_dir(f.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.contains("ivdisk-export"))
+            .collect();
+        assert!(partial.is_empty(), "left behind: {partial:?}");
+    }
+    assert!(interrupted > 0, "every export ended before its signal");
+
+    let wrong = f.file("wrong", b"not the passphrase\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args([
+            "export",
+            p(&image),
+            "-",
+            "--json",
+            "--passphrase-file",
+            p(&wrong),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        out.stdout.is_empty(),
+        "standard output carries the disk: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("passphrase"));
+}
