@@ -69,8 +69,11 @@ use crate::image::{
 };
 use crate::keyslots::missing_header;
 use crate::layout::max_stored_object_len;
+use crate::readers::REMOVING_KEY;
 use crate::snapshot::{SnapshotTable, SNAPSHOT_KEY_PREFIX, SNAP_SEQ_KEY};
-use crate::writer_lock::{HolderRecord, WriterLock, DEFAULT_LOCK_DURATION};
+use crate::writer_lock::{
+    HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, LAST_WRITER_CLIENT_KEY, LAST_WRITER_KEY,
+};
 use crate::{Image, ImageError, ImageUri, LayoutKind};
 
 /// The first bytes of a backup file.
@@ -425,9 +428,17 @@ async fn read_object(
     Ok(Some(ObjectState::from_extents(stat.size, extents, pairs)))
 }
 
-/// Header-object omap keys that a backup does not carry.
+/// Header-object omap keys that a backup carries, and a restore applies: not the snapshot
+/// records, nor what says who writes or reads the source (its writer's client and address,
+/// a removal underway). Carried, the source writer's record made the restored copy's first
+/// writer fence that client, a live server of the source, if both were on one cluster.
 fn carried(key: &[u8]) -> bool {
-    !(key.starts_with(SNAPSHOT_KEY_PREFIX) || key == SNAP_SEQ_KEY || key == BACKUP_STATE_KEY)
+    !(key.starts_with(SNAPSHOT_KEY_PREFIX)
+        || key == SNAP_SEQ_KEY
+        || key == BACKUP_STATE_KEY
+        || key == LAST_WRITER_KEY
+        || key == LAST_WRITER_CLIENT_KEY
+        || key == REMOVING_KEY)
 }
 
 /// What a restore leaves recorded in the header object (`BACKUP_STATE_KEY`).
@@ -1859,9 +1870,15 @@ async fn restore_full(
     .await;
     let header = async {
         written?;
-        // The header object last: only now does an image exist.
+        // The data durable first: a flush that failed after the header was written removed
+        // the data and left the header, an image that opened and read zeros.
+        store.flush().await.map_err(ImageError::store(image))?;
+        // The header object last: only now does an image exist. (Backups made before the
+        // writer's records were left out may carry them: dropped here.)
+        let mut header_state = checked.header.clone();
+        header_state.omap.retain(|(k, _)| carried(k));
         let mut op = WriteOp::new().step(WriteStep::CreateExclusive);
-        checked.header.write_steps(&mut op);
+        header_state.write_steps(&mut op);
         let state = RestoredState {
             image_id: checked.description.image_id.clone(),
             snapshot_id: checked.description.snapshot_id,
@@ -1887,7 +1904,11 @@ async fn restore_full(
                 return Err(ImageError::store(image)(e));
             }
         }
-        store.flush().await.map_err(ImageError::store(image))
+        // Removed with the data if this fails: first, so no image is left without its data.
+        store.flush().await.map_err(|e| {
+            created.insert(0, target.header_object.clone());
+            ImageError::store(image)(e)
+        })
     }
     .await;
     if let Err(e) = header {
@@ -2114,6 +2135,7 @@ async fn apply_increment(
         let mut op = WriteOp::new().step(WriteStep::AssertVersion(marked.version));
         op.steps.push(WriteStep::Truncate(0));
         let mut header_state = checked.header.clone();
+        header_state.omap.retain(|(k, _)| carried(k));
         // The nonce count only goes up: the larger of the image's and the backup's.
         let count = |pairs: &[(Vec<u8>, Vec<u8>)]| {
             pairs

@@ -520,9 +520,8 @@ async fn a_store_failure_mid_restore_leaves_nothing() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn existing_targets_and_files_are_refused() {
-    let dir = tmp();
+/// Image "src" of two objects on a fresh memory store, its first block `byte`s, open.
+async fn two_object_image(byte: u8) -> (Arc<dyn ObjectStore>, Image) {
     let source = memory();
     let options = common::options(
         2 * OBJECT,
@@ -534,7 +533,14 @@ async fn existing_targets_and_files_are_refused() {
     let image = Image::create_on(source.clone(), "src", &options, PASS)
         .await
         .unwrap();
-    image.write(0, &[1u8; 4096]).await.unwrap();
+    image.write(0, &[byte; 4096]).await.unwrap();
+    (source, image)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn existing_targets_and_files_are_refused() {
+    let dir = tmp();
+    let (source, image) = two_object_image(1).await;
     let id = image.image_id();
     // The head is read under the writer lock: refused while a writer has the image.
     let file = dir.path().join("b.ivdbak");
@@ -913,4 +919,64 @@ async fn round_trips_through_rados() {
         Image::remove_snapshot(&target, "snap").await.unwrap();
         Image::delete(&target, |_, _| {}).await.unwrap();
     }
+}
+
+/// A backup carries the source header's omap but not who writes or reads the source: its
+/// writer's record (client and address) and a removal underway. Carried, the record made
+/// the restored copy's first writer fence that client, a live server of the source when
+/// both images are on one cluster.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_carries_no_record_of_the_sources_writer() {
+    let (source, image) = two_object_image(7).await;
+    image.close().await.unwrap();
+    // As a RADOS writer of the source leaves them (the memory store records no addresses).
+    let header = ObjectName::new(header_object_name("src")).unwrap();
+    let records = [
+        b"ivdisk.last_writer".as_slice(),
+        b"ivdisk.last_writer_client",
+        b"ivdisk.removing",
+    ];
+    source
+        .write_op(
+            &header,
+            ivdisk_store::WriteOp::new().omap_set(
+                records
+                    .iter()
+                    .map(|k| (k.to_vec(), b"client.4242 10.0.0.1:0/1".to_vec()))
+                    .collect::<Vec<_>>(),
+            ),
+        )
+        .await
+        .unwrap();
+    let dir = tmp();
+    let file = dir.path().join("src.ivdbak");
+    Image::backup_on(source, "src", &full(), &file, |_| {})
+        .await
+        .unwrap();
+    let target = memory();
+    Image::restore_backup_on(&file, target.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    let restored = ObjectName::new(header_object_name("dst")).unwrap();
+    let keys: Vec<Vec<u8>> = target
+        .omap_all(&restored)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    for record in records {
+        assert!(
+            !keys.iter().any(|k| k == record),
+            "{} carried",
+            String::from_utf8_lossy(record)
+        );
+    }
+    let copy = Image::open_on(target, "dst", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    let mut back = vec![0u8; 4096];
+    copy.read(0, &mut back).await.unwrap();
+    assert_eq!(back, [7u8; 4096]);
+    copy.close().await.unwrap();
 }
