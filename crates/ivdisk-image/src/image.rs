@@ -464,7 +464,11 @@ impl Image {
         };
         let opened = Image::open_in(image, store, uri.image_name(), passphrase, options).await?;
         let _ = opened.inner.uri.set(uri.clone());
-        if read_only {
+        // Not on a librbd image's header: librbd takes every non-empty answer to its notifies
+        // there for a lock owner's, and a second one broke its lock handover (`rbd snap
+        // create` beside a running client failed with EINVAL). ivdisk removes no such image
+        // anyway.
+        if read_only && !opened.inner.foreign {
             opened.mark_reader(uri).await?;
         }
         Ok(opened)

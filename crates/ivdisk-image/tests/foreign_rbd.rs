@@ -473,7 +473,36 @@ async fn rbd_features_snapshots_locks_and_clones_decide_what_opens() {
     let mut buf = [0u8; 35];
     image.read(4096, &mut buf).await.unwrap();
     assert_eq!(&buf, b"written with exclusive-lock enabled");
+    // A read-only open does not watch librbd's header: librbd takes every non-empty answer
+    // to its notifies there for a lock owner's (a second one broke its lock handover).
+    let info: serde_json::Value =
+        serde_json::from_str(&rbd.rbd(&["info", "--format", "json", &rbd.spec()])).unwrap();
+    let header = format!("rbd_header.{}", info["id"].as_str().unwrap());
+    let watchers = run_ok(
+        "rados",
+        &[
+            "--conf",
+            &rbd.conf,
+            "-p",
+            &rbd.pool,
+            "listwatchers",
+            &header,
+        ],
+    );
+    assert!(
+        watchers.trim().is_empty(),
+        "watchers of {header}: {watchers}"
+    );
     image.close().await.unwrap();
+    // librbd's snapshots are not ivdisk's: opening "at" one is refused (it read the head).
+    let at_s1 = OpenOptions {
+        snapshot: Some("s1".into()),
+        ..OpenOptions::read_only()
+    };
+    expect_invalid(
+        Image::open(&uri, PASS, &at_s1).await.unwrap_err(),
+        &["snapshots", "librbd"],
+    );
 
     // A clone of it: not even read-only (its unwritten parts live in the parent).
     let clone = format!("{}-clone", rbd.name);

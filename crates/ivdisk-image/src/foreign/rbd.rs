@@ -513,6 +513,16 @@ pub(crate) async fn open_rbd(
     passphrase: &[u8],
     options: &OpenOptions,
 ) -> Result<Image, ImageError> {
+    if let Some(snapshot) = &options.snapshot {
+        // librbd's snapshots are not ivdisk's: opened "at" one, the head was read.
+        return Err(super::invalid(
+            image,
+            format!(
+                "ivdisk does not open librbd's snapshots (`{snapshot}`) itself; read it \
+                 through librbd, as an rbd:// image"
+            ),
+        ));
+    }
     let rbd = metadata(store.as_ref(), name, image).await?;
     if !options.read_only {
         check_writable(store.as_ref(), &rbd, image).await?;
