@@ -177,6 +177,10 @@ pub(crate) async fn holder(
         .next())
 }
 
+/// How often the renewal thread looks whether a renewal call that has not come back has
+/// outlived the time writes may go on without one.
+const RENEWAL_POLL: Duration = Duration::from_millis(50);
+
 /// The renewal thread's loop: renew every third of `duration` until `stopped` says stop.
 ///
 /// A failed renewal does not give the lock up at once: a store that is away for a while (an
@@ -209,24 +213,53 @@ fn renew_until_stopped(
             _ => return,
         }
         let sent = Instant::now();
-        let renewed =
-            match futures_executor::block_on(store.lock_exclusive(object, request.clone())) {
-                // Gone. If it may have expired, take it again unless someone else has.
-                Err(StoreError::NotLocked { .. })
-                    if sent >= last_sent_ok + duration && record == HolderRecord::Keep =>
-                {
-                    let taken = futures_executor::block_on(store.lock_exclusive(
-                        object,
-                        LockRequest {
-                            renew: false,
-                            ..request.clone()
-                        },
-                    ));
-                    retaken |= taken.is_ok();
-                    taken
+        // The call may hang far longer than the lock lives (an OSD that does not answer, the
+        // store's timeout 60 s): writes are refused once two thirds of `duration` passed
+        // since the last renewal was sent, whether or not the call has come back (writes went
+        // on while it hung, past the lock's expiry, beside a writer that took it).
+        let renewed = std::thread::scope(|scope| {
+            let retaken = &mut retaken;
+            let call = scope.spawn(|| {
+                match futures_executor::block_on(store.lock_exclusive(object, request.clone())) {
+                    // Gone. If it may have expired, take it again unless someone else has.
+                    // (May have: the call came back a duration after the last renewal sent,
+                    // so the store may have seen it only after the expiry.)
+                    Err(StoreError::NotLocked { .. })
+                        if Instant::now() >= last_sent_ok + duration
+                            && record == HolderRecord::Keep =>
+                    {
+                        let taken = futures_executor::block_on(store.lock_exclusive(
+                            object,
+                            LockRequest {
+                                renew: false,
+                                ..request.clone()
+                            },
+                        ));
+                        *retaken |= taken.is_ok();
+                        taken
+                    }
+                    other => other,
                 }
-                other => other,
-            };
+            });
+            let deadline = last_sent_ok + duration * 2 / 3;
+            while !call.is_finished() {
+                if !refused && Instant::now() >= deadline {
+                    tracing::error!(
+                        image,
+                        "renewing the writer lock has not answered; writes are refused until it \
+                         is renewed"
+                    );
+                    refused = true;
+                    set_refused(Some(format!(
+                        "not renewed since {:.0?} ago: the store has not answered the renewal; \
+                         writes resume once it is",
+                        last_sent_ok.elapsed()
+                    )));
+                }
+                std::thread::sleep(RENEWAL_POLL.min(duration / 10));
+            }
+            call.join().expect("the renewal call does not panic")
+        });
         let renewed = match renewed {
             Ok(()) if retaken => match last_holder(store, object) {
                 Ok(holder) if holder.as_deref() == Some(request.cookie.as_bytes()) => {

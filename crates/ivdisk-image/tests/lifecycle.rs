@@ -856,6 +856,8 @@ struct AwayForLocks {
     hold_next_read: std::sync::atomic::AtomicBool,
     /// Set while that read waits.
     read_held: std::sync::atomic::AtomicBool,
+    /// While set, lock renewals wait (a call that does not come back, where `away` fails).
+    hang_renewals: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -898,6 +900,9 @@ impl ObjectStore for AwayForLocks {
         object: &ObjectName,
         request: LockRequest,
     ) -> Result<(), ivdisk_store::StoreError> {
+        while request.renew && self.hang_renewals.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         if self.away.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(ivdisk_store::StoreError::Io {
                 context: "locking: the store is away (test)".into(),
@@ -969,6 +974,7 @@ async fn away_store_and_writer(
         away: false.into(),
         hold_next_read: false.into(),
         read_held: false.into(),
+        hang_renewals: false.into(),
     });
     Image::create_on(store.clone(), "away", &opts(MIB), PASS)
         .await
@@ -985,6 +991,33 @@ async fn away_store_and_writer(
         .unwrap();
     writer.write(0, b"before").await.unwrap();
     (store, writer)
+}
+
+/// A renewal call that hangs (an OSD that does not answer; RADOS gives up after 60 s, twice
+/// a lock's life): writes are refused once two thirds of the lock's duration passed since the
+/// last renewal sent, while the call still hangs, and go on once it comes back and the lock
+/// is renewed (taken again: nobody held it meanwhile). They went on until the call returned,
+/// past the lock's expiry, beside any writer that took it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_stop_while_a_renewal_hangs_past_the_locks_life() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+    store
+        .hang_renewals
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(SHORT_LOCK + SHORT_LOCK / 6).await;
+    let during = writer.write(0, b"while it hangs").await;
+    store
+        .hang_renewals
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    match during {
+        Err(ImageError::LockLost { reason, .. }) => {
+            assert!(reason.contains("not renewed"), "{reason}")
+        }
+        other => panic!("a write while the renewal hangs: {other:?}"),
+    }
+    wait_for_writes_back(&writer, SHORT_LOCK * 3).await;
+    writer.close().await.unwrap();
 }
 
 /// Open the image "away" for writing through `store` as soon as its writer lock has expired.
