@@ -1038,6 +1038,18 @@ impl Image {
         uri: &ImageUri,
         fencing: Fencing,
     ) -> Result<Option<BrokenLock>, ImageError> {
+        Self::break_lock_of(uri, fencing, None).await
+    }
+
+    /// [`Image::break_lock`], only if the lock is still held by `confirmed` (its client and
+    /// cookie), as a user who confirmed breaking that holder's lock saw it: a lock that
+    /// changed hands meanwhile (a restarted server took it over) is not broken, nor its new
+    /// holder fenced (`ImageError::Locked`, naming it). `None`: whoever holds it.
+    pub async fn break_lock_of(
+        uri: &ImageUri,
+        fencing: Fencing,
+        confirmed: Option<&Locker>,
+    ) -> Result<Option<BrokenLock>, ImageError> {
         if crate::foreign::luks_file_path(uri).is_some() {
             return Err(ImageError::InvalidParameter {
                 image: uri.to_string(),
@@ -1053,6 +1065,16 @@ impl Image {
         else {
             return Ok(None);
         };
+        if let Some(confirmed) = confirmed {
+            if (&confirmed.client, &confirmed.cookie) != (&holder.client, &holder.cookie) {
+                return Err(ImageError::Locked {
+                    image,
+                    holder: writer_lock::describe(&holder),
+                    expires_in: None,
+                    breakable: true,
+                });
+            }
+        }
         let fenced_at = match (fencing, &holder.address) {
             (Fencing::Holder, Some(address)) => {
                 let fenced = store.fence_client(&holder.client, address).await;

@@ -565,6 +565,37 @@ async fn a_broken_lock_taken_by_a_new_writer_makes_the_old_writer_refuse_writes(
     );
 }
 
+/// A lock break confirmed for one holder does not break a lock that changed hands meanwhile
+/// (a restarted server took it over while `ivdisk lock break` asked): the new holder is a
+/// live writer. It was fenced and broken whoever held the lock by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_break_confirmed_for_one_holder_spares_the_next() {
+    let (uri, writer) = writer_with_short_lock("break-confirmed").await;
+    let first = Image::lock_holder(&uri).await.unwrap().expect("held");
+    break_writer_lock(&uri, &writer).await;
+    // (Its lock is gone: its close says so.)
+    let _ = writer.close().await;
+    let second = Image::open(&uri, PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    match Image::break_lock_of(&uri, Fencing::Holder, Some(&first)).await {
+        Err(ImageError::Locked { holder, .. }) => {
+            assert!(holder.contains(second.store().client_id()), "{holder}")
+        }
+        other => panic!("breaking the first holder's lock, now the second's: {other:?}"),
+    }
+    second.write(0, b"still the writer").await.unwrap();
+    let now = Image::lock_holder(&uri).await.unwrap().expect("held");
+    assert_eq!(now.client, second.store().client_id());
+    // Confirmed for the holder it has: broken.
+    let broken = Image::break_lock_of(&uri, Fencing::Holder, Some(&now))
+        .await
+        .unwrap()
+        .expect("a holder");
+    assert_eq!(broken.holder.cookie, now.cookie);
+    let _ = second.close().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input
 

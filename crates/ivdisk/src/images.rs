@@ -849,7 +849,9 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                 true => Fencing::Skip,
                 false => Fencing::Holder,
             };
-            let broken = match rt.block_on(Image::break_lock(&uri, fencing)) {
+            // Only the holder confirmed: one that took the lock over while the question
+            // waited (a restarted server) is a live writer, not to be fenced or broken.
+            let broken = match rt.block_on(Image::break_lock_of(&uri, fencing, Some(&holder))) {
                 Err(
                     e @ ImageError::Store {
                         source: StoreError::CannotFence { .. },
@@ -858,6 +860,11 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                 ) => bail!(
                     "{e}; the lock was left in place. If you know that writer is stopped, run \
                      `ivdisk lock break '{image}' --no-fence`"
+                ),
+                Err(e @ ImageError::Locked { .. }) => bail!(
+                    "the writer lock changed hands while you confirmed (it was {}'s): {e}. \
+                     Nothing was broken or fenced",
+                    describe_locker(&holder)
                 ),
                 other => other.map_err(flat)?,
             };
