@@ -673,32 +673,57 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 object_size: 4 << 20,
                 image_id: ImageId(image_id),
             });
-            let made_here = !file.exists();
+            // A regular file overwritten (--force) stays as it was until the new header is
+            // complete: it is made beside it and renamed over it. Truncated first, a format
+            // that then failed (a volume key of the wrong length) left neither header.
+            let replacing = force && std::fs::metadata(&file).is_ok_and(|m| m.is_file());
+            let target = match replacing {
+                true => {
+                    let name = file.file_name().unwrap_or_default().to_string_lossy();
+                    file.with_file_name(format!(".{name}.ivdisk-format-{}", std::process::id()))
+                }
+                false => file.clone(),
+            };
+            let made_here = replacing || !file.exists();
             let mut out = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
-                .truncate(force)
-                .create_new(!force)
-                .open(&file)
+                .truncate(force && !replacing)
+                .create_new(!force || replacing)
+                .open(&target)
                 .with_context(|| match force || !file.exists() {
-                    true => format!("cannot create {}", file.display()),
+                    true => format!("cannot create {}", target.display()),
                     false => format!(
                         "cannot create {} (use --force to overwrite)",
                         file.display()
                     ),
                 })?;
-            let header = match with_spinner("benchmarking the key derivation", || {
+            let formatted = with_spinner("benchmarking the key derivation", || {
                 Header::format(&mut out, &spec, &key, &passphrase)
-            }) {
+            })
+            .map_err(anyhow::Error::new)
+            .and_then(|header| {
+                if replacing {
+                    out.sync_all()
+                        .with_context(|| format!("syncing {}", target.display()))?;
+                    std::fs::rename(&target, &file).with_context(|| {
+                        format!("renaming {} to {}", target.display(), file.display())
+                    })?;
+                }
+                Ok(header)
+            });
+            let header = match formatted {
                 Ok(header) => header,
                 // Never leave a file behind that looks like a header and is not one.
                 Err(e) if made_here => {
-                    let _ = std::fs::remove_file(&file);
-                    return Err(anyhow::Error::new(e)
-                        .context(format!("formatting {} (removed again)", file.display())));
+                    let _ = std::fs::remove_file(&target);
+                    return Err(e.context(match replacing {
+                        true => format!("formatting {}; it was left as it was", file.display()),
+                        false => format!("formatting {} (removed again)", file.display()),
+                    }));
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             };
             print(
                 json,

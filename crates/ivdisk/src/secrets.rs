@@ -199,7 +199,13 @@ pub fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
 
 /// All of the file `path` (or standard input), which messages call `what`.
 fn read_secret_file(path: &Path, what: &str) -> Result<Zeroizing<Vec<u8>>> {
-    let mut data = Zeroizing::new(Vec::new());
+    // Room for all of it first: a buffer grown while reading leaves copies of the secret in
+    // the memory it outgrew, which the allocator does not clear.
+    let room = match path == Path::new("-") {
+        true => 64 << 10,
+        false => std::fs::metadata(path).map_or(0, |m| m.len().min(MAX_KEY_FILE) as usize),
+    };
+    let mut data = Zeroizing::new(Vec::with_capacity(room + 1));
     if path == Path::new("-") {
         std::io::stdin()
             .take(MAX_KEY_FILE + 1)

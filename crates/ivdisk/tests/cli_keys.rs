@@ -448,3 +448,38 @@ fn a_keyslot_change_waits_for_another_programs_lock_on_the_file() {
     assert!(started.elapsed() >= Duration::from_millis(1500));
     assert_eq!(keyslot_ids(&hdr), [0, 1]);
 }
+
+/// `header format --force` over a header leaves it as it was when the new one cannot be
+/// made (here a volume key of the wrong length): the file was truncated first, and the old
+/// header, a detached volume's only key material, was gone.
+#[test]
+fn a_forced_header_format_that_fails_keeps_the_old_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("vol.hdr");
+    let pw = key(dir.path(), "pw", b"passphrase");
+    format_header(&hdr, &pw);
+    let before = std::fs::read(&hdr).unwrap();
+    let bad = key(dir.path(), "bad.key", b"12345");
+    let mut args = vec!["header", "format", p(&hdr), "--size", "1M", "--force"];
+    args.extend(["--key-file", p(&pw), "--volume-key-file", p(&bad)]);
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(err.contains("left as it was"), "{err}");
+    assert!(
+        std::fs::read(&hdr).unwrap() == before,
+        "the old header is intact"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains("ivdisk-format"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // A good format with --force replaces it.
+    let mut args = vec!["header", "format", p(&hdr), "--size", "1M", "--force"];
+    args.extend(["--key-file", p(&pw)]);
+    args.extend(FAST);
+    ok(&args);
+    assert!(std::fs::read(&hdr).unwrap() != before);
+    assert_eq!(keyslot_ids(&hdr), vec![0]);
+}
