@@ -119,8 +119,11 @@ impl RbdImage {
             encryption,
         } = options;
         let image = image_spec(config, &name, snapshot.as_deref());
-        let (handle, io) =
+        // `io` bound before `handle`, so that a future dropped at an await below drops the
+        // handle (`rbd_close`) first: librbd's handle uses the connection `io` keeps up.
+        let (opened, io) =
             open_handle(config, &image, &name, snapshot.as_deref(), read_only).await?;
+        let handle = opened;
         let load = match choose_encryption(&image, &handle, encryption).await {
             Ok(load) => load,
             Err(e) => {
@@ -132,10 +135,13 @@ impl RbdImage {
             None => (handle, None),
             Some((format, passphrase)) => {
                 let mut handle = handle;
-                let (handle, loaded) = blocking(&image, move || {
+                // The connection goes along and is given back after the handle: if this
+                // future is dropped meanwhile, the thread closes the handle while it lives.
+                let thread_io = io.clone();
+                let (handle, loaded, _thread_io) = blocking(&image, move || {
                     let r = handle.encryption_load(format, &passphrase);
                     drop(passphrase);
-                    (handle, r)
+                    (handle, r, thread_io)
                 })
                 .await?;
                 if let Err(e) = loaded {
@@ -183,15 +189,22 @@ impl RbdImage {
         snapshot: Option<&str>,
     ) -> Result<RbdInfo, RbdError> {
         let image = image_spec(config, name, snapshot);
-        let (handle, _io) = open_handle(config, &image, name, snapshot, true).await?;
+        // `io` bound before `handle`: dropped at an await, the handle is closed first.
+        let (opened, io) = open_handle(config, &image, name, snapshot, true).await?;
+        let handle = opened;
         let info = inspect_handle(&image, &handle).await;
-        // Read-only opens hold no watch or lock: closing is quick, but still a librbd call.
-        blocking(&image, move || handle.close())
-            .await?
-            .map_err(|e| RbdError::Close {
-                image: image.clone(),
-                source: e.io_error(),
-            })?;
+        // Read-only opens hold no watch or lock: closing is quick, but still a librbd call,
+        // with the connection kept up until it returns.
+        blocking(&image, move || {
+            let closed = handle.close();
+            drop(io);
+            closed
+        })
+        .await?
+        .map_err(|e| RbdError::Close {
+            image: image.clone(),
+            source: e.io_error(),
+        })?;
         info
     }
 
@@ -378,7 +391,13 @@ impl RbdImage {
         let RbdImage {
             handle, _io, image, ..
         } = self;
-        let closed = blocking(&image, move || handle.close()).await?;
+        // The connection kept up until the close returns, also if this future is dropped.
+        let closed = blocking(&image, move || {
+            let closed = handle.close();
+            drop(_io);
+            closed
+        })
+        .await?;
         flushed?;
         closed.map_err(|e| RbdError::Close {
             image,
@@ -408,7 +427,9 @@ async fn open_handle(
     drop(store);
     let read_only = read_only || snapshot.is_some();
     let thread_io = io.clone();
-    let opened = blocking(image, move || {
+    // The connection is given back after the result: if this future is dropped while the
+    // thread opens, the handle it returns is closed while the connection still lives.
+    let (opened, _thread_io) = blocking(image, move || {
         let open = |snap: Option<&CString>| {
             ImageHandle::open(
                 thread_io.as_ptr(),
@@ -417,7 +438,7 @@ async fn open_handle(
                 read_only,
             )
         };
-        match open(c_snap.as_ref()) {
+        let opened = match open(c_snap.as_ref()) {
             // ENOENT at a snapshot: the image or the snapshot? The head opening says which.
             Err(Errno(libc::ENOENT)) if c_snap.is_some() => match open(None) {
                 Ok(head) => {
@@ -427,7 +448,8 @@ async fn open_handle(
                 Err(e) => Err((e, false)),
             },
             other => other.map_err(|e| (e, false)),
-        }
+        };
+        (opened, thread_io)
     })
     .await?;
     match opened {

@@ -8,6 +8,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{random, secret, Model, TestImage, LUKS_SIZE, MIB, OBJECT, PASS};
 use ivdisk_rbd::{Encryption, LuksFormat, RbdError, RbdImage, RbdOpenOptions, LUKS_MAGIC};
@@ -220,4 +221,33 @@ fn expect_not_encrypted(err: RbdError, want: LuksFormat, is: Option<LuksFormat>,
         text.contains(says) && text.contains("encryption=auto"),
         "{text}"
     );
+}
+
+/// An open given up by its caller (a timeout) while librbd derives the key on a helper
+/// thread: the connection lives until that thread has closed the handle (dropped first, the
+/// connection was shut down under librbd, which then closed a handle on a freed client). The
+/// process goes on, and the image opens again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_given_up_midway_leaves_librbd_sound() {
+    let Some(rbd) = TestImage::create("luks2-given-up", LUKS_SIZE, Some("luks2")) else {
+        return;
+    };
+    let config = rbd.config();
+    let with_passphrase = || {
+        rbd.options(Encryption::Auto {
+            passphrase: Some(secret(PASS)),
+        })
+    };
+    for delay_ms in [1u64, 20, 100, 400] {
+        let open = RbdImage::open(&config, with_passphrase());
+        if let Ok(opened) = tokio::time::timeout(Duration::from_millis(delay_ms), open).await {
+            opened.unwrap().close().await.unwrap();
+        }
+    }
+    // The abandoned helper threads finish their librbd calls.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let image = RbdImage::open(&config, with_passphrase()).await.unwrap();
+    let mut buf = [0u8; 4096];
+    image.read(0, &mut buf).await.unwrap();
+    image.close().await.unwrap();
 }
