@@ -85,6 +85,24 @@ pub(crate) fn check_segment(image: &str, header: &Header) -> Result<SegmentInfo,
             reason: format!("unsupported LUKS sector size {}", info.sector_size),
         });
     }
+    // A detached header (`cryptsetup luksFormat --header`) says its data starts at byte 0 of
+    // *another* device; opened as a volume, the engine would take the header's own bytes for
+    // the data and a write would overwrite its keyslots.
+    let metadata_end = header.metadata_end();
+    if info.offset < metadata_end {
+        return Err(invalid(
+            image,
+            if info.offset == 0 {
+                "this is a detached LUKS header (its data segment starts at byte 0 of another                  device): ivdisk opens LUKS volumes whose data follows their header in the same                  file or image; attach the header to its data with `cryptsetup` first"
+                    .to_owned()
+            } else {
+                format!(
+                    "the LUKS data segment starts at byte {}, inside the header's own area                      (which ends at byte {metadata_end}): refusing to treat header bytes as data",
+                    info.offset
+                )
+            },
+        ));
+    }
     if !info.offset.is_multiple_of(info.sector_size as u64) {
         return Err(ImageError::Corrupt {
             image: image.to_owned(),

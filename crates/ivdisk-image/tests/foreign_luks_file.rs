@@ -552,6 +552,46 @@ async fn wrong_passphrase_is_a_header_error_and_touches_nothing() {
     open_rw(&uri).await.close().await.unwrap();
 }
 
+/// A detached header (`luksFormat --header`) has its data on another device: opened as a
+/// volume it would have made the header's own bytes the disk, and a write at LBA 0 would have
+/// overwritten its keyslots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_header_is_not_opened_as_a_volume() {
+    let scratch = Scratch::new();
+    for (name, kind) in [("luks2.hdr", "luks2"), ("luks1.hdr", "luks1")] {
+        let header = scratch.path(name);
+        let data = scratch.path(&format!("{name}.data"));
+        fs::File::create(&data).unwrap().set_len(8 * MIB).unwrap();
+        let mut args = vec!["luksFormat", "--batch-mode", "--key-file", scratch.key()];
+        args.extend(["--type", kind, "--header", s(&header)]);
+        if kind == "luks1" {
+            args.extend(["--pbkdf-force-iterations", "1000"]);
+        } else {
+            args.extend(FAST_PBKDF);
+        }
+        args.push(s(&data));
+        run_ok("cryptsetup", &args);
+        let before = fs::read(&header).unwrap();
+        let uri = scratch.uri(&header);
+        for err in [
+            Image::open(&uri, PASS, &OpenOptions::default())
+                .await
+                .unwrap_err(),
+            Image::open(&uri, PASS, &OpenOptions::read_only())
+                .await
+                .unwrap_err(),
+            Image::info(&uri).await.unwrap_err(),
+        ] {
+            let text = err.to_string();
+            assert!(matches!(err, ImageError::InvalidParameter { .. }), "{text}");
+            assert!(text.contains("detached LUKS header"), "{name}: {text}");
+        }
+        assert!(fs::read(&header).unwrap() == before, "{name} changed");
+        // cryptsetup still opens it as the header it is.
+        run_ok("cryptsetup", &["luksDump", s(&header)]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_ciphers_are_refused_clearly() {
     let scratch = Scratch::new();
