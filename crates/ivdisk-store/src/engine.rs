@@ -88,6 +88,9 @@ pub(crate) trait Segments: Send {
     fn after_punches(&mut self, done: Box<dyn FnOnce() + Send>) {
         done()
     }
+    /// The transaction since the last mark is committed: what it wrote is referenced, and
+    /// a rewind will not take it back.
+    fn committed(&mut self) {}
     /// The current append position (to undo the appends of a failed operation).
     fn mark(&self) -> SegmentMark;
     /// Take back every append made since `mark` (a mark of the open transaction).
@@ -1775,9 +1778,14 @@ impl Engine {
             "a durable commit failed after its transaction was committed: what was written \
              since the previous flush is in the store but may not survive a power cut: {e}"
         );
-        // Their death is not durable: given back at the next durable commit instead.
-        let frees = point.frees.len();
-        self.frees_pending.splice(0..0, point.frees);
+        // Their death is not durable: given back at the next durable commit instead, as the
+        // (segment, offset, length) that `frees_pending` holds (the point's are from..to).
+        let mut frees_back = point.frees;
+        for (_, from, to) in frees_back.iter_mut() {
+            *to -= *from;
+        }
+        let frees = frees_back.len();
+        self.frees_pending.splice(0..0, frees_back);
         self.txn_frees += frees;
         if point.flushes.is_empty() {
             self.lost = Some((no_space, what));
@@ -2723,6 +2731,7 @@ impl Engine {
                 self.in_txn = false;
                 self.db.execute_batch("COMMIT")?;
                 committed = true;
+                self.segments.committed();
                 self.version_stored = self.version;
                 self.append_stored = Some(append);
             }
@@ -5296,6 +5305,81 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(omap_of(&mut engine, &header), vec![kv("size", "1")]);
+    }
+
+    /// A log sync that fails once, when armed.
+    #[derive(Default)]
+    struct SyncFailingOnce(std::sync::atomic::AtomicBool);
+    impl Durability for SyncFailingOnce {
+        fn sync_wal(&self) -> Result<(), StoreError> {
+            match self.0.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                true => Err(StoreError::Database("injected log sync failure".into())),
+                false => Ok(()),
+            }
+        }
+        fn instant(&self) -> bool {
+            true
+        }
+    }
+
+    /// The dead ranges of a durable commit whose log sync failed wait for the next one, and
+    /// are then given back as they were: they were put back as `(from, to)` where
+    /// `(offset, length)` belongs, so the next durable commit punched `[from, from + to)`,
+    /// the live data after them included.
+    #[test]
+    fn dead_space_of_a_failed_log_sync_is_freed_later_and_nothing_else() {
+        let durability = Arc::new(SyncFailingOnce::default());
+        let db = Connection::open_in_memory().unwrap();
+        let mut engine = Engine::new(
+            db,
+            Box::<MemorySegments>::default(),
+            durability.clone() as Arc<dyn Durability>,
+        )
+        .unwrap();
+        let name = |n: &str| ObjectName::new(n).unwrap();
+        let write = |engine: &mut Engine, object: &str, byte: u8, len: usize| {
+            engine
+                .apply_write(&name(object), &WriteOp::new().write(0, vec![byte; len]))
+                .unwrap();
+        };
+        let read = |engine: &mut Engine, object: &str| -> Vec<u8> {
+            let op = ReadOp::new().step(ReadStep::Read {
+                offset: 0,
+                len: 1 << 20,
+            });
+            match engine.read(&name(object), &op).unwrap().pop() {
+                Some(ReadResult::Extents(extents)) => {
+                    let mut out = Vec::new();
+                    for e in extents {
+                        out.resize(e.offset as usize + e.data.len(), 0);
+                        out[e.offset as usize..].copy_from_slice(&e.data);
+                    }
+                    out
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        write(&mut engine, "a", 1, 16384);
+        write(&mut engine, "b", 2, 4096);
+        engine.commit(true);
+        // The overwrite frees b's first place; the commit that would give it back fails.
+        durability
+            .0
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        write(&mut engine, "b", 3, 4096);
+        engine.commit(true);
+        assert!(!durability.0.load(std::sync::atomic::Ordering::SeqCst));
+        write(&mut engine, "c", 4, 16384);
+        engine.commit(true);
+        for (object, byte, len) in [("a", 1, 16384), ("b", 3, 4096), ("c", 4, 16384)] {
+            let data = read(&mut engine, object);
+            let wrong = data.iter().filter(|&&b| b != byte).count();
+            assert!(
+                data.len() == len && wrong == 0,
+                "{object}: {} bytes read, {wrong} of them not {byte}",
+                data.len()
+            );
+        }
     }
 
     /// `Engine::referenced` is answered from the partial index: its query must carry the

@@ -1391,6 +1391,10 @@ impl Segments for FileSegments {
                 self.tail
                     .resize(self.tail.len() + (aligned - self.len) as usize, 0);
             }
+            // Counted as appended: `rewind` takes back `len - mark` bytes from the count, and
+            // without the padding in it, earlier appends of the transaction (still unsynced)
+            // dropped out, and the commit skipped the sync its extents need.
+            self.unsynced += aligned - self.len;
             self.len = aligned;
         }
         let at = self.len;
@@ -1475,10 +1479,14 @@ impl Segments for FileSegments {
         }
         self.unsynced = 0;
         self.drop_written_back();
-        // What was written into reused space is referenced by the commit that follows, or
-        // was given back by `rewind` before it.
-        self.reused.clear();
+        // What was written into reused space stays listed until the commit that references
+        // it is done (`committed`): a COMMIT that fails after this sync is rewound, and the
+        // rewind gives those ranges back.
         Ok(())
+    }
+
+    fn committed(&mut self) {
+        self.reused.clear();
     }
 
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError> {
@@ -2404,6 +2412,54 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
             .sum()
+    }
+
+    /// A rewind of appends that began with an alignment pad keeps the transaction's earlier
+    /// appends counted as unsynced: the commit then syncs them before its extents point at
+    /// them (it skips the sync when nothing is counted).
+    #[test]
+    fn a_rewind_past_an_alignment_pad_keeps_earlier_appends_unsynced() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut segments, _, _) = segments_with_data(dir.path());
+        segments.append(&[1u8; 2000]).unwrap();
+        let mark = segments.mark();
+        segments.append(&[2u8; 4096]).unwrap();
+        segments.rewind(mark).unwrap();
+        assert_eq!(segments.unsynced(), 2000);
+        segments.sync().unwrap();
+        assert_eq!(segments.unsynced(), 0);
+    }
+
+    /// Reused space written by a transaction whose COMMIT then fails (after the data sync)
+    /// goes back to the free ranges when the transaction is rewound; once committed, it is
+    /// referenced and a rewind keeps it.
+    #[test]
+    fn reused_space_of_a_commit_that_fails_after_the_sync_is_held_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut segments, seg, offset) = segments_with_data(dir.path());
+        // A write of whole blocks makes the segments reuse dead space.
+        segments.place(&[0u8; 4096]).unwrap();
+        assert!(segments.reusing());
+        segments.punch(seg, offset, 4096).unwrap();
+        assert_eq!(segments.free.total(), 4096);
+        let mark = segments.mark();
+        let places = segments.place(&[1u8; 4096]).unwrap();
+        assert_eq!(places, [(seg, offset, 4096)], "the dead block is reused");
+        segments.sync().unwrap();
+        // The COMMIT failed: the transaction is taken back.
+        segments.rewind(mark).unwrap();
+        assert_eq!(
+            segments.free.total(),
+            4096,
+            "the reused block is held again"
+        );
+        // Committed, the block is referenced: a later rewind to the mark leaves it.
+        let mark = segments.mark();
+        segments.place(&[1u8; 4096]).unwrap();
+        segments.sync().unwrap();
+        segments.committed();
+        segments.rewind(mark).unwrap();
+        assert_eq!(segments.free.total(), 0);
     }
 
     /// A stop waits for the punch backlog only so long: past the budget `settle_within` gives
