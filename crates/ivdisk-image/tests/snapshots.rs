@@ -404,51 +404,12 @@ async fn the_papers_point_on_rados() {
     the_papers_point(Backend::Rados).await;
 }
 
-/// The memory store, listing at most 3 omap pairs per range read (and saying `more`), as
-/// RADOS lists at most 1024 whatever a read asks for.
-struct ShortListings {
-    inner: ivdisk_store::MemoryStore,
-}
-
-ivdisk_store::object_store_forwarding_to_inner!(ShortListings {
-    async fn write_op(
-        &self,
-        object: &ivdisk_store::ObjectName,
-        op: ivdisk_store::WriteOp,
-    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
-        self.inner.write_op(object, op).await
-    }
-    async fn read_op(
-        &self,
-        object: &ivdisk_store::ObjectName,
-        op: ivdisk_store::ReadOp,
-    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
-        let ranges: Vec<bool> = op
-            .steps
-            .iter()
-            .map(|s| matches!(s, ivdisk_store::ReadStep::OmapGetRange { .. }))
-            .collect();
-        let mut results = self.inner.read_op(object, op).await?;
-        for (result, range) in results.iter_mut().zip(ranges) {
-            if let (ivdisk_store::ReadResult::Omap { pairs, more }, true) = (result, range) {
-                if pairs.len() > 3 {
-                    pairs.truncate(3);
-                    *more = true;
-                }
-            }
-        }
-        Ok(results)
-    }
-});
-
 /// A store that lists fewer omap pairs per read than asked (RADOS: 1024) still gives the
 /// whole snapshot table: every snapshot is kept by later writes and opens. The table was read
 /// in one operation, and snapshots past the first listing were lost (their data overwritten).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_table_longer_than_one_listing_is_read_whole() {
-    let store = std::sync::Arc::new(ShortListings {
-        inner: ivdisk_store::MemoryStore::new().unwrap(),
-    });
+    let store = std::sync::Arc::new(common::ShortListings::new(3));
     let options = ivdisk_image::CreateOptions {
         object_size: OBJECT,
         pbkdf: ivdisk_header::PbkdfRequest::fast_for_tests(ivdisk_header::PbkdfKind::Pbkdf2),

@@ -640,3 +640,35 @@ async fn an_omap_value_of_the_wrong_length_fails_exactly_its_sectors() {
     )
     .await;
 }
+
+/// A store that lists fewer omap pairs per read than the `omap` layout asks (a Ceph OSD with
+/// `osd_max_omap_entries_per_request` lowered below 1024) must not make the sectors past the
+/// cut read with zero metadata: for `aes-xts-random` that decrypted to garbage returned as
+/// data (and a partial write then merged it in for good); for the AEAD suites to integrity
+/// errors on sectors nobody touched. The read fails instead, naming the setting; reads of
+/// fewer keys than the store lists work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_omap_listing_is_an_error_not_garbage() {
+    let mut rng = Rng::new(0x5eed_0a1a);
+    for suite in [Suite::AesXtsRandom, Suite::Aegis128lRandom] {
+        let store = std::sync::Arc::new(common::ShortListings::new(100));
+        let options = common::options(8 << 20, suite, LayoutKind::Omap, 4096, 4 << 20);
+        let image = Image::create_on(store.clone(), "img", &options, common::PASS)
+            .await
+            .unwrap();
+        let data = rng.bytes(1 << 20);
+        image.write(0, &data).await.unwrap();
+        let mut small = vec![0u8; 64 << 10];
+        image.read(0, &mut small).await.unwrap();
+        assert!(small == data[..64 << 10], "{suite}: 16 sectors read back");
+        let mut all = vec![0u8; 1 << 20];
+        let err = image.read(0, &mut all).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, ImageError::Corrupt { .. })
+                && text.contains("osd_max_omap_entries_per_request"),
+            "{suite}: {text}"
+        );
+        image.close().await.unwrap();
+    }
+}

@@ -107,10 +107,22 @@ impl SectorLayout for Omap {
             ciphertext,
         )?;
         let steps = count.div_ceil(MAX_KEYS_PER_STEP);
-        for _ in 0..steps {
-            let Some(ReadResult::Omap { pairs, .. }) = results.next() else {
+        for step in 0..steps {
+            let Some(ReadResult::Omap { pairs, more }) = results.next() else {
                 return Err("expected the pairs of an omap range read".into());
             };
+            // A store may list fewer pairs than asked and say `more` (a Ceph OSD lists at most
+            // `osd_max_omap_entries_per_request`). The sectors past the cut would read with
+            // zero metadata: failing authentication, or for `aes-xts-random` decrypting to
+            // garbage taken for data. The whole range has `asked` keys at most, so a short
+            // listing with `more` is known to be incomplete.
+            let asked = (count - step * MAX_KEYS_PER_STEP).min(MAX_KEYS_PER_STEP) as usize;
+            if more && pairs.len() < asked {
+                return Err(format!(
+                    "the store listed {} of up to {asked} metadata keys in one read and has more:                      the `omap` layout reads up to {MAX_KEYS_PER_STEP} keys at once (on Ceph, set                      `osd_max_omap_entries_per_request` to at least {MAX_KEYS_PER_STEP})",
+                    pairs.len()
+                ));
+            }
             for (k, value) in &pairs {
                 let index = index_of(k)
                     .filter(|i| (first..first + count).contains(i))

@@ -963,6 +963,54 @@ pub async fn run_all(test: &str, cases: Vec<Case>) {
 // ---------------------------------------------------------------------------------------------
 // Faults below the unit under test
 
+/// The memory store, listing at most `limit` omap pairs per range read (and saying `more`),
+/// as a Ceph OSD lists at most `osd_max_omap_entries_per_request` (1024 by default) whatever
+/// a read asks for.
+pub struct ShortListings {
+    inner: ivdisk_store::MemoryStore,
+    limit: usize,
+}
+
+impl ShortListings {
+    pub fn new(limit: usize) -> Self {
+        ShortListings {
+            inner: ivdisk_store::MemoryStore::new().unwrap(),
+            limit,
+        }
+    }
+}
+
+ivdisk_store::object_store_forwarding_to_inner!(ShortListings {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ReadOp,
+    ) -> Result<Vec<ReadResult>, ivdisk_store::StoreError> {
+        let ranges: Vec<bool> = op
+            .steps
+            .iter()
+            .map(|s| matches!(s, ReadStep::OmapGetRange { .. }))
+            .collect();
+        let mut results = self.inner.read_op(object, op).await?;
+        for (result, range) in results.iter_mut().zip(ranges) {
+            if let (ReadResult::Omap { pairs, more }, true) = (result, range) {
+                if pairs.len() > self.limit {
+                    pairs.truncate(self.limit);
+                    *more = true;
+                }
+            }
+        }
+        Ok(results)
+    }
+});
+
 /// The real memory store, except that while armed some write operations fail: those on one
 /// chosen object, or the n-th write operation (counting from 1 since it was armed).
 pub struct FailingStore {
