@@ -173,6 +173,15 @@ pub enum ImageError {
         found: &'static str,
     },
 
+    /// A header backup whose image id another header object of the same store has (`other`):
+    /// restored, both names would share that image's data objects. Refused even when forced.
+    #[error("image {image}: header object {other} in the same store already has image id {} (the backup's): restoring it here would give that image's data objects a second name, with a writer lock of its own, and deleting either name would delete the other's data; restore the backup to that image instead, or delete that image first; nothing was changed", hex::encode(image_id.0))]
+    HeaderIdInUse {
+        image: String,
+        other: String,
+        image_id: ImageId,
+    },
+
     /// Restoring the header of a suite with a write limit (`aes-gcm-random`) where the header
     /// object is gone: the count of writes made under the key went with it.
     #[error("image {image}: the header object is missing, and with it the count of writes made under the {suite} key (the suite's nonce bound counts them); restoring starts that count from zero, which can let the key pass the bound: pass --force to restore anyway, then move the data to a new image (ivdisk export, ivdisk import) soon; nothing was changed")]

@@ -12,6 +12,9 @@
 //! - an image with a writer: restore takes the writer lock for its duration, so a running
 //!   writer (or a dead one's stale lock, which `ivdisk lock break` removes) refuses it, and no
 //!   writer can open in the middle;
+//! - a backup whose image id another header object of the same store has (forced or not):
+//!   data objects are named by image id, so the two names would share them, each with a
+//!   writer lock of its own, and deleting either would delete the other's data;
 //! - for suites with a write limit (`aes-gcm-random`), a missing header object unless forced:
 //!   the count of writes under the key lived in its omap and is gone.
 //!
@@ -146,6 +149,38 @@ async fn other_image_shown(
     Ok(shown.map(|id| (id, "this store's data objects belong to image id")))
 }
 
+/// Another header object of this store that has image id `backup_id` (parsed, or named in
+/// the JSON areas of one that no longer parses): restoring the backup under this name would
+/// give that image's data objects a second name. Data objects are named by image id only.
+async fn other_header_with_id(
+    store: &dyn ObjectStore,
+    image: &str,
+    object: &ivdisk_store::ObjectName,
+    backup_id: &ImageId,
+) -> Result<Option<ivdisk_store::ObjectName>, ImageError> {
+    let prefix = header_object_name("");
+    let headers = store
+        .list(&prefix)
+        .await
+        .map_err(ImageError::store(image))?;
+    for other in headers.into_iter().filter(|o| o != object) {
+        let region = match HeaderRegion::read(store, &other).await {
+            Ok(Some(region)) => region,
+            // Gone meanwhile, or unreadable: it names nothing this can see.
+            Ok(None) | Err(_) => continue,
+        };
+        let named = match Header::read(&region).map(|h| h.image_params()) {
+            Ok(Ok(Some(params))) => vec![params.image_id],
+            Ok(_) => Vec::new(),
+            Err(_) => ivdisk_header::salvage_image_ids(&region),
+        };
+        if named.contains(backup_id) {
+            return Ok(Some(other));
+        }
+    }
+    Ok(None)
+}
+
 fn summary(header: &Header, image_id: ImageId) -> HeaderBackupInfo {
     HeaderBackupInfo {
         uuid: header.uuid().to_owned(),
@@ -244,6 +279,7 @@ impl Image {
         // Refused before the lock is taken (taking it may create a missing object, on RADOS),
         // and judged again under it.
         let (image_ref, params_ref, store_ref, parsed_ref) = (&image, &params, &store, &parsed);
+        let object_ref = &object;
         let judge = move |current: Option<HeaderRegion>| async move {
             let (image, params, store, parsed) = (image_ref, params_ref, store_ref, parsed_ref);
             let (version, replaced) = replaced_by(&current, &params.image_id);
@@ -271,6 +307,19 @@ impl Image {
                     }
                 }
                 (ReplacedHeader::Same, false) => {}
+            }
+            // Forced or not: two headers of one image id are two writer locks over the same
+            // data objects, and deleting either name deletes the other's data.
+            if replaced != ReplacedHeader::Same {
+                let other =
+                    other_header_with_id(store.as_ref(), image, object_ref, &params.image_id);
+                if let Some(other) = other.await? {
+                    return Err(ImageError::HeaderIdInUse {
+                        image: image.clone(),
+                        other: other.to_string(),
+                        image_id: params.image_id,
+                    });
+                }
             }
             Ok((version, replaced))
         };
@@ -425,11 +474,58 @@ mod tests {
             "{err}"
         );
         reads_back(&two, &data_two).await;
+        // Forced, it is still refused while image one's header has that id.
+        let err = Image::restore_header(&two, &backup_one, true)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::HeaderIdInUse { .. }), "{err}");
+        reads_back(&two, &data_two).await;
+        // With image one's header gone, forced, it goes in.
+        let store = one.open_store(false).await.unwrap();
+        store.remove(&header_object(&one)).await.unwrap();
         let restored = Image::restore_header(&two, &backup_one, true)
             .await
             .unwrap();
         assert_eq!(restored.replaced, ReplacedHeader::Other(id_two));
         assert_eq!(Image::info(&two).await.unwrap().image_id, info_one.image_id);
+    }
+
+    /// A header backup restored under a name with no header (a typo, "to try it") where the
+    /// backed-up image's own header is in place: refused, forced or not. It went in, and the
+    /// two names shared one set of data objects (named by image id): two writers at once,
+    /// and deleting the new name deleted the first image's data.
+    #[tokio::test]
+    async fn a_backup_is_not_restored_as_a_second_name_of_a_live_image() {
+        let (one, data) = image("alias-one", Suite::DEFAULT).await;
+        let (backup, info) = Image::backup_header(&one).await.unwrap();
+        let two = ImageUri::parse("mem:backup-alias-two").unwrap();
+        for force in [false, true] {
+            let err = Image::restore_header(&two, &backup, force)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, ImageError::HeaderIdInUse { other, image_id, .. }
+                    if other.ends_with("backup-alias-one") && *image_id == info.image_id),
+                "{err}"
+            );
+            assert!(matches!(
+                Image::info(&two).await,
+                Err(ImageError::NotFound { .. })
+            ));
+        }
+        reads_back(&one, &data).await;
+        // A damaged header of image one still names its id: refused too.
+        let store = one.open_store(false).await.unwrap();
+        let object = header_object(&one);
+        store.write(&object, 0, &[0xEE; 4096]).await.unwrap();
+        store.write(&object, 16 << 10, &[0xEE; 4096]).await.unwrap();
+        let err = Image::restore_header(&two, &backup, true)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::HeaderIdInUse { .. }), "{err}");
+        // Its own name takes it back.
+        Image::restore_header(&one, &backup, false).await.unwrap();
+        reads_back(&one, &data).await;
     }
 
     /// A header that no longer reads still names its image in its JSON areas: another
@@ -463,11 +559,17 @@ mod tests {
         assert!(matches!(restored.replaced, ReplacedHeader::Unreadable(_)));
         reads_back(&two, &data_two).await;
         // A header whose JSON is gone too names nothing: the backup goes in (a `mem:` store
-        // holds many images, so its data objects say nothing of this one).
+        // holds many images, so its data objects say nothing of this one), once image one's
+        // own header no longer has its id.
         store
             .write(&object, 0, &vec![0xEE; 32 << 10])
             .await
             .unwrap();
+        let err = Image::restore_header(&two, &backup_one, false)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::HeaderIdInUse { .. }), "{err}");
+        store.remove(&header_object(&one)).await.unwrap();
         Image::restore_header(&two, &backup_one, false)
             .await
             .unwrap();

@@ -106,7 +106,7 @@ pub enum HeaderCommand {
     /// Write a header backup back over the header of a LUKS header or volume, or of an ivdisk
     /// image (also when its header object is damaged or missing).
     #[command(
-        after_help = "Example:\n  ivdisk header restore disk.ivd disk.ivd.header\n  ivdisk header restore disk.hdr disk.hdr.backup\n\nFor an ivdisk image the restore takes the image's writer lock: it is refused while a writer has the image open (stop it; if it died, `ivdisk lock break IMAGE`). The keyslots of the backup replace the current ones: passphrases added since the backup stop working, removed ones work again. The size recorded in the backup comes back too (a resize since is undone; the restore says so). The count of writes kept for aes-gcm-random images is never lowered."
+        after_help = "Example:\n  ivdisk header restore disk.ivd disk.ivd.header\n  ivdisk header restore disk.hdr disk.hdr.backup\n\nFor an ivdisk image the restore takes the image's writer lock: it is refused while a writer has the image open (stop it; if it died, `ivdisk lock break IMAGE`). The keyslots of the backup replace the current ones: passphrases added since the backup stop working, removed ones work again. The size recorded in the backup comes back too (a resize since is undone; the restore says so). The count of writes kept for aes-gcm-random images is never lowered. A backup is never restored under a second name while the image it came from still has its header in the same store (the two names would share its data)."
     )]
     Restore {
         #[arg(help = HEADER_IMAGE_HELP)]
