@@ -453,6 +453,16 @@ impl Image {
     ) -> Result<Image, ImageError> {
         let image = uri.to_string();
         if let Some(path) = crate::foreign::luks_file_path(uri) {
+            // A LUKS file has no snapshots: opening "at" one must not give the head, writable.
+            if let Some(snapshot) = &options.snapshot {
+                return Err(ImageError::InvalidParameter {
+                    image,
+                    reason: format!(
+                        "a LUKS file has no snapshots (`{snapshot}`); convert it with \
+                         `ivdisk convert` to take snapshots"
+                    ),
+                });
+            }
             return crate::foreign::open_file(&image, path, passphrase, options).await;
         }
         // Read-only (a snapshot always is): the store too, so that a local image opens on a

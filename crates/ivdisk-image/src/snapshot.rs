@@ -30,6 +30,7 @@ use ivdisk_store::{
 };
 
 use crate::allocation::listed_object_numbers;
+use crate::backup::BACKUP_STATE_KEY;
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
 };
@@ -273,7 +274,7 @@ pub(crate) async fn lock_header(uri: &ImageUri) -> Result<Locked, ImageError> {
         }
         other => other?,
     };
-    let parsed = parse_header(&image, &header)?;
+    parse_header(&image, &header)?;
     let lock = WriterLock::acquire(
         store.clone(),
         header_object.clone(),
@@ -282,6 +283,20 @@ pub(crate) async fn lock_header(uri: &ImageUri) -> Result<Locked, ImageError> {
         HolderRecord::Keep,
     )
     .await?;
+    // Read again under the lock: a writer may have resized the image and closed between the
+    // read above and the lock (a rollback would visit too few objects, a snapshot record the
+    // wrong size).
+    let parsed = match read_header(store.as_ref(), &header_object, &image).await {
+        Ok((header, _)) => parse_header(&image, &header),
+        Err(e) => Err(e),
+    };
+    let parsed = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            drop(lock.release().await);
+            return Err(e);
+        }
+    };
     Ok(Locked {
         image,
         store,
@@ -332,8 +347,19 @@ async fn record_new(
         (SNAP_SEQ_KEY.to_vec(), table.seq.to_string().into_bytes()),
     ]);
     if let Err(e) = store.write_op(header_object, op).await {
-        // Not recorded: give the id back rather than leak a store snapshot.
-        drop(store.snap_remove(id).await);
+        // An error can come after the record was stored (a RADOS timeout): removing the
+        // store snapshot then would leave a record of a removed snapshot, whose reads show
+        // later data. So the table is read again: recorded, the snapshot was made; not
+        // recorded, the id goes back; unknown, a store snapshot is leaked at worst.
+        match SnapshotTable::read(store, header_object, image).await {
+            Ok(now) if now.find(name).is_some_and(|s| s.id == id) => {
+                tracing::warn!(image, snapshot = name, error = %e, "recording the snapshot reported an error, but the record is stored");
+                tracing::info!(image, snapshot = name, id, size, "created snapshot");
+                return Ok((info, now));
+            }
+            Ok(_) => drop(store.snap_remove(id).await),
+            Err(_) => {}
+        }
         return Err(ImageError::store(image)(e));
     }
     table.snapshots.push(info.clone());
@@ -362,6 +388,14 @@ impl Image {
     ) -> Result<SnapshotInfo, ImageError> {
         let locked = lock_image(uri).await?;
         let result = async {
+            // A snapshot of an image an incremental restore left half-applied would bring that
+            // state back at a rollback, which clears the record that refuses it.
+            crate::backup::refuse_unfinished_restore(
+                locked.store.as_ref(),
+                &locked.header_object,
+                &locked.image,
+            )
+            .await?;
             // Everything acknowledged before is in the snapshot: flush the store first.
             locked
                 .store
@@ -493,6 +527,18 @@ impl Image {
                     image: image.clone(),
                     snapshot: name.to_owned(),
                 })?;
+            // The image no longer holds what a restore recorded it holds: an incremental
+            // restore checks only the objects it changes, so applied on top of the rolled-back
+            // data it would leave a mix of two states that no snapshot of the source ever was.
+            // Cleared before any object changes (an interrupted rollback is no restore's
+            // base either): the next restore into this image must be a full one.
+            let op = WriteOp::new()
+                .step(WriteStep::AssertExists)
+                .step(WriteStep::OmapRemoveKeys(vec![BACKUP_STATE_KEY.to_vec()]));
+            store
+                .write_op(header_object, op)
+                .await
+                .map_err(ImageError::store(image))?;
             let object_size = parsed.params.object_size;
             let objects = parsed.size.max(snap.size).div_ceil(object_size);
             let prefix = data_object_prefix(&parsed.params.image_id);
@@ -608,10 +654,18 @@ async fn remove_record(
             SNAP_SEQ_KEY.to_vec(),
             table.seq.to_string().into_bytes(),
         )]);
-    store
-        .write_op(header_object, op)
-        .await
-        .map_err(ImageError::store(image))?;
+    if let Err(e) = store.write_op(header_object, op).await {
+        // The record of the removal under way would refuse the snapshot's readers until the
+        // lock it names goes (for a served image: until the server stops), although the
+        // snapshot is still there.
+        if uri.is_some() {
+            let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![
+                crate::readers::REMOVING_KEY.to_vec(),
+            ]));
+            drop(store.write_op(header_object, op).await);
+        }
+        return Err(ImageError::store(image)(e));
+    }
     store
         .snap_remove(snap.id)
         .await

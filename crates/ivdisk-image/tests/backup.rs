@@ -980,3 +980,78 @@ async fn a_restore_carries_no_record_of_the_sources_writer() {
     assert_eq!(back, [7u8; 4096]);
     copy.close().await.unwrap();
 }
+
+/// A replica rolled back to one of its own snapshots no longer holds what its restore record
+/// says: the next increment is refused (a full restore is needed), instead of applying on top
+/// of rolled-back objects it does not check and leaving a mix of two states. Snapshot A, B
+/// and C of the source change object 0, then object 1; the replica holds A, takes `safe`,
+/// takes A→B, rolls back to `safe`, and is offered B→C (which touches object 1 only).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollback_leaves_no_base_for_increments() {
+    let dir = tmp();
+    let source = memory();
+    let options = common::options(
+        2 * OBJECT,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        OBJECT,
+    );
+    let image = Image::create_on(source.clone(), "src", &options, PASS)
+        .await
+        .unwrap();
+    image
+        .write(0, &vec![1u8; 2 * OBJECT as usize])
+        .await
+        .unwrap();
+    image.create_snapshot("a").await.unwrap();
+    image.write(0, &vec![2u8; OBJECT as usize]).await.unwrap();
+    image.create_snapshot("b").await.unwrap();
+    image
+        .write(OBJECT, &vec![3u8; OBJECT as usize])
+        .await
+        .unwrap();
+    image.create_snapshot("c").await.unwrap();
+    image.close().await.unwrap();
+    let file = |name: &str| dir.path().join(name);
+    let backup = |options: BackupOptions, path: PathBuf| {
+        let source = source.clone();
+        async move {
+            Image::backup_on(source, "src", &options, &path, |_| {})
+                .await
+                .unwrap();
+        }
+    };
+    let since = |snapshot: &str, base: &str| BackupOptions {
+        snapshot: Some(snapshot.into()),
+        since: Some(base.into()),
+        overwrite: false,
+    };
+    backup(at("a"), file("a.ivdbak")).await;
+    backup(since("b", "a"), file("ab.ivdbak")).await;
+    backup(since("c", "b"), file("bc.ivdbak")).await;
+
+    let replica = ImageUri::parse(&format!("{}", dir.path().join("replica").display())).unwrap();
+    Image::restore_backup(&file("a.ivdbak"), &replica, |_| {})
+        .await
+        .unwrap();
+    Image::create_snapshot_of(&replica, "safe").await.unwrap();
+    Image::restore_backup(&file("ab.ivdbak"), &replica, |_| {})
+        .await
+        .unwrap();
+    Image::rollback_snapshot(&replica, "safe", |_, _| {})
+        .await
+        .unwrap();
+    match Image::restore_backup(&file("bc.ivdbak"), &replica, |_| {}).await {
+        Err(ImageError::IncrementalMismatch { .. }) => {}
+        other => panic!("expected IncrementalMismatch, got {other:?}"),
+    }
+    let copy = Image::open(&replica, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let data = contents(&copy).await;
+    assert!(
+        data.iter().all(|&b| b == 1),
+        "the replica holds snapshot a, as rolled back"
+    );
+}

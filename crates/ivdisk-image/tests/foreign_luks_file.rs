@@ -587,8 +587,27 @@ async fn a_detached_header_is_not_opened_as_a_volume() {
             assert!(text.contains("detached LUKS header"), "{name}: {text}");
         }
         assert!(fs::read(&header).unwrap() == before, "{name} changed");
-        // cryptsetup still opens it as the header it is.
+        // cryptsetup still reads it as the header it is.
         run_ok("cryptsetup", &["luksDump", s(&header)]);
+    }
+}
+
+/// A LUKS file has no snapshots: opened "at" one it is refused, where it opened the head,
+/// writable (a snapshot open promises read-only and never head data).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_luks_file_does_not_open_at_a_snapshot() {
+    let scratch = Scratch::new();
+    let path = scratch.luks_format("vol.img", Kind::Luks2 { sector: 512 }, 4 * MIB, &[]);
+    let uri = scratch.uri(&path);
+    for base in [OpenOptions::default(), OpenOptions::read_only()] {
+        let options = OpenOptions {
+            snapshot: Some("x".into()),
+            ..base
+        };
+        let err = Image::open(&uri, PASS, &options).await.unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, ImageError::InvalidParameter { .. }), "{text}");
+        assert!(text.contains("no snapshots"), "{text}");
     }
 }
 

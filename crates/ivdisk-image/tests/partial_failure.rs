@@ -129,3 +129,46 @@ async fn a_shrink_that_fails_keeps_the_old_size_and_a_retry_frees_the_end() {
         );
     }
 }
+
+/// A snapshot record whose write reports an error after it was stored (a RADOS timeout)
+/// keeps its store snapshot: the store snapshot was removed, and the record then named a
+/// removed snapshot (on RADOS its reads show later data). A record write that fails before
+/// it is stored leaves neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_recorded_despite_an_error_is_kept_whole() {
+    let (store, image) = created(LayoutKind::ObjectEnd).await;
+    image
+        .write(0, &vec![0x11u8; OBJECT as usize])
+        .await
+        .unwrap();
+    let header = ivdisk_store::ObjectName::new("ivdisk_header.img").unwrap();
+    store.apply_before_failing(true);
+    store.fail_object(header.clone());
+    let made = image.create_snapshot("s").await;
+    store.arm(false);
+    made.unwrap();
+    image
+        .write(0, &vec![0x22u8; OBJECT as usize])
+        .await
+        .unwrap();
+    // Failing before it is stored: an error, and no record.
+    store.apply_before_failing(false);
+    store.fail_object(header);
+    image.create_snapshot("t").await.unwrap_err();
+    store.arm(false);
+    image.close().await.unwrap();
+    let at = |name: &str| OpenOptions {
+        snapshot: Some(name.into()),
+        ..OpenOptions::read_only()
+    };
+    let err = Image::open_on(store.clone(), "img", PASS, &at("t"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::SnapshotNotFound { .. }), "{err}");
+    let old = Image::open_on(store.clone(), "img", PASS, &at("s"))
+        .await
+        .unwrap();
+    let mut back = vec![0u8; OBJECT as usize];
+    old.read(0, &mut back).await.unwrap();
+    assert!(back.iter().all(|&b| b == 0x11), "the snapshot's data");
+}

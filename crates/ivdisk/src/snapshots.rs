@@ -33,7 +33,7 @@ pub enum SnapCommand {
     Rm(SnapArgs),
     /// Put IMAGE back to a snapshot (its data and its size); later snapshots stay.
     #[command(
-        after_help = "Example:\n  ivdisk snap rollback disk.ivd@before-upgrade\n\nEverything written since the snapshot is lost unless another snapshot keeps it. The image must not be open for writing."
+        after_help = "Example:\n  ivdisk snap rollback disk.ivd@before-upgrade\n\nEverything written since the snapshot is lost unless another snapshot keeps it. The image must not be open for writing. An image restored from backups takes no further incremental restores after a rollback (restore a full backup)."
     )]
     Rollback(SnapArgs),
 }

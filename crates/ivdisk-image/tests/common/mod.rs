@@ -1019,6 +1019,7 @@ pub struct FailingStore {
     fail_at: std::sync::atomic::AtomicUsize,
     writes: std::sync::atomic::AtomicUsize,
     armed: std::sync::atomic::AtomicBool,
+    applied_first: std::sync::atomic::AtomicBool,
 }
 
 impl FailingStore {
@@ -1029,7 +1030,15 @@ impl FailingStore {
             fail_at: 0.into(),
             writes: 0.into(),
             armed: false.into(),
+            applied_first: false.into(),
         }
+    }
+
+    /// Failures from now on are reported after the operation was applied (a RADOS timeout
+    /// whose operation went through), or before, as by default.
+    pub fn apply_before_failing(&self, applied: bool) {
+        self.applied_first
+            .store(applied, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// From now on, every write operation on `object` fails.
@@ -1065,6 +1074,9 @@ ivdisk_store::object_store_forwarding_to_inner!(FailingStore {
         op: WriteOp,
     ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
         if self.fails(object) {
+            if self.applied_first.load(std::sync::atomic::Ordering::SeqCst) {
+                self.inner.write_op(object, op).await?;
+            }
             return Err(ivdisk_store::StoreError::Io {
                 context: format!("injected failure writing `{object}`"),
                 source: std::io::ErrorKind::Other.into(),
