@@ -611,6 +611,32 @@ async fn a_luks_file_does_not_open_at_a_snapshot() {
     }
 }
 
+/// A LUKS file cut short while open (by another program) fails the reads, where the part
+/// cut off read as unwritten sectors: zeros, which a convert copied and verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_luks_file_cut_short_while_open_fails_reads() {
+    let scratch = Scratch::new();
+    let kind = Kind::Luks2 { sector: 4096 };
+    let path = scratch.luks_format("vol.img", kind, 4 * MIB, &[]);
+    let uri = scratch.uri(&path);
+    let image = open_rw(&uri).await;
+    image.write(0, &random(4 * MIB as usize)).await.unwrap();
+    image.flush().await.unwrap();
+    let reader = Image::open(&uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    image.close().await.unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(kind.data_offset() + MIB)
+        .unwrap();
+    let mut tail = vec![0u8; MIB as usize];
+    let err = reader.read(3 * MIB, &mut tail).await.unwrap_err();
+    assert!(err.to_string().contains("cut short"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_ciphers_are_refused_clearly() {
     let scratch = Scratch::new();

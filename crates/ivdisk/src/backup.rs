@@ -253,7 +253,7 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let mut bar = Bar::new(args.json);
     // A failed full restore removes what it wrote; a local store directory made for it goes too.
     let made_dir = crate::transfer::store_dir_to_make(&uri);
-    // SIGINT or SIGTERM stops it between records, and it cleans up as after a failure (killed
+    // SIGINT, SIGTERM or SIGHUP stops it between records, and it cleans up as after a failure (killed
     // outright, a full restore left data objects without a header, which no command removes).
     crate::transfer::stop_copies_on_signals(rt)?;
     let result = rt.block_on(Image::restore_backup_until(
@@ -270,7 +270,7 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
         ));
         if matches!(e, ImageError::Stopped { .. }) {
             return anyhow::anyhow!(
-                "restoring {} was interrupted (SIGINT or SIGTERM): a full backup's restore \
+                "restoring {} was interrupted (a signal): a full backup's restore \
                  removes what it wrote{removed}; an incremental one is finished by running the \
                  same restore again",
                 args.file.display()

@@ -62,7 +62,7 @@ pub fn after_help() -> String {
      to DST's sector size (the added bytes read as zeros). Ranges SRC reports unallocated are \
      not read, and all-zero sectors are not written (an unwritten sector reads as zeros). Then \
      every byte of DST is read back and compared with SRC; if any differs, or the copy fails or \
-     is stopped by Ctrl-C (SIGINT) or SIGTERM, DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
+     is stopped by Ctrl-C (SIGINT), SIGTERM or SIGHUP, DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
      exists is refused unless --force, which deletes it (an ivdisk image; never a file) once \
      SRC is open. SRC and DST may not be the same image.\n\n\
      Passphrases: SRC's comes from --passphrase-file/--key-file or the terminal, and protects \
@@ -125,13 +125,25 @@ enum Spec {
     Raw(PathBuf),
 }
 
-/// The first bytes of a file: `Some(version)` when it starts with the LUKS magic.
+/// `Some(version)` when a file starts with the LUKS magic, or holds a LUKS2 secondary header
+/// where one can be (its primary damaged: the header reads from the secondary, as
+/// `ivdisk serve` and cryptsetup read it; taken for raw, its ciphertext was copied as data).
 fn luks_version(path: &Path) -> Result<Option<u16>> {
     let mut head = Vec::with_capacity(8);
-    File::open(path)
-        .and_then(|f| f.take(8).read_to_end(&mut head))
+    let file = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    (&file)
+        .take(8)
+        .read_to_end(&mut head)
         .with_context(|| format!("cannot read {}", path.display()))?;
+    let secondary = || {
+        ivdisk_header::binary::HEADER_SIZES.iter().any(|&offset| {
+            let mut magic = [0u8; 6];
+            file.read_exact_at(&mut magic, offset).is_ok()
+                && magic == ivdisk_header::binary::MAGIC_SECONDARY
+        })
+    };
     Ok(match LuksFormat::detect(&head) {
+        Ok(None) if secondary() => Some(2),
         Ok(None) => None,
         Ok(Some(format)) => Some(match format {
             LuksFormat::Luks1 => 1,
@@ -858,6 +870,9 @@ fn convert_open(
         .block_on(source.device.allocation(0, source_len))
         .map_err(device_error)
         .with_context(|| format!("reading the allocation map of {}", source.name))?;
+    // Before the existing DST is deleted: a signal then lets the deletion finish (cut short,
+    // it left the old DST openable with zeros where objects were gone) and stops after it.
+    stop_copies_on_signals(rt)?;
     if replace {
         with_spinner("deleting the existing DST (--force)", || {
             rt.block_on(Image::delete(dst, |_, _| {}))
@@ -871,10 +886,15 @@ fn convert_open(
             e => flat(e),
         })
         .context("--force: deleting the existing DST failed")?;
+        if interrupted() {
+            bail!(
+                "{}: the existing {dst} was deleted (--force), nothing was made",
+                interrupted_error()
+            );
+        }
     }
     let made_dir = store_dir_to_make(dst);
-    // Before the image exists: a signal from here on deletes it again.
-    stop_copies_on_signals(rt)?;
+    // A signal from here on deletes the image made below again.
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
         || rt.block_on(Image::create(dst, &options, &secret)),

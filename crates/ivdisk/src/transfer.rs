@@ -164,10 +164,11 @@ pub(crate) fn source_len(path: &Path, file: &mut File) -> Result<u64> {
         .with_context(|| format!("reading the size of {}", path.display()))
 }
 
-/// Set once SIGINT or SIGTERM arrives after [`stop_copies_on_signals`].
+/// Set once SIGINT, SIGTERM, SIGHUP or SIGQUIT arrives after [`stop_copies_on_signals`].
 pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// From here on SIGINT and SIGTERM do not kill the process: they stop the copy of `import`,
+/// From here on SIGINT, SIGTERM, SIGHUP (a closed terminal: the usual end of a long copy
+/// over ssh) and SIGQUIT do not kill the process: they stop the copy of `import`,
 /// `convert` or `restore` between pieces (those in flight finish), whose caller then deletes the half-made
 /// image as after any failed copy. Killed instead, the process would leave an image that
 /// looks complete, holds part of the data, and verifies.
@@ -176,10 +177,14 @@ pub(crate) fn stop_copies_on_signals(rt: &Runtime) -> Result<()> {
     let _runtime = rt.enter();
     let mut interrupt = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     let mut terminate = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut hangup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
+    let mut quit = signal(SignalKind::quit()).context("installing SIGQUIT handler")?;
     rt.spawn(async move {
         tokio::select! {
             _ = interrupt.recv() => {}
             _ = terminate.recv() => {}
+            _ = hangup.recv() => {}
+            _ = quit.recv() => {}
         }
         INTERRUPTED.store(true, Ordering::Relaxed);
     });
@@ -193,7 +198,7 @@ pub(crate) fn interrupted() -> bool {
 
 /// The error of a copy stopped by a signal.
 pub(crate) fn interrupted_error() -> anyhow::Error {
-    anyhow::anyhow!("interrupted (SIGINT or SIGTERM)")
+    anyhow::anyhow!("interrupted (SIGINT, SIGTERM, SIGHUP or SIGQUIT)")
 }
 
 pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {

@@ -324,6 +324,35 @@ fn luks2_file_of_cryptsetup_converts_to_the_default_suite() {
     luks_file_converts(Luks::V2 { sector: 4096 }, &plain, serve_write);
 }
 
+/// A LUKS2 file whose primary header is damaged (its first bytes overwritten) still reads
+/// from its secondary header, as `ivdisk serve` and cryptsetup read it: convert unlocks it.
+/// Taken for a raw disk (no magic at byte 0), its ciphertext was copied as the data, and
+/// "verified".
+#[test]
+fn a_luks2_file_with_a_damaged_primary_header_converts_from_the_secondary() {
+    let f = Fixture::new();
+    let plain = content(4 * MIB, &[(0, MIB), (3 * MIB, 4096)], 12);
+    let luks = luks_format(
+        &f,
+        "luks.img",
+        Luks::V2 { sector: 4096 },
+        plain.len() as u64,
+    );
+    serve_write(&f, &luks, &plain);
+    let file = fs::OpenOptions::new().write(true).open(&luks).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0u8; 4096], 0).unwrap();
+    drop(file);
+    let key = key_file(&f);
+    let dst = f.path("converted");
+    let (report, stderr) = convert(p(&luks), &dst, &["--key-file", p(&key)]);
+    assert_eq!(report["source_kind"], "luks2-file", "{report} {stderr}");
+    assert_same(
+        &export(&f, &dst, &["--key-file", p(&key)]),
+        &plain,
+        "the plaintext, not the ciphertext",
+    );
+}
+
 #[test]
 fn luks1_file_of_cryptsetup_converts_to_the_default_suite() {
     let size = 12 * MIB;

@@ -1059,14 +1059,16 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     let raw = f.file("big.raw", &disk);
     let mut interrupted = 0;
     for (round, delay_ms) in [200u64, 350, 500, 800, 1200].into_iter().enumerate() {
-        for (command, signal) in [("import", "-INT"), ("convert", "-TERM")] {
-            let image = f.path(&format!("{command}-{round}"));
+        // SIGHUP: the terminal of an ssh session closed (it killed the copy, leaving a
+        // half-made image that looked complete).
+        for (command, signal) in [("import", "-INT"), ("convert", "-TERM"), ("import", "-HUP")] {
+            let image = f.path(&format!("{command}{signal}-{round}"));
             let mut args = vec![command, p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
             args.extend(FAST);
             let out = signalled(&args, delay_ms, signal);
             let err = String::from_utf8_lossy(&out.stderr);
             if out.status.success() {
-                let (_, exported) = f.export(&image, &format!("{command}-{round}.raw"));
+                let (_, exported) = f.export(&image, &format!("{command}{signal}-{round}.raw"));
                 assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
             } else if out.status.code().is_none() {
                 // Killed before it took the signals over, which it does before it makes the

@@ -421,6 +421,18 @@ impl ObjectStore for LuksFileStore {
         }
         let base = self.base(object)?;
         let file_len = self.len()?;
+        // The data area was measured at the open: a file cut short since (by another
+        // program) would read as unwritten sectors, zeros, and a convert would copy and verify
+        // those.
+        if file_len < self.data_end {
+            return Err(self.io("reading")(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the file is {file_len} bytes now, but its data area ends at byte {} (was                      it cut short while open?)",
+                    self.data_end
+                ),
+            )));
+        }
         if base >= file_len {
             return Err(StoreError::NotFound {
                 object: object.to_string(),

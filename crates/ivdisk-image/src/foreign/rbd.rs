@@ -380,7 +380,9 @@ async fn read_header(
         )
     };
     let first = read_bytes(store, rbd, image, 4096.min(rbd.size)).await?;
-    if first.len() < 8 || first[..6] != *b"LUKS\xba\xbe" {
+    // 16 bytes at least: the magic, the version and a LUKS2 header's size (librbd images
+    // may be any number of bytes long).
+    if first.len() < 16 || first[..6] != *b"LUKS\xba\xbe" {
         return Err(not_luks());
     }
     let mut len = 4096u64;
@@ -660,6 +662,27 @@ mod tests {
         assert!(striped.refuse_open().is_none());
         striped.striping = Some((64 << 10, 16));
         assert!(striped.refuse_open().unwrap().contains("striped"));
+    }
+
+    /// librbd images may be any number of bytes long: one of 8..16 bytes starting with the
+    /// LUKS2 magic is not LUKS (reading the header size past its end panicked).
+    #[tokio::test]
+    async fn a_tiny_image_with_the_luks_magic_is_not_luks() {
+        use ivdisk_store::ObjectStoreExt;
+        let store = ivdisk_store::MemoryStore::new().unwrap();
+        let mut tiny = image(FEATURE_LAYERING);
+        for len in [6u64, 8, 12, 15] {
+            tiny.size = len;
+            let mut bytes = b"LUKS\xba\xbe\x00\x02\x00\x00\x00\x00\x00\x00\x40".to_vec();
+            bytes.truncate(len as usize);
+            let data = ObjectName::new("rbd_data.x.0000000000000000").unwrap();
+            store.remove(&data).await.ok();
+            store.write(&data, 0, &bytes).await.unwrap();
+            let err = read_header(&store, &tiny, "rados://rbd/tiny")
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains("no LUKS header"), "{len}: {err}");
+        }
     }
 
     #[test]
