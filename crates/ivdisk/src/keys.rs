@@ -4,7 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -677,20 +677,36 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             // complete: it is made beside it and renamed over it. Truncated first, a format
             // that then failed (a volume key of the wrong length) left neither header.
             let replacing = force && std::fs::metadata(&file).is_ok_and(|m| m.is_file());
+            // Through a symbolic link, the file it names is replaced, not the link (the real
+            // header kept the old keyslots, which a format meant to revoke).
+            let replaced = match replacing {
+                true => std::fs::canonicalize(&file)
+                    .with_context(|| format!("resolving {}", file.display()))?,
+                false => file.clone(),
+            };
             let target = match replacing {
                 true => {
-                    let name = file.file_name().unwrap_or_default().to_string_lossy();
-                    file.with_file_name(format!(".{name}.ivdisk-format-{}", std::process::id()))
+                    let name = replaced.file_name().unwrap_or_default().to_string_lossy();
+                    replaced.with_file_name(format!(".{name}.ivdisk-format-{}", std::process::id()))
                 }
                 false => file.clone(),
             };
             let made_here = replacing || !file.exists();
+            // Keyslots allow offline guessing of the passphrase: a new header file is its
+            // owner's only (as cryptsetup makes one), a replaced one keeps its mode.
+            let mode = match replacing {
+                true => std::fs::metadata(&replaced)
+                    .map(|m| m.permissions().mode() & 0o7777)
+                    .unwrap_or(0o600),
+                false => 0o600,
+            };
             let mut out = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(force && !replacing)
                 .create_new(!force || replacing)
+                .mode(mode)
                 .open(&target)
                 .with_context(|| match force || !file.exists() {
                     true => format!("cannot create {}", target.display()),
@@ -705,10 +721,13 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             .map_err(anyhow::Error::new)
             .and_then(|header| {
                 if replacing {
+                    // The mode asked at creation is cut by the umask.
+                    out.set_permissions(std::fs::Permissions::from_mode(mode))
+                        .with_context(|| format!("setting the mode of {}", target.display()))?;
                     out.sync_all()
                         .with_context(|| format!("syncing {}", target.display()))?;
-                    std::fs::rename(&target, &file).with_context(|| {
-                        format!("renaming {} to {}", target.display(), file.display())
+                    std::fs::rename(&target, &replaced).with_context(|| {
+                        format!("renaming {} to {}", target.display(), replaced.display())
                     })?;
                 }
                 Ok(header)

@@ -199,25 +199,24 @@ pub fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>> {
 
 /// All of the file `path` (or standard input), which messages call `what`.
 fn read_secret_file(path: &Path, what: &str) -> Result<Zeroizing<Vec<u8>>> {
-    // Room for all of it first: a buffer grown while reading leaves copies of the secret in
-    // the memory it outgrew, which the allocator does not clear.
+    // Room for all of it first where the size is known (a regular file), 64 KiB otherwise
+    // (standard input, a pipe, `<(gpg -d ...)`): see `read_secret`.
     let room = match path == Path::new("-") {
         true => 64 << 10,
-        false => std::fs::metadata(path).map_or(0, |m| m.len().min(MAX_KEY_FILE) as usize),
+        false => std::fs::metadata(path)
+            .ok()
+            .filter(|m| m.is_file())
+            .map_or(64 << 10, |m| m.len().min(MAX_KEY_FILE) as usize + 1),
     };
-    let mut data = Zeroizing::new(Vec::with_capacity(room + 1));
-    if path == Path::new("-") {
-        std::io::stdin()
-            .take(MAX_KEY_FILE + 1)
-            .read_to_end(&mut data)
-            .context("reading the passphrase from standard input")?;
+    let data = if path == Path::new("-") {
+        read_secret(&mut std::io::stdin().take(MAX_KEY_FILE + 1), room)
+            .context("reading the passphrase from standard input")?
     } else {
-        File::open(path)
-            .with_context(|| format!("cannot open {what} {}", path.display()))?
-            .take(MAX_KEY_FILE + 1)
-            .read_to_end(&mut data)
-            .with_context(|| format!("reading {what} {}", path.display()))?;
-    }
+        let file =
+            File::open(path).with_context(|| format!("cannot open {what} {}", path.display()))?;
+        read_secret(&mut file.take(MAX_KEY_FILE + 1), room)
+            .with_context(|| format!("reading {what} {}", path.display()))?
+    };
     if data.len() as u64 > MAX_KEY_FILE {
         bail!(
             "{what} {} is larger than {MAX_KEY_FILE} bytes; cryptsetup would refuse it too",
@@ -228,6 +227,32 @@ fn read_secret_file(path: &Path, what: &str) -> Result<Zeroizing<Vec<u8>>> {
         bail!("{what} {} is empty", path.display());
     }
     Ok(data)
+}
+
+/// All of `reader`, into a buffer of `room` bytes to start with. Grown, the bytes go into a
+/// new buffer and the old one is wiped: `read_to_end` grows a vector by reallocating, which
+/// leaves copies of the secret in the memory it outgrew (the allocator does not clear it),
+/// and reads small inputs through a stack buffer first, which nothing clears either.
+fn read_secret(reader: &mut impl Read, room: usize) -> std::io::Result<Zeroizing<Vec<u8>>> {
+    let mut buf = Zeroizing::new(vec![0u8; room.max(64)]);
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            let mut bigger = Zeroizing::new(vec![0u8; 2 * buf.len()]);
+            bigger[..len].copy_from_slice(&buf[..len]);
+            buf = bigger;
+        }
+        match reader.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    // Shortened in place: the bytes past `len` are zeros, and the whole capacity is wiped on
+    // drop.
+    buf.truncate(len);
+    Ok(buf)
 }
 
 /// Ask for a passphrase on the terminal without echo; `hint` says what to do without one.
@@ -320,6 +345,28 @@ mod tests {
         PassphraseArgs {
             passphrase_file: passphrase_file.map(Path::to_path_buf),
             key_file: key_file.map(Path::to_path_buf),
+        }
+    }
+
+    /// A key file that is a pipe (`--key-file <(gpg -d k.gpg)`) has no size to reserve for:
+    /// the buffer starts at 64 KiB, not grown from one byte (each reallocation left a copy of
+    /// the key behind); one grown past its start keeps every byte.
+    #[test]
+    fn a_key_from_a_pipe_is_read_into_room_made_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("key.fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+        for len in [4096usize, 200 << 10] {
+            let key: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8 + 1).collect();
+            let (path, sent) = (fifo.clone(), key.clone());
+            let writer = std::thread::spawn(move || std::fs::write(path, sent).unwrap());
+            let data = read_key_file(&fifo).unwrap();
+            writer.join().unwrap();
+            assert!(*data == key, "{len} bytes read back");
+            if len < 64 << 10 {
+                assert_eq!(data.capacity(), 64 << 10, "room made before reading");
+            }
         }
     }
 

@@ -483,3 +483,49 @@ fn a_forced_header_format_that_fails_keeps_the_old_header() {
     assert!(std::fs::read(&hdr).unwrap() != before);
     assert_eq!(keyslot_ids(&hdr), vec![0]);
 }
+
+/// A header file holds keyslots, which allow guessing the passphrase offline: `header format`
+/// makes it its owner's only (mode 0600, as cryptsetup), `--force` keeps the mode of the file
+/// it replaces (the rename left 0644), and through a symbolic link it replaces the file the
+/// link names (it replaced the link, and the real header kept its old keyslots).
+#[test]
+fn header_format_keeps_header_files_private_and_follows_links() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let one = key(dir.path(), "one", b"first passphrase");
+    let two = key(dir.path(), "two", b"second passphrase");
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let hdr = dir.path().join("disk.hdr");
+    format_header(&hdr, &one);
+    assert_eq!(mode(&hdr), 0o600, "a new header file");
+    std::fs::set_permissions(&hdr, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let mut args = vec!["header", "format", p(&hdr), "--size", "64M", "--force"];
+    args.extend(["--key-file", p(&two)]);
+    args.extend(FAST);
+    ok(&args);
+    assert_eq!(mode(&hdr), 0o640, "the replaced file's mode");
+
+    let link = dir.path().join("link.hdr");
+    std::os::unix::fs::symlink(&hdr, &link).unwrap();
+    let before = std::fs::read(&hdr).unwrap();
+    let mut args = vec!["header", "format", p(&link), "--size", "64M", "--force"];
+    args.extend(["--key-file", p(&one)]);
+    args.extend(FAST);
+    ok(&args);
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "the link stays a link"
+    );
+    assert!(
+        std::fs::read(&hdr).unwrap() != before,
+        "the named file is new"
+    );
+    assert_eq!(mode(&hdr), 0o640);
+    // The new header opens with the new passphrase only.
+    let mut test = vec!["passphrase", "test", p(&hdr), "--key-file"];
+    test.push(p(&one));
+    ok(&test);
+}
