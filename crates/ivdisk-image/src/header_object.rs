@@ -97,6 +97,13 @@ impl HeaderRegion {
         &self.bytes.0[offset as usize..(offset + len) as usize]
     }
 
+    /// SHA-256 of the region's bytes as they are now (to tell later whether another reader
+    /// sees the same header: the object's version also moves with its omap and its locks).
+    pub(crate) fn digest(&self) -> [u8; 32] {
+        use sha2::Digest;
+        sha2::Sha256::digest(&self.bytes.0).into()
+    }
+
     /// Bytes read from the object (its size).
     pub(crate) fn len(&self) -> u64 {
         self.bytes.0.len() as u64

@@ -36,6 +36,8 @@ pub(crate) struct HeaderTarget {
     pub(crate) object: ObjectName,
     pub(crate) header: Header,
     pub(crate) region: HeaderRegion,
+    /// The region's digest as read, before any change.
+    pub(crate) read_digest: [u8; 32],
 }
 
 /// A change of an image's header made in memory and not stored yet: the bytes it writes and
@@ -49,6 +51,8 @@ pub struct HeaderChange {
     object: ObjectName,
     version: Option<u64>,
     ranges: Vec<(u64, Vec<u8>)>,
+    /// The digest of the header region the change was made from.
+    made_from: [u8; 32],
 }
 
 impl std::fmt::Debug for HeaderChange {
@@ -86,9 +90,31 @@ impl HeaderChange {
             return Ok(());
         }
         let store = self.uri.open_store(false).await?;
-        let ranges = self.ranges.iter().map(|(o, b)| (*o, b.as_slice()));
-        let op = header_write_op(self.version, ranges);
-        store_header_op(store.as_ref(), &self.object, &self.image, op).await
+        let mut version = self.version;
+        // The object's version also moves when nothing of the header does: a writer's lock
+        // renewal (RADOS: every 10 s, a write of the lock's xattr) and `aes-gcm-random`'s
+        // nonce reservations (omap). A change whose key derivations ran past one of those
+        // failed as if another header change had come first. Stored again at the new version
+        // while the header's bytes are the ones it was made from (a few times at most: the
+        // renewals are seconds apart).
+        for _ in 0..8 {
+            let ranges = self.ranges.iter().map(|(o, b)| (*o, b.as_slice()));
+            let op = header_write_op(version, ranges);
+            match store_header_op(store.as_ref(), &self.object, &self.image, op).await {
+                Err(ImageError::HeaderChanged { .. }) if version.is_some() => {}
+                other => return other,
+            }
+            let now = HeaderRegion::read(store.as_ref(), &self.object)
+                .await
+                .map_err(ImageError::store(&self.image))?;
+            match now {
+                Some(now) if now.digest() == self.made_from => version = now.version(),
+                _ => break,
+            }
+        }
+        Err(ImageError::HeaderChanged {
+            image: self.image.clone(),
+        })
     }
 }
 
@@ -166,12 +192,14 @@ impl HeaderTarget {
         };
         // Only ivdisk headers: checked before any passphrase is tried.
         crate::image::parse_header(&image, &header)?;
+        let read_digest = region.digest();
         Ok(HeaderTarget {
             image,
             uri: uri.clone(),
             object,
             header,
             region,
+            read_digest,
         })
     }
 
@@ -180,6 +208,7 @@ impl HeaderTarget {
         HeaderChange {
             ranges: self.region.changes(),
             version: self.region.version(),
+            made_from: self.read_digest,
             image: self.image,
             uri: self.uri,
             object: self.object,
@@ -507,6 +536,35 @@ mod tests {
         assert_eq!(Image::check_passphrase(&uri, b"other").await.unwrap(), 1);
         assert!(Image::check_passphrase(&uri, b"two").await.is_err());
         assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![0, 1]);
+    }
+
+    /// The header object's version moves with things that are not the header (a writer's
+    /// lock renewal, a nonce reservation in its omap): a change made before such a move is
+    /// stored, where it failed with `HeaderChanged` (on RADOS, about every other change beside
+    /// a served image: a renewal every 10 s against seconds of key derivations).
+    #[tokio::test]
+    async fn a_change_is_stored_after_the_object_moved_but_not_the_header() {
+        let uri = image("moved").await;
+        let (slot, change) = Image::prepare_add_passphrase(&uri, b"one", b"two", &fast())
+            .await
+            .unwrap();
+        let store = uri.open_store(false).await.unwrap();
+        let object = object_name("t", header_object_name(uri.image_name())).unwrap();
+        let op = WriteOp::new().omap_set(vec![(b"unrelated".to_vec(), b"x".to_vec())]);
+        store.write_op(&object, op).await.unwrap();
+        change.store().await.unwrap();
+        assert_eq!(Image::check_passphrase(&uri, b"two").await.unwrap(), slot);
+        // A change of the header's bytes meanwhile still fails it.
+        let (_, late) = Image::prepare_add_passphrase(&uri, b"one", b"three", &fast())
+            .await
+            .unwrap();
+        Image::add_passphrase(&uri, b"one", b"other", &fast())
+            .await
+            .unwrap();
+        let err = late.store().await.unwrap_err();
+        assert!(matches!(err, ImageError::HeaderChanged { .. }), "{err}");
+        assert!(Image::check_passphrase(&uri, b"three").await.is_err());
+        assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![0, 1, 2]);
     }
 
     #[tokio::test]
