@@ -403,7 +403,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<'_, S> {
             self.reply_error(
                 option,
                 REP_ERR_UNKNOWN,
-                &format!("no export named `{name}`"),
+                &format!("no export named {name:?}"),
             )
             .await?;
             return Ok(None);
@@ -475,7 +475,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<'_, S> {
                 .reply_error(
                     option,
                     REP_ERR_UNKNOWN,
-                    &format!("no export named `{name}`"),
+                    &format!("no export named {name:?}"),
                 )
                 .await;
         };

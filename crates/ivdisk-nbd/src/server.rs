@@ -282,10 +282,26 @@ async fn clear_stale_socket(path: &Path) -> Result<(), NbdError> {
             "the path exists and is not a socket; pick another path",
         ));
     }
-    if UnixStream::connect(path).await.is_ok() {
-        return Err(in_use(
-            "another server is listening there; stop it or pick another path",
-        ));
+    // Only a refusal says nobody listens. A full accept queue (EAGAIN: a live server behind
+    // on its accepts) or EACCES (another user's socket) is a live socket: unlinked, its
+    // clients would reach this server's disk, and its server would remove this socket later.
+    match UnixStream::connect(path).await {
+        Ok(_) => {
+            return Err(in_use(
+                "another server is listening there; stop it or pick another path",
+            ))
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            ) => {}
+        Err(e) => {
+            return Err(in_use(&format!(
+                "a server may be listening there (connecting to it failed: {e}); stop it or \
+                 pick another path"
+            )))
+        }
     }
     tracing::info!(path = %path.display(), "removing a stale socket left by a server that is gone");
     std::fs::remove_file(path).map_err(|source| NbdError::Bind {

@@ -454,6 +454,21 @@ async fn negotiation_lists_informs_and_refuses_unknown_things() {
         .option(OPT_INFO, &Client::name_request("nope", &0u16.to_be_bytes()))
         .await;
     assert_eq!(client.option_reply().await.kind, REP_ERR_UNKNOWN);
+    // The name a client chose is escaped in the message (which the server also logs): no
+    // raw control characters to forge log lines or drive a terminal.
+    client
+        .option(
+            OPT_INFO,
+            &Client::name_request("a\nFORGED \x1b[2J", &0u16.to_be_bytes()),
+        )
+        .await;
+    let reply = client.option_reply().await;
+    assert_eq!(reply.kind, REP_ERR_UNKNOWN);
+    let text = String::from_utf8_lossy(&reply.data).into_owned();
+    assert!(
+        text.contains("FORGED") && !text.chars().any(|c| c.is_control()),
+        "{text:?}"
+    );
     // A malformed INFO (name length past the data) is refused, not misread.
     client.option(OPT_INFO, &[0, 0, 0, 200, b'd']).await;
     assert_eq!(client.option_reply().await.kind, REP_ERR_INVALID);
@@ -948,6 +963,29 @@ async fn a_live_socket_is_not_taken_over_and_a_stale_one_is() {
         .await
         .unwrap();
     drop(listener);
+    // A live server whose accept queue is full (behind on its accepts) refuses connects with
+    // EAGAIN: its socket is live, not stale.
+    let busy = dir.path().join("busy.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&busy).unwrap();
+    rustix::net::listen(&listener, 0).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        match tokio::net::UnixStream::connect(&busy).await {
+            Ok(stream) => queued.push(stream),
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+                break;
+            }
+        }
+        assert!(queued.len() < 64, "the accept queue does not fill");
+    }
+    let err = match Listener::bind(&ListenAddress::Unix(busy.clone())).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("bound over a live server with a full accept queue"),
+    };
+    assert!(err.contains("may be listening"), "{err}");
+    assert!(busy.exists());
+    drop((listener, queued));
     let file = dir.path().join("file");
     std::fs::write(&file, b"x").unwrap();
     let err = match Listener::bind(&ListenAddress::Unix(file.clone())).await {

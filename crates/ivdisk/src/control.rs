@@ -95,6 +95,9 @@ fn is_private(dir: &Path) -> bool {
 
 /// Where the image is, the same however the address was spelled (a relative path, the
 /// options of a `rados://` address); `None` for memory images, which live in one process.
+/// A RADOS image's includes the cluster's configuration file (as librados finds it): two
+/// clusters may hold an image of the same pool, name and id (one restored from a backup of
+/// the other), and a snapshot asked of one must not reach the other's server.
 pub fn location(uri: &ImageUri) -> Option<String> {
     match uri {
         ImageUri::Local { dir } => {
@@ -105,8 +108,19 @@ pub fn location(uri: &ImageUri) -> Option<String> {
             pool,
             namespace,
             image,
+            conf,
             ..
-        } => Some(format!("rados:{pool}/{namespace}/{image}")),
+        } => {
+            let conf = conf
+                .clone()
+                .or_else(|| std::env::var_os("CEPH_CONF").map(PathBuf::from))
+                .unwrap_or_else(|| PathBuf::from("/etc/ceph/ceph.conf"));
+            let conf = std::fs::canonicalize(&conf).unwrap_or(conf);
+            Some(format!(
+                "rados:{pool}/{namespace}/{image}?conf={}",
+                conf.display()
+            ))
+        }
         ImageUri::Memory { .. } => None,
     }
 }
@@ -122,6 +136,9 @@ fn socket_name(image_id: &ImageId, location: &str) -> String {
 /// A running control socket; [`ControlSocket::stop`] ends it.
 pub struct ControlSocket {
     path: PathBuf,
+    /// The socket file's (device, inode): removed at the end only while the path still names
+    /// it (another server may have taken the path over after a `lock break`).
+    file: Option<(u64, u64)>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -153,6 +170,9 @@ impl ControlSocket {
                 return None;
             }
         };
+        let file = std::fs::symlink_metadata(&path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
         tracing::debug!(path = %path.display(), "control socket listening");
         let (stop, mut stopped) = oneshot::channel();
         let image = image.clone();
@@ -175,6 +195,7 @@ impl ControlSocket {
         });
         Some(ControlSocket {
             path,
+            file,
             stop: Some(stop),
             task: Some(task),
         })
@@ -196,7 +217,11 @@ impl Drop for ControlSocket {
         if let Some(task) = self.task.take() {
             task.abort();
         }
-        let _ = std::fs::remove_file(&self.path);
+        let ours = std::fs::symlink_metadata(&self.path)
+            .is_ok_and(|m| Some((m.dev(), m.ino())) == self.file);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -349,4 +374,50 @@ pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option
         serde_json::from_str(&line).map_err(|e| anyhow!("the server's answer {line:?}: {e}"))
     };
     Some(exchange().with_context(|| format!("asking the server at {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two clusters can each hold an image of the same pool, name and id (a restore keeps the
+    /// id): their servers' sockets and locations differ by the configuration file.
+    #[test]
+    fn rados_locations_differ_by_cluster() {
+        let a = ImageUri::parse("rados://rbd/vm1?conf=/etc/ceph/a.conf").unwrap();
+        let b = ImageUri::parse("rados://rbd/vm1?conf=/etc/ceph/b.conf").unwrap();
+        let again = ImageUri::parse("rados://rbd/vm1?id=admin&conf=/etc/ceph/a.conf").unwrap();
+        assert_ne!(location(&a), location(&b));
+        assert_eq!(location(&a), location(&again));
+    }
+
+    /// A control socket that stops removes its file only while the path still names it: a
+    /// server that took the path over (after a `lock break`) keeps its socket.
+    #[test]
+    fn a_stopping_socket_leaves_a_successors_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let first = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        let old = ControlSocket {
+            path: path.clone(),
+            file: Some((meta.dev(), meta.ino())),
+            stop: None,
+            task: None,
+        };
+        std::fs::remove_file(&path).unwrap();
+        let _second = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        drop(old);
+        assert!(path.exists(), "the successor's socket was removed");
+        drop(first);
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        let own = ControlSocket {
+            path: path.clone(),
+            file: Some((meta.dev(), meta.ino())),
+            stop: None,
+            task: None,
+        };
+        drop(own);
+        assert!(!path.exists(), "its own socket goes");
+    }
 }

@@ -316,7 +316,10 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
             ));
         }
     };
-    let exposed = reachable_from_elsewhere(&address);
+    // Resolved once, and the address checked is the one bound: a name looked up again at
+    // the bind may resolve elsewhere (a lookup that failed for a moment here once meant "not
+    // reachable", and the bind's own lookup then listened on the network without TLS).
+    let (bind, exposed) = resolve_listen(&address)?;
     if !exposed.is_empty() && args.tls_creds.is_none() {
         let ips = exposed
             .iter()
@@ -339,7 +342,7 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
             args.image
         );
     }
-    Ok(ListenAddress::Tcp(address))
+    Ok(ListenAddress::Tcp(bind))
 }
 
 /// `--socket-mode`: octal permission bits, at most 777.
@@ -419,21 +422,21 @@ fn default_socket_name(image: &str) -> String {
     }
 }
 
-/// The addresses `HOST:PORT` resolves to that are not loopback addresses (the unspecified
-/// 0.0.0.0 and :: among them: they listen on every interface). Empty when it does not
-/// resolve: the bind then fails with its own error.
-fn reachable_from_elsewhere(address: &str) -> Vec<std::net::IpAddr> {
+/// `HOST:PORT` resolved: the socket address to bind (the first it resolves to) and, if it is
+/// not a loopback address, its IP (the unspecified 0.0.0.0 and :: among them: they listen
+/// on every interface). An address that does not resolve is an error.
+fn resolve_listen(address: &str) -> Result<(String, Vec<std::net::IpAddr>)> {
     use std::net::ToSocketAddrs;
-    let Ok(resolved) = address.to_socket_addrs() else {
-        return Vec::new();
-    };
-    let mut ips: Vec<_> = resolved
-        .map(|a| a.ip().to_canonical())
-        .filter(|ip| !ip.is_loopback())
-        .collect();
-    ips.sort();
-    ips.dedup();
-    ips
+    let first = address
+        .to_socket_addrs()
+        .with_context(|| format!("--listen {address}: cannot resolve it (HOST:PORT)"))?
+        .next()
+        .ok_or_else(|| anyhow!("--listen {address} resolves to no address"))?;
+    let ip = first.ip().to_canonical();
+    Ok((
+        first.to_string(),
+        [ip].into_iter().filter(|ip| !ip.is_loopback()).collect(),
+    ))
 }
 
 /// Raise the soft limit on open files to the hard one, as servers do: each NBD connection is
@@ -974,21 +977,34 @@ mod tests {
             "[::1]:10809",
             "[::ffff:127.0.0.1]:1",
         ] {
-            assert!(reachable_from_elsewhere(local).is_empty(), "{local}");
+            assert!(exposed(local).is_empty(), "{local}");
         }
         let any4: std::net::IpAddr = "0.0.0.0".parse().unwrap();
         let any6: std::net::IpAddr = "::".parse().unwrap();
         let lan: std::net::IpAddr = "192.168.1.20".parse().unwrap();
-        assert_eq!(reachable_from_elsewhere("0.0.0.0:10809"), vec![any4]);
-        assert_eq!(reachable_from_elsewhere("[::]:10809"), vec![any6]);
-        assert_eq!(reachable_from_elsewhere("192.168.1.20:0"), vec![lan]);
+        assert_eq!(exposed("0.0.0.0:10809"), vec![any4]);
+        assert_eq!(exposed("[::]:10809"), vec![any6]);
+        assert_eq!(exposed("192.168.1.20:0"), vec![lan]);
         assert_eq!(
-            reachable_from_elsewhere("[::ffff:192.168.1.20]:0"),
+            exposed("[::ffff:192.168.1.20]:0"),
             vec![lan],
             "an IPv4-mapped address is its IPv4 address"
         );
-        // Not an address: nothing to refuse here, the bind reports it.
-        assert!(reachable_from_elsewhere("no port").is_empty());
+        // What is checked is what is bound: the address resolved.
+        assert_eq!(
+            resolve_listen("127.0.0.1:10809").unwrap().0,
+            "127.0.0.1:10809"
+        );
+        // An address that does not resolve is refused here: judged "not reachable", it was
+        // looked up again at the bind, which could then listen on the network.
+        for bad in ["no port", "no-such-host.invalid:10809"] {
+            let err = resolve_listen(bad).unwrap_err().to_string();
+            assert!(err.contains("cannot resolve"), "{bad}: {err}");
+        }
+    }
+
+    fn exposed(address: &str) -> Vec<std::net::IpAddr> {
+        resolve_listen(address).unwrap().1
     }
 
     #[test]
