@@ -496,17 +496,14 @@ fn duplicate(e: &StoreError) -> StoreError {
 /// Whether every step of `op` can share an operation with others: its effect does not
 /// depend on the object's state, and it cannot fail on its own. Not the omap removals: on a
 /// missing object they fail (`NotFound`; RADOS answers `ENOENT`), which would fail every
-/// operation merged with them.
+/// operation merged with them. Not zeroing and truncating either: on a missing object a zero
+/// fails on the memory and local stores, and a truncate does nothing on RADOS (the object
+/// stays smaller than it says), so merged after a dropped covered write that created the
+/// object, or in front of writes, they changed what the operations did one by one.
 fn mergeable(op: &WriteOp) -> bool {
-    op.steps.iter().all(|step| {
-        matches!(
-            step,
-            WriteStep::Write { .. }
-                | WriteStep::Zero { .. }
-                | WriteStep::Truncate(_)
-                | WriteStep::OmapSet(_)
-        )
-    })
+    op.steps
+        .iter()
+        .all(|step| matches!(step, WriteStep::Write { .. } | WriteStep::OmapSet(_)))
 }
 
 fn write_bytes(op: &WriteOp) -> usize {
@@ -709,5 +706,9 @@ mod tests {
                 .step(WriteStep::OmapRemoveKeys(vec![b"k".to_vec()]))
         ));
         assert!(!mergeable(&WriteOp::new().step(WriteStep::OmapClear)));
+        assert!(!mergeable(
+            &WriteOp::new().step(WriteStep::Zero { offset: 0, len: 4 })
+        ));
+        assert!(!mergeable(&WriteOp::new().step(WriteStep::Truncate(8))));
     }
 }
