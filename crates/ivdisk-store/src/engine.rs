@@ -497,6 +497,11 @@ impl WalSync {
     }
 }
 
+/// Pending rows a read-only engine tracks while following a writer's commits past which,
+/// when the oldest of them is gone from the table, it replays the rows left from the start
+/// (`follow_omap_pending`).
+const FOLLOWED_ROWS_MAX: usize = 4096;
+
 /// A durable commit whose log sync has not finished, and what waits for it.
 struct DurablePoint {
     /// Dead ranges to give back once the commit is durable (`Engine::widened_frees`).
@@ -1295,17 +1300,41 @@ impl Engine {
             }
             None => true,
         };
+        // What this engine tracks of the rows it followed stays bounded: rows none of whose
+        // changes it holds any more are dropped (the transaction row is moved past the newest
+        // seen, as a writer's is past its own), and past `FOLLOWED_ROWS_MAX` rows held up
+        // behind a change of a row the writer has deleted since (written back: SQLite has
+        // it, and nothing the follower sees releases it) it starts over. It once grew by a
+        // row per writer commit for as long as it ran.
+        let behind = |db: &Connection, rows: usize, first: Option<u64>, table: &str| {
+            if rows <= FOLLOWED_ROWS_MAX {
+                return Ok::<_, StoreError>(false);
+            }
+            let oldest: Option<i64> = db
+                .prepare_cached(&format!("SELECT min(seq) FROM {table}"))?
+                .query_row([], |r| r.get(0))?;
+            Ok(first.is_some_and(|first| oldest.is_none_or(|oldest| (first as i64) < oldest)))
+        };
+        let omap = self.omap.get_mut();
+        let behind = behind(&self.db, omap.rows_len(), omap.first_row(), "omap_pending")?
+            || (self.extents_pending_table && {
+                let extents = self.extents.get_mut();
+                let (rows, first) = (extents.rows_len(), extents.first_row());
+                behind(&self.db, rows, first, "extents_pending")?
+            });
         match self.omap_rows_seen {
             Some((seen_generation, last))
                 if !missed
                     && seen_generation == generation
                     && self.omap.get_mut().held().1 <= 2 * self.omap_held_max
-                    && self.extents.get_mut().held().1 <= 2 * self.omap_held_max =>
+                    && self.extents.get_mut().held().1 <= 2 * self.omap_held_max
+                    && !behind =>
             {
                 let omap = self.omap.get_mut();
                 let newest = each_pending_row(&self.db, "omap_pending", last, |seq, row| {
                     omap.replay(seq, row)
                 })?;
+                omap.next_row(newest as u64 + 1);
                 omap.take_emptied();
                 self.omap_rows_seen = Some((generation, newest));
                 if self.extents_pending_table {
@@ -1315,6 +1344,7 @@ impl Engine {
                         each_pending_row(&self.db, "extents_pending", seen, |seq, row| {
                             extents.replay(seq, row)
                         })?;
+                    extents.next_row(self.extent_rows_seen as u64 + 1);
                     extents.take_emptied();
                     if self.extent_rows_seen != seen {
                         extents.index_places();
@@ -5053,6 +5083,34 @@ mod tests {
             Box::<MemorySegments>::default(),
         )
         .unwrap()
+    }
+
+    /// A reader following a writer's commits drops the rows whose changes later rows
+    /// replaced: one row per writer commit was kept for as long as the reader ran (its
+    /// transaction row stayed where its open put it, and rows from there on were never
+    /// dropped).
+    #[test]
+    fn a_reader_following_commits_drops_the_rows_it_no_longer_needs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.sqlite");
+        let object = ObjectName::new("o").unwrap();
+        let set = |writer: &mut Engine, value: u32| {
+            let op = WriteOp::new().omap_set(vec![(b"k".to_vec(), value.to_le_bytes().to_vec())]);
+            writer.apply_write(&object, &op).unwrap();
+            writer.commit(false);
+        };
+        let mut writer = engine_on_file(&path);
+        set(&mut writer, 0);
+        let mut reader = reader_on_file(&path);
+        for i in 1..=2000u32 {
+            set(&mut writer, i);
+            let seen = reader
+                .consistent(|engine| Ok((omap_of(engine, &object), Vec::new())))
+                .unwrap();
+            assert_eq!(seen, [(b"k".to_vec(), i.to_le_bytes().to_vec())]);
+            let rows = reader.omap.get_mut().rows_len();
+            assert!(rows < 10, "commit {i}: {rows} rows tracked");
+        }
     }
 
     /// A reader holds what the pending rows it saw changed. When the writer changes that

@@ -319,6 +319,14 @@ impl HeldExtents {
     pub(crate) fn held(&self) -> (usize, usize) {
         self.overlay.held()
     }
+
+    pub(crate) fn rows_len(&self) -> usize {
+        self.overlay.rows_len()
+    }
+
+    pub(crate) fn first_row(&self) -> Option<u64> {
+        self.overlay.first_row()
+    }
 }
 
 #[cfg(test)]

@@ -650,6 +650,16 @@ impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
     pub(crate) fn held(&self) -> (usize, usize) {
         (self.held.len(), self.held_bytes)
     }
+
+    /// Pending rows tracked (a read-only follower's bound, `FOLLOWED_ROWS_MAX`).
+    pub(crate) fn rows_len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The oldest pending row tracked.
+    pub(crate) fn first_row(&self) -> Option<u64> {
+        self.rows.first_key_value().map(|(&row, _)| row)
+    }
 }
 
 /// One change in a pending row (integers little-endian): `node i64`, `kind u8` (0 set, 1
