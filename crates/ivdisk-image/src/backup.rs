@@ -63,6 +63,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::allocation::listed_object_numbers;
+use crate::header_object::HeaderRegion;
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
     NONCE_KEY,
@@ -750,7 +751,15 @@ async fn backup_in(
         ),
     };
     let result = async {
+        let mut parsed = parsed;
         if lock.is_some() {
+            // A head an incremental restore left half applied is a mix of two states: it is
+            // refused (as opens and snapshots refuse it), not backed up as a whole image.
+            refuse_unfinished_restore(store.as_ref(), &header_object, &image).await?;
+            // Read again under the lock: a resize just before it would have left the
+            // description's size and the header's apart (a backup no restore accepts).
+            let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
+            parsed = parse_header(&image, &header)?;
             // Everything acknowledged before is what the backup reads.
             store.flush().await.map_err(ImageError::store(&image))?;
         }
@@ -1800,7 +1809,7 @@ where
 }
 
 /// Refuse a target that holds the image or data objects of its id.
-async fn check_empty_target(target: &Target<'_>) -> Result<(), ImageError> {
+async fn check_empty_target(target: &Target<'_>, image_id: &ImageId) -> Result<(), ImageError> {
     let image = target.image;
     if target
         .store
@@ -1825,6 +1834,22 @@ async fn check_empty_target(target: &Target<'_>) -> Result<(), ImageError> {
             count: existing.len(),
         });
     }
+    // An image of the same id without data objects yet (never written, or all discarded):
+    // restored beside it, both names would share the data objects written from then on.
+    let other = crate::header_backup::other_header_with_id(
+        target.store.as_ref(),
+        image,
+        &target.header_object,
+        image_id,
+    )
+    .await?;
+    if let Some(other) = other {
+        return Err(ImageError::HeaderIdInUse {
+            image: image.to_owned(),
+            other: other.to_string(),
+            image_id: *image_id,
+        });
+    }
     Ok(())
 }
 
@@ -1836,7 +1861,7 @@ async fn restore_full(
 ) -> Result<(), ImageError> {
     let image = target.image;
     let store = target.store;
-    check_empty_target(&target).await?;
+    check_empty_target(&target, &checked.image_id).await?;
     let mut created = Vec::new();
     let target_ref = &target;
     let written = replay(
@@ -2002,6 +2027,14 @@ async fn apply_increment(
                 "the recorded backup state is of another image".into(),
             ));
         }
+        // Another increment from the same base stopped part-way: this one would check only
+        // the objects it changes, and leave the other's writes to the rest in place.
+        if let Some(applying) = state.applying.filter(|_| !resuming) {
+            return Err(ImageError::RestoreUnfinished {
+                image: image.clone(),
+                snapshot: format!("id {applying}"),
+            });
+        }
         if !resuming && state.snapshot_id != Some(base.snapshot_id) {
             return Err(mismatch(format!(
                 "it goes from snapshot `{}` (id {}), but this image holds {}",
@@ -2110,7 +2143,7 @@ async fn apply_increment(
         .await?;
         // Mark the image as being brought forward (an interruption can be resumed).
         state.applying = d.snapshot_id;
-        let marked = store
+        store
             .write_op(
                 &target.header_object,
                 WriteOp::new().step(WriteStep::AssertExists).omap_set(vec![(
@@ -2120,6 +2153,13 @@ async fn apply_increment(
             )
             .await
             .map_err(ImageError::store(&image))?;
+        // The header's bytes as marked: a keyslot change or a header restore meanwhile
+        // changes them (the object's version alone also moves with the lock's renewals on
+        // RADOS, every 10 s, which failed every increment that took longer).
+        let marked_header = HeaderRegion::read(store.as_ref(), &target.header_object)
+            .await
+            .map_err(ImageError::store(&image))?
+            .map(|region| region.digest());
         replay(
             &target,
             path,
@@ -2130,9 +2170,7 @@ async fn apply_increment(
         )
         .await?;
         // The header last: the new size and keyslots, the carried omap, the new state.
-        // Only this process writes the header object under the lock; a version change means
-        // a keyslot change or header restore ran meanwhile.
-        let mut op = WriteOp::new().step(WriteStep::AssertVersion(marked.version));
+        let mut op = WriteOp::new();
         op.steps.push(WriteStep::Truncate(0));
         let mut header_state = checked.header.clone();
         header_state.omap.retain(|(k, _)| carried(k));
@@ -2161,15 +2199,36 @@ async fn apply_increment(
             )]
             .into(),
         ));
-        store
-            .write_op(&target.header_object, op)
-            .await
-            .map_err(|e| match e {
-                StoreError::VersionMismatch { .. } => ImageError::HeaderChanged {
-                    image: image.clone(),
-                },
-                e => ImageError::store(&image)(e),
-            })?;
+        let changed = || ImageError::HeaderChanged {
+            image: image.clone(),
+        };
+        // Stored at the version read while the header's bytes are the ones marked (a renewal
+        // between the read and the write moves the version: read again, a few times).
+        let mut stored = false;
+        for _ in 0..8 {
+            let now = HeaderRegion::read(store.as_ref(), &target.header_object)
+                .await
+                .map_err(ImageError::store(&image))?;
+            let version = match now {
+                Some(now) if Some(now.digest()) == marked_header => now.version(),
+                _ => return Err(changed()),
+            };
+            let mut attempt = WriteOp::new().step(WriteStep::AssertVersion(
+                version.expect("a header read from its object has a version"),
+            ));
+            attempt.steps.extend(op.steps.iter().cloned());
+            match store.write_op(&target.header_object, attempt).await {
+                Ok(_) => {
+                    stored = true;
+                    break;
+                }
+                Err(StoreError::VersionMismatch { .. }) => {}
+                Err(e) => return Err(ImageError::store(&image)(e)),
+            }
+        }
+        if !stored {
+            return Err(changed());
+        }
         store.flush().await.map_err(ImageError::store(&image))
     }
     .await;

@@ -152,7 +152,7 @@ async fn other_image_shown(
 /// Another header object of this store that has image id `backup_id` (parsed, or named in
 /// the JSON areas of one that no longer parses): restoring the backup under this name would
 /// give that image's data objects a second name. Data objects are named by image id only.
-async fn other_header_with_id(
+pub(crate) async fn other_header_with_id(
     store: &dyn ObjectStore,
     image: &str,
     object: &ivdisk_store::ObjectName,
