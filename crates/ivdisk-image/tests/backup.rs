@@ -989,47 +989,8 @@ async fn a_restore_carries_no_record_of_the_sources_writer() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rollback_leaves_no_base_for_increments() {
     let dir = tmp();
-    let source = memory();
-    let options = common::options(
-        2 * OBJECT,
-        Suite::DEFAULT,
-        LayoutKind::ObjectEnd,
-        4096,
-        OBJECT,
-    );
-    let image = Image::create_on(source.clone(), "src", &options, PASS)
-        .await
-        .unwrap();
-    image
-        .write(0, &vec![1u8; 2 * OBJECT as usize])
-        .await
-        .unwrap();
-    image.create_snapshot("a").await.unwrap();
-    image.write(0, &vec![2u8; OBJECT as usize]).await.unwrap();
-    image.create_snapshot("b").await.unwrap();
-    image
-        .write(OBJECT, &vec![3u8; OBJECT as usize])
-        .await
-        .unwrap();
-    image.create_snapshot("c").await.unwrap();
-    image.close().await.unwrap();
+    abc_backups(dir.path()).await;
     let file = |name: &str| dir.path().join(name);
-    let backup = |options: BackupOptions, path: PathBuf| {
-        let source = source.clone();
-        async move {
-            Image::backup_on(source, "src", &options, &path, |_| {})
-                .await
-                .unwrap();
-        }
-    };
-    let since = |snapshot: &str, base: &str| BackupOptions {
-        snapshot: Some(snapshot.into()),
-        since: Some(base.into()),
-        overwrite: false,
-    };
-    backup(at("a"), file("a.ivdbak")).await;
-    backup(since("b", "a"), file("ab.ivdbak")).await;
-    backup(since("c", "b"), file("bc.ivdbak")).await;
 
     let replica = ImageUri::parse(&format!("{}", dir.path().join("replica").display())).unwrap();
     Image::restore_backup(&file("a.ivdbak"), &replica, |_| {})
