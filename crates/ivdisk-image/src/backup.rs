@@ -94,6 +94,11 @@ const TRAILER_LEN: u64 = 8 + 32;
 /// Header-object omap key where a restore records the state it left (for increments).
 pub const BACKUP_STATE_KEY: &[u8] = b"ivdisk.backup_state";
 
+/// Header omap key set by `Image::delete` before the first data object goes: an interrupted
+/// delete leaves an image that no open accepts (some of its data is gone) until a delete
+/// finishes it.
+pub(crate) const DELETING_KEY: &[u8] = b"ivdisk.deleting";
+
 /// Granularity of the sparse copy: blocks of an object that are all zeros are left out.
 const BLOCK: usize = 4096;
 /// Object reads or writes in flight.
@@ -439,7 +444,8 @@ fn carried(key: &[u8]) -> bool {
         || key == BACKUP_STATE_KEY
         || key == LAST_WRITER_KEY
         || key == LAST_WRITER_CLIENT_KEY
-        || key == REMOVING_KEY)
+        || key == REMOVING_KEY
+        || key == DELETING_KEY)
 }
 
 /// What a restore leaves recorded in the header object (`BACKUP_STATE_KEY`).
@@ -453,24 +459,35 @@ struct RestoredState {
     applying: Option<SnapId>,
 }
 
-/// Refuse an image an incremental restore left half-applied (`RestoredState::applying`); the
-/// restore itself reads its header object directly, not through this. A state that cannot be
-/// read (a store without omap: LUKS files) is no unfinished restore.
+/// Refuse an image an incremental restore left half-applied (`RestoredState::applying`), or
+/// a delete half done (`DELETING_KEY`); the restore itself reads its header object directly,
+/// not through this. A state that cannot be read (a store without omap: LUKS files) is no
+/// unfinished restore.
 pub(crate) async fn refuse_unfinished_restore(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     image: &str,
 ) -> Result<(), ImageError> {
-    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![BACKUP_STATE_KEY.to_vec()]));
+    let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
+        BACKUP_STATE_KEY.to_vec(),
+        DELETING_KEY.to_vec(),
+    ]));
     let Ok(results) = store.read_op(header_object, op).await else {
         return Ok(());
     };
-    let state = match results.into_iter().next() {
-        Some(ReadResult::Omap { pairs, .. }) => pairs
-            .first()
-            .and_then(|(_, v)| serde_json::from_slice::<RestoredState>(v).ok()),
-        _ => None,
+    let pairs = match results.into_iter().next() {
+        Some(ReadResult::Omap { pairs, .. }) => pairs,
+        _ => return Ok(()),
     };
+    if pairs.iter().any(|(k, _)| k == DELETING_KEY) {
+        return Err(ImageError::DeleteUnfinished {
+            image: image.to_owned(),
+        });
+    }
+    let state = pairs
+        .iter()
+        .find(|(k, _)| *k == BACKUP_STATE_KEY)
+        .and_then(|(_, v)| serde_json::from_slice::<RestoredState>(v).ok());
     match state.and_then(|s| s.applying) {
         None => Ok(()),
         Some(id) => Err(ImageError::RestoreUnfinished {

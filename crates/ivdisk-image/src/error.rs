@@ -228,6 +228,11 @@ pub enum ImageError {
     /// never a snapshot. It is not opened until the restore is run again (which finishes it).
     #[error("image {image}: an incremental restore into it (up to snapshot {snapshot}) did not finish, so it holds part of that increment's changes and is neither the base nor the new snapshot; run the same `ivdisk restore FILE {image}` again (it finishes what is left), or delete it and restore the full backup and increments again")]
     RestoreUnfinished { image: String, snapshot: String },
+
+    /// A delete of the image stopped after it began removing data objects (a signal, a
+    /// crash, a store error): some of its data is gone, so it is not opened.
+    #[error("image {image}: a delete of it did not finish, so some of its data objects are gone and it is not opened; run `ivdisk delete {image}` again to finish it")]
+    DeleteUnfinished { image: String },
 }
 
 impl ImageError {

@@ -954,6 +954,17 @@ impl Image {
                 return Err(e);
             }
         };
+        // Recorded before the first object goes: a delete stopped part-way (a signal, a crash,
+        // a store error) left an image that opened, served and verified, reading zeros where
+        // its objects were removed. Only a delete goes on from there.
+        let op = WriteOp::new()
+            .step(WriteStep::AssertExists)
+            .omap_set(vec![(crate::backup::DELETING_KEY.to_vec(), Vec::new())]);
+        store
+            .write_op(&header_object, op)
+            .await
+            .map_err(ImageError::store(&image))?;
+        store.flush().await.map_err(ImageError::store(&image))?;
         let objects = store
             .list(&data_object_prefix(&parsed.params.image_id))
             .await

@@ -1205,3 +1205,45 @@ async fn a_lock_another_writer_held_and_released_meanwhile_is_not_taken_back() {
     assert_eq!(read(&third, 0, 6).await, b"second");
     third.close().await.unwrap();
 }
+
+/// A delete stopped after it began removing data objects (here: its task panics after the
+/// first batch, as a kill would stop it) leaves an image no open accepts, and a second delete
+/// finishes it. It opened, served and verified, reading zeros where objects were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_delete_leaves_no_image_that_opens() {
+    for backend in [Backend::Local, Backend::Memory] {
+        let place = common::place(backend, "half-deleted");
+        let uri = place.uri.clone();
+        let image = Image::create(&uri, &opts(64 * OBJECT_SIZE), PASS)
+            .await
+            .unwrap();
+        image
+            .write(0, &vec![7u8; 64 * OBJECT_SIZE as usize])
+            .await
+            .unwrap();
+        image.close().await.unwrap();
+        let deleting = uri.clone();
+        let stopped = tokio::spawn(async move {
+            Image::delete(&deleting, |done, _| {
+                if done >= 32 {
+                    panic!("stopped after the first batch");
+                }
+            })
+            .await
+        })
+        .await;
+        assert!(stopped.is_err(), "{backend:?}: the delete went on");
+        for options in [OpenOptions::default(), OpenOptions::read_only()] {
+            match Image::open(&uri, PASS, &options).await {
+                Err(ImageError::DeleteUnfinished { .. }) => {}
+                Err(e) => panic!("{backend:?}: expected DeleteUnfinished, got {e}"),
+                Ok(_) => panic!("{backend:?}: a half-deleted image opened"),
+            }
+        }
+        Image::delete(&uri, |_, _| {}).await.unwrap();
+        assert!(matches!(
+            Image::info(&uri).await,
+            Err(ImageError::NotFound { .. })
+        ));
+    }
+}
