@@ -99,6 +99,11 @@ pub const BACKUP_STATE_KEY: &[u8] = b"ivdisk.backup_state";
 /// finishes it.
 pub(crate) const DELETING_KEY: &[u8] = b"ivdisk.deleting";
 
+/// Header omap key set by `Image::rollback_snapshot` (to the snapshot's name) before the first
+/// object is rolled back, removed with the size write at its end: a rollback stopped part-way
+/// leaves objects of two states, which no open accepts until a rollback finishes.
+pub(crate) const ROLLING_BACK_KEY: &[u8] = b"ivdisk.rolling_back";
+
 /// Granularity of the sparse copy: blocks of an object that are all zeros are left out.
 const BLOCK: usize = 4096;
 /// Object reads or writes in flight.
@@ -445,7 +450,8 @@ fn carried(key: &[u8]) -> bool {
         || key == LAST_WRITER_KEY
         || key == LAST_WRITER_CLIENT_KEY
         || key == REMOVING_KEY
-        || key == DELETING_KEY)
+        || key == DELETING_KEY
+        || key == ROLLING_BACK_KEY)
 }
 
 /// What a restore leaves recorded in the header object (`BACKUP_STATE_KEY`).
@@ -460,7 +466,7 @@ struct RestoredState {
 }
 
 /// Refuse an image an incremental restore left half-applied (`RestoredState::applying`), or
-/// a delete half done (`DELETING_KEY`); the restore itself reads its header object directly,
+/// a delete or a rollback half done (`DELETING_KEY`, `ROLLING_BACK_KEY`); the restore itself reads its header object directly,
 /// not through this. A state that cannot be read (a store without omap: LUKS files) is no
 /// unfinished restore.
 pub(crate) async fn refuse_unfinished_restore(
@@ -471,6 +477,7 @@ pub(crate) async fn refuse_unfinished_restore(
     let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
         BACKUP_STATE_KEY.to_vec(),
         DELETING_KEY.to_vec(),
+        ROLLING_BACK_KEY.to_vec(),
     ]));
     let Ok(results) = store.read_op(header_object, op).await else {
         return Ok(());
@@ -482,6 +489,12 @@ pub(crate) async fn refuse_unfinished_restore(
     if pairs.iter().any(|(k, _)| k == DELETING_KEY) {
         return Err(ImageError::DeleteUnfinished {
             image: image.to_owned(),
+        });
+    }
+    if let Some((_, snapshot)) = pairs.iter().find(|(k, _)| *k == ROLLING_BACK_KEY) {
+        return Err(ImageError::RollbackUnfinished {
+            image: image.to_owned(),
+            snapshot: String::from_utf8_lossy(snapshot).into_owned(),
         });
     }
     let state = pairs

@@ -233,6 +233,11 @@ pub enum ImageError {
     /// crash, a store error): some of its data is gone, so it is not opened.
     #[error("image {image}: a delete of it did not finish, so some of its data objects are gone and it is not opened; run `ivdisk delete {image}` again to finish it")]
     DeleteUnfinished { image: String },
+
+    /// A rollback to a snapshot stopped part-way: some objects are at the snapshot, others
+    /// at the head, so it is not opened.
+    #[error("image {image}: a rollback of it to snapshot {snapshot} did not finish, so it holds objects of two states and is not opened; run `ivdisk snap rollback {image}@{snapshot}` again to finish it")]
+    RollbackUnfinished { image: String, snapshot: String },
 }
 
 impl ImageError {

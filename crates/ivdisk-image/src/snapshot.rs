@@ -30,7 +30,7 @@ use ivdisk_store::{
 };
 
 use crate::allocation::listed_object_numbers;
-use crate::backup::BACKUP_STATE_KEY;
+use crate::backup::{BACKUP_STATE_KEY, ROLLING_BACK_KEY};
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
 };
@@ -532,13 +532,18 @@ impl Image {
             // data it would leave a mix of two states that no snapshot of the source ever was.
             // Cleared before any object changes (an interrupted rollback is no restore's
             // base either): the next restore into this image must be a full one.
+            // And the rollback under way is recorded (synced) before any object changes: one
+            // stopped part-way (a signal, a crash, a store error) left objects of both states
+            // in an image that opened without a word.
             let op = WriteOp::new()
                 .step(WriteStep::AssertExists)
-                .step(WriteStep::OmapRemoveKeys(vec![BACKUP_STATE_KEY.to_vec()]));
+                .step(WriteStep::OmapRemoveKeys(vec![BACKUP_STATE_KEY.to_vec()]))
+                .omap_set(vec![(ROLLING_BACK_KEY.to_vec(), name.as_bytes().to_vec())]);
             store
                 .write_op(header_object, op)
                 .await
                 .map_err(ImageError::store(image))?;
+            store.flush().await.map_err(ImageError::store(image))?;
             let object_size = parsed.params.object_size;
             let objects = parsed.size.max(snap.size).div_ceil(object_size);
             let prefix = data_object_prefix(&parsed.params.image_id);
@@ -583,18 +588,24 @@ impl Image {
                 }
             }
             drop(results);
-            if snap.size != parsed.size {
+            // Every object is at the snapshot: the size, and the record of the rollback goes.
+            let done = WriteStep::OmapRemoveKeys(vec![ROLLING_BACK_KEY.to_vec()]);
+            let op = if snap.size != parsed.size {
                 let (mut header, mut region) =
                     read_header(store.as_ref(), header_object, image).await?;
                 header
                     .set_data_size(&mut region, Some(snap.size))
                     .map_err(ImageError::header(image))?;
-                let op = region.write_op().expect("a size change changes the header");
-                store
-                    .write_op(header_object, op)
-                    .await
-                    .map_err(ImageError::store(image))?;
-            }
+                let mut op = region.write_op().expect("a size change changes the header");
+                op.steps.push(done);
+                op
+            } else {
+                WriteOp::new().step(WriteStep::AssertExists).step(done)
+            };
+            store
+                .write_op(header_object, op)
+                .await
+                .map_err(ImageError::store(image))?;
             store.flush().await.map_err(ImageError::store(image))?;
             tracing::info!(image = %image, snapshot = name, objects, size = snap.size, "rolled back to snapshot");
             Ok(snap)

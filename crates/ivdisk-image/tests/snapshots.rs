@@ -436,3 +436,45 @@ async fn a_snapshot_table_longer_than_one_listing_is_read_whole() {
         );
     }
 }
+
+/// A rollback stopped part-way (here: its task panics at the first progress report, after 64
+/// objects, as a kill would stop it) leaves an image no open accepts, and the rollback run
+/// again finishes it. Objects of both states opened without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_rollback_leaves_no_image_that_opens() {
+    for backend in [Backend::Local, Backend::Memory] {
+        let place = place(backend, "half-rolled");
+        let uri = place.uri.clone();
+        let size = 128 * OBJECT;
+        let options = common::options(size, Suite::DEFAULT, LayoutKind::ObjectEnd, 4096, OBJECT);
+        let image = Image::create(&uri, &options, PASS).await.unwrap();
+        let old = pattern(1, size as usize);
+        image.write(0, &old).await.unwrap();
+        image.create_snapshot("s").await.unwrap();
+        image.write(0, &pattern(2, size as usize)).await.unwrap();
+        image.close().await.unwrap();
+        let rolling = uri.clone();
+        let stopped = tokio::spawn(async move {
+            Image::rollback_snapshot(&rolling, "s", |_, _| panic!("stopped")).await
+        })
+        .await;
+        assert!(stopped.is_err(), "{backend:?}: the rollback went on");
+        for options in [OpenOptions::default(), OpenOptions::read_only()] {
+            match Image::open(&uri, PASS, &options).await {
+                Err(ImageError::RollbackUnfinished { snapshot, .. }) => assert_eq!(snapshot, "s"),
+                Err(e) => panic!("{backend:?}: expected RollbackUnfinished, got {e}"),
+                Ok(_) => panic!("{backend:?}: a half-rolled-back image opened"),
+            }
+        }
+        Image::rollback_snapshot(&uri, "s", |_, _| {})
+            .await
+            .unwrap();
+        let image = Image::open(&uri, PASS, &OpenOptions::read_only())
+            .await
+            .unwrap();
+        assert!(
+            read_all(&image).await == old,
+            "{backend:?}: at the snapshot"
+        );
+    }
+}
