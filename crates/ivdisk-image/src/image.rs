@@ -278,6 +278,19 @@ pub(crate) fn parse_header(image: &str, header: &Header) -> Result<Parsed, Image
         image: image.to_owned(),
         reason: "the data segment has no fixed size".into(),
     })?;
+    // The size is the JSON's, whose checksum anyone can recompute: past the largest image
+    // the arithmetic of the last object's range overflowed (a panic in a debug build, wrapped
+    // extents in a release one, from NBD block status, export or verify).
+    if size > MAX_IMAGE_SIZE || !size.is_multiple_of(segment.sector_size as u64) {
+        return Err(ImageError::Corrupt {
+            image: image.to_owned(),
+            reason: format!(
+                "the header's data size {size} is not a whole number of {}-byte sectors up to \
+                 {MAX_IMAGE_SIZE} bytes",
+                segment.sector_size
+            ),
+        });
+    }
     if !layout.fits(suite.metadata_len()) || params.object_size > MAX_OBJECT_SIZE {
         return Err(ImageError::Corrupt {
             image: image.to_owned(),

@@ -112,6 +112,11 @@ fn decode(image: &str, key: &[u8], value: &[u8]) -> Result<SnapshotInfo, ImageEr
     let [Some(id), Some(size), Some(created)] = fields else {
         return Err(corrupt());
     };
+    // As the header's own size (see `parse_header`): no larger than the largest image, and
+    // whole 512-byte units at least.
+    if size > crate::MAX_IMAGE_SIZE || !size.is_multiple_of(512) {
+        return Err(corrupt());
+    }
     Ok(SnapshotInfo {
         name: name.to_owned(),
         id,

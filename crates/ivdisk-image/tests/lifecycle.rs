@@ -1247,3 +1247,33 @@ async fn an_interrupted_delete_leaves_no_image_that_opens() {
         ));
     }
 }
+
+/// A header whose data size lies past the largest image (its JSON's checksum is anyone's to
+/// recompute) is refused as corrupt at the open: it opened, and the last object's range
+/// overflowed in block status, export and verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_size_past_the_largest_image_is_corrupt() {
+    let store: std::sync::Arc<dyn ObjectStore> =
+        std::sync::Arc::new(ivdisk_store::MemoryStore::new().unwrap());
+    let image = Image::create_on(store.clone(), "big", &opts(4 * OBJECT_SIZE), PASS)
+        .await
+        .unwrap();
+    image.close().await.unwrap();
+    let object = ObjectName::new(header_object_name("big")).unwrap();
+    let len = store.stat(&object).await.unwrap().unwrap().size;
+    let mut io = ivdisk_header::MemoryHeaderIo(store.read(&object, 0, len).await.unwrap());
+    let mut header = ivdisk_header::Header::read(&io).unwrap();
+    header
+        .set_data_size(&mut io, Some(u64::MAX - 4095))
+        .unwrap();
+    store.write(&object, 0, &io.0).await.unwrap();
+    for options in [OpenOptions::default(), OpenOptions::read_only()] {
+        match Image::open_on(store.clone(), "big", PASS, &options).await {
+            Err(ImageError::Corrupt { reason, .. }) => {
+                assert!(reason.contains("data size"), "{reason}")
+            }
+            Err(e) => panic!("expected Corrupt, got {e}"),
+            Ok(_) => panic!("an image of 2^64 bytes opened"),
+        }
+    }
+}
