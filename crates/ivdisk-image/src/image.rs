@@ -876,6 +876,11 @@ impl Image {
                     inner.discard_sectors(extent.offset / ss, end / ss).await?;
                 }
             }
+            // The discards durable, and none lost, before the smaller size is: a store that
+            // lost their commit (a full disk) and committed the header write after it left
+            // the smaller size over objects still holding data, which a retry did not visit
+            // and a later grow showed again.
+            self.flush().await?;
         }
         let (mut header, mut region) =
             read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
