@@ -60,13 +60,20 @@ impl Aes {
     }
 }
 
-/// HCTR2 over AES with one key: any message of at least 16 bytes, 32-byte tweak.
+/// HCTR2 over AES with one key: any message of at least 16 bytes, 32-byte tweak. Wiped on
+/// drop: `l` (AES_K(1)) by hand, the AES and POLYVAL states by their crates' `zeroize`.
 pub struct Hctr2 {
     aes: Aes,
     l: Block,
     /// POLYVAL states after the length block, for messages of whole blocks / with a remainder.
     hash_whole: Polyval,
     hash_partial: Polyval,
+}
+
+impl Drop for Hctr2 {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(self.l.as_mut_slice());
+    }
 }
 
 impl Hctr2 {
@@ -82,8 +89,12 @@ impl Hctr2 {
         let mut l = Block::default();
         l[0] = 1;
         aes.encrypt_block(&mut l);
-        let base = Polyval::new(&pv(&h));
-        h.iter_mut().for_each(|b| *b = 0);
+        let mut h_key = pv(&h);
+        let base = Polyval::new(&h_key);
+        // The hash key wiped where the optimiser cannot drop the stores as dead (plain
+        // stores to a value never read again may be removed).
+        zeroize::Zeroize::zeroize(h.as_mut_slice());
+        zeroize::Zeroize::zeroize(h_key.as_mut_slice());
         let length_state = |remainder: bool| {
             let mut p = base.clone();
             let mut block = Block::default();

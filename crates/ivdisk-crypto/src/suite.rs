@@ -465,7 +465,10 @@ pub(crate) fn slots_one_by_one<C: SectorCipher + ?Sized>(
     let sectors = plaintext
         .chunks_exact(ss)
         .zip(slots.chunks_exact_mut(ss + ml));
-    for (number, (sector, slot)) in (first_sector..).zip(sectors) {
+    // Numbered by index, not by zipping `first_sector..`: that range steps once past the last
+    // sector, which overflowed (a panic with overflow checks) for a run ending at u64::MAX.
+    for (i, (sector, slot)) in sectors.enumerate() {
+        let number = first_sector + i as u64;
         let (ciphertext, metadata) = slot.split_at_mut(ss);
         cipher.encrypt_sectors_to(number, sector, ciphertext, metadata)?;
     }
@@ -499,7 +502,8 @@ pub(crate) fn encrypt_slots_one_by_one<C: SectorCipher + ?Sized>(
 ) -> Result<(), CryptoError> {
     let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
     check_slots_append(cipher, first_sector, slots)?;
-    for (number, slot) in (first_sector..).zip(slots.chunks_exact_mut(ss + ml)) {
+    for (i, slot) in slots.chunks_exact_mut(ss + ml).enumerate() {
+        let number = first_sector + i as u64;
         let (data, metadata) = slot.split_at_mut(ss);
         cipher.encrypt_sectors(number, data, metadata)?;
     }
@@ -516,7 +520,8 @@ pub(crate) fn decrypt_slots_one_by_one<C: SectorCipher + ?Sized>(
     let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
     check_slots_append(cipher, first_sector, slots)?;
     let mut failed = Vec::new();
-    for (number, slot) in (first_sector..).zip(slots.chunks_exact_mut(ss + ml)) {
+    for (i, slot) in slots.chunks_exact_mut(ss + ml).enumerate() {
+        let number = first_sector + i as u64;
         let (data, metadata) = slot.split_at_mut(ss);
         match cipher.decrypt_sectors(number, data, metadata) {
             Ok(()) => {}

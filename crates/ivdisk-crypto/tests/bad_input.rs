@@ -607,3 +607,46 @@ fn errors_are_std_errors() {
         Some(CryptoError::UnknownSuite { .. })
     ));
 }
+
+/// The slot paths at the last addressable sectors (512-byte sectors end at u64::MAX): every
+/// suite encrypts and decrypts a run of two ending there. The one-by-one helpers numbered
+/// sectors by zipping with `first_sector..`, which steps once past the last and panicked on
+/// the overflow where overflow checks are on (debug and test builds).
+#[test]
+fn slots_at_the_last_sectors_round_trip() {
+    for suite in Suite::ALL {
+        let c = build(suite, 512);
+        let first = u64::MAX - 1;
+        let plain: Vec<u8> = (0..1024u32).map(|i| (i % 251) as u8).collect();
+        let mut slots = Vec::new();
+        c.encrypt_sectors_append_slots(first, &plain, &mut slots)
+            .unwrap();
+        let mut again = slots.clone();
+        c.decrypt_sectors_in_slots(first, &mut again).unwrap();
+        let slot = 512 + c.metadata_len();
+        for (i, s) in again.chunks(slot).enumerate() {
+            assert!(
+                s[..512] == plain[i * 512..(i + 1) * 512],
+                "{suite}: sector {i}"
+            );
+        }
+        let mut inplace = Vec::with_capacity(slots.len());
+        for i in 0..2 {
+            inplace.extend_from_slice(&plain[i * 512..(i + 1) * 512]);
+            inplace.extend(std::iter::repeat_n(0u8, c.metadata_len()));
+        }
+        c.encrypt_sectors_in_slots(first, &mut inplace).unwrap();
+        c.decrypt_sectors_in_slots(first, &mut inplace).unwrap();
+        let mut to = vec![0u8; slots.len()];
+        c.encrypt_sectors_to_slots(first, &plain, &mut to).unwrap();
+        c.decrypt_sectors_in_slots(first, &mut to).unwrap();
+        for run in [&inplace, &to] {
+            for (i, s) in run.chunks(slot).enumerate() {
+                assert!(
+                    s[..512] == plain[i * 512..(i + 1) * 512],
+                    "{suite}: sector {i}"
+                );
+            }
+        }
+    }
+}

@@ -324,6 +324,10 @@ fn expand(key: &[u8]) -> RoundKeys {
     for (k, r) in keys.iter_mut().zip(&rk) {
         store128(k, *r);
     }
+    // Wipe the schedule from the stack (round key 0 is the key itself), as the kernels wipe
+    // their broadcast copies; black_box keeps the stores from being optimised away as dead.
+    rk = [_mm_setzero_si128(); 15];
+    std::hint::black_box(&mut rk);
     RoundKeys { keys, rounds }
 }
 
