@@ -1081,6 +1081,28 @@ impl Engine {
         Ok(engine)
     }
 
+    /// A read-only engine opened on a store of an older version, without the pending tables:
+    /// a current writer opening it meanwhile creates them and keeps its changes in them from
+    /// then on. Looked for at each read transaction while missing (only such stores pay the
+    /// query), and every row replayed once they are there. Set once at the open, the reader
+    /// read extents and omap from the tables alone for as long as it ran: zeros for objects
+    /// the writer created, and old places (punched or reused since) for those it overwrote.
+    fn notice_pending_tables(&mut self) -> Result<(), StoreError> {
+        if self.read_only.is_none() || (self.omap_pending_table && self.extents_pending_table) {
+            return Ok(());
+        }
+        let tables = (
+            Self::has_table(&self.db, "omap_pending")?,
+            Self::has_table(&self.db, "extents_pending")?,
+        );
+        if tables != (self.omap_pending_table, self.extents_pending_table) {
+            (self.omap_pending_table, self.extents_pending_table) = tables;
+            self.omap_rows_seen = None;
+            self.replay_extents_pending()?;
+        }
+        Ok(())
+    }
+
     /// Whether the store has the table `name` (a read-only open of a store last written by
     /// an older version may lack `omap_pending` or `extents_pending`; it then has no pending
     /// changes either).
@@ -2212,7 +2234,8 @@ impl Engine {
             .and_then(|mut count| count.query_row([], |r| r.get::<_, i64>(0)));
         let result = match started {
             Ok(_) => self
-                .follow_omap_pending()
+                .notice_pending_tables()
+                .and_then(|()| self.follow_omap_pending())
                 .and_then(|()| body(self))
                 .map_err(permanent),
             Err(e) => Err(Failure {

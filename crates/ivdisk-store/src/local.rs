@@ -1790,6 +1790,10 @@ impl LocalStore {
             }))?;
         }
         let lock = lock_directory(dir)?;
+        // Decided again under the lock: another process may have created the database (and
+        // been killed) while this one waited for it, and an open that took itself for the
+        // creator skipped the reclaim that process's unclean stop needs.
+        let creating = !meta.exists();
         // Read-only stores of this directory in this process let go of their connections
         // until ours has created SQLite's shared-memory index (see `pause_readers`).
         let opening = opening_lock();
