@@ -114,6 +114,11 @@ const BYTES_IN_FLIGHT: u64 = 256 << 20;
 const MAX_DESCRIPTION: u32 = 1 << 20;
 /// Largest header object accepted (the LUKS2 region is 16 MiB by default).
 const MAX_HEADER_OBJECT: u64 = 64 << 20;
+
+/// The longest omap key and value a backup holds (the header's records and the layouts'
+/// metadata are far shorter; RADOS itself refuses keys past a few KiB).
+const MAX_OMAP_KEY: usize = 4096;
+const MAX_OMAP_VALUE: usize = 1 << 20;
 /// Largest record payload accepted (a 64 MiB object's data and metadata, its omap keys, the
 /// header object): anything larger is damage, refused before allocating it.
 const MAX_RECORD: u64 = 384 << 20;
@@ -264,6 +269,17 @@ impl ObjectState {
 
     fn data_bytes(&self) -> u64 {
         self.runs.iter().map(|(_, d)| d.len() as u64).sum()
+    }
+
+    /// About what the state takes in memory: its data, and its omap pairs with their
+    /// vectors' own cost (what a restore counts against its bytes in flight).
+    fn held_bytes(&self) -> u64 {
+        self.data_bytes()
+            + self
+                .omap
+                .iter()
+                .map(|(k, v)| 64 + (k.len() + v.len()) as u64)
+                .sum::<u64>()
     }
 
     fn encoded_len(&self) -> u64 {
@@ -1480,11 +1496,26 @@ impl Cursor<'_> {
             end = offset + len;
             state.runs.push((offset, self.take(len as usize)?.to_vec()));
         }
+        // What any layout keeps in an object's omap: at most a key per 512-byte sector, and
+        // the header's records. A record of empty pairs within the file's size limit (tens
+        // of millions of them, gigabytes in memory) is refused before it is held.
         let pairs = self.u32()?;
+        let most = bound / 512 + 1024;
+        if u64::from(pairs) > most {
+            return Err(format!(
+                "{pairs} omap pairs in one object (at most {most} fit)"
+            ));
+        }
         for _ in 0..pairs {
             let klen = self.u32()? as usize;
+            if klen > MAX_OMAP_KEY {
+                return Err(format!("an omap key of {klen} bytes"));
+            }
             let key = self.take(klen)?.to_vec();
             let vlen = self.u32()? as usize;
+            if vlen > MAX_OMAP_VALUE {
+                return Err(format!("an omap value of {vlen} bytes"));
+            }
             let value = self.take(vlen)?.to_vec();
             if key.is_empty() || state.omap.last().is_some_and(|(last, _)| *last >= key) {
                 return Err("omap keys are empty or out of order".into());
@@ -1807,7 +1838,7 @@ where
             }
         };
         let bytes = match &record {
-            Record::Data { state, .. } => state.data_bytes(),
+            Record::Data { state, .. } => state.held_bytes(),
             _ => 0,
         };
         bytes_in_flight += bytes;
@@ -1903,7 +1934,7 @@ async fn restore_full(
             let Record::Data { index, state, .. } = record else {
                 unreachable!("a full backup holds data objects only");
             };
-            let bytes = state.data_bytes();
+            let bytes = state.held_bytes();
             let object = match target_ref.data_object(index) {
                 Ok(o) => o,
                 Err(e) => return (None, bytes, Err(e)),
@@ -2105,7 +2136,7 @@ async fn apply_increment(
                     Record::Removed { index, base } => (index, None, base),
                     _ => unreachable!("header and trailer are not replayed"),
                 };
-                let bytes = new.as_ref().map_or(0, ObjectState::data_bytes);
+                let bytes = new.as_ref().map_or(0, ObjectState::held_bytes);
                 let result = async {
                     let object = target_ref.data_object(index)?;
                     let now = current(store_ref.as_ref(), &object, bound)

@@ -1204,3 +1204,49 @@ async fn half_applied_increments_and_shared_ids_are_refused() {
         .unwrap()
         .is_none());
 }
+
+/// A record whose checksums and file digest are right but which holds more omap pairs than
+/// any layout writes into an object (empty pairs: tens of millions fit a record, gigabytes in
+/// memory) is refused as damaged; it was decoded whole, and restored.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_of_too_many_omap_pairs_is_refused() {
+    use sha2::Digest;
+    let dir = tmp();
+    let (_, good) = sample_backup(dir.path()).await;
+    let starts = record_starts(&good);
+    let (first, trailer) = (starts[1], *starts.last().unwrap());
+    let index = &good[first + 9..first + 17];
+    let mut payload = index.to_vec();
+    payload.extend_from_slice(&0u64.to_le_bytes()); // size
+    payload.extend_from_slice(&0u32.to_le_bytes()); // runs
+    let pairs = 2000u32; // 64 KiB objects: at most 128 + 1024
+    payload.extend_from_slice(&pairs.to_le_bytes());
+    for i in 0..pairs {
+        payload.extend_from_slice(&4u32.to_le_bytes());
+        payload.extend_from_slice(&i.to_be_bytes());
+        payload.extend_from_slice(&0u32.to_le_bytes());
+    }
+    let mut bad = good[..first].to_vec();
+    let mut head = vec![2u8]; // a data record
+    head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head);
+    crc.update(&payload);
+    bad.extend_from_slice(&head);
+    bad.extend_from_slice(&payload);
+    bad.extend_from_slice(&crc.finalize().to_le_bytes());
+    bad.extend_from_slice(&good[starts[2]..trailer]);
+    // The trailer: the record count as it was, the digest of every byte before it.
+    let count = &good[trailer + 9..trailer + 17];
+    let mut payload = count.to_vec();
+    payload.extend_from_slice(&sha2::Sha256::digest(&bad));
+    let mut head = vec![0xFFu8];
+    head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head);
+    crc.update(&payload);
+    bad.extend_from_slice(&head);
+    bad.extend_from_slice(&payload);
+    bad.extend_from_slice(&crc.finalize().to_le_bytes());
+    refused(dir.path(), &bad, "too many omap pairs").await;
+}
