@@ -1226,27 +1226,23 @@ async fn a_record_of_too_many_omap_pairs_is_refused() {
         payload.extend_from_slice(&i.to_be_bytes());
         payload.extend_from_slice(&0u32.to_le_bytes());
     }
+    // kind | length | payload | CRC-32 of the three.
+    let record = |out: &mut Vec<u8>, kind: u8, payload: &[u8]| {
+        let mut head = vec![kind];
+        head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&head);
+        crc.update(payload);
+        out.extend_from_slice(&head);
+        out.extend_from_slice(payload);
+        out.extend_from_slice(&crc.finalize().to_le_bytes());
+    };
     let mut bad = good[..first].to_vec();
-    let mut head = vec![2u8]; // a data record
-    head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&head);
-    crc.update(&payload);
-    bad.extend_from_slice(&head);
-    bad.extend_from_slice(&payload);
-    bad.extend_from_slice(&crc.finalize().to_le_bytes());
+    record(&mut bad, 2, &payload); // a data record
     bad.extend_from_slice(&good[starts[2]..trailer]);
     // The trailer: the record count as it was, the digest of every byte before it.
-    let count = &good[trailer + 9..trailer + 17];
-    let mut payload = count.to_vec();
+    let mut payload = good[trailer + 9..trailer + 17].to_vec();
     payload.extend_from_slice(&sha2::Sha256::digest(&bad));
-    let mut head = vec![0xFFu8];
-    head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&head);
-    crc.update(&payload);
-    bad.extend_from_slice(&head);
-    bad.extend_from_slice(&payload);
-    bad.extend_from_slice(&crc.finalize().to_le_bytes());
+    record(&mut bad, 0xFF, &payload);
     refused(dir.path(), &bad, "too many omap pairs").await;
 }
