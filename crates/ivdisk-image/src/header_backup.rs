@@ -149,32 +149,44 @@ async fn other_image_shown(
     Ok(shown.map(|id| (id, "this store's data objects belong to image id")))
 }
 
-/// Another header object of this store that has image id `backup_id` (parsed, or named in
-/// the JSON areas of one that no longer parses): restoring the backup under this name would
-/// give that image's data objects a second name. Data objects are named by image id only.
+/// Another header object of this store whose JSON areas name image id `backup_id` (whether
+/// or not the header still reads): restoring the backup under this name would give that
+/// image's data objects a second name. Data objects are named by image id only.
+///
+/// Only the start of each header is read (the binary headers and JSON areas of the usual
+/// sizes): a header object is its whole region (16 MiB, read back as zeros where sparse on
+/// RADOS), and a pool may hold many.
 pub(crate) async fn other_header_with_id(
     store: &dyn ObjectStore,
     image: &str,
     object: &ivdisk_store::ObjectName,
     backup_id: &ImageId,
 ) -> Result<Option<ivdisk_store::ObjectName>, ImageError> {
+    const HEAD: u64 = 64 << 10;
     let prefix = header_object_name("");
     let headers = store
         .list(&prefix)
         .await
         .map_err(ImageError::store(image))?;
     for other in headers.into_iter().filter(|o| o != object) {
-        let region = match HeaderRegion::read(store, &other).await {
-            Ok(Some(region)) => region,
+        let op = ivdisk_store::ReadOp::new().step(ivdisk_store::ReadStep::Read {
+            offset: 0,
+            len: HEAD,
+        });
+        let extents = match store.read_op(&other, op).await.map(|mut r| r.pop()) {
+            Ok(Some(ivdisk_store::ReadResult::Extents(extents))) => extents,
             // Gone meanwhile, or unreadable: it names nothing this can see.
-            Ok(None) | Err(_) => continue,
+            _ => continue,
         };
-        let named = match Header::read(&region).map(|h| h.image_params()) {
-            Ok(Ok(Some(params))) => vec![params.image_id],
-            Ok(_) => Vec::new(),
-            Err(_) => ivdisk_header::salvage_image_ids(&region),
-        };
-        if named.contains(backup_id) {
+        let mut head = Vec::new();
+        for extent in extents {
+            let end = extent.offset as usize + extent.data.len();
+            if head.len() < end {
+                head.resize(end, 0);
+            }
+            head[extent.offset as usize..end].copy_from_slice(&extent.data);
+        }
+        if ivdisk_header::salvage_image_ids(&MemoryHeaderIo(head)).contains(backup_id) {
             return Ok(Some(other));
         }
     }
