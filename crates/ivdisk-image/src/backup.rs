@@ -63,7 +63,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::allocation::listed_object_numbers;
-use crate::header_object::HeaderRegion;
+use crate::header_object::{write_unless_header_changed, HeaderRegion};
 use crate::image::{
     data_object_prefix, header_object_name, object_name, parse_header, read_header, Parsed,
     NONCE_KEY,
@@ -2260,35 +2260,22 @@ async fn apply_increment(
             )]
             .into(),
         ));
-        let changed = || ImageError::HeaderChanged {
-            image: image.clone(),
+        let stored = match marked_header {
+            Some(marked) => write_unless_header_changed(
+                store.as_ref(),
+                &target.header_object,
+                &marked,
+                None,
+                &op.steps,
+            )
+            .await
+            .map_err(ImageError::store(&image))?,
+            None => false,
         };
-        // Stored at the version read while the header's bytes are the ones marked (a renewal
-        // between the read and the write moves the version: read again, a few times).
-        let mut stored = false;
-        for _ in 0..8 {
-            let now = HeaderRegion::read(store.as_ref(), &target.header_object)
-                .await
-                .map_err(ImageError::store(&image))?;
-            let version = match now {
-                Some(now) if Some(now.digest()) == marked_header => now.version(),
-                _ => return Err(changed()),
-            };
-            let mut attempt = WriteOp::new().step(WriteStep::AssertVersion(
-                version.expect("a header read from its object has a version"),
-            ));
-            attempt.steps.extend(op.steps.iter().cloned());
-            match store.write_op(&target.header_object, attempt).await {
-                Ok(_) => {
-                    stored = true;
-                    break;
-                }
-                Err(StoreError::VersionMismatch { .. }) => {}
-                Err(e) => return Err(ImageError::store(&image)(e)),
-            }
-        }
         if !stored {
-            return Err(changed());
+            return Err(ImageError::HeaderChanged {
+                image: image.clone(),
+            });
         }
         store.flush().await.map_err(ImageError::store(&image))
     }

@@ -153,6 +153,40 @@ pub(crate) fn header_write_op<'a>(
     op
 }
 
+/// Apply `steps` to the header object at whatever version it has, as long as its bytes are
+/// still those whose digest is `made_from` (the region a change was made from): the object's
+/// version also moves with things that change no header byte, a writer lock's renewal (on
+/// RADOS a write of the lock's xattr, every 10 s) and omap changes. `version`: the version to
+/// try first without reading the region again (the one it was read at). `Ok(false)` when the
+/// header's bytes changed, the object is gone, or its version kept moving.
+pub(crate) async fn write_unless_header_changed(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    made_from: &[u8; 32],
+    mut version: Option<u64>,
+    steps: &[WriteStep],
+) -> Result<bool, StoreError> {
+    for _ in 0..8 {
+        let at = match version.take() {
+            Some(at) => at,
+            None => match HeaderRegion::read(store, object).await? {
+                Some(now) if now.digest() == *made_from => now
+                    .version()
+                    .expect("a region read from its object has a version"),
+                _ => return Ok(false),
+            },
+        };
+        let mut op = WriteOp::new().step(WriteStep::AssertVersion(at));
+        op.steps.extend(steps.iter().cloned());
+        match store.write_op(object, op).await {
+            Ok(_) => return Ok(true),
+            Err(StoreError::VersionMismatch { .. } | StoreError::NotFound { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
 impl HeaderIo for HeaderRegion {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.bytes.read_at(offset, buf)

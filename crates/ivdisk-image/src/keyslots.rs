@@ -25,7 +25,7 @@ use std::sync::Arc;
 use ivdisk_header::{Header, HeaderIo, PbkdfRequest};
 use ivdisk_store::{ObjectName, ObjectStore, StoreError, WriteOp};
 
-use crate::header_object::{header_write_op, HeaderRegion};
+use crate::header_object::{header_write_op, write_unless_header_changed, HeaderRegion};
 use crate::image::{header_object_name, object_name, parse_header, read_header};
 use crate::{Image, ImageError, ImageUri};
 
@@ -90,31 +90,30 @@ impl HeaderChange {
             return Ok(());
         }
         let store = self.uri.open_store(false).await?;
-        let mut version = self.version;
-        // The object's version also moves when nothing of the header does: a writer's lock
-        // renewal (RADOS: every 10 s, a write of the lock's xattr) and `aes-gcm-random`'s
-        // nonce reservations (omap). A change whose key derivations ran past one of those
-        // failed as if another header change had come first. Stored again at the new version
-        // while the header's bytes are the ones it was made from (a few times at most: the
-        // renewals are seconds apart).
-        for _ in 0..8 {
-            let ranges = self.ranges.iter().map(|(o, b)| (*o, b.as_slice()));
-            let op = header_write_op(version, ranges);
-            match store_header_op(store.as_ref(), &self.object, &self.image, op).await {
-                Err(ImageError::HeaderChanged { .. }) if version.is_some() => {}
-                other => return other,
-            }
-            let now = HeaderRegion::read(store.as_ref(), &self.object)
-                .await
-                .map_err(ImageError::store(&self.image))?;
-            match now {
-                Some(now) if now.digest() == self.made_from => version = now.version(),
-                _ => break,
-            }
+        let ranges = self.ranges.iter().map(|(o, b)| (*o, b.as_slice()));
+        if self.version.is_none() {
+            let op = header_write_op(None, ranges);
+            return store_header_op(store.as_ref(), &self.object, &self.image, op).await;
         }
-        Err(ImageError::HeaderChanged {
-            image: self.image.clone(),
-        })
+        // Stored again at a newer version while the header's bytes are the ones the change was
+        // made from: a change whose key derivations ran past a lock renewal or a nonce
+        // reservation failed as if another header change had come first.
+        let steps = header_write_op(None, ranges).steps.split_off(1);
+        let stored = write_unless_header_changed(
+            store.as_ref(),
+            &self.object,
+            &self.made_from,
+            self.version,
+            &steps,
+        )
+        .await
+        .map_err(ImageError::store(&self.image))?;
+        if !stored {
+            return Err(ImageError::HeaderChanged {
+                image: self.image.clone(),
+            });
+        }
+        store.flush().await.map_err(ImageError::store(&self.image))
     }
 }
 

@@ -1020,17 +1020,7 @@ async fn a_rollback_leaves_no_base_for_increments() {
 /// A source of two objects with snapshots a, b (object 0 changed) and c (object 1 changed),
 /// and backup files in `dir`: a.ivdbak (full, at a), ab, bc and ac (increments).
 async fn abc_backups(dir: &Path) -> Arc<dyn ObjectStore> {
-    let source = memory();
-    let options = common::options(
-        2 * OBJECT,
-        Suite::DEFAULT,
-        LayoutKind::ObjectEnd,
-        4096,
-        OBJECT,
-    );
-    let image = Image::create_on(source.clone(), "src", &options, PASS)
-        .await
-        .unwrap();
+    let (source, image) = two_object_image(1).await;
     image
         .write(0, &vec![1u8; 2 * OBJECT as usize])
         .await
