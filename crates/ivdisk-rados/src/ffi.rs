@@ -97,16 +97,24 @@ mod sys {
             snaps: *mut rados_snap_t,
             num_snaps: c_int,
         ) -> c_int;
+        // `void` in librados.h: the submission cannot fail, errors come through the
+        // completion. (Declared returning `c_int`, the garbage in the return register was
+        // read as a refusal now and then: the completion and its payload freed while
+        // librados still wrote into them.)
         pub fn rados_aio_ioctx_selfmanaged_snap_create(
             io: rados_ioctx_t,
             snapid: *mut rados_snap_t,
             completion: rados_completion_t,
-        ) -> c_int;
+        );
+        // `void` in librados.h: the submission cannot fail, errors come through the
+        // completion. (Declared returning `c_int`, the garbage in the return register was
+        // read as a refusal now and then: the completion and its payload freed while
+        // librados still wrote into them.)
         pub fn rados_aio_ioctx_selfmanaged_snap_remove(
             io: rados_ioctx_t,
             snapid: rados_snap_t,
             completion: rados_completion_t,
-        ) -> c_int;
+        );
         pub fn rados_ioctx_selfmanaged_snap_rollback(
             io: rados_ioctx_t,
             oid: *const c_char,
@@ -529,7 +537,8 @@ impl IoCtx {
         let io = self.raw;
         submit(id, move |c| {
             // SAFETY: `out` points into the boxed payload, which lives until the callback.
-            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_create(io, out, c) }
+            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_create(io, out, c) };
+            0
         })
     }
 
@@ -537,7 +546,8 @@ impl IoCtx {
         let io = self.raw;
         submit((), move |c| {
             // SAFETY: valid io context and completion.
-            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_remove(io, snap, c) }
+            unsafe { sys::rados_aio_ioctx_selfmanaged_snap_remove(io, snap, c) };
+            0
         })
     }
 
