@@ -218,7 +218,7 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
     let summary = result.map_err(|e| backup_error(e, &uri))?;
     let mut value = summary_json(&summary);
     value["image"] = json!(uri.to_string());
-    value["file"] = json!(args.file);
+    value["file"] = crate::secrets::json_path(&args.file);
     crate::secrets::print(
         args.json,
         value,
@@ -286,7 +286,7 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     })?;
     let mut value = summary_json(&summary);
     value["image"] = json!(uri.to_string());
-    value["file"] = json!(args.file);
+    value["file"] = crate::secrets::json_path(&args.file);
     crate::secrets::print(
         args.json,
         value,

@@ -15,7 +15,9 @@ use ivdisk_image::{Image, ImageUri, ReplacedHeader};
 use serde_json::json;
 
 use crate::images::flat;
-use crate::secrets::{new_secret, old_secret, print, read_key_file, with_spinner, PbkdfArgs};
+use crate::secrets::{
+    json_path, new_secret, old_secret, print, read_key_file, with_spinner, PbkdfArgs,
+};
 
 /// What IMAGE may be for `header dump`, `header backup` and `header restore`.
 const HEADER_IMAGE_HELP: &str = "A LUKS header file or LUKS volume (a file or block device), or \
@@ -508,7 +510,7 @@ fn backup_image_header(uri: &ImageUri, backup: &Path, json: bool) -> Result<()> 
     let image_id = hex::encode(info.image_id.0);
     print(
         json,
-        json!({"image": uri.to_string(), "backup": backup, "bytes": info.len, "uuid": info.uuid,
+        json!({"image": uri.to_string(), "backup": json_path(backup), "bytes": info.len, "uuid": info.uuid,
                "image_id": image_id, "keyslots": info.keyslots}),
         format!(
             "{} bytes of the header of image {uri} (id {image_id}, LUKS UUID {}) saved to {}",
@@ -575,7 +577,7 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
     };
     print(
         json,
-        json!({"image": uri.to_string(), "backup": backup, "uuid": info.uuid,
+        json!({"image": uri.to_string(), "backup": json_path(backup), "uuid": info.uuid,
                "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced,
                "size": size_after, "old_size": size_before}),
         format!(
@@ -746,7 +748,7 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             };
             print(
                 json,
-                json!({"file": file, "uuid": header.uuid(), "keyslot": 0, "cipher": suite.name()}),
+                json!({"file": json_path(&file), "uuid": header.uuid(), "keyslot": 0, "cipher": suite.name()}),
                 format!(
                     "{}: LUKS2 header {} written, keyslot 0",
                     file.display(),
@@ -791,7 +793,7 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             let len = header.backup(&device, &mut out)?;
             print(
                 json,
-                json!({"image": image, "backup": backup, "bytes": len, "uuid": header.uuid()}),
+                json!({"image": json_path(&image), "backup": json_path(&backup), "bytes": len, "uuid": header.uuid()}),
                 format!(
                     "{} bytes of header {} saved to {}",
                     len,
@@ -819,7 +821,7 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 })?;
             print(
                 json,
-                json!({"image": image, "backup": backup, "uuid": header.uuid()}),
+                json!({"image": json_path(&image), "backup": json_path(&backup), "uuid": header.uuid()}),
                 format!("header {} restored to {}", header.uuid(), image.display()),
             );
         }
@@ -919,7 +921,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let slot = file.add(&key, &secret, new_key_slot, &request)?;
             print(
                 json,
-                json!({"image": image, "keyslot": slot, "keyslots": file.keyslots()}),
+                json!({"image": json_path(&image), "keyslot": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} added"),
             );
         }
@@ -950,7 +952,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             file.remove(slot, force)?;
             print(
                 json,
-                json!({"image": image, "removed": slot, "keyslots": file.keyslots()}),
+                json!({"image": json_path(&image), "removed": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} removed"),
             );
         }
@@ -970,7 +972,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let slot = file.change(&old, &new, key_slot, &request)?;
             print(
                 json,
-                json!({"image": image, "keyslot": slot, "keyslots": file.keyslots()}),
+                json!({"image": json_path(&image), "keyslot": slot, "keyslots": file.keyslots()}),
                 format!("keyslot {slot} now opens with the new passphrase"),
             );
         }
@@ -999,7 +1001,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
                         let reason = format!("{e:#}");
                         outln!(
                             "{}",
-                            json!({"image": image, "keyslot": null, "ok": false, "reason": reason})
+                            json!({"image": json_path(&image), "keyslot": null, "ok": false, "reason": reason})
                         );
                     }
                     return Err(e.context(image.display().to_string()));
@@ -1011,7 +1013,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             };
             print(
                 json,
-                json!({"image": image, "keyslot": slot, "ok": true}),
+                json!({"image": json_path(&image), "keyslot": slot, "ok": true}),
                 text,
             );
         }

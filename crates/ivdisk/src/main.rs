@@ -356,7 +356,6 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
 
 fn main() -> ExitCode {
     // Usage errors exit with clap's 2; everything else that fails exits with 1.
-    let cli = Cli::parse();
     JSON_REQUESTED.store(
         std::env::args_os()
             .skip(1)
@@ -364,6 +363,27 @@ fn main() -> ExitCode {
             .any(|a| a == "--json"),
         std::sync::atomic::Ordering::Relaxed,
     );
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // A usage error keeps the --json promise too (one JSON object on stdout); help
+            // and version are not errors.
+            if e.use_stderr() && JSON_REQUESTED.load(std::sync::atomic::Ordering::Relaxed) {
+                let text = e.kind().as_str().map_or_else(
+                    || "invalid command line".to_owned(),
+                    |kind| format!("invalid command line: {kind}"),
+                );
+                let text = e
+                    .render()
+                    .to_string()
+                    .lines()
+                    .find_map(|l| l.strip_prefix("error: ").map(str::to_owned))
+                    .unwrap_or(text);
+                outln!("{}", serde_json::json!({"ok": false, "error": text}));
+            }
+            e.exit()
+        }
+    };
     // Without IVDISK_LOG: warnings and errors. Sectors that fail authentication are logged
     // where a server runs; the other commands report them in their result (an export's error
     // names the first one, verify lists them all), not a second time as log lines.

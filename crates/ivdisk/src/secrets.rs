@@ -307,6 +307,12 @@ pub fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
 }
 
 /// Print `value` as one line of JSON, or `text`.
+/// A path as a JSON string. serde refuses paths that are not UTF-8 (a panic in `json!`, after
+/// the command's work was done); the bytes that are not UTF-8 show as U+FFFD, as `display` does.
+pub fn json_path(path: &std::path::Path) -> serde_json::Value {
+    serde_json::Value::String(path.to_string_lossy().into_owned())
+}
+
 pub fn print(json: bool, value: serde_json::Value, text: String) {
     if json {
         outln!("{value}");

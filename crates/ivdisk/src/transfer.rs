@@ -33,7 +33,7 @@ use crate::images::{
     flat, human_size, image_at, info_at, parse_image_at, parse_uri, refuse_existing, FormatArgs,
     IMAGE_HELP,
 };
-use crate::secrets::{with_spinner, PassphraseArgs};
+use crate::secrets::{json_path, with_spinner, PassphraseArgs};
 
 /// Chunks in flight at once.
 pub(crate) const IN_FLIGHT: usize = 8;
@@ -246,7 +246,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     let seconds = started.elapsed().as_secs_f64();
     crate::secrets::print(
         args.json,
-        json!({"image": uri.to_string(), "file": args.file, "size": size, "bytes": bytes,
+        json!({"image": uri.to_string(), "file": json_path(&args.file), "size": size, "bytes": bytes,
                "bytes_written": written, "seconds": seconds, "cipher": suite.name(),
                "layout": layout.name(), "sector_size": sector_size}),
         format!(
@@ -495,6 +495,28 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 args.file.display()
             );
         }
+        // Over its own source, a LUKS file (or a file of the local store) would be replaced by
+        // the plaintext: the keyslots and the ciphertext gone, the data unencrypted on disk.
+        if let ImageUri::Local { dir } = &uri {
+            let (source, output) = (
+                std::fs::canonicalize(dir),
+                std::fs::canonicalize(&args.file),
+            );
+            if let (Ok(source), Ok(output)) = (source, output) {
+                if output.starts_with(&source) {
+                    bail!(
+                        "{} is image {shown} itself{}: export writes the plaintext, which would \
+                         replace the encrypted data; name another file",
+                        args.file.display(),
+                        if output == source {
+                            ""
+                        } else {
+                            " (a file of its store)"
+                        }
+                    );
+                }
+            }
+        }
         replacing = true;
     }
     if to_stdout {
@@ -593,7 +615,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     };
     let seconds = started.elapsed().as_secs_f64();
     let report = if args.json {
-        json!({"image": uri.to_string(), "snapshot": snapshot, "file": args.file, "size": size,
+        json!({"image": uri.to_string(), "snapshot": snapshot, "file": json_path(&args.file), "size": size,
                "bytes_written": written, "seconds": seconds, "sparse": !to_stdout})
         .to_string()
     } else {

@@ -164,7 +164,21 @@ fn a_layout_that_does_not_fit_the_suite_is_refused_before_anything_is_made() {
         args.extend(bad);
         let out = ivdisk(&args);
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(out.stdout.is_empty(), "{bad:?}");
+        // With --json, the usage error is a JSON object on stdout too, as every other failure.
+        args.push("--json");
+        let out = ivdisk(&args);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{bad:?}: {e}: {}", String::from_utf8_lossy(&out.stdout)));
+        assert_eq!(report["ok"], false);
+        let error = report["error"].as_str().unwrap();
+        assert!(error.contains(bad[0]), "{bad:?}: {error}");
     }
+    // --help with --json is not an error: no JSON object.
+    let out = ivdisk(&["create", "--help", "--json"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
     // Checked by ivdisk before the passphrase is asked for: exit code 1.
     let err = fails(&["create", p(&image), "--size", "64M", "--object-size", "3M"]);
     assert!(err.contains("power of two"), "{err}");

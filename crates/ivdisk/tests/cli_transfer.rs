@@ -1187,3 +1187,119 @@ fn an_interrupted_export_leaves_no_file_and_data_on_stdout_gets_no_json() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("passphrase"));
 }
+
+/// File names that are not UTF-8 (Linux allows any bytes but `/` and NUL): `import`, `export
+/// --json` and `header backup --json` finish and report. Before, the JSON summary (built by
+/// serde, which refuses such paths) panicked with exit code 101 after the work was done, so a
+/// script saw a failure for an import that had happened.
+#[test]
+fn file_names_that_are_not_utf8_are_reported_not_panicked_on() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let f = Fixture::new();
+    let disk = random(100_000, 3);
+    let raw = f.dir.path().join(OsStr::from_bytes(b"disk\xff.raw"));
+    std::fs::write(&raw, &disk).unwrap();
+    let image = f.path("image");
+    let run = |args: &[&OsStr]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "ivdisk {args:?}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let os = |s: &'static str| OsStr::new(s);
+    let mut args = vec![os("import"), raw.as_os_str(), image.as_os_str()];
+    args.extend([os("--passphrase-file"), f.pw.as_os_str()]);
+    args.extend(FAST.map(OsStr::new));
+    let text = run(&args);
+    assert!(text.contains("disk\u{fffd}.raw"), "{text}");
+
+    let out = f.dir.path().join(OsStr::from_bytes(b"out\xfe.raw"));
+    let mut args = vec![os("export"), image.as_os_str(), out.as_os_str()];
+    args.extend([os("--passphrase-file"), f.pw.as_os_str(), os("--json")]);
+    let report: Value = serde_json::from_str(&run(&args)).unwrap();
+    assert!(report["file"]
+        .as_str()
+        .unwrap()
+        .ends_with("/out\u{fffd}.raw"));
+    assert!(std::fs::read(&out).unwrap()[..disk.len()] == disk[..]);
+
+    let backup = f.dir.path().join(OsStr::from_bytes(b"header\xfd.bak"));
+    let args = [
+        os("header"),
+        os("backup"),
+        image.as_os_str(),
+        backup.as_os_str(),
+        os("--json"),
+    ];
+    let report: Value = serde_json::from_str(&run(&args)).unwrap();
+    assert!(report["backup"]
+        .as_str()
+        .unwrap()
+        .ends_with("/header\u{fffd}.bak"));
+}
+
+/// `export --force` onto its own source: refused, the LUKS volume left as it was. Before, the
+/// plaintext was written beside it and renamed over it: keyslots and ciphertext gone, the
+/// data unencrypted on disk. A file inside a local image's store directory is refused too.
+#[test]
+fn export_over_its_own_source_is_refused() {
+    let f = Fixture::new();
+    let key = f.file("vol.key", b"the volume's passphrase");
+    let volume = cryptsetup_luks2_file(&f, &key);
+    let before = std::fs::read(&volume).unwrap();
+    let args = [
+        "export",
+        p(&volume),
+        p(&volume),
+        "--force",
+        "--key-file",
+        p(&key),
+    ];
+    let err = fails(&args);
+    assert!(err.contains("itself"), "{err}");
+    assert!(
+        std::fs::read(&volume).unwrap() == before,
+        "the volume changed"
+    );
+
+    let image = f.path("image");
+    let mut args = vec![
+        "create",
+        p(&image),
+        "--size",
+        "1M",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    args.extend(FAST);
+    ok(&args);
+    let inside = std::fs::read_dir(&image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_file())
+        .unwrap();
+    let before = std::fs::read(&inside).unwrap();
+    let args = [
+        "export",
+        p(&image),
+        p(&inside),
+        "--force",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    let err = fails(&args);
+    assert!(err.contains("a file of its store"), "{err}");
+    assert!(
+        std::fs::read(&inside).unwrap() == before,
+        "{inside:?} changed"
+    );
+}
