@@ -191,6 +191,15 @@ FUZZ_BUILD_PID=$!
 log "cargo fmt --check"
 cargo fmt --all -- --check
 
+# A message split over lines needs a `\` at each line's end; without it the next line's
+# indentation becomes part of the text ("of another                  device"). rustfmt
+# leaves string literals alone, so this is checked here: a run of 8+ spaces inside a string
+# literal, between a word and the next.
+log "string literals: no line continuation lost"
+if grep -rnP '"[^"\n]*[^\s"] {8,}[A-Za-z(`{][^"\n]*"' --include='*.rs' crates; then
+  die "the string literals above hold a run of spaces: a line continuation (\\) lost?"
+fi
+
 # Clippy's lints run inside the test build: `linted_cargo` compiles the workspace's own crates
 # with clippy-driver, as `cargo clippy` does (RUSTC_WORKSPACE_WRAPPER, and CLIPPY_ARGS for its
 # `-- -D warnings`), but with code generation, so each crate is type-checked and linted once.

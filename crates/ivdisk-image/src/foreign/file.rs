@@ -428,7 +428,8 @@ impl ObjectStore for LuksFileStore {
             return Err(self.io("reading")(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!(
-                    "the file is {file_len} bytes now, but its data area ends at byte {} (was                      it cut short while open?)",
+                    "the file is {file_len} bytes now, but its data area ends at byte {} (was \
+                     it cut short while open?)",
                     self.data_end
                 ),
             )));

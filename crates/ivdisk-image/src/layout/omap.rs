@@ -119,7 +119,9 @@ impl SectorLayout for Omap {
             let asked = (count - step * MAX_KEYS_PER_STEP).min(MAX_KEYS_PER_STEP) as usize;
             if more && pairs.len() < asked {
                 return Err(format!(
-                    "the store listed {} of up to {asked} metadata keys in one read and has more:                      the `omap` layout reads up to {MAX_KEYS_PER_STEP} keys at once (on Ceph, set                      `osd_max_omap_entries_per_request` to at least {MAX_KEYS_PER_STEP})",
+                    "the store listed {} of up to {asked} metadata keys in one read and has more: \
+                     the `omap` layout reads up to {MAX_KEYS_PER_STEP} keys at once (on Ceph, set \
+                     `osd_max_omap_entries_per_request` to at least {MAX_KEYS_PER_STEP})",
                     pairs.len()
                 ));
             }
