@@ -194,21 +194,24 @@ const RENEWAL_POLL: Duration = Duration::from_millis(50);
 /// for good when another client holds it or held it, or when it is gone although it cannot
 /// have expired (broken by `ivdisk lock break`).
 fn renew_until_stopped(
-    store: &dyn ObjectStore,
-    object: &ObjectName,
-    request: LockRequest,
+    (store, object, request, sent): (&dyn ObjectStore, &ObjectName, LockRequest, Instant),
     image: &str,
     record: HolderRecord,
     stopped: mpsc::Receiver<()>,
     mut set_refused: impl FnMut(Option<String>),
 ) {
     let duration = request.duration.unwrap_or(DEFAULT_LOCK_DURATION);
-    let mut last_sent_ok = Instant::now();
+    // When the lock was last sent and found held: it was taken (or renewed) before this
+    // thread started, maybe a while before.
+    let mut last_sent_ok = sent;
+    // Renewals go out a third of `duration` after the last one that succeeded was sent, not
+    // after it came back: one that came back late is followed by the next at once.
+    let mut next = last_sent_ok + duration / 3;
     let mut refused = false;
     // Taken again after it expired, and not yet seen to be still ours.
     let mut retaken = false;
     loop {
-        match stopped.recv_timeout(duration / 3) {
+        match stopped.recv_timeout(next.saturating_duration_since(Instant::now())) {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             _ => return,
         }
@@ -290,10 +293,23 @@ fn renew_until_stopped(
         match renewed {
             Ok(()) => {
                 last_sent_ok = sent;
-                if refused && stopped.try_recv() != Err(mpsc::TryRecvError::Disconnected) {
+                next = sent + duration / 3;
+                // A renewal that came back after writes were refused resumes them only if it
+                // was sent recently enough that the lock outlives the next two thirds of a
+                // duration; otherwise the next one goes out at once.
+                let in_time = sent.elapsed() < duration * 2 / 3;
+                if refused && in_time && stopped.try_recv() != Err(mpsc::TryRecvError::Disconnected)
+                {
                     tracing::warn!(image, "the writer lock is renewed again; writes resume");
                     refused = false;
                     set_refused(None);
+                } else if !in_time && !refused {
+                    refused = true;
+                    set_refused(Some(format!(
+                        "the last renewal of the writer lock took {:.0?}; writes resume once one \
+                         comes back in time",
+                        sent.elapsed()
+                    )));
                 }
             }
             Err(
@@ -306,6 +322,7 @@ fn renew_until_stopped(
                 return;
             }
             Err(e) if Instant::now() >= last_sent_ok + duration * 2 / 3 => {
+                next = Instant::now() + duration / 3;
                 if !refused {
                     tracing::error!(image, error = %e, "renewing the writer lock failed; writes are refused until it is renewed");
                     refused = true;
@@ -316,6 +333,9 @@ fn renew_until_stopped(
                 )));
             }
             Err(e) => {
+                // Again by the time writes would have to stop without a renewal, so that a
+                // call is out (and refuses them if it hangs) when that time comes.
+                next = (Instant::now() + duration / 3).min(last_sent_ok + duration * 2 / 3);
                 tracing::warn!(image, error = %e, "renewing the writer lock failed; trying again")
             }
         }
@@ -475,10 +495,15 @@ impl WriterLock {
             duration: Some(duration),
             renew: false,
         };
+        // When the lock was last sent (taken or renewed): the steps below can take longer
+        // than the lock lives (fencing waits up to the monitors' timeout), and writes may go
+        // on only two thirds of `duration` past it.
+        let mut sent = Instant::now();
         let mut taken = store.lock_exclusive(&object, request.clone()).await;
         if matches!(taken, Err(StoreError::Busy { .. })) && record == HolderRecord::Keep {
             if let Ok(Some(locker)) = holder(store.as_ref(), &object).await {
                 if take_over_if_silent(store.as_ref(), &object, &locker, image).await {
+                    sent = Instant::now();
                     taken = store.lock_exclusive(&object, request.clone()).await;
                 }
             }
@@ -496,6 +521,67 @@ impl WriterLock {
             }
             Err(e) => return Err(ImageError::store(image)(e)),
         }
+        // Past this point the lock is held: an open that fails gives it back (before, a
+        // failed flush or thread start left it to its expiry, refusing the next opener).
+        let held =
+            Self::after_taking(store.clone(), object.clone(), image, request, record, sent).await;
+        if held.is_err() {
+            let _ = store.unlock(&object, WRITER_LOCK, &cookie).await;
+        }
+        held
+    }
+
+    /// Renew the lock now if a third of its duration passed since it was last `sent`, so
+    /// that the renewal thread starts on a lock known to be held (the thread's first renewal
+    /// comes a third of the duration after it starts); a lock lost meanwhile fails the open.
+    async fn renew_if_late(
+        store: &dyn ObjectStore,
+        object: &ObjectName,
+        image: &str,
+        request: &LockRequest,
+        sent: &mut Instant,
+    ) -> Result<(), ImageError> {
+        let duration = request.duration.unwrap_or(DEFAULT_LOCK_DURATION);
+        if sent.elapsed() < duration / 3 {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let renew = LockRequest {
+            renew: true,
+            ..request.clone()
+        };
+        match store.lock_exclusive(object, renew).await {
+            Ok(()) if now.elapsed() < duration * 2 / 3 => {
+                *sent = now;
+                Ok(())
+            }
+            Ok(()) => Err(ImageError::LockLost {
+                image: image.to_owned(),
+                reason: "renewing the writer lock while opening took longer than the lock may \
+                         be trusted; try again"
+                    .into(),
+            }),
+            Err(e) => Err(ImageError::LockLost {
+                image: image.to_owned(),
+                reason: format!(
+                    "opening took {:.0?}, longer than the writer lock lives ({duration:?}), and \
+                     it could not be renewed: {e}; try again",
+                    sent.elapsed()
+                ),
+            }),
+        }
+    }
+
+    /// The rest of [`WriterLock::acquire`] once the lock is taken (at `sent`).
+    async fn after_taking(
+        store: Arc<dyn ObjectStore>,
+        object: ObjectName,
+        image: &str,
+        request: LockRequest,
+        record: HolderRecord,
+        mut sent: Instant,
+    ) -> Result<WriterLock, ImageError> {
+        let cookie = request.cookie.clone();
         let mut record = record;
         let mut watch = None;
         if record == HolderRecord::Keep {
@@ -511,7 +597,8 @@ impl WriterLock {
                 Err(e) => tracing::warn!(
                     image,
                     error = %e,
-                    "cannot watch the image's header: a writer that finds this one's lock will                      wait for its expiry"
+                    "cannot watch the image's header: a writer that finds this one's lock will \
+                     wait for its expiry"
                 ),
             }
             // Where this writer runs, as the store lists it (the address the next writer
@@ -525,6 +612,9 @@ impl WriterLock {
                     .and_then(|l| l.address.map(|address| format!("{} {address}", l.client))),
                 false => None,
             };
+            // Not over another writer's record: a lock that expired during the fencing may
+            // have been taken by another writer, who recorded itself.
+            Self::renew_if_late(store.as_ref(), &object, image, &request, &mut sent).await?;
             let mut op = WriteOp::new()
                 .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
             op = match own {
@@ -537,10 +627,7 @@ impl WriterLock {
                 Ok(_) => {}
                 // A store without omap (a LUKS file): no record, no taking it again.
                 Err(StoreError::InvalidOperation { .. }) => record = HolderRecord::None,
-                Err(e) => {
-                    let _ = store.unlock(&object, WRITER_LOCK, &cookie).await;
-                    return Err(ImageError::store(image)(e));
-                }
+                Err(e) => return Err(ImageError::store(image)(e)),
             }
         }
         // Make the lock (and the record) durable now, so a holder that crashes right after
@@ -558,6 +645,7 @@ impl WriterLock {
                 e => e,
             })
         })?;
+        Self::renew_if_late(store.as_ref(), &object, image, &request, &mut sent).await?;
         let lost = Arc::new(Mutex::new(None));
         let healthy = Arc::new(AtomicBool::new(true));
         let (stop, stopped) = mpsc::channel::<()>();
@@ -574,7 +662,8 @@ impl WriterLock {
             std::thread::Builder::new()
                 .name("ivdisk-lock-renew".into())
                 .spawn(move || {
-                    renew_until_stopped(&*store, &object, request, &name, record, stopped, |why| {
+                    let lock = (&*store, &object, request, sent);
+                    renew_until_stopped(lock, &name, record, stopped, |why| {
                         // `Some`: writes refused, and why; `None`: held again.
                         *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
                         healthy.store(why.is_none(), Ordering::Release);

@@ -889,6 +889,14 @@ struct AwayForLocks {
     read_held: std::sync::atomic::AtomicBool,
     /// While set, lock renewals wait (a call that does not come back, where `away` fails).
     hang_renewals: std::sync::atomic::AtomicBool,
+    /// Set: fencing takes this long, then is refused (monitors that do not answer).
+    slow_fence: std::sync::Mutex<Option<Duration>>,
+    /// Set: the next renewal is applied, and its answer comes back this much later.
+    late_renewal_reply: std::sync::Mutex<Option<Duration>>,
+    /// When the late renewal was applied.
+    late_renewal_applied: std::sync::Mutex<Option<Instant>>,
+    /// Set: the next flush fails.
+    fail_next_flush: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -934,6 +942,15 @@ impl ObjectStore for AwayForLocks {
         while request.renew && self.hang_renewals.load(std::sync::atomic::Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(20));
         }
+        if request.renew {
+            let late = self.late_renewal_reply.lock().unwrap().take();
+            if let Some(late) = late {
+                let renewed = self.inner.lock_exclusive(object, request).await;
+                *self.late_renewal_applied.lock().unwrap() = Some(Instant::now());
+                std::thread::sleep(late);
+                return renewed;
+            }
+        }
         if self.away.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(ivdisk_store::StoreError::Io {
                 context: "locking: the store is away (test)".into(),
@@ -967,7 +984,33 @@ impl ObjectStore for AwayForLocks {
         self.inner.break_lock(object, lock, client, cookie).await
     }
     async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+        if self
+            .fail_next_flush
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(ivdisk_store::StoreError::Io {
+                context: "flushing (test)".into(),
+                source: std::io::ErrorKind::Other.into(),
+            });
+        }
         self.inner.flush().await
+    }
+    async fn fence_client(
+        &self,
+        _client: &str,
+        _address: &str,
+    ) -> Result<bool, ivdisk_store::StoreError> {
+        let slow = *self.slow_fence.lock().unwrap();
+        match slow {
+            Some(slow) => {
+                tokio::time::sleep(slow).await;
+                Err(ivdisk_store::StoreError::CannotFence {
+                    holder: "client.dead".into(),
+                    reason: "the monitors do not answer (test)".into(),
+                })
+            }
+            None => Ok(false),
+        }
     }
     fn client_id(&self) -> &str {
         self.inner.client_id()
@@ -1006,6 +1049,10 @@ async fn away_store_and_writer(
         hold_next_read: false.into(),
         read_held: false.into(),
         hang_renewals: false.into(),
+        slow_fence: None.into(),
+        late_renewal_reply: None.into(),
+        late_renewal_applied: None.into(),
+        fail_next_flush: false.into(),
     });
     Image::create_on(store.clone(), "away", &opts(MIB), PASS)
         .await
@@ -1049,6 +1096,100 @@ async fn writes_stop_while_a_renewal_hangs_past_the_locks_life() {
     }
     wait_for_writes_back(&writer, SHORT_LOCK * 3).await;
     writer.close().await.unwrap();
+}
+
+/// An open whose fencing of an unclosed writer takes longer than the lock lives (monitors
+/// that do not answer: RADOS waits 30 s, the lock lives 30 s) fails and gives the lock back.
+/// Before, it went on with a lock that had expired meanwhile: it wrote its holder record over
+/// the record of a writer that had taken the lock, and wrote for up to a third of a duration
+/// beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_that_outlives_its_lock_fails_and_gives_it_back() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+    writer.close().await.unwrap();
+    let header = ObjectName::new(header_object_name("away")).unwrap();
+    let unclosed = vec![(
+        b"ivdisk.last_writer_client".to_vec(),
+        b"client.dead 10.0.0.9:0/1".to_vec(),
+    )];
+    let op = ivdisk_store::WriteOp::new().omap_set(unclosed);
+    store.inner.write_op(&header, op).await.unwrap();
+    *store.slow_fence.lock().unwrap() = Some(SHORT_LOCK + SHORT_LOCK / 5);
+    let short = OpenOptions {
+        lock_duration: SHORT_LOCK,
+        ..OpenOptions::default()
+    };
+    let err = Image::open_on(store.clone(), "away", PASS, &short)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ImageError::LockLost { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("longer than the writer lock lives"),
+        "{err}"
+    );
+    assert_eq!(lock_client(store.as_ref()).await, None);
+    // Fencing that answers in time: the open goes through.
+    *store.slow_fence.lock().unwrap() = Some(SHORT_LOCK / 10);
+    let image = Image::open_on(store.clone(), "away", PASS, &short)
+        .await
+        .unwrap();
+    image.write(0, b"after").await.unwrap();
+    image.close().await.unwrap();
+}
+
+/// A renewal the store applied but answered late (after two thirds of the lock's duration:
+/// a network that delays replies) keeps writes refused until a renewal comes back in time;
+/// the next goes out at once. Before, the late answer resumed writes, and the next renewal
+/// came a third of a duration later, past the lock's expiry: a second writer could take the
+/// lock while the first still wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_answered_late_does_not_let_writes_outlive_the_lock() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+    *store.late_renewal_reply.lock().unwrap() = Some(SHORT_LOCK * 4 / 5);
+    let started = Instant::now();
+    let applied = loop {
+        if let Some(at) = *store.late_renewal_applied.lock().unwrap() {
+            break at;
+        }
+        assert!(started.elapsed() < SHORT_LOCK * 2, "no renewal");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    tokio::time::sleep_until((applied + SHORT_LOCK + SHORT_LOCK / 20).into()).await;
+    let other = std::sync::Arc::new(memory.another_client());
+    let second = Image::open_on(other, "away", PASS, &OpenOptions::default()).await;
+    let first = writer.write(0, b"the first writer").await;
+    assert!(
+        !(second.is_ok() && first.is_ok()),
+        "two writers: the first still writes while the second holds the lock"
+    );
+    if let Ok(second) = second {
+        second.close().await.unwrap();
+    }
+    let _ = writer.close().await;
+}
+
+/// An open that fails after it took the lock (its first flush fails) gives the lock back: the
+/// next open goes through at once. Before, the lock stayed until it expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_that_fails_after_taking_the_lock_gives_it_back() {
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer(&memory).await;
+    writer.close().await.unwrap();
+    store
+        .fail_next_flush
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = Image::open_on(store.clone(), "away", PASS, &OpenOptions::default())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("flushing (test)"), "{err}");
+    assert_eq!(lock_client(store.as_ref()).await, None);
+    let image = Image::open_on(store.clone(), "away", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    image.close().await.unwrap();
 }
 
 /// Open the image "away" for writing through `store` as soon as its writer lock has expired.

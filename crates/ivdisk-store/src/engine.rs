@@ -844,12 +844,30 @@ fn transient(e: &rusqlite::Error) -> bool {
     }
 }
 
+/// Milliseconds since the epoch for lock expiry: the wall clock read once per process, then
+/// advanced by the monotonic clock. A wall clock stepped forward (NTP after boot, a restored
+/// VM) made the writer's own lock look expired at its next renewal, which then failed with
+/// `NotLocked` and every write after it with "lock lost" until a reopen; stepped back, it
+/// stretched every lock. Expiries stored in the database stay comparable across processes:
+/// each anchors on the same wall clock.
 fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    static ANCHOR: std::sync::OnceLock<(i64, Instant)> = std::sync::OnceLock::new();
+    let (wall, at) = *ANCHOR.get_or_init(|| (wall_ms(), Instant::now()));
+    wall.saturating_add(at.elapsed().as_millis() as i64)
 }
+
+/// The wall clock in milliseconds since the epoch (0 before it).
+fn wall_ms() -> i64 {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH);
+    let ms = now.map(|d| d.as_millis() as i64).unwrap_or(0);
+    #[cfg(test)]
+    let ms = ms + WALL_CLOCK_STEP_MS.load(std::sync::atomic::Ordering::Relaxed);
+    ms
+}
+
+/// Tests step the wall clock by this much.
+#[cfg(test)]
+static WALL_CLOCK_STEP_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 
 /// Every error `op` would meet on an object whose head is `head`, found before anything
 /// changes: the same errors, for the same first failing step, as applying it step by step.
@@ -4798,6 +4816,40 @@ mod tests {
             .db
             .query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
             .unwrap()
+    }
+
+    /// The wall clock stepped forward while a writer holds its lock (NTP stepping after
+    /// boot, a restored VM): the next renewal keeps the lock. Before, the lock's expiry was
+    /// judged by the wall clock, so the renewal found it expired and purged, failed with
+    /// `NotLocked`, and the image refused every write until it was reopened.
+    #[tokio::test]
+    async fn a_wall_clock_stepped_forward_does_not_expire_a_held_lock() {
+        use crate::{ObjectStore, ObjectStoreExt};
+        let store = crate::MemoryStore::new().unwrap();
+        let object = ObjectName::new("header").unwrap();
+        store.write(&object, 0, b"h").await.unwrap();
+        let request = LockRequest {
+            name: "writer".into(),
+            cookie: "c1".into(),
+            description: "d".into(),
+            duration: Some(Duration::from_secs(3)),
+            renew: false,
+        };
+        store
+            .lock_exclusive(&object, request.clone())
+            .await
+            .unwrap();
+        let step = 60_000;
+        WALL_CLOCK_STEP_MS.fetch_add(step, std::sync::atomic::Ordering::Relaxed);
+        let renew = LockRequest {
+            renew: true,
+            ..request
+        };
+        let renewed = store.lock_exclusive(&object, renew).await;
+        let lockers = store.list_lockers(&object, "writer").await;
+        WALL_CLOCK_STEP_MS.fetch_sub(step, std::sync::atomic::Ordering::Relaxed);
+        renewed.unwrap();
+        assert_eq!(lockers.unwrap().len(), 1);
     }
 
     #[test]
