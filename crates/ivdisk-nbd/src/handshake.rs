@@ -486,7 +486,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<'_, S> {
             queries.is_empty() || queries.iter().any(|q| q == "base:" || q == BASE_ALLOCATION)
         };
         if selected {
-            let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+            // A listing names contexts without selecting them: its id is reserved, zero.
+            let id = match option {
+                OPT_SET_META_CONTEXT => BASE_ALLOCATION_ID,
+                _ => 0,
+            };
+            let mut payload = id.to_be_bytes().to_vec();
             payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
             self.reply(option, REP_META_CONTEXT, &payload).await?;
             if option == OPT_SET_META_CONTEXT {

@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use ivdisk_rbd::{RbdError, RbdImage};
 
 use crate::device::{BlockDevice, DeviceError, DeviceErrorKind};
+use crate::handshake::MAX_PAYLOAD;
 
 fn device_error(error: RbdError) -> DeviceError {
     let kind = match &error {
@@ -22,6 +23,33 @@ fn device_error(error: RbdError) -> DeviceError {
         },
     };
     DeviceError::new(kind, error.to_string())
+}
+
+/// librbd's write-zeroes, in pieces of at most [`MAX_PAYLOAD`] one after another where it
+/// writes data (not [`BlockDevice::fast_zero`]: under LUKS its crypto layer writes every
+/// object of the range as encrypted zeros, all of them at once). The server charges such a
+/// request like a write of at most that many bytes; whole, a 4 GiB trim held 4 GiB of
+/// buffers in librbd at once, and a client could send thousands.
+async fn zero_in_pieces(
+    image: &RbdImage,
+    offset: u64,
+    len: u64,
+    may_unmap: bool,
+) -> Result<(), DeviceError> {
+    let piece = match image.fast_zero(may_unmap) {
+        true => len.max(1),
+        false => u64::from(MAX_PAYLOAD),
+    };
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let n = piece.min(end - at);
+        RbdImage::write_zeroes(image, at, n, may_unmap)
+            .await
+            .map_err(device_error)?;
+        at += n;
+    }
+    Ok(())
 }
 
 #[async_trait]
@@ -62,9 +90,7 @@ impl BlockDevice for RbdImage {
         // The trait promises that a discarded range reads as zeros; librbd's discard skips
         // ranges below its discard granularity (they keep their data), its write-zeroes does
         // not, and deallocates whole objects just the same.
-        RbdImage::write_zeroes(self, offset, len, true)
-            .await
-            .map_err(device_error)
+        zero_in_pieces(self, offset, len, true).await
     }
 
     async fn write_zeroes(
@@ -73,9 +99,7 @@ impl BlockDevice for RbdImage {
         len: u64,
         may_unmap: bool,
     ) -> Result<(), DeviceError> {
-        RbdImage::write_zeroes(self, offset, len, may_unmap)
-            .await
-            .map_err(device_error)
+        zero_in_pieces(self, offset, len, may_unmap).await
     }
 
     fn fast_zero(&self, may_unmap: bool) -> bool {

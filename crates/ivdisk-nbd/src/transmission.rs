@@ -30,6 +30,10 @@ const UNIT_BYTES: u32 = 64 * 1024;
 /// each, measured), and 256 connections could ask for 64 GiB. Clients that do not read then
 /// stall the others once they hold it all, which memory running out would not spare either.
 pub(crate) const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
+/// The most one block-status reply covers, and the most descriptors it holds (the protocol
+/// asks for no more than 2^20).
+const BLOCK_STATUS_SPAN: u64 = 1 << 30;
+const BLOCK_STATUS_EXTENTS: usize = 1 << 16;
 /// After shutdown, how long replies already computed wait for a client that does not read.
 const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -41,7 +45,9 @@ const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 fn cost(request: &Request, writes_data: bool) -> u32 {
     match request.command {
         CMD_READ | CMD_WRITE => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
-        CMD_WRITE_ZEROES if writes_data => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
+        CMD_WRITE_ZEROES | CMD_TRIM if writes_data => {
+            1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES
+        }
         _ => 1,
     }
 }
@@ -139,10 +145,15 @@ where
         // Waiting for budget (a client that does not read its replies) and for a write's
         // payload (a client stalled mid-request) both give way to shutdown: such a request
         // was never fully received, so it is dropped unanswered.
-        let zeroes_write_data = request.command == CMD_WRITE_ZEROES
-            && !context
+        // A trim is a write-zeroes that may unmap: where that writes data (librbd under
+        // LUKS encrypts zeros), it holds buffers as a write does.
+        let zeroes_write_data = match request.command {
+            CMD_WRITE_ZEROES => !context
                 .device
-                .fast_zero(request.flags & CMD_FLAG_NO_HOLE == 0);
+                .fast_zero(request.flags & CMD_FLAG_NO_HOLE == 0),
+            CMD_TRIM => !context.device.fast_zero(true),
+            _ => false,
+        };
         let cost = cost(&request, zeroes_write_data);
         let permit = tokio::select! {
             biased;
@@ -756,10 +767,16 @@ impl Context {
                     return Err(refuse(DeviceErrorKind::Invalid, "block status of 0 bytes"));
                 }
                 self.check_range(request)?;
-                let mut extents = device
-                    .allocation(request.offset, request.length as u64)
-                    .await?;
+                // A reply may cover less than asked (the client asks again for the rest):
+                // the device is asked about at most `BLOCK_STATUS_SPAN` bytes, and at most
+                // `BLOCK_STATUS_EXTENTS` descriptors are sent. A request of nearly 4 GiB on
+                // an image of 4 KiB objects, alternately written, made the device look at a
+                // million objects and the server hold tens of megabytes per request, for one
+                // unit of budget.
+                let span = (request.length as u64).min(BLOCK_STATUS_SPAN);
+                let mut extents = device.allocation(request.offset, span).await?;
                 extents.retain(|e| e.len > 0);
+                extents.truncate(BLOCK_STATUS_EXTENTS);
                 if request.flags & CMD_FLAG_REQ_ONE != 0 {
                     extents.truncate(1);
                 }

@@ -431,6 +431,19 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// A block-status chunk's descriptors (after its context id): (length, flags).
+fn descriptors(payload: &[u8]) -> Vec<(u32, u32)> {
+    payload[4..]
+        .chunks(8)
+        .map(|d| {
+            (
+                u32::from_be_bytes(d[0..4].try_into().unwrap()),
+                u32::from_be_bytes(d[4..8].try_into().unwrap()),
+            )
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn negotiation_lists_informs_and_refuses_unknown_things() {
     let server = Server::start(MemoryDevice::new(false)).await;
@@ -497,6 +510,21 @@ async fn negotiation_lists_informs_and_refuses_unknown_things() {
 
     // "" names the default export.
     client.structured().await;
+    // Listing metadata contexts (no query: all) names base:allocation with the reserved id
+    // zero; only setting one gives it an id.
+    client
+        .option(
+            OPT_LIST_META_CONTEXT,
+            &Client::name_request("disk", &0u32.to_be_bytes()),
+        )
+        .await;
+    let replies = client.option_replies().await;
+    assert_eq!(replies[0].kind, REP_META_CONTEXT);
+    assert_eq!(&replies[0].data[..4], &[0, 0, 0, 0]);
+    assert_eq!(&replies[0].data[4..], BASE_ALLOCATION.as_bytes());
+    let replies = client.set_meta("disk").await;
+    assert_eq!(replies[0].kind, REP_META_CONTEXT);
+    assert_ne!(&replies[0].data[..4], &[0, 0, 0, 0]);
     let (size, flags) = client.go("").await;
     assert_eq!(size, SIZE);
     for flag in [
@@ -593,15 +621,7 @@ async fn commands_do_what_they_say() {
     };
     assert_eq!(kind, REPLY_TYPE_BLOCK_STATUS);
     assert_eq!(&payload[0..4], &BASE_ALLOCATION_ID.to_be_bytes());
-    let descriptors: Vec<(u32, u32)> = payload[4..]
-        .chunks(8)
-        .map(|d| {
-            (
-                u32::from_be_bytes(d[0..4].try_into().unwrap()),
-                u32::from_be_bytes(d[4..8].try_into().unwrap()),
-            )
-        })
-        .collect();
+    let descriptors = descriptors(&payload);
     assert_eq!(
         descriptors,
         vec![
@@ -835,6 +855,11 @@ async fn shutdown_finishes_requests_in_flight() {
 struct ProbeDevice {
     zeroing: AtomicU64,
     peak: AtomicU64,
+    /// Set: no zeroing is fast, unmapping or not (librbd under LUKS writes encrypted zeros
+    /// for a discard too).
+    never_fast: std::sync::atomic::AtomicBool,
+    /// The longest range `allocation` was asked about.
+    allocation_asked: AtomicU64,
 }
 
 const PANIC_OFFSET: u64 = 1 << 20;
@@ -863,8 +888,52 @@ impl BlockDevice for ProbeDevice {
         Ok(())
     }
     fn fast_zero(&self, may_unmap: bool) -> bool {
-        may_unmap
+        may_unmap && !self.never_fast.load(Ordering::SeqCst)
     }
+    /// Data and holes alternating every 4 KiB (an image of 4 KiB objects, every other one
+    /// written): one extent per 4 KiB.
+    async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
+        self.allocation_asked.fetch_max(len, Ordering::SeqCst);
+        let mut out = Vec::new();
+        let mut at = offset;
+        while at < offset + len {
+            let stop = ((at / 4096 + 1) * 4096).min(offset + len);
+            out.push(Extent {
+                len: stop - at,
+                allocated: (at / 4096).is_multiple_of(2),
+            });
+            at = stop;
+        }
+        Ok(out)
+    }
+}
+
+/// One block-status request of nearly 4 GiB on a fragmented device: the device is asked
+/// about at most 1 GiB and the reply holds at most 2^16 descriptors (it may cover less than
+/// asked; the client asks again for the rest). Before, the whole range went to the device
+/// and the reply held a million descriptors, for one unit of the client's budget.
+#[tokio::test]
+async fn block_status_replies_are_bounded() {
+    let device = Arc::new(ProbeDevice::default());
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    client.send(CMD_BLOCK_STATUS, 0, 1, 8192, 0xFFFF_F000).await;
+    let Chunk::Structured { kind, payload, .. } = client.reply(0).await.0 else {
+        panic!("a structured reply")
+    };
+    assert_eq!(kind, REPLY_TYPE_BLOCK_STATUS);
+    let descriptors = descriptors(&payload);
+    assert!(
+        !descriptors.is_empty() && descriptors.len() <= 1 << 16,
+        "{}",
+        descriptors.len()
+    );
+    assert!(descriptors.iter().all(|&(len, _)| len == 4096));
+    assert_eq!(descriptors[0].1, 0, "8192 is data");
+    assert_eq!(descriptors[1].1, STATE_HOLE | STATE_ZERO);
+    let asked = device.allocation_asked.load(Ordering::SeqCst);
+    assert!(asked <= 1 << 30, "the device was asked about {asked} bytes");
+    server.stop().await;
 }
 
 /// A write-zeroes that must write data (`NO_HOLE`, or a device that cannot unmap) encrypts
@@ -898,6 +967,27 @@ async fn a_write_zeroes_that_writes_data_is_charged_like_a_write() {
         assert_eq!(client.status().await.1, 0);
     }
     assert!(device.peak.load(Ordering::SeqCst) > 256 << 20);
+    server.stop().await;
+}
+
+/// A trim on a device whose discard writes data (librbd under LUKS writes every object of the
+/// range as encrypted zeros) is charged like a write of its length too. It was charged one
+/// unit: 40 of 32 MiB ran at once (1.25 GiB), and a client could send thousands.
+#[tokio::test]
+async fn a_trim_that_writes_data_is_charged_like_a_write() {
+    let device = Arc::new(ProbeDevice::default());
+    device.never_fast.store(true, Ordering::SeqCst);
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    const LEN: u32 = 32 << 20;
+    for i in 0..40u64 {
+        client.send(CMD_TRIM, 0, i, i * LEN as u64, LEN).await;
+    }
+    for _ in 0..40 {
+        assert_eq!(client.status().await.1, 0);
+    }
+    let peak = device.peak.load(Ordering::SeqCst);
+    assert!(peak <= 256 << 20, "{peak} bytes zeroed with data at once");
     server.stop().await;
 }
 
