@@ -93,11 +93,14 @@ pub(crate) fn check_segment(image: &str, header: &Header) -> Result<SegmentInfo,
         return Err(invalid(
             image,
             if info.offset == 0 {
-                "this is a detached LUKS header (its data segment starts at byte 0 of another                  device): ivdisk opens LUKS volumes whose data follows their header in the same                  file or image; attach the header to its data with `cryptsetup` first"
+                "this is a detached LUKS header (its data segment starts at byte 0 of another \
+                 device): ivdisk opens LUKS volumes whose data follows their header in the same \
+                 file or image; attach the header to its data with `cryptsetup` first"
                     .to_owned()
             } else {
                 format!(
-                    "the LUKS data segment starts at byte {}, inside the header's own area                      (which ends at byte {metadata_end}): refusing to treat header bytes as data",
+                    "the LUKS data segment starts at byte {}, inside the header's own area \
+                     (which ends at byte {metadata_end}): refusing to treat header bytes as data",
                     info.offset
                 )
             },
@@ -142,6 +145,18 @@ pub(crate) fn data_size(image: &str, info: &SegmentInfo, total: u64) -> Result<u
         Some(size) => size / ss * ss,
         None => available / ss * ss,
     };
+    // As for native headers: past 2^63 - 1 bytes NBD clients and `off_t` read the size as
+    // negative, and the last object's range overflows the engine's arithmetic.
+    if size > crate::MAX_IMAGE_SIZE {
+        return Err(invalid(
+            image,
+            format!(
+                "the LUKS data area is {size} bytes, larger than the largest image ivdisk opens \
+                 ({} bytes, 2^63 - 1)",
+                crate::MAX_IMAGE_SIZE
+            ),
+        ));
+    }
     if size == 0 {
         return Err(invalid(
             image,
@@ -188,5 +203,143 @@ pub(crate) fn info(header: &Header, info: &SegmentInfo, size: u64, object_size: 
         image_id: ImageId::default(),
         keyslots: header.keyslots().iter().map(|k| k.id).collect(),
         snapshots: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(size: Option<u64>) -> SegmentInfo {
+        SegmentInfo {
+            cipher: "aes-xts-plain64".to_owned(),
+            offset: 16 << 20,
+            size,
+            sector_size: 4096,
+            iv_tweak: 0,
+        }
+    }
+
+    /// A foreign volume (a librbd image without an object map takes any size) larger than
+    /// 2^63 - 1 bytes is refused as native headers are; before, it opened, its size read as
+    /// negative by NBD clients, and a block-status or export of its last object overflowed.
+    #[test]
+    fn a_data_area_past_the_largest_image_is_refused() {
+        let total = u64::MAX - (1 << 20);
+        for info in [segment(None), segment(Some(1 << 63))] {
+            let err = data_size("pool/big", &info, total).unwrap_err();
+            assert!(err.to_string().contains("2^63 - 1"), "{err}");
+        }
+        let largest = crate::MAX_IMAGE_SIZE / 4096 * 4096;
+        let fits = segment(Some(largest));
+        assert_eq!(data_size("pool/big", &fits, total).unwrap(), largest);
+        assert_eq!(
+            data_size("pool/small", &segment(None), 32 << 20).unwrap(),
+            16 << 20
+        );
+    }
+}
+
+#[cfg(test)]
+mod io_tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use ivdisk_crypto::{CipherParams, ImageId, Suite, VolumeKey};
+    use ivdisk_store::{
+        MemoryStore, NumberedNames, ObjectName, ObjectStore, ReadOp, ReadResult, StoreError,
+        WriteOp, WriteOutcome,
+    };
+
+    use crate::image::EngineSpec;
+    use crate::{Image, LayoutKind};
+
+    const MIB: u64 = 1 << 20;
+
+    /// A memory store that counts the write operations each object gets.
+    struct CountingStore {
+        inner: MemoryStore,
+        writes: Mutex<HashMap<String, u32>>,
+    }
+
+    ivdisk_store::object_store_forwarding_to_inner!(CountingStore {
+        async fn write_op(
+            &self,
+            object: &ObjectName,
+            op: WriteOp,
+        ) -> Result<WriteOutcome, StoreError> {
+            *self
+                .writes
+                .lock()
+                .unwrap()
+                .entry(object.to_string())
+                .or_default() += 1;
+            self.inner.write_op(object, op).await
+        }
+        async fn read_op(
+            &self,
+            object: &ObjectName,
+            op: ReadOp,
+        ) -> Result<Vec<ReadResult>, StoreError> {
+            self.inner.read_op(object, op).await
+        }
+    });
+
+    /// A write-zeroes over a foreign volume whose data starts inside an object (a LUKS1 file:
+    /// at 2 MiB, objects of 4 MiB) takes one store operation per object. It was split at
+    /// multiples of 32 MiB in image bytes, the middle of an object there: two operations on
+    /// one object, with no range lock between them when the request lay in that object (a
+    /// concurrent write could land between them), and half the object zeroed if the second
+    /// failed.
+    #[tokio::test]
+    async fn write_zeroes_takes_one_operation_per_object_when_data_starts_inside_one() {
+        let store = Arc::new(CountingStore {
+            inner: MemoryStore::new().unwrap(),
+            writes: Mutex::new(HashMap::new()),
+        });
+        let key = VolumeKey::generate(64).unwrap();
+        let params = CipherParams::new(512, ImageId::default());
+        let cipher = ivdisk_crypto::new_cipher(Suite::AesXtsPlain64, &key, &params).unwrap();
+        let header = ObjectName::new("header").unwrap();
+        let lock = crate::writer_lock::WriterLock::acquire(
+            store.clone(),
+            header.clone(),
+            "luks1",
+            std::time::Duration::from_secs(30),
+            crate::writer_lock::HolderRecord::None,
+        )
+        .await
+        .unwrap();
+        let image = Image::from_spec(EngineSpec {
+            name: "luks1".into(),
+            store: store.clone() as Arc<dyn ObjectStore>,
+            header_object: header,
+            data_prefix: NumberedNames::new("data.").unwrap(),
+            sector_size: 512,
+            object_size: 4 * MIB,
+            data_offset: 2 * MIB,
+            iv_sector_base: 0,
+            size: 62 * MIB,
+            suite: Suite::AesXtsPlain64,
+            layout: LayoutKind::None,
+            cipher,
+            image_id: ImageId::default(),
+            read_only: false,
+            lock: Some(lock),
+            nonces_reserved: 0,
+            foreign: true,
+            snapshot: None,
+            snap_context: None,
+            metadata_cache_bytes: 0,
+        });
+        // Image bytes [30, 34) MiB are object 8; [6, 62) MiB span objects 2 to 15.
+        for (offset, len) in [(30 * MIB, 4 * MIB), (6 * MIB, 56 * MIB)] {
+            store.writes.lock().unwrap().clear();
+            image.write_zeroes(offset, len, false).await.unwrap();
+            let writes = store.writes.lock().unwrap();
+            let objects = len / (4 * MIB);
+            assert_eq!(writes.len() as u64, objects, "{writes:?}");
+            assert!(writes.values().all(|&n| n == 1), "{writes:?}");
+        }
     }
 }

@@ -1267,9 +1267,14 @@ impl Image {
             let objects =
                 (ZEROS_IN_FLIGHT_BYTES / inner.object_size).clamp(1, OBJECTS_IN_FLIGHT as u64);
             let step = inner.object_size * objects;
+            // Pieces end on object boundaries, which for a foreign volume whose data starts
+            // inside an object (a LUKS1 file: at 2 MiB, objects of 4 MiB) are not multiples of
+            // `step` in image bytes: split there, one object took two store operations, with
+            // no range lock between them when the request lay in that one object.
+            let base = inner.data_offset;
             let mut at = offset;
             while at < offset + len {
-                let next = ((at / step) + 1) * step;
+                let next = ((at + base) / step + 1) * step - base;
                 let stop = next.min(offset + len);
                 inner.store_range(at, stop - at, fill).await?;
                 at = stop;
