@@ -90,6 +90,20 @@ pub enum RbdError {
         source: HeaderError,
     },
 
+    /// librbd refused a write with EROFS on an image opened read-write: not this handle's
+    /// mode, the cluster's doing.
+    #[error(
+        "rbd image {image}: librbd refused the {what} at offset {offset} (read-only file system) \
+         although the image is open read-write: another client may hold its exclusive lock in \
+         exclusive mode (`rbd status {image}`, `rbd lock ls {image}`), or it is a non-primary \
+         mirror image (`rbd mirror image status {image}`)"
+    )]
+    WriteRefused {
+        image: String,
+        what: &'static str,
+        offset: u64,
+    },
+
     #[error("rbd image {image}: {len} bytes at offset {offset} lie past its end ({size} bytes)")]
     OutOfRange {
         image: String,
@@ -143,6 +157,7 @@ impl RbdError {
             | RbdError::NoSpace { source, .. }
             | RbdError::Io { source, .. }
             | RbdError::Close { source, .. } => source.raw_os_error(),
+            RbdError::WriteRefused { .. } => Some(libc::EROFS),
             _ => None,
         }
     }

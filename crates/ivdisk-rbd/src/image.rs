@@ -169,6 +169,17 @@ impl RbdImage {
                 });
             }
         };
+        // NBD and `off_t` take sizes up to 2^63 - 1; librbd without an object map takes more.
+        if size > i64::MAX as u64 {
+            close_quietly(&image, handle, io).await;
+            return Err(RbdError::Open {
+                image,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("its size, {size} bytes, is past the largest ivdisk serves (2^63 - 1)"),
+                ),
+            });
+        }
         tracing::debug!(%image, size, ?encryption, read_only, "opened rbd image");
         Ok(RbdImage {
             handle,
@@ -253,9 +264,15 @@ impl RbdImage {
     fn error(&self, what: &'static str, offset: u64, len: u64, e: Errno) -> RbdError {
         let image = self.image.clone();
         match e.0 {
-            libc::EROFS => RbdError::ReadOnly {
+            libc::EROFS if self.read_only => RbdError::ReadOnly {
                 image,
                 snapshot: self.snapshot,
+            },
+            // Opened read-write, yet refused: the message must not blame this handle's mode.
+            libc::EROFS => RbdError::WriteRefused {
+                image,
+                what,
+                offset,
             },
             libc::ENOSPC | libc::EDQUOT => RbdError::NoSpace {
                 image,

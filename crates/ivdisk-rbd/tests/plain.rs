@@ -259,3 +259,50 @@ async fn requests_dropped_in_flight_never_touch_freed_memory() {
     model.check(&all, "after a close with requests in flight");
     image.close().await.unwrap();
 }
+
+/// librbd refuses a write with EROFS on an image opened read-write when it is a non-primary
+/// mirror image (or another client holds its exclusive lock in exclusive mode): the error
+/// names those causes, not "open read-only", which it was not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_librbd_refuses_on_a_read_write_image_names_the_cause() {
+    let Some(rbd) = TestImage::create("demoted", 16 * MIB, None) else {
+        return;
+    };
+    let pool = rbd.pool.clone();
+    rbd.rbd(&["mirror", "pool", "enable", &pool, "image"]);
+    rbd.rbd(&["mirror", "image", "enable", &rbd.spec(), "snapshot"]);
+    rbd.rbd(&["mirror", "image", "demote", &rbd.spec()]);
+    let image = rbd.open(auto()).await;
+    assert!(!image.is_read_only());
+    let err = image.write(0, &[1; 4096]).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, RbdError::WriteRefused { .. }), "{text}");
+    assert!(
+        text.contains("non-primary") && !text.contains("open read-only"),
+        "{text}"
+    );
+    assert_eq!(err.errno(), Some(libc::EROFS));
+    drop(image);
+    rbd.rbd(&["mirror", "image", "promote", "--force", &rbd.spec()]);
+    rbd.rbd(&["mirror", "image", "disable", "--force", &rbd.spec()]);
+}
+
+/// An image larger than 2^63 - 1 bytes (librbd takes such sizes without an object map) is
+/// refused at the open: NBD clients and `off_t` would read its size as negative.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_past_the_largest_size_is_refused() {
+    let Some(rbd) = TestImage::create("huge", 16 * MIB, None) else {
+        return;
+    };
+    let spec = rbd.spec();
+    rbd.rbd(&["feature", "disable", &spec, "fast-diff,object-map"]);
+    rbd.rbd(&["resize", "--no-progress", "--size", "9E", &spec]);
+    let err = RbdImage::open(&rbd.config(), rbd.options(auto()))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(err.to_string().contains("2^63 - 1"), "{err}");
+    // `rbd rm` (and a shrink) would remove its 2^41 possible objects one by one: to the trash,
+    // which the throwaway test cluster takes with it.
+    rbd.rbd(&["trash", "mv", &spec]);
+}
