@@ -739,6 +739,13 @@ pub(crate) struct Engine {
     space_short: bool,
     /// The extents table has the `inline` column (always, once a read-write open ran).
     inline_column: bool,
+    /// A log sync failed (whether for lack of space, and what the flushes say): for the rest
+    /// of this open every flush fails, and no dead space is given back. Linux marks the pages
+    /// a failed writeback dropped as clean and does not report the error to a later sync of
+    /// another descriptor, so a later sync that succeeds does not make the failed commit's
+    /// log frames durable; after a power cut the store may come back at a state before them,
+    /// which the ranges freed since still hold. The next open reclaims what was left.
+    log_unsynced: Option<(bool, String)>,
     /// The heads of objects written or read lately, as in the open transaction (read-write
     /// engines only): a write looks its object up here instead of in SQLite. Cleared whenever
     /// SQLite's state goes back (a rolled back operation or transaction).
@@ -984,6 +991,7 @@ impl Engine {
             heads: Default::default(),
             dirty_heads: Default::default(),
             inline_column: true,
+            log_unsynced: None,
             omap: Default::default(),
             omap_rows_seen: None,
             omap_pending_table: true,
@@ -1054,6 +1062,7 @@ impl Engine {
             heads: Default::default(),
             dirty_heads: Default::default(),
             inline_column: true,
+            log_unsynced: None,
             read_only: Some(ReadOnlyState {
                 source,
                 connected: true,
@@ -1660,7 +1669,7 @@ impl Engine {
                 "stopping before every dead range was punched; the next open reclaims their space"
             );
         }
-        if self.lost.is_none() && settled {
+        if self.lost.is_none() && self.log_unsynced.is_none() && settled {
             self.durability.mark_clean();
         }
         // SQLite checkpoints the log as the database closes: not when that cannot complete
@@ -1818,6 +1827,14 @@ impl Engine {
         let Some(point) = self.durable_points.pop_front() else {
             return;
         };
+        if let Some(unsynced) = self.log_unsynced.clone() {
+            // The ranges stay, for the next open's reclaim; every flush fails.
+            drop(point.frees);
+            for (reply, _, reclaim) in point.flushes {
+                self.answer_flush(reply, Err(flush_error(unsynced.clone())), reclaim);
+            }
+            return;
+        }
         let Some((no_space, e)) = failure else {
             let mut punch_failure = None;
             for &(segment, from, to) in &point.frees {
@@ -1843,20 +1860,19 @@ impl Engine {
             }
             return;
         };
-        tracing::error!("store commit failed: syncing the metadata log: {e}");
-        let what = format!(
-            "a durable commit failed after its transaction was committed: what was written \
-             since the previous flush is in the store but may not survive a power cut: {e}"
+        tracing::error!(
+            "store commit failed: syncing the metadata log: {e}; every flush fails until the \
+             store is opened again"
         );
-        // Their death is not durable: given back at the next durable commit instead, as the
-        // (segment, offset, length) that `frees_pending` holds (the point's are from..to).
-        let mut frees_back = point.frees;
-        for (_, from, to) in frees_back.iter_mut() {
-            *to -= *from;
-        }
-        let frees = frees_back.len();
-        self.frees_pending.splice(0..0, frees_back);
-        self.txn_frees += frees;
+        let what = format!(
+            "syncing the store's metadata log failed: what was written since it was opened \
+             may not survive a power cut, and every flush fails until it is opened again \
+             (stop, check the disk, open it again): {e}"
+        );
+        // Their death is not durable, nor will a later sync make it so: the ranges are left
+        // for the next open's reclaim.
+        drop(point.frees);
+        self.log_unsynced = Some((no_space, what.clone()));
         if point.flushes.is_empty() {
             self.lost = Some((no_space, what));
             return;
@@ -2056,10 +2072,11 @@ impl Engine {
                 self.send_answers();
                 let points = self.durable_points.len();
                 self.commit(true);
-                let result = self
-                    .lost
-                    .take()
-                    .map_or(Ok(()), |lost| Err(flush_error(lost)));
+                let result = match (self.lost.take(), &self.log_unsynced) {
+                    (Some(lost), _) => Err(flush_error(lost)),
+                    (None, Some(unsynced)) => Err(flush_error(unsynced.clone())),
+                    (None, None) => Ok(()),
+                };
                 // Dead data is punched in the background (on a file system mounted with
                 // `discard` each punch waits for the device: seconds for a backlog of small
                 // ranges), so a flush does not wait for it, except when space ran out since
@@ -2362,10 +2379,10 @@ impl Engine {
         tracing::error!("an operation failed and took its transaction with it: {e}");
         self.in_txn = false;
         self.frees_pending.truncate(self.txn_frees);
-        self.note_lost(e);
-        // Counted only when it held acknowledged operations: a count makes the image layer
-        // refuse further writes and flushes of that open (`ImageError::WritesLost`).
+        // Reported and counted only when it held acknowledged operations: a count makes the
+        // image layer refuse further writes and flushes of that open (`ImageError::WritesLost`).
         if self.txn_ops > 0 {
+            self.note_lost(e);
             self.count_lost_transaction(e);
         }
         if let Err(rewind) = self.segments.rewind(self.txn_mark) {
@@ -2442,22 +2459,15 @@ impl Engine {
                 // last commit is gone, as if the commit had failed.
                 let whole = self.db.is_autocommit()
                     || self.db.execute_batch("ROLLBACK TO op; RELEASE op").is_err();
-                let mark = if whole {
-                    if !self.db.is_autocommit() {
-                        let _ = self.db.execute_batch("ROLLBACK");
-                    }
-                    tracing::error!("an operation failed and took its transaction with it: {e}");
-                    self.in_txn = false;
-                    self.frees_pending.truncate(self.txn_frees);
-                    self.note_lost(&e);
-                    self.count_lost_transaction(&e);
-                    self.omap_after_lost_transaction();
-                    self.txn_mark
-                } else {
-                    self.frees_pending.truncate(frees);
-                    mark
-                };
-                // The failed operations' appends are referenced by nothing: take them back.
+                if whole {
+                    // Counted (and reported by the next flush) only if the transaction held
+                    // acknowledged operations: a failed first operation after a commit lost
+                    // nothing else, yet fenced the image with `WritesLost`.
+                    self.lose_transaction(&e);
+                    return Err(e);
+                }
+                self.frees_pending.truncate(frees);
+                // The failed operation's appends are referenced by nothing: take them back.
                 if let Err(rewind) = self.segments.rewind(mark) {
                     tracing::warn!("could not take back a failed operation's data: {rewind}");
                 }
@@ -3313,6 +3323,31 @@ impl Engine {
 
     /// The extents of `node` overlapping `[lo, hi)` in the database, ascending.
     fn lookup_extents(
+        &self,
+        node: i64,
+        lo: u64,
+        hi: u64,
+    ) -> Result<Vec<(u64, u64, Stored)>, StoreError> {
+        let found = self.lookup_extents_unchecked(node, lo, hi)?;
+        // The write path slices inline bytes by the extent's range: a row whose inline value
+        // does not fill it (damaged metadata) is refused here, as reads refuse it, where the
+        // slicing panicked the worker and took the open transaction with it unreported.
+        for (e_lo, e_hi, stored) in &found {
+            if let Stored::Inline(bytes) = stored {
+                if bytes.len() as u64 != e_hi - e_lo {
+                    return Err(StoreError::Database(format!(
+                        "an inline extent of {} bytes holds {} (damaged metadata)",
+                        e_hi - e_lo,
+                        bytes.len()
+                    )));
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// [`Engine::lookup_extents`] without checking inline extents' lengths.
+    fn lookup_extents_unchecked(
         &self,
         node: i64,
         lo: u64,
@@ -4818,6 +4853,66 @@ mod tests {
             .unwrap()
     }
 
+    /// A write, truncate or zero over an inline extent whose stored bytes do not fill its
+    /// range (damaged metadata) fails with an error naming it, as a read does. It panicked
+    /// the worker thread, which took the open transaction with it without counting a loss.
+    #[test]
+    fn a_damaged_inline_extent_fails_writes_over_it_without_a_panic() {
+        let db = Connection::open_in_memory().unwrap();
+        let mut engine =
+            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+        let object = ObjectName::new("o").unwrap();
+        engine
+            .apply_write(&object, &WriteOp::new().write(0, vec![7u8; 100]))
+            .unwrap();
+        engine.write_back_extents().unwrap();
+        engine.commit(false);
+        let damaged = engine
+            .db
+            .execute("UPDATE extents SET inline = x'00' WHERE seg = -1", [])
+            .unwrap();
+        assert_eq!(damaged, 1);
+        engine.forget_caches();
+        for op in [
+            WriteOp::new().write(10, b"x".to_vec()),
+            WriteOp::new().step(WriteStep::Truncate(50)),
+            WriteOp::new().step(WriteStep::Zero {
+                offset: 20,
+                len: 10,
+            }),
+        ] {
+            let err = engine.apply_write(&object, &op).unwrap_err();
+            assert!(err.to_string().contains("damaged metadata"), "{err}");
+        }
+    }
+
+    /// An operation that fails and takes the whole transaction with it (SQLite rolls back by
+    /// itself on SQLITE_FULL or SQLITE_IOERR) when it is the first since a commit loses
+    /// nothing acknowledged: no loss is counted or reported. It was counted, and the image
+    /// layer then refused every write of that open (`WritesLost`) although nothing was lost;
+    /// a later one that follows acknowledged operations is still counted.
+    #[test]
+    fn a_failed_first_operation_after_a_commit_counts_no_loss() {
+        let db = Connection::open_in_memory().unwrap();
+        let mut engine =
+            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+        let whole_transaction_gone = |e: &mut Engine| -> Result<(), StoreError> {
+            e.db.execute_batch("ROLLBACK")?;
+            Err(StoreError::Database("the disk is full (test)".into()))
+        };
+        assert!(engine.in_operation(false, whole_transaction_gone).is_err());
+        assert_eq!(engine.losses.load(Ordering::Acquire), 0);
+        assert!(engine.lost.is_none(), "{:?}", engine.lost);
+
+        let object = ObjectName::new("o").unwrap();
+        engine
+            .apply_write(&object, &WriteOp::new().write(0, b"acknowledged".to_vec()))
+            .unwrap();
+        assert!(engine.in_operation(false, whole_transaction_gone).is_err());
+        assert_eq!(engine.losses.load(Ordering::Acquire), 1);
+        assert!(engine.lost.is_some());
+    }
+
     /// The wall clock stepped forward while a writer holds its lock (NTP stepping after
     /// boot, a restored VM): the next renewal keeps the lock. Before, the lock's expiry was
     /// judged by the wall clock, so the renewal found it expired and purged, failed with
@@ -5455,12 +5550,15 @@ mod tests {
         }
     }
 
-    /// The dead ranges of a durable commit whose log sync failed wait for the next one, and
-    /// are then given back as they were: they were put back as `(from, to)` where
-    /// `(offset, length)` belongs, so the next durable commit punched `[from, from + to)`,
-    /// the live data after them included.
+    /// After a log sync failed, no dead range is given back and every flush fails, until the
+    /// store is opened again. The failed commit's log frames may never reach the disk however
+    /// later syncs go (Linux drops the pages of a failed writeback and reports it once), so
+    /// after a power cut the store can come back at a state before them, which references
+    /// the ranges: they were given back at the next durable commit (and earlier put back as
+    /// `(from, to)` where `(offset, length)` belongs, punching live data after them), and
+    /// later flushes reported success.
     #[test]
-    fn dead_space_of_a_failed_log_sync_is_freed_later_and_nothing_else() {
+    fn after_a_failed_log_sync_no_space_is_given_back_and_flushes_fail() {
         let durability = Arc::new(SyncFailingOnce::default());
         let db = Connection::open_in_memory().unwrap();
         let mut engine = Engine::new(
@@ -5492,19 +5590,55 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         };
+        let flush = |engine: &mut Engine| -> Result<(), StoreError> {
+            let (reply, mut answer) = oneshot::channel();
+            engine.handle(Request::Flush {
+                reply,
+                reclaim: false,
+            });
+            engine.send_answers();
+            answer.try_recv().unwrap().expect("answered at once")
+        };
+        let segment = |engine: &Engine| -> Vec<u8> {
+            let mut bytes = vec![0; 20480];
+            engine.segments.read(0, 0, &mut bytes).unwrap();
+            bytes
+        };
         write(&mut engine, "a", 1, 16384);
         write(&mut engine, "b", 2, 4096);
-        engine.commit(true);
+        flush(&mut engine).unwrap();
+        let b_first = segment(&engine)
+            .windows(4096)
+            .position(|w| w.iter().all(|&x| x == 2))
+            .expect("b's first place");
         // The overwrite frees b's first place; the commit that would give it back fails.
         durability
             .0
             .store(true, std::sync::atomic::Ordering::SeqCst);
         write(&mut engine, "b", 3, 4096);
-        engine.commit(true);
+        let err = flush(&mut engine).unwrap_err();
+        assert!(
+            err.to_string().contains("injected log sync failure"),
+            "{err}"
+        );
         assert!(!durability.0.load(std::sync::atomic::Ordering::SeqCst));
+        // Later syncs succeed, yet flushes keep failing and nothing is given back.
         write(&mut engine, "c", 4, 16384);
-        engine.commit(true);
-        for (object, byte, len) in [("a", 1, 16384), ("b", 3, 4096), ("c", 4, 16384)] {
+        write(&mut engine, "a", 5, 4096);
+        let err = flush(&mut engine).unwrap_err();
+        assert!(err.to_string().contains("opened again"), "{err}");
+        assert!(flush(&mut engine).is_err());
+        assert!(
+            segment(&engine)[b_first..b_first + 4096]
+                .iter()
+                .all(|&x| x == 2),
+            "b's first place was given back"
+        );
+        assert!(
+            segment(&engine)[..4096].iter().all(|&x| x == 1),
+            "a's first block was given back"
+        );
+        for (object, byte, len) in [("b", 3, 4096), ("c", 4, 16384)] {
             let data = read(&mut engine, object);
             let wrong = data.iter().filter(|&&b| b != byte).count();
             assert!(
