@@ -686,6 +686,10 @@ async fn remove_record(
         .snap_remove(snap.id)
         .await
         .map_err(ImageError::store(image))?;
+    // Committed while the readers are still held off: a read-only open of the local store
+    // sees committed states only, and one coming between the hold's end and a later commit
+    // found the record still there, opened the snapshot, and failed every read after it.
+    store.flush().await.map_err(ImageError::store(image))?;
     tracing::info!(image, snapshot = name, id = snap.id, "removed snapshot");
     Ok(())
 }
