@@ -147,6 +147,9 @@ pub fn read_copy(io: &dyn HeaderIo, offset: u64, which: &'static str) -> Result<
 pub struct Loaded {
     pub copy: Copy,
     pub warning: Option<String>,
+    /// The primary was used and the secondary is damaged or out of date: the next write
+    /// goes to the secondary first (see [`write_both`]).
+    pub secondary_first: bool,
 }
 
 /// Read both copies and choose as cryptsetup does: the valid one, or the newer of two valid.
@@ -182,11 +185,17 @@ pub fn read_luks2(io: &dyn HeaderIo) -> Result<Loaded, HeaderError> {
                         s.binary.seqid, p.binary.seqid
                     )),
                     copy: s,
+                    secondary_first: false,
                 })
             } else {
                 let warning = (p.binary.seqid > s.binary.seqid || p.metadata != s.metadata)
                     .then(|| "the secondary LUKS2 header is out of date; using the primary".into());
-                Ok(Loaded { copy: p, warning })
+                let secondary_first = warning.is_some();
+                Ok(Loaded {
+                    copy: p,
+                    warning,
+                    secondary_first,
+                })
             }
         }
         (Ok(p), Err(e)) => Ok(Loaded {
@@ -195,6 +204,7 @@ pub fn read_luks2(io: &dyn HeaderIo) -> Result<Loaded, HeaderError> {
                 "the secondary LUKS2 header is damaged ({e}); using the primary, the next \
                  header change repairs it"
             )),
+            secondary_first: true,
         }),
         (Err(e), Ok(s)) => Ok(Loaded {
             copy: s,
@@ -202,6 +212,7 @@ pub fn read_luks2(io: &dyn HeaderIo) -> Result<Loaded, HeaderError> {
                 "the primary LUKS2 header is damaged ({e}); using the secondary, the next \
                  header change repairs it"
             )),
+            secondary_first: false,
         }),
         // Both copies checksum-valid but unusable (an algorithm or field this ivdisk does not
         // support, out-of-spec JSON): the header is intact, so say what is wrong with it rather
@@ -262,22 +273,29 @@ pub fn encode_copy(
     Ok(out)
 }
 
-/// Write both copies (primary first, then secondary), each synced before the next is
-/// written: a crash or power cut tears at most the copy being written, so one valid copy
-/// stays, with either the old or the new seqid, and readers take the newest valid one. (With
-/// one sync after both, the medium could have kept part of each.)
+/// Write both copies, each synced before the next is written: a crash or power cut tears at
+/// most the copy being written, so one valid copy stays, with either the old or the new
+/// seqid, and readers take the newest valid one. (With one sync after both, the medium could
+/// have kept part of each.) The primary goes first, unless it is the only current copy
+/// (`secondary_first`: the secondary is damaged or out of date): writing it first, a torn
+/// write left no valid copy, or only the stale one, whose older keyslots came back.
 pub fn write_both(
     io: &mut dyn HeaderIo,
     binary: &BinaryHeader,
     metadata: &Metadata,
+    secondary_first: bool,
 ) -> Result<(), HeaderError> {
     metadata.validate(binary.hdr_size)?;
-    for offset in [0, binary.hdr_size] {
+    let order = match secondary_first {
+        true => [binary.hdr_size, 0],
+        false => [0, binary.hdr_size],
+    };
+    for offset in order {
         let bytes = encode_copy(binary, metadata, offset)?;
         io.write_at(offset, &bytes)
-            .map_err(|source| HeaderError::Io { offset, source })?;
+            .map_err(|source| HeaderError::Write { offset, source })?;
         io.sync()
-            .map_err(|source| HeaderError::Io { offset, source })?;
+            .map_err(|source| HeaderError::Write { offset, source })?;
     }
     Ok(())
 }

@@ -13,6 +13,15 @@ pub enum HeaderError {
         source: io::Error,
     },
 
+    /// Writing or syncing the header (or its keyslot areas) failed: the device's own error
+    /// (no space, read-only, an IO error), not damage in what was read.
+    #[error("writing the header failed at byte {offset}: {source}")]
+    Write {
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
+
     #[error(
         "the header is truncated: {needed} bytes are needed at byte {offset}, but the device \
          ends before that"

@@ -248,6 +248,8 @@ enum Format {
 pub struct Header {
     format: Format,
     warning: Option<String>,
+    /// The next write goes to the secondary copy first (see `binary::write_both`).
+    secondary_first: bool,
 }
 
 fn random_uuid() -> Result<String, HeaderError> {
@@ -292,6 +294,7 @@ impl Header {
                     return Ok(Header {
                         format: Format::Luks1(Box::new(luks1)),
                         warning: None,
+                        secondary_first: false,
                     })
                 }
                 // A LUKS2 primary whose version field was damaged into 1: its secondary
@@ -313,6 +316,7 @@ impl Header {
                 metadata: Box::new(loaded.copy.metadata),
             },
             warning: loaded.warning,
+            secondary_first: loaded.secondary_first,
         })
     }
 
@@ -407,9 +411,10 @@ impl Header {
                 metadata: Box::new(metadata),
             },
             warning: None,
+            secondary_first: false,
         };
         io.ensure_len(metadata_end)
-            .map_err(|source| HeaderError::Io {
+            .map_err(|source| HeaderError::Write {
                 offset: metadata_end,
                 source,
             })?;
@@ -789,10 +794,12 @@ impl Header {
     }
 
     fn write(&mut self, io: &mut dyn HeaderIo) -> Result<(), HeaderError> {
+        let secondary_first = self.secondary_first;
         let (binary, metadata) = self.luks2_mut()?;
         binary.seqid += 1;
-        binary::write_both(io, binary, metadata)?;
+        binary::write_both(io, binary, metadata, secondary_first)?;
         self.warning = None;
+        self.secondary_first = false;
         Ok(())
     }
 
@@ -1006,7 +1013,7 @@ impl Header {
         let len = self.region_len();
         copy_region(io, out, len)?;
         out.sync()
-            .map_err(|source| HeaderError::Io { offset: 0, source })?;
+            .map_err(|source| HeaderError::Write { offset: 0, source })?;
         Ok(len)
     }
 
@@ -1057,7 +1064,7 @@ impl Header {
         }
         copy_region(backup, io, saved.region_len().min(have))?;
         io.sync()
-            .map_err(|source| HeaderError::Io { offset: 0, source })?;
+            .map_err(|source| HeaderError::Write { offset: 0, source })?;
         Header::read(io)
     }
 
@@ -1119,7 +1126,7 @@ fn write_material(
     )?;
     io.write_at(offset, &material)
         .and_then(|_| io.sync())
-        .map_err(|source| HeaderError::Io { offset, source })?;
+        .map_err(|source| HeaderError::Write { offset, source })?;
     let area = Area {
         kind: "raw".into(),
         offset,
@@ -1138,7 +1145,7 @@ fn copy_region(from: &dyn HeaderIo, to: &mut dyn HeaderIo, len: u64) -> Result<(
         let n = CHUNK.min(len - offset) as usize;
         let chunk = read_vec(from, offset, n)?;
         to.write_at(offset, &chunk)
-            .map_err(|source| HeaderError::Io { offset, source })?;
+            .map_err(|source| HeaderError::Write { offset, source })?;
         offset += n as u64;
     }
     Ok(())
@@ -1149,7 +1156,7 @@ fn wipe(io: &mut dyn HeaderIo, offset: u64, len: u64) -> Result<(), HeaderError>
     let mut noise = zeroize::Zeroizing::new(vec![0u8; len as usize]);
     crate::random_bytes(&mut noise)?;
     io.write_at(offset, &noise)
-        .map_err(|source| HeaderError::Io { offset, source })?;
+        .map_err(|source| HeaderError::Write { offset, source })?;
     io.sync()
-        .map_err(|source| HeaderError::Io { offset, source })
+        .map_err(|source| HeaderError::Write { offset, source })
 }

@@ -10,7 +10,7 @@ pub const HEADER_LEN: usize = 592;
 pub const KEYSLOTS: usize = 8;
 const KEYSLOT_ENABLED: u32 = 0x00AC_71F3;
 const KEYSLOT_DISABLED: u32 = 0x0000_DEAD;
-const DIGEST_LEN: usize = 20;
+pub(crate) const DIGEST_LEN: usize = 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Luks1Keyslot {

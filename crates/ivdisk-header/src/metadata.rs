@@ -268,9 +268,21 @@ impl Digest {
         let hash: Hash = self.hash.parse()?;
         let expected = unb64("digest", &self.digest)?;
         let salt = unb64("digest salt", &self.salt)?;
-        let actual = Digest::compute(volume_key, hash, self.iterations, &salt)?;
-        Ok(expected.len() == actual.len() && openssl::memcmp::eq(&expected, &actual))
+        if !digest_len_ok(hash, expected.len()) {
+            return Ok(false);
+        }
+        // As long as stored: a LUKS1 digest converted by cryptsetup keeps its 20 bytes.
+        let mut actual = vec![0u8; expected.len()];
+        crate::kdf::pbkdf2(hash, volume_key, &salt, self.iterations, &mut actual)?;
+        Ok(openssl::memcmp::eq(&expected, &actual))
     }
+}
+
+/// A digest's length: the hash's, or 20 bytes whatever the hash (LUKS1's digest length, which
+/// `cryptsetup convert` keeps: every LUKS1 volume made since cryptsetup 1.7 hashes with SHA-256
+/// and, converted to LUKS2, has a 20-byte "sha256" digest; cryptsetup accepts both).
+fn digest_len_ok(hash: Hash, len: usize) -> bool {
+    len == hash.output_len() || len == crate::luks1::DIGEST_LEN
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -492,7 +504,7 @@ impl Metadata {
                     digest.kind, digest.iterations
                 )));
             }
-            if unb64("digest", &digest.digest)?.len() != hash.output_len() {
+            if !digest_len_ok(hash, unb64("digest", &digest.digest)?.len()) {
                 return Err(out_of_spec(format!(
                     "digest {id} has the wrong length for {hash}"
                 )));

@@ -171,6 +171,109 @@ impl HeaderIo for Recording {
     }
 }
 
+/// A device whose first write at byte 0 is torn: the binary header and the start of the JSON
+/// text land, then the power goes.
+struct TornAtZero {
+    io: MemoryHeaderIo,
+    torn: bool,
+}
+
+impl HeaderIo for TornAtZero {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.io.read_at(offset, buf)
+    }
+    fn write_at(&mut self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+        if offset == 0 && !self.torn {
+            self.torn = true;
+            self.io.write_at(0, &buf[..4096 + 64])?;
+            return Err(std::io::ErrorKind::Interrupted.into());
+        }
+        self.io.write_at(offset, buf)
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        self.io.sync()
+    }
+    fn size(&self) -> std::io::Result<u64> {
+        self.io.size()
+    }
+    fn ensure_len(&mut self, len: u64) -> std::io::Result<()> {
+        self.io.ensure_len(len)
+    }
+}
+
+/// A header change while the secondary copy is damaged (or out of date) writes it first: the
+/// primary, the only current copy, is rewritten only once a current secondary is on disk. It
+/// was rewritten first, and a write torn there left no valid copy (or only the stale one, whose
+/// older keyslots came back).
+#[test]
+fn a_change_beside_a_bad_secondary_writes_the_secondary_first() {
+    for stale in [false, true] {
+        let (mut io, _, key) = formatted();
+        if stale {
+            // A change that reached only the primary: the secondary is one seqid behind.
+            let before = io.0[HDR..2 * HDR].to_vec();
+            let mut header = Header::read(&io).unwrap();
+            header
+                .add_keyslot(&mut io, &key, b"second", None, &fast())
+                .unwrap();
+            io.0[HDR..2 * HDR].copy_from_slice(&before);
+        } else {
+            io.0[HDR + 4096 + 20] ^= 0x01; // inside the secondary's JSON text
+        }
+        let mut header = Header::read(&io).unwrap();
+        assert!(header.warning().is_some_and(|w| w.contains("secondary")));
+        let mut torn = TornAtZero { io, torn: false };
+        assert!(header
+            .add_keyslot(&mut torn, &key, b"third", None, &fast())
+            .is_err());
+        let header = Header::read(&torn.io)
+            .unwrap_or_else(|e| panic!("stale {stale}: the header after the torn write: {e}"));
+        assert!(header.unlock(&torn.io, PASSPHRASE).is_ok());
+        assert!(header.unlock(&torn.io, b"third").is_ok(), "stale {stale}");
+        if stale {
+            assert!(header.unlock(&torn.io, b"second").is_ok());
+        }
+    }
+}
+
+/// A device that refuses every write (a full file system).
+struct Full(MemoryHeaderIo);
+
+impl HeaderIo for Full {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.0.read_at(offset, buf)
+    }
+    fn write_at(&mut self, _: u64, _: &[u8]) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::StorageFull.into())
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn size(&self) -> std::io::Result<u64> {
+        self.0.size()
+    }
+    fn ensure_len(&mut self, len: u64) -> std::io::Result<()> {
+        self.0.ensure_len(len)
+    }
+}
+
+/// A header change on a device that refuses writes says writing failed, not reading: it said
+/// "reading the header failed at byte ...: No space left on device", pointing at damage.
+#[test]
+fn a_write_that_fails_is_reported_as_a_write() {
+    let (io, mut header, key) = formatted();
+    let mut io = Full(io);
+    let err = header
+        .add_keyslot(&mut io, &key, b"second", None, &fast())
+        .unwrap_err();
+    assert!(matches!(err, HeaderError::Write { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("writing the header failed") && !text.contains("reading"),
+        "{text}"
+    );
+}
+
 /// Each header copy is synced before the other is written, so a power cut can tear only the
 /// one being written (with one sync after both, the medium could keep part of each).
 #[test]

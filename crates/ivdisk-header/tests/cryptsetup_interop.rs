@@ -343,6 +343,44 @@ fn a_passphrase_changed_in_a_slot_cryptsetup_made_with_another_hash_opens_it() {
     ]);
 }
 
+/// A LUKS1 volume converted to LUKS2 by `cryptsetup convert` keeps LUKS1's 20-byte digest
+/// under the name of its hash (SHA-256 by default since cryptsetup 1.7): it is read and opens
+/// with its passphrase (and not with another), and a passphrase ivdisk adds opens it in
+/// cryptsetup. Its header was refused as out of spec ("digest 0 has the wrong length").
+#[test]
+fn a_luks1_volume_converted_by_cryptsetup_opens() {
+    let scratch = Scratch::new();
+    let path = scratch.path("vol");
+    File::create(&path).unwrap().set_len(24 << 20).unwrap();
+    let a = scratch.key_file("a", b"a");
+    let mut args = vec!["luksFormat", "-q", "--type", "luks1"];
+    args.extend([
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        s(&a),
+        s(&path),
+    ]);
+    cryptsetup_ok(&args);
+    cryptsetup_ok(&["convert", "-q", "--type", "luks2", s(&path)]);
+    let mut header = Header::read(&File::open(&path).unwrap()).unwrap();
+    assert_eq!(header.version(), 2);
+    let unlocked = header.unlock(&File::open(&path).unwrap(), b"a").unwrap();
+    assert!(header.unlock(&File::open(&path).unwrap(), b"b").is_err());
+    let fast = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+    header
+        .add_keyslot(&mut open_rw(&path), &unlocked.volume_key, b"b", None, &fast)
+        .unwrap();
+    let b = scratch.key_file("b", b"b");
+    cryptsetup_ok(&[
+        "luksOpen",
+        "--test-passphrase",
+        "--key-file",
+        s(&b),
+        s(&path),
+    ]);
+}
+
 /// An unbound keyslot (`cryptsetup luksAddKey --unbound`) holds a key of its own, which its
 /// own digest confirms, not the volume key: no passphrase opens the volume through it, and
 /// it does not count as a keyslot that opens the volume when the last one is removed. It was
