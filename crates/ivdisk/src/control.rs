@@ -19,7 +19,7 @@
 //! serves it, for refusals that name the server); any of them `{"error":TEXT}`. The server
 //! checks that `location` is its image's.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -366,19 +366,47 @@ pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option
         .map(|dir| dir.join(&name))
         .find_map(|path| UnixStream::connect(&path).ok().map(|s| (path, s)))?;
     request["location"] = location.into();
-    let mut exchange = || -> Result<Value> {
-        stream.set_read_timeout(Some(ANSWER_LIMIT))?;
-        stream.write_all(format!("{request}\n").as_bytes())?;
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line)?;
-        serde_json::from_str(&line).map_err(|e| anyhow!("the server's answer {line:?}: {e}"))
-    };
-    Some(exchange().with_context(|| format!("asking the server at {}", path.display())))
+    Some(
+        exchange(&mut stream, &request, ANSWER_LIMIT)
+            .with_context(|| format!("asking the server at {}", path.display())),
+    )
+}
+
+/// Send one request line on `stream` and read the answer line, waiting at most `limit`.
+fn exchange(stream: &mut UnixStream, request: &Value, limit: Duration) -> Result<Value> {
+    stream.set_read_timeout(Some(limit))?;
+    stream.write_all(format!("{request}\n").as_bytes())?;
+    let mut line = String::new();
+    match BufReader::new(&*stream).read_line(&mut line) {
+        Ok(_) => {}
+        // The server works on: a snapshot it creates or removes (on a cluster that is slow
+        // to answer) may still be made, so "failed" would be wrong, and a retry then found it.
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => bail!(
+            "no answer within {limit:?}; the server may still carry the request out: check \
+             the outcome (`ivdisk snap ls`) before trying again"
+        ),
+        Err(e) => return Err(e.into()),
+    }
+    serde_json::from_str(&line).map_err(|e| anyhow!("the server's answer {line:?}: {e}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that does not answer in time: the error says the request may still be carried
+    /// out, not only "Resource temporarily unavailable" (read as a failure, and a retry found
+    /// the snapshot made).
+    #[test]
+    fn a_late_answer_says_the_request_may_still_be_carried_out() {
+        let (mut client, _server) = UnixStream::pair().unwrap();
+        let request = serde_json::json!({"command": "snap-create", "snapshot": "s"});
+        let err = exchange(&mut client, &request, Duration::from_millis(100)).unwrap_err();
+        assert!(
+            err.to_string().contains("may still carry the request out"),
+            "{err:#}"
+        );
+    }
 
     /// Two clusters can each hold an image of the same pool, name and id (a restore keeps the
     /// id): their servers' sockets and locations differ by the configuration file.

@@ -208,6 +208,14 @@ fn read_secret_file(path: &Path, what: &str) -> Result<Zeroizing<Vec<u8>>> {
             .filter(|m| m.is_file())
             .map_or(64 << 10, |m| m.len().min(MAX_KEY_FILE) as usize + 1),
     };
+    if path == Path::new("-") && std::io::stdin().is_terminal() {
+        // Read to its end from a terminal, the secret would show as it is typed (and keep
+        // the newline that ends the line).
+        bail!(
+            "standard input is a terminal: to type the passphrase, leave out --passphrase-file \
+             and --key-file (ivdisk then asks for it without showing it), or pipe it in"
+        );
+    }
     let data = if path == Path::new("-") {
         read_secret(&mut std::io::stdin().take(MAX_KEY_FILE + 1), room)
             .context("reading the passphrase from standard input")?

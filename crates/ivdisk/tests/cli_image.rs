@@ -785,3 +785,30 @@ fn concurrent_creates_of_one_path_leave_one_image_and_clear_errors() {
     // Losers that meet the winner at work are told so (not "stop it first").
     assert!(told_of_the_creator > 0);
 }
+
+/// `--passphrase-file -` with standard input a terminal is refused at once, saying how to
+/// type the passphrase unseen: read to its end from a terminal, the passphrase showed as it
+/// was typed and kept the newline that ended the line. (`script` gives the command a
+/// terminal.)
+#[test]
+fn a_secret_from_standard_input_is_not_read_from_a_terminal() {
+    let f = Fixture::new();
+    let image = f.path("image");
+    let command = format!(
+        "{} create {} --size 1M --passphrase-file -",
+        env!("CARGO_BIN_EXE_ivdisk"),
+        p(&image)
+    );
+    let out = std::process::Command::new("timeout")
+        .args(["20", "script", "-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("standard input is a terminal"),
+        "{:?}: {text}",
+        out.status
+    );
+    assert!(!image.exists());
+}
