@@ -213,7 +213,7 @@ fn classify(text: &str, format: SourceFormat) -> Result<Spec> {
             path.display()
         ),
         None => {
-            eprintln!(
+            note!(
                 "ivdisk: note: {} has no LUKS header: reading it as an unencrypted raw disk \
                  (--source-format raw says so and skips this note)",
                 path.display()
@@ -859,7 +859,7 @@ fn convert_open(
     let options = args.format.options(dst, size)?;
     let secret = new_secret(args, source)?;
     if size != source_len {
-        eprintln!(
+        note!(
             "ivdisk: note: {} is {source_len} bytes, not a multiple of the {sector}-byte sector \
              size: image {dst} is {size} bytes, rounded up, and its last {} byte(s) read as zeros",
             source.name,

@@ -904,7 +904,7 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                         text,
                     );
                     if fenced_at.is_none() {
-                        eprintln!(
+                        note!(
                             "ivdisk: warning: client {} must really be gone (process stopped, \
                              host down): if it still runs, it and the next writer lose each \
                              other's writes",
@@ -912,10 +912,11 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                         );
                     }
                     if removed.client != holder.client {
-                        eprintln!(
+                        note!(
                             "ivdisk: warning: the lock changed hands while you confirmed: the \
                              lock broken was {}'s, not {}'s",
-                            removed.client, holder.client
+                            removed.client,
+                            holder.client
                         );
                     }
                 }

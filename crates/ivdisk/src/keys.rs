@@ -230,7 +230,7 @@ fn read_header(path: &Path) -> Result<(Header, File)> {
         }
     })?;
     if let Some(w) = header.warning() {
-        eprintln!("ivdisk: warning: {}: {w}", path.display());
+        note!("ivdisk: warning: {}: {w}", path.display());
     }
     Ok((header, file))
 }
@@ -468,7 +468,7 @@ fn read_image_header(uri: &ImageUri) -> Result<Header> {
     let header = Header::read(&ivdisk_header::MemoryHeaderIo(bytes))
         .with_context(|| format!("{uri}: the header cannot be read"))?;
     if let Some(w) = header.warning() {
-        eprintln!("ivdisk: warning: {uri}: {w}");
+        note!("ivdisk: warning: {uri}: {w}");
     }
     Ok(header)
 }

@@ -28,6 +28,18 @@ macro_rules! outln {
     };
 }
 
+/// A line on standard error that never panics: `eprintln!` panics when stderr is gone (a
+/// closed terminal: EIO; a log pipe whose reader died: EPIPE), and in `ivdisk serve`, where
+/// SIGHUP is survived on purpose, the message of the SIGTERM that followed unwound the main
+/// thread before the shutdown flush (exit 101, the writer lock left to expire). A message
+/// nobody can read is dropped instead.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 mod backup;
 mod control;
 mod convert;
@@ -279,7 +291,7 @@ pub(crate) fn report_failure(e: &anyhow::Error) {
     if JSON_REQUESTED.load(Ordering::Relaxed) && !STDOUT_WRITTEN.load(Ordering::Relaxed) {
         outln!("{}", serde_json::json!({"ok": false, "error": text}));
     }
-    eprintln!("ivdisk: {text}");
+    note!("ivdisk: {text}");
 }
 
 /// Standard output carries data (`export IMAGE -`): a failure's JSON object must not go
@@ -298,7 +310,7 @@ fn print_line(line: std::fmt::Arguments) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(141);
         }
-        eprintln!("ivdisk: writing to standard output failed: {e}");
+        note!("ivdisk: writing to standard output failed: {e}");
         std::process::exit(1);
     }
 }

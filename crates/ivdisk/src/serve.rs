@@ -679,7 +679,7 @@ fn serve_until_signal(
                 "stopping: no new connections, finishing requests in flight"
             );
             notify_service_manager("STOPPING=1");
-            eprintln!(
+            note!(
                 "ivdisk: {name}: finishing requests in flight, then flushing and closing {image} \
                  (a second signal exits at once, without flushing)"
             );
@@ -690,7 +690,7 @@ fn serve_until_signal(
                     _ = interrupt.recv() => 130,
                     _ = terminate.recv() => 143,
                 };
-                eprintln!("ivdisk: second signal: exiting without flushing; {killed}");
+                note!("ivdisk: second signal: exiting without flushing; {killed}");
                 std::process::exit(code);
             });
         };
@@ -712,11 +712,11 @@ async fn reload_on_hangup(tls: Option<TlsCredentials>, mut hangup: tokio::signal
         // Said on stderr as the stop signals are, whatever the log level: whoever sent it
         // wants to know it worked.
         let Some(tls) = &tls else {
-            eprintln!("ivdisk: SIGHUP: nothing to reload (no --tls-creds); still serving");
+            note!("ivdisk: SIGHUP: nothing to reload (no --tls-creds); still serving");
             continue;
         };
         match tls.reload() {
-            Ok(()) => eprintln!(
+            Ok(()) => note!(
                 "ivdisk: SIGHUP: TLS credentials reloaded from {}; new connections use them",
                 tls.dir().display()
             ),
@@ -736,7 +736,7 @@ fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> R
         "served"
     );
     if !args.json {
-        eprintln!("ivdisk: image {} flushed and closed", args.image);
+        note!("ivdisk: image {} flushed and closed", args.image);
     }
     Ok(())
 }

@@ -218,7 +218,7 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     refuse_existing(rt, &uri)?;
     let passphrase = args.passphrase.new_passphrase()?;
     if size != bytes {
-        eprintln!(
+        note!(
             "ivdisk: note: {} is {bytes} bytes, not a multiple of the {ss}-byte sector size: \
              image {uri} is {size} bytes, rounded up, and its last {} byte(s) read as zeros",
             args.file.display(),
@@ -633,7 +633,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     };
     // Standard output carries the disk's bytes: the report goes to standard error then.
     if to_stdout {
-        eprintln!("{report}");
+        note!("{report}");
     } else {
         outln!("{report}");
     }
@@ -810,7 +810,7 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         }
     }
     if !report.authenticated {
-        eprintln!(
+        note!(
             "ivdisk: note: suite {} has no MAC: verify found every sector readable, but cannot \
              tell changed data from the original (an authenticated suite such as \
              aegis128l-random can)",

@@ -2994,3 +2994,34 @@ fn random_writes_on_a_full_file_system_leave_every_sector_authentic() {
     );
     drop(small);
 }
+
+/// Standard error gone (a closed terminal, a log pipe whose reader died; here `/dev/full`):
+/// the server survives SIGHUP and, on SIGTERM, still flushes, closes and exits 0 with its
+/// lock released. Its messages on those paths panicked (`eprintln!`): the SIGTERM one unwound
+/// the main thread before the shutdown flush (exit 101, the writer lock left to expire).
+#[test]
+fn a_server_whose_stderr_is_gone_still_stops_cleanly() {
+    let f = Fixture::new();
+    let image = f.create("nostderr", "16M", &[]);
+    let socket = f.unique("nbd", ".sock");
+    let listen = ["--socket", s(&socket)];
+    let serve = f.serve_command(&image, &listen, &[]);
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", "exec \"$0\" \"$@\" 2>/dev/full"])
+        .arg(serve.get_program())
+        .args(serve.get_args())
+        .current_dir(f.dir.path());
+    let mut server = f.start_server_as(command, &image, &listen);
+    f.qemu_io(&server.uri, &["write -P 0x5a 0 64k"]).ok();
+    server.signal(libc::SIGHUP);
+    thread::sleep(Duration::from_millis(300));
+    f.qemu_io(&server.uri, &["read -P 0x5a 0 64k"]).ok();
+    server.sigterm();
+    let status = server
+        .wait_exit(STOP_LIMIT)
+        .expect("the server exits after SIGTERM");
+    assert!(status.success(), "the server exited with {status}");
+    assert!(!socket.exists(), "{} was left behind", socket.display());
+    assert_lock_free(&f.ivdisk_path(), &image);
+}
