@@ -596,17 +596,12 @@ fn grid(start: u64, end: u64, chunk: u64, data: bool, out: &mut Vec<Piece>) {
     }
 }
 
-/// `[0, size)` as pieces: data ranges cut at multiples of `chunk`; holes in one piece each,
-/// or cut too with `cut_holes` (the verify reads them from the destination).
-fn plan(data: &[(u64, u64)], size: u64, chunk: u64, cut_holes: bool) -> Vec<Piece> {
+/// `[0, size)` as pieces: data ranges cut at multiples of `chunk`; holes in one piece each
+/// (the verify cuts them where it reads them, `verify_pieces`).
+fn plan(data: &[(u64, u64)], size: u64, chunk: u64) -> Vec<Piece> {
     let mut out = Vec::new();
     let hole = |start: u64, end: u64, out: &mut Vec<Piece>| {
-        if start >= end {
-            return;
-        }
-        if cut_holes {
-            grid(start, end, chunk, false, out);
-        } else {
+        if start < end {
             out.push(Piece {
                 offset: start,
                 len: end - start,
@@ -622,6 +617,51 @@ fn plan(data: &[(u64, u64)], size: u64, chunk: u64, cut_holes: bool) -> Vec<Piec
     }
     hole(at, size, &mut out);
     out
+}
+
+/// What the verify reads, as (piece, skipped): the source's data pieces as planned; its holes
+/// cut at `chunk` where the copy has data objects, and where it has none (`unbacked`: they
+/// read as zeros) one skipped piece each. Lazily, hole by hole: cut up front, the holes of a
+/// sparse source of 2^63 bytes were 2^41 pieces (48 TiB of plan) before any was skipped.
+fn verify_pieces(
+    pieces: Vec<Piece>,
+    unbacked: Vec<(u64, u64)>,
+    chunk: u64,
+) -> impl Iterator<Item = (Piece, bool)> {
+    pieces.into_iter().flat_map(move |piece| {
+        if piece.data {
+            return vec![(piece, false)];
+        }
+        let (mut out, mut cut) = (Vec::new(), Vec::new());
+        let end = piece.offset + piece.len;
+        let mut at = piece.offset;
+        let mut next = unbacked.partition_point(|&(_, e)| e <= at);
+        while at < end {
+            match unbacked.get(next) {
+                Some(&(start, stop)) if start <= at => {
+                    let stop = stop.min(end);
+                    let len = stop - at;
+                    out.push((
+                        Piece {
+                            offset: at,
+                            len,
+                            data: false,
+                        },
+                        true,
+                    ));
+                    at = stop;
+                    next += 1;
+                }
+                following => {
+                    let stop = following.map_or(end, |&(start, _)| start.min(end));
+                    grid(at, stop, chunk, false, &mut cut);
+                    out.extend(cut.drain(..).map(|p| (p, false)));
+                    at = stop;
+                }
+            }
+        }
+        out
+    })
 }
 
 fn device_error(e: DeviceError) -> anyhow::Error {
@@ -712,6 +752,7 @@ async fn verify(
     name: &str,
     image: &Image,
     pieces: Vec<Piece>,
+    chunk: u64,
     bar: &ProgressBar,
 ) -> Result<Option<u64>> {
     let stop = Arc::new(AtomicBool::new(false));
@@ -726,19 +767,11 @@ async fn verify(
         .filter(|e| !e.allocated)
         .map(|e| (e.offset, e.offset + e.len))
         .collect();
-    let skip = move |piece: &Piece| {
-        let next = unbacked.partition_point(|&(_, end)| end <= piece.offset);
-        !piece.data
-            && unbacked.get(next).is_some_and(|&(start, end)| {
-                start <= piece.offset && piece.offset + piece.len <= end
-            })
-    };
     // In order (`buffered`): the first difference met is the first in the image.
-    let mut tasks = stream::iter(pieces)
+    let mut tasks = stream::iter(verify_pieces(pieces, unbacked, chunk))
         .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
-        .map(|piece| {
+        .map(|(piece, skipped)| {
             let (source, image, name) = (source.clone(), image.clone(), name.to_owned());
-            let skipped = skip(&piece);
             tokio::spawn(async move {
                 if skipped {
                     return anyhow::Ok((piece.len, None));
@@ -910,7 +943,7 @@ fn convert_open(
         &source.device,
         &source.name,
         &image,
-        plan(&data, size, chunk, false),
+        plan(&data, size, chunk),
         &bar,
     ));
     bar.finish_and_clear();
@@ -921,7 +954,8 @@ fn convert_open(
             &source.device,
             &source.name,
             &image,
-            plan(&data, size, chunk, true),
+            plan(&data, size, chunk),
+            chunk,
             &bar,
         ));
         bar.finish_and_clear();
@@ -1010,12 +1044,12 @@ mod tests {
     fn plans_cover_the_image_and_stay_within_chunks() {
         let data = [(4096, 20480), (40960, 45056)];
         let size = 65536;
-        for cut_holes in [false, true] {
-            let pieces = plan(&data, size, 8192, cut_holes);
+        {
+            let pieces = plan(&data, size, 8192);
             let mut at = 0;
             for piece in &pieces {
                 assert_eq!(piece.offset, at, "{pieces:?}");
-                if piece.data || cut_holes {
+                if piece.data {
                     assert_eq!(
                         piece.offset / 8192,
                         (piece.offset + piece.len - 1) / 8192,
@@ -1031,15 +1065,48 @@ mod tests {
             assert_eq!(at, size);
         }
         assert_eq!(
-            plan(&data, size, 8192, false)[0],
+            plan(&data, size, 8192)[0],
             Piece {
                 offset: 0,
                 len: 4096,
                 data: false
             }
         );
-        assert_eq!(plan(&[], 8192, 4096, false).len(), 1);
-        assert_eq!(plan(&[], 8192, 4096, true).len(), 2);
+        assert_eq!(plan(&[], 8192, 4096).len(), 1);
+    }
+
+    /// The verify's pieces cover the image in order; a hole is cut at the chunk size only
+    /// where the copy has data objects, and skipped whole where it has none; data pieces
+    /// stay as planned. The largest sparse image, with a little data, makes a handful of
+    /// pieces: cut up front, its holes were 2^41 pieces (48 TiB of plan) and the verify ran
+    /// out of memory after the copy was made.
+    #[test]
+    fn verify_pieces_cut_only_what_the_copy_backs() {
+        let size = (i64::MAX as u64) / 4096 * 4096;
+        let chunk = 4 << 20;
+        let data = [(8 << 20, 9 << 20), (size - 4096, size)];
+        // The copy has objects 2 (the data) and 5, and the last one.
+        let last = size / chunk * chunk;
+        let unbacked = vec![(0, 8 << 20), (12 << 20, 20 << 20), (24 << 20, last)];
+        let pieces: Vec<_> =
+            verify_pieces(plan(&data, size, chunk), unbacked.clone(), chunk).collect();
+        assert!(pieces.len() < 16, "{} pieces", pieces.len());
+        let mut at = 0;
+        for (piece, skipped) in &pieces {
+            assert_eq!(piece.offset, at, "{pieces:?}");
+            let end = piece.offset + piece.len;
+            let within_unbacked = unbacked.iter().any(|&(s, e)| s <= piece.offset && end <= e);
+            assert_eq!(*skipped, !piece.data && within_unbacked, "{piece:?}");
+            if !skipped {
+                assert_eq!(
+                    piece.offset / chunk,
+                    (end - 1) / chunk,
+                    "{piece:?} crosses a chunk"
+                );
+            }
+            at = end;
+        }
+        assert_eq!(at, size);
     }
 
     #[test]
@@ -1108,7 +1175,7 @@ mod tests {
                 &source,
                 "src",
                 &image,
-                plan(&data, size, chunk, false),
+                plan(&data, size, chunk),
                 &hidden,
             ))
             .unwrap();
@@ -1122,7 +1189,8 @@ mod tests {
                 &source,
                 "src",
                 image,
-                plan(&data, size, chunk, true),
+                plan(&data, size, chunk),
+                chunk,
                 &hidden,
             ))
             .unwrap()

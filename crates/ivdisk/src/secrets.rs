@@ -62,7 +62,8 @@ impl PbkdfArgs {
 /// the terminal.
 #[derive(Args, Debug, Clone)]
 pub struct PassphraseArgs {
-    /// Read the passphrase from this file ("-" = standard input). One trailing newline is
+    /// Read the passphrase from this file ("-" = standard input, not a terminal: without the
+    /// option ivdisk asks on the terminal, without echo). One trailing newline is
     /// dropped, so `echo secret > FILE` gives the passphrase typed as "secret" at the prompt.
     #[arg(long, value_name = "FILE", conflicts_with = "key_file")]
     pub passphrase_file: Option<PathBuf>,
