@@ -372,6 +372,19 @@ struct Endpoint {
     hangup: tokio::signal::unix::Signal,
 }
 
+impl Endpoint {
+    /// A stop signal that came while the image was being opened (at the passphrase prompt,
+    /// during the key derivation): the handlers hold it from the bind on. Served, the export
+    /// was announced ready (a ready line, READY=1) and stopped at once.
+    fn stop_signal_pending(&mut self) -> Option<&'static str> {
+        use futures_util::FutureExt;
+        if self.interrupt.recv().now_or_never().is_some() {
+            return Some("SIGINT");
+        }
+        self.terminate.recv().now_or_never().map(|_| "SIGTERM")
+    }
+}
+
 /// Load the TLS credentials and bind where the arguments say (both before any passphrase is
 /// asked for: unusable credentials or a busy or refused address should not cost an unlock),
 /// and give a Unix socket the mode `--socket-mode` asks for.
@@ -497,7 +510,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
     // A mistyped address is named before anything is bound or a passphrase asked for.
     info_at(rt, &uri, snapshot.as_deref())?;
-    let endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
+    let mut endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
     if !args.read_only && snapshot.is_none() {
         refuse_a_second_local_writer(&uri)?;
         rt.block_on(Image::refuse_if_write_locked(&uri))
@@ -523,6 +536,11 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         anyhow!("{e}{hint}")
     })?;
     drop(passphrase);
+    if let Some(signal) = rt.block_on(async { endpoint.stop_signal_pending() }) {
+        let closed = rt.block_on(image.close()).map_err(|e| anyhow!("{e}"));
+        closed?;
+        anyhow::bail!("{signal} while the image was being opened: stopped before serving it");
+    }
 
     // `ivdisk snap create` of this image reaches the writer through it (listening
     // before the server says it is ready).
@@ -785,8 +803,12 @@ fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
 
 fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let uri = RbdUri::parse(&args.image).map_err(|e| anyhow!("{e}"))?;
-    let endpoint = bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
+    let mut endpoint =
+        bind(&args, rt).with_context(|| format!("serving rbd image {}", uri.spec()))?;
     let image = Arc::new(open_rbd(&args, &uri, rt)?);
+    if let Some(signal) = rt.block_on(async { endpoint.stop_signal_pending() }) {
+        anyhow::bail!("{signal} while the image was being opened: stopped before serving it");
+    }
     let encryption = image.encryption().map_or("none", |f| f.name());
     let export = Export {
         name: args.export_name.clone(),

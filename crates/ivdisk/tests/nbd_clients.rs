@@ -3025,3 +3025,52 @@ fn a_server_whose_stderr_is_gone_still_stops_cleanly() {
     assert!(!socket.exists(), "{} was left behind", socket.display());
     assert_lock_free(&f.ivdisk_path(), &image);
 }
+
+/// A stop signal while the image is being opened (at the passphrase prompt, during the key
+/// derivation: here 4 million PBKDF2 iterations, about 2 s) stops the server before it says
+/// it is ready: no ready line, its socket removed, the lock free. The handlers held the
+/// signal from the bind on, and the server announced the export ready (a ready line,
+/// READY=1) and then stopped at once.
+#[test]
+fn a_stop_signal_while_the_image_opens_stops_it_before_serving() {
+    let f = Fixture::new();
+    let image = f.path("slow");
+    f.ivdisk(&[
+        "create",
+        s(&image),
+        "--size",
+        "16M",
+        "--key-file",
+        s(&f.key),
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "4000000",
+    ])
+    .ok();
+    let socket = f.unique("nbd", ".sock");
+    let child = f
+        .serve_command(&image, &["--socket", s(&socket)], &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    thread::sleep(Duration::from_millis(400));
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("\"uri\""), "announced ready: {stdout}");
+    assert!(
+        stdout.contains("SIGTERM while the image was being opened"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!socket.exists(), "{} was left behind", socket.display());
+    assert_lock_free(&f.ivdisk_path(), &image);
+}
