@@ -366,6 +366,32 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
     text
 }
 
+/// Raise the soft limit on open files to the hard one, as servers do, for every command: each
+/// NBD connection is one, librados holds one per OSD and monitor it talks to, and a local
+/// store holds every segment file of 1 GiB it has appended over its life, so the usual soft
+/// limit of 1024 ran out at a few hundred clients, on a large cluster, or (for import,
+/// convert, restore as much as serve) on a store past a thousand segments.
+fn raise_open_file_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    // The kernel refuses more than fs.nr_open, 2^20 by default, and "unlimited".
+    const MOST: u64 = 1 << 20;
+    let limit = getrlimit(Resource::Nofile);
+    let Some(raised) = limit.maximum.or(Some(MOST)).map(|m| m.min(MOST)) else {
+        return;
+    };
+    if limit.current.is_some_and(|c| c >= raised) {
+        return;
+    }
+    let wanted = rustix::process::Rlimit {
+        current: Some(raised),
+        ..limit
+    };
+    match setrlimit(Resource::Nofile, wanted) {
+        Ok(()) => tracing::debug!(from = ?limit.current, to = raised, "raised the open file limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open file limit"),
+    }
+}
+
 fn main() -> ExitCode {
     // Usage errors exit with clap's 2; everything else that fails exits with 1.
     JSON_REQUESTED.store(
@@ -411,6 +437,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    raise_open_file_limit();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

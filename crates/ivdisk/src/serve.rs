@@ -452,30 +452,6 @@ fn resolve_listen(address: &str) -> Result<(String, Vec<std::net::IpAddr>)> {
     ))
 }
 
-/// Raise the soft limit on open files to the hard one, as servers do: each NBD connection is
-/// one, and librados holds one per OSD and monitor it talks to, so the usual soft limit of
-/// 1024 ran out at a few hundred clients or on a large cluster (accepts then back off).
-fn raise_open_file_limit() {
-    use rustix::process::{getrlimit, setrlimit, Resource};
-    // The kernel refuses more than fs.nr_open, 2^20 by default, and "unlimited".
-    const MOST: u64 = 1 << 20;
-    let limit = getrlimit(Resource::Nofile);
-    let Some(raised) = limit.maximum.or(Some(MOST)).map(|m| m.min(MOST)) else {
-        return;
-    };
-    if limit.current.is_some_and(|c| c >= raised) {
-        return;
-    }
-    let wanted = rustix::process::Rlimit {
-        current: Some(raised),
-        ..limit
-    };
-    match setrlimit(Resource::Nofile, wanted) {
-        Ok(()) => tracing::debug!(from = ?limit.current, to = raised, "raised the open file limit"),
-        Err(e) => tracing::warn!(error = %e, "could not raise the open file limit"),
-    }
-}
-
 /// A local image that another process has open for writing, refused before the passphrase is
 /// asked for and its key derivation run: its store would refuse the open after them, with
 /// the same error.
@@ -503,7 +479,6 @@ fn refuse_a_second_local_writer(uri: &ImageUri) -> Result<()> {
 }
 
 pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
-    raise_open_file_limit();
     if RbdUri::is_rbd(&args.image) {
         return run_rbd(args, rt);
     }

@@ -266,6 +266,35 @@ fn a_path_with_two_leading_slashes_is_the_same_path() {
     assert_eq!(info(&image)["size"], 64u64 << 20);
 }
 
+/// A local store holds every segment file it appended over its life open while it is open for
+/// writing (one per GiB appended and not reused), so past a thousand of them the usual soft
+/// limit on open files ran out in every command but `serve` ("Too many open files"): each
+/// command raises it to the hard limit. The store here has 200 segments (empty ones, as a
+/// store's dead ones are once punched) and the command runs under a soft limit of 64.
+#[test]
+fn a_store_with_more_segments_than_the_soft_open_file_limit_opens_for_writing() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "64M", &[]);
+    for n in 2..=200 {
+        std::fs::File::create(image.join("data").join(format!("seg-{n:08}"))).unwrap();
+    }
+    let out = Command::new("sh")
+        .args(["-c", "ulimit -Sn 64 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["resize", p(&image), "--size", "128M", "--json"])
+        .args(["--passphrase-file", p(&f.pw)])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "resize under a soft limit of 64 open files: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(info(&image)["size"], 128u64 << 20);
+}
+
 #[test]
 fn resize_grows_and_shrinks_only_when_allowed() {
     let f = Fixture::new();
