@@ -2096,7 +2096,11 @@ async fn apply_increment(
                 snapshot: format!("id {applying}"),
             });
         }
-        if !resuming && state.snapshot_id != Some(base.snapshot_id) {
+        // Checked when resuming too: until the final header write the state still names the
+        // base the interrupted increment started from, and its size is the base's; without
+        // them an increment from another base (b→c after a→c stopped, both ending at c) went
+        // on as the "same" one, checked only the objects it changes, and left the rest at a.
+        if state.snapshot_id != Some(base.snapshot_id) {
             return Err(mismatch(format!(
                 "it goes from snapshot `{}` (id {}), but this image holds {}",
                 base.snapshot,
@@ -2107,7 +2111,7 @@ async fn apply_increment(
                 }
             )));
         }
-        if !resuming && parsed.size != base.size {
+        if parsed.size != base.size {
             return Err(mismatch(format!(
                 "snapshot `{}` was {} bytes, this image is {} bytes (resized since its restore)",
                 base.snapshot, base.size, parsed.size
@@ -2221,6 +2225,9 @@ async fn apply_increment(
             .await
             .map_err(ImageError::store(&image))?
             .map(|region| region.digest());
+        // The marker durable before any data changes: lost in a crash (or a failed group
+        // commit) after some of them, the image would open as a mix of two states.
+        store.flush().await.map_err(ImageError::store(&image))?;
         replay(
             &target,
             path,
@@ -2230,6 +2237,10 @@ async fn apply_increment(
             &mut touched,
         )
         .await?;
+        // The data durable before the header that says it is there (as a full restore does):
+        // a store that acknowledges writes before its group commit may still lose them, and
+        // a header naming the new snapshot over them would refuse the increment's retry.
+        store.flush().await.map_err(ImageError::store(&image))?;
         // The header last: the new size and keyslots, the carried omap, the new state.
         let mut op = WriteOp::new();
         op.steps.push(WriteStep::Truncate(0));

@@ -1121,6 +1121,135 @@ async fn an_increment_outlives_the_header_objects_version() {
     );
 }
 
+/// The memory store as a store that acknowledges writes before they are durable sees a
+/// failed group commit: once armed, data object writes are acknowledged and not applied, and
+/// the next flush fails (what the local store reports when a commit failed, ENOSPC).
+struct LosingStore {
+    inner: MemoryStore,
+    armed: std::sync::atomic::AtomicBool,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for LosingStore {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.armed.load(SeqCst) && object.as_str().starts_with("ivdisk_data.") {
+            self.lost.store(true, SeqCst);
+            return Ok(ivdisk_store::WriteOutcome { version: 1 });
+        }
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::ReadOp,
+    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
+        self.inner.snap_create().await
+    }
+    async fn snap_remove(
+        &self,
+        snap: ivdisk_store::SnapId,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.snap_remove(snap).await
+    }
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: ivdisk_store::LockRequest,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.lock_exclusive(object, request).await
+    }
+    async fn unlock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.unlock(object, lock, cookie).await
+    }
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
+        self.inner.list_lockers(object, lock).await
+    }
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.break_lock(object, lock, client, cookie).await
+    }
+    async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+        if self.lost.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Err(ivdisk_store::StoreError::NoSpace {
+                context: "committing (test)".into(),
+            });
+        }
+        self.inner.flush().await
+    }
+    fn client_id(&self) -> &str {
+        self.inner.client_id()
+    }
+}
+
+/// An increment whose data writes were acknowledged but lost (the flush after them fails)
+/// leaves the image marked half-applied, at its base: it wrote the header naming the new
+/// snapshot before it flushed, so the image opened as a mix of two states and the retry was
+/// refused ("this image holds snapshot `b`").
+#[tokio::test(flavor = "multi_thread")]
+async fn an_increment_whose_data_was_lost_is_not_recorded_as_applied() {
+    let dir = tmp();
+    abc_backups(dir.path()).await;
+    let target = Arc::new(LosingStore {
+        inner: MemoryStore::new().unwrap(),
+        armed: false.into(),
+        lost: false.into(),
+    });
+    Image::restore_backup_on(&dir.path().join("a.ivdbak"), target.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    target
+        .armed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let applied =
+        Image::restore_backup_on(&dir.path().join("ab.ivdbak"), target.clone(), "dst", |_| {})
+            .await;
+    assert!(applied.is_err(), "the lost writes went unreported");
+    let header = ObjectName::new(header_object_name("dst")).unwrap();
+    let (_, state) = target
+        .omap_all(&header)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k == BACKUP_STATE_KEY)
+        .unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&state).unwrap();
+    assert_eq!(state["snapshot"], "a", "the image claims b: {state}");
+    assert_eq!(state["applying"], 2, "no half-applied mark: {state}");
+    // Once the store keeps its writes, the same increment finishes the job.
+    target
+        .armed
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    Image::restore_backup_on(&dir.path().join("ab.ivdbak"), target.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+}
+
 /// An image an increment was left half applied in takes no other increment (from the same
 /// base, it checked only the objects it changes and kept the other's writes to the rest),
 /// and is not backed up whole (a mix of two states); a full restore beside an image of the
@@ -1154,6 +1283,12 @@ async fn half_applied_increments_and_shared_ids_are_refused() {
     match Image::restore_backup_on(&file("ab.ivdbak"), target.clone(), "dst", |_| {}).await {
         Err(ImageError::RestoreUnfinished { .. }) => {}
         other => panic!("expected RestoreUnfinished, got {other:?}"),
+    }
+    // b→c ends at c too, but starts from b: it is no resumption of a→c (it checked only the
+    // objects b→c changes, and left object 0, which a→b changed, at a).
+    match Image::restore_backup_on(&file("bc.ivdbak"), target.clone(), "dst", |_| {}).await {
+        Err(ImageError::IncrementalMismatch { .. }) => {}
+        other => panic!("b→c over a half-applied a→c: expected IncrementalMismatch, got {other:?}"),
     }
     let whole = dir.path().join("whole.ivdbak");
     match Image::backup_on(target.clone(), "dst", &full(), &whole, |_| {}).await {
