@@ -1151,7 +1151,8 @@ impl crate::SectorCipher for AeadSuite {
                 if crate::ffi::aegis128l_vaes::available() {
                     done = self.seal_lanes_in_slots(_key, &nonces, first_sector, sectors, slots);
                 }
-                let rest = first_sector + done as u64;
+                // Wraps only when no sector is left (a run ending at sector 2^64 - 1).
+                let rest = first_sector.wrapping_add(done as u64);
                 let slots = &mut slots[done * (ss + md_len)..];
                 self.seal_each_in_slots(rest, slots, |number, sector, md| {
                     self.seal_run_with(&nonces, number, sector, md)

@@ -66,6 +66,22 @@ pub enum CryptoError {
         output: usize,
     },
 
+    /// A slotted run (each sector followed by its metadata) whose length is not what its
+    /// sectors need: not a whole number of slots, or not one slot per sector of plaintext.
+    #[error(
+        "slotted run of {got} bytes: expected {expected} bytes ({slot}-byte slots, each a \
+         sector and its metadata)"
+    )]
+    SlotsLength {
+        /// The slotted run's length.
+        got: usize,
+        /// The length it should have: a slot per sector of the plaintext, or (with no
+        /// plaintext to count by) the next whole number of slots.
+        expected: usize,
+        /// Sector size plus metadata length.
+        slot: usize,
+    },
+
     /// A metadata buffer whose length does not match the number of sectors.
     #[error("metadata buffer of {got} bytes does not fit {sectors} sectors of {suite}: expected {expected} bytes")]
     MetadataLength {

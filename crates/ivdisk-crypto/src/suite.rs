@@ -485,9 +485,10 @@ pub(crate) fn check_slots_append<C: SectorCipher + ?Sized>(
     let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
     let sectors = slots.len() / (ss + ml);
     if slots.len() != sectors * (ss + ml) {
-        return Err(CryptoError::OutputLength {
-            input: slots.len(),
-            output: sectors * ss,
+        return Err(CryptoError::SlotsLength {
+            got: slots.len(),
+            expected: slots.len().next_multiple_of(ss + ml),
+            slot: ss + ml,
         });
     }
     check_run(cipher.suite(), ss, first_sector, sectors * ss, sectors * ml)
@@ -619,9 +620,10 @@ pub(crate) fn check_slots<C: SectorCipher + ?Sized>(
     let (ss, ml) = (cipher.sector_size(), cipher.metadata_len());
     let sectors = check_whole_sectors(cipher, first_sector, plaintext)?;
     if slots.len() != sectors * (ss + ml) {
-        return Err(CryptoError::OutputLength {
-            input: slots.len(),
-            output: plaintext.len(),
+        return Err(CryptoError::SlotsLength {
+            got: slots.len(),
+            expected: sectors * (ss + ml),
+            slot: ss + ml,
         });
     }
     Ok(sectors)

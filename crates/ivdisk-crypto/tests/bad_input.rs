@@ -614,39 +614,68 @@ fn errors_are_std_errors() {
 /// the overflow where overflow checks are on (debug and test builds).
 #[test]
 fn slots_at_the_last_sectors_round_trip() {
-    for suite in Suite::ALL {
-        let c = build(suite, 512);
-        let first = u64::MAX - 1;
-        let plain: Vec<u8> = (0..1024u32).map(|i| (i % 251) as u8).collect();
-        let mut slots = Vec::new();
-        c.encrypt_sectors_append_slots(first, &plain, &mut slots)
-            .unwrap();
-        let mut again = slots.clone();
-        c.decrypt_sectors_in_slots(first, &mut again).unwrap();
-        let slot = 512 + c.metadata_len();
-        for (i, s) in again.chunks(slot).enumerate() {
-            assert!(
-                s[..512] == plain[i * 512..(i + 1) * 512],
-                "{suite}: sector {i}"
-            );
-        }
-        let mut inplace = Vec::with_capacity(slots.len());
-        for i in 0..2 {
-            inplace.extend_from_slice(&plain[i * 512..(i + 1) * 512]);
-            inplace.extend(std::iter::repeat_n(0u8, c.metadata_len()));
-        }
-        c.encrypt_sectors_in_slots(first, &mut inplace).unwrap();
-        c.decrypt_sectors_in_slots(first, &mut inplace).unwrap();
-        let mut to = vec![0u8; slots.len()];
-        c.encrypt_sectors_to_slots(first, &plain, &mut to).unwrap();
-        c.decrypt_sectors_in_slots(first, &mut to).unwrap();
-        for run in [&inplace, &to] {
-            for (i, s) in run.chunks(slot).enumerate() {
+    // 4 and 8 sectors: runs the four-lane kernels seal whole (none left for one at a time).
+    for count in [2usize, 4, 8] {
+        for suite in Suite::ALL {
+            let c = build(suite, 512);
+            let first = u64::MAX - (count as u64 - 1);
+            let plain: Vec<u8> = (0..512 * count as u32).map(|i| (i % 251) as u8).collect();
+            let mut slots = Vec::new();
+            c.encrypt_sectors_append_slots(first, &plain, &mut slots)
+                .unwrap();
+            let mut again = slots.clone();
+            c.decrypt_sectors_in_slots(first, &mut again).unwrap();
+            let slot = 512 + c.metadata_len();
+            for (i, s) in again.chunks(slot).enumerate() {
                 assert!(
                     s[..512] == plain[i * 512..(i + 1) * 512],
-                    "{suite}: sector {i}"
+                    "{suite}, {count} sectors: sector {i}"
                 );
             }
+            let mut inplace = Vec::with_capacity(slots.len());
+            for i in 0..count {
+                inplace.extend_from_slice(&plain[i * 512..(i + 1) * 512]);
+                inplace.extend(std::iter::repeat_n(0u8, c.metadata_len()));
+            }
+            c.encrypt_sectors_in_slots(first, &mut inplace).unwrap();
+            c.decrypt_sectors_in_slots(first, &mut inplace).unwrap();
+            let mut to = vec![0u8; slots.len()];
+            c.encrypt_sectors_to_slots(first, &plain, &mut to).unwrap();
+            c.decrypt_sectors_in_slots(first, &mut to).unwrap();
+            for run in [&inplace, &to] {
+                for (i, s) in run.chunks(slot).enumerate() {
+                    assert!(
+                        s[..512] == plain[i * 512..(i + 1) * 512],
+                        "{suite}, {count} sectors: sector {i}"
+                    );
+                }
+            }
         }
+    }
+}
+
+/// A slotted run of the wrong length says what length it should have (a slot per sector,
+/// each sector and its metadata): it said "output buffer of 4096 bytes for an input of 4096
+/// bytes: expected the same length" for slots with no room for the metadata.
+#[test]
+fn slots_of_the_wrong_length_name_the_length_they_need() {
+    for suite in Suite::ALL.into_iter().filter(|s| s.metadata_len() > 0) {
+        let c = build(suite, 4096);
+        let slot = 4096 + c.metadata_len();
+        let mut slots = vec![0u8; 4096];
+        match c.encrypt_sectors_to_slots(0, &[0u8; 4096], &mut slots) {
+            Err(CryptoError::SlotsLength {
+                got: 4096,
+                expected,
+                slot: s,
+            }) if expected == slot && s == slot => {}
+            other => panic!("{suite}: {other:?}"),
+        }
+        let refused = c.decrypt_sectors_in_slots(0, &mut slots).unwrap_err();
+        let text = refused.to_string();
+        assert!(
+            text.contains(&format!("expected {slot} bytes")) && !text.contains("same length"),
+            "{suite}: {text}"
+        );
     }
 }

@@ -616,7 +616,7 @@ fn long_appended_runs_equal_in_place() {
             );
             let refused = c.encrypt_sectors_to_slots(77, &plain, &mut over[1..]);
             assert!(
-                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                matches!(refused, Err(CryptoError::SlotsLength { .. })),
                 "{config:?}: {refused:?}"
             );
             // And back from slots; a tampered slot fails alone and reads as zeros.
@@ -628,7 +628,7 @@ fn long_appended_runs_equal_in_place() {
             );
             let refused = c.decrypt_sectors_from_slots(77, &slots[1..], &mut back);
             assert!(
-                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                matches!(refused, Err(CryptoError::SlotsLength { .. })),
                 "{config:?}: {refused:?}"
             );
             // In place in the slots: each sector's plaintext where its ciphertext was, its
@@ -646,7 +646,7 @@ fn long_appended_runs_equal_in_place() {
             let mut short = slots[1..].to_vec();
             let refused = c.decrypt_sectors_in_slots(77, &mut short);
             assert!(
-                matches!(refused, Err(CryptoError::OutputLength { .. })),
+                matches!(refused, Err(CryptoError::SlotsLength { .. })),
                 "{config:?}: {refused:?}"
             );
             // Encrypted in place in slots (`encrypt_sectors_in_slots`): each sector's
@@ -669,7 +669,7 @@ fn long_appended_runs_equal_in_place() {
             assert!(
                 matches!(
                     refused,
-                    Err(CryptoError::OutputLength { .. } | CryptoError::BufferLength { .. })
+                    Err(CryptoError::SlotsLength { .. } | CryptoError::BufferLength { .. })
                 ),
                 "{config:?}: {refused:?}"
             );
@@ -691,7 +691,7 @@ fn long_appended_runs_equal_in_place() {
                 let len = out.len();
                 let refused = c.decrypt_sectors_from_slots_append(77, &slots[1..], &mut out);
                 assert!(
-                    matches!(refused, Err(CryptoError::OutputLength { .. })),
+                    matches!(refused, Err(CryptoError::SlotsLength { .. })),
                     "{config:?}: {refused:?}"
                 );
                 assert_eq!(
