@@ -762,6 +762,24 @@ impl Header {
         })
     }
 
+    /// Whether a volume key that `other` takes is also this header's without checking it (a
+    /// PBKDF2 run of about 125 ms): both LUKS2 with the same digest of the data segment's key
+    /// (hash, iterations, salt and digest). `false` says nothing: check the key then.
+    pub fn has_volume_key_digest_of(&self, other: &Header) -> bool {
+        let digest = |h: &Header| match &h.format {
+            Format::Luks2 { metadata, .. } => metadata.segment_digest().map(|(_, d)| {
+                (
+                    d.hash.clone(),
+                    d.iterations,
+                    d.salt.clone(),
+                    d.digest.clone(),
+                )
+            }),
+            Format::Luks1(_) => None,
+        };
+        digest(self).is_some_and(|mine| digest(other) == Some(mine))
+    }
+
     /// Check a volume key (a recovery key file) against the digest.
     pub fn unlock_with_volume_key(&self, key: &[u8]) -> Result<VolumeKey, HeaderError> {
         let matches = match &self.format {

@@ -257,6 +257,31 @@ pub(crate) struct Parsed {
     pub(crate) params: ImageParams,
 }
 
+/// The header read again under the writer lock is of the image `unlocked` was read from,
+/// and `volume_key` (recovered from `unlocked`) opens it; else `HeaderChanged`.
+fn check_same_image(
+    image: &str,
+    unlocked: &Header,
+    again: &Header,
+    volume_key: &VolumeKey,
+) -> Result<(), ImageError> {
+    let (before, now) = (parse_header(image, unlocked)?, parse_header(image, again)?);
+    let same = before.params.image_id == now.params.image_id
+        && before.params.object_size == now.params.object_size
+        && before.suite == now.suite
+        && before.layout == now.layout
+        && before.sector_size == now.sector_size
+        && (again.has_volume_key_digest_of(unlocked)
+            || again.unlock_with_volume_key(volume_key.as_bytes()).is_ok());
+    if same {
+        Ok(())
+    } else {
+        Err(ImageError::HeaderChanged {
+            image: image.to_owned(),
+        })
+    }
+}
+
 pub(crate) fn parse_header(image: &str, header: &Header) -> Result<Parsed, ImageError> {
     let params = header
         .image_params()
@@ -517,7 +542,22 @@ impl Image {
         else {
             return Ok(());
         };
-        // (`NotFound` once the header object is gone.)
+        // (`NotFound` once the header object is gone.) The image read is still the one under
+        // the name (not deleted and made again since), and no delete, rollback or restore
+        // began before the mark.
+        let (header, _) =
+            read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
+        if parse_header(&inner.name, &header)?.params.image_id != inner.image_id {
+            return Err(ImageError::HeaderChanged {
+                image: inner.name.clone(),
+            });
+        }
+        crate::backup::refuse_unfinished_restore(
+            inner.store.as_ref(),
+            &inner.header_object,
+            &inner.name,
+        )
+        .await?;
         let table =
             SnapshotTable::read(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
         if let Some((name, id)) = &inner.snapshot {
@@ -607,7 +647,19 @@ impl Image {
         };
         // Read again under the lock: another writer may have resized before we held it.
         let header = match &lock {
-            Some(_) => read_header(store.as_ref(), &header_object, &image).await?.0,
+            Some(_) => {
+                let again = read_header(store.as_ref(), &header_object, &image).await?.0;
+                // The image unlocked may be gone meanwhile (the passphrase's key derivation
+                // takes seconds): deleted and made again under the name, a header restored
+                // over it. Its key then opened another image's header, wrote sectors that
+                // key cannot have written and read that image's as integrity errors.
+                check_same_image(&image, header, &again, &volume_key)?;
+                // Markers checked before the lock: a delete, rollback or restore that
+                // started since (or a dead holder's, taken over) is seen now.
+                crate::backup::refuse_unfinished_restore(store.as_ref(), &header_object, &image)
+                    .await?;
+                again
+            }
             None => header.clone(),
         };
         let parsed = parse_header(&image, &header)?;

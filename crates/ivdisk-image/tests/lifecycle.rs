@@ -1418,3 +1418,175 @@ async fn a_header_size_past_the_largest_image_is_corrupt() {
         }
     }
 }
+
+/// What the store of `ChangedWhileUnlocking` does to image "x" just before a writer's first
+/// lock request: what another client could do while the opening one derived its key.
+#[derive(Clone, Copy)]
+enum WhileUnlocking {
+    /// Delete the image and create another under the same name, with another passphrase.
+    ReplaceImage,
+    /// Start a delete (its marker) and remove data object 0, then stop (a dead deleter).
+    StartDelete,
+}
+
+/// The memory store, doing `hook` once before the first writer-lock request that is no
+/// renewal.
+struct ChangedWhileUnlocking {
+    inner: std::sync::Arc<dyn ObjectStore>,
+    hook: std::sync::Mutex<Option<WhileUnlocking>>,
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for ChangedWhileUnlocking {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::ReadOp,
+    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, ivdisk_store::StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn snap_create(&self) -> Result<ivdisk_store::SnapId, ivdisk_store::StoreError> {
+        self.inner.snap_create().await
+    }
+    async fn snap_remove(
+        &self,
+        snap: ivdisk_store::SnapId,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.snap_remove(snap).await
+    }
+    async fn lock_exclusive(
+        &self,
+        object: &ObjectName,
+        request: LockRequest,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        let hook = match request.renew {
+            true => None,
+            false => self.hook.lock().unwrap().take(),
+        };
+        let header = ObjectName::new(header_object_name("x")).unwrap();
+        match hook {
+            None => {}
+            Some(WhileUnlocking::ReplaceImage) => {
+                let old = Image::open_on(self.inner.clone(), "x", PASS, &OpenOptions::read_only())
+                    .await
+                    .unwrap();
+                let prefix = data_object_prefix(&old.image_id());
+                drop(old);
+                for data in self.inner.list(&prefix).await.unwrap() {
+                    self.inner.remove(&data).await.unwrap();
+                }
+                self.inner.remove(&header).await.unwrap();
+                let other = Image::create_on(self.inner.clone(), "x", &opts(MIB), b"other")
+                    .await
+                    .unwrap();
+                other.write(0, &[0x77; 4096]).await.unwrap();
+                other.close().await.unwrap();
+            }
+            Some(WhileUnlocking::StartDelete) => {
+                let op = ivdisk_store::WriteOp::new()
+                    .omap_set(vec![(b"ivdisk.deleting".to_vec(), b"1".to_vec())]);
+                self.inner.write_op(&header, op).await.unwrap();
+                let old =
+                    Image::open_on(self.inner.clone(), "x", PASS, &OpenOptions::read_only()).await;
+                assert!(old.is_err(), "the marker is not seen by a new open");
+                let any = self.inner.list("ivdisk_data.").await.unwrap();
+                self.inner.remove(&any[0]).await.unwrap();
+            }
+        }
+        self.inner.lock_exclusive(object, request).await
+    }
+    async fn unlock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.unlock(object, lock, cookie).await
+    }
+    async fn list_lockers(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+    ) -> Result<Vec<ivdisk_store::Locker>, ivdisk_store::StoreError> {
+        self.inner.list_lockers(object, lock).await
+    }
+    async fn break_lock(
+        &self,
+        object: &ObjectName,
+        lock: &str,
+        client: &str,
+        cookie: &str,
+    ) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.break_lock(object, lock, client, cookie).await
+    }
+    async fn flush(&self) -> Result<(), ivdisk_store::StoreError> {
+        self.inner.flush().await
+    }
+    fn client_id(&self) -> &str {
+        self.inner.client_id()
+    }
+}
+
+/// A writer checks, once it holds the lock, that the image it unlocked is still the one under
+/// the name and that no delete began meanwhile (the key derivation takes seconds). It went on
+/// with the other image's header and the first image's key (every sector it wrote failed
+/// authentication, and the other's read as integrity errors), or opened a half-deleted image
+/// that read zeros where objects were removed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_writer_sees_the_image_replaced_or_deleted_while_it_unlocked() {
+    for (hook, what) in [
+        (WhileUnlocking::ReplaceImage, "replaced"),
+        (WhileUnlocking::StartDelete, "half deleted"),
+    ] {
+        let inner: std::sync::Arc<dyn ObjectStore> =
+            std::sync::Arc::new(ivdisk_store::MemoryStore::new().unwrap());
+        let first = Image::create_on(inner.clone(), "x", &opts(MIB), PASS)
+            .await
+            .unwrap();
+        first.write(0, &[0x11; 2 * 65536]).await.unwrap();
+        first.close().await.unwrap();
+        let store = std::sync::Arc::new(ChangedWhileUnlocking {
+            inner: inner.clone(),
+            hook: std::sync::Mutex::new(Some(hook)),
+        });
+        match (
+            hook,
+            Image::open_on(store.clone(), "x", PASS, &OpenOptions::default()).await,
+        ) {
+            (WhileUnlocking::ReplaceImage, Err(ImageError::HeaderChanged { .. })) => {
+                // The image under the name now is untouched, and opens with its passphrase.
+                let other = Image::open_on(inner.clone(), "x", b"other", &OpenOptions::default())
+                    .await
+                    .unwrap();
+                let mut sector = [0u8; 4096];
+                other.read(0, &mut sector).await.unwrap();
+                assert_eq!(sector, [0x77; 4096]);
+                other.close().await.unwrap();
+            }
+            (WhileUnlocking::StartDelete, Err(ImageError::DeleteUnfinished { .. })) => {}
+            (_, Err(e)) => panic!("{what}: unexpected error {e}"),
+            (_, Ok(_)) => panic!("{what}: the writer opened"),
+        }
+        assert!(
+            inner
+                .list_lockers(
+                    &ObjectName::new(header_object_name("x")).unwrap(),
+                    WRITER_LOCK
+                )
+                .await
+                .unwrap()
+                .is_empty(),
+            "{what}: the refused open left the lock held"
+        );
+    }
+}
