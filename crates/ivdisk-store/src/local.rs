@@ -396,6 +396,53 @@ fn segment_path(dir: &Path, n: u32) -> PathBuf {
     dir.join(format!("seg-{n:08}"))
 }
 
+/// After an unclean stop, make the state this open found durable before anything acts on it:
+/// the segments, then the metadata log. A process killed between a group commit and the
+/// durable commit after it leaves commits in the page cache, unsynced (and so does a run whose
+/// log sync failed); the reclaim then punched the space those commits had freed, and a power
+/// cut before this run's first durable commit brought back the synced state, whose extents
+/// still referenced that space: flushed data read as holes. The segments first, as at every
+/// durable commit: a log made durable must not reference data that is not.
+fn make_found_state_durable(dir: &Path) -> Result<(), StoreError> {
+    let segments = dir.join("data");
+    let listed = match std::fs::read_dir(&segments) {
+        Ok(listed) => listed,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(StoreError::io(format!("listing {}", segments.display()))(e)),
+    };
+    let sync = |path: &Path| -> Result<(), StoreError> {
+        match File::open(path) {
+            Ok(file) => {
+                file.sync_data().map_err(StoreError::io_with(|| {
+                    format!(
+                        "syncing {} after an unclean stop (the store cannot make what it \
+                         holds durable: check the disk)",
+                        path.display()
+                    )
+                }))?;
+                crate::fault_io::synced(path);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(format!("opening {}", path.display()))(e)),
+        }
+    };
+    for entry in listed {
+        let entry = entry.map_err(StoreError::io_with(|| {
+            format!("listing {}", segments.display())
+        }))?;
+        if entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with("seg-"))
+        {
+            sync(&entry.path())?;
+        }
+    }
+    sync(&dir.join("meta.sqlite-wal"))?;
+    sync(&dir.join("meta.sqlite"))
+}
+
 impl FileSegments {
     /// Open the segments. After an unclean stop (`reclaim`), dead data whose punch was still
     /// pending when the process died is found (bytes no extent references) and punched.
@@ -1868,12 +1915,20 @@ impl LocalStore {
             }
         };
         // (A store being created has nothing to reclaim.)
-        let segments = FileSegments::open(dir.join("data"), &db, !was_clean && !creating)?;
+        let reclaim = !was_clean && !creating;
+        if reclaim {
+            make_found_state_durable(dir)?;
+        }
+        let segments = FileSegments::open(dir.join("data"), &db, reclaim)?;
         if creating {
             // A store that `open_with` returned survives a power cut: its schema is moved into
             // `meta.sqlite` and synced, and so are the directory entries down to the store.
             db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+            // `data` too: the first segment's entry is in it (a file system may keep a new
+            // file's data on its fsync and not its name; `rotate` syncs `data` likewise).
+            let data = dir.join("data");
             for d in [
+                Some(data.as_path()),
                 Some(dir),
                 dir.parent().filter(|p| !p.as_os_str().is_empty()),
             ]
