@@ -1026,10 +1026,22 @@ impl Header {
         Ok(slot)
     }
 
-    /// Copy the whole header region (both headers and the keyslots area) to `out`.
+    /// Copy the whole header region (both headers and the keyslots area) to `out`. A header
+    /// read with a damaged or stale copy ([`Header::warning`]) is saved with both copies
+    /// rewritten from the valid one: `restore` refuses a damaged backup, and a copy of the
+    /// damage was a backup that never restored, made just when the user was warned.
     pub fn backup(&self, io: &dyn HeaderIo, out: &mut dyn HeaderIo) -> Result<u64, HeaderError> {
         let len = self.region_len();
         copy_region(io, out, len)?;
+        if let Some(warning) = &self.warning {
+            let mut repaired = self.clone();
+            repaired.write(out).map_err(|e| {
+                HeaderError::Backup(format!(
+                    "the header has a damaged copy ({warning}) and could not be saved repaired \
+                     ({e}): repair it first (`cryptsetup repair`)"
+                ))
+            })?;
+        }
         out.sync()
             .map_err(|source| HeaderError::Write { offset: 0, source })?;
         Ok(len)

@@ -839,3 +839,37 @@ fn luks1_keyslot_with_zero_stripes() {
         "{err:?}"
     );
 }
+
+/// A header read with a damaged or stale copy backs up repaired (both copies rewritten from
+/// the valid one): the backup restores, and opens with the passphrase. It was a byte copy of
+/// the damage, which every restore refused ("it is itself damaged").
+#[test]
+fn a_header_with_a_bad_copy_backs_up_restorable() {
+    for damaged in ["primary", "secondary"] {
+        let (mut io, _, key) = formatted();
+        match damaged {
+            "primary" => io.0[4096 + 20] ^= 0x01,
+            _ => io.0[HDR + 4096 + 20] ^= 0x01,
+        }
+        let header = Header::read(&io).unwrap();
+        assert!(
+            header.warning().is_some_and(|w| w.contains(damaged)),
+            "{damaged}: {:?}",
+            header.warning()
+        );
+        let mut backup = MemoryHeaderIo::default();
+        header.backup(&io, &mut backup).unwrap();
+        let saved = Header::read(&backup).unwrap();
+        assert_eq!(
+            saved.warning(),
+            None,
+            "{damaged}: the backup holds the damage"
+        );
+        let mut target = formatted().0;
+        let restored = Header::restore(&mut target, &backup, true)
+            .unwrap_or_else(|e| panic!("{damaged}: the backup does not restore: {e}"));
+        assert_eq!(restored.uuid(), header.uuid());
+        let unlocked = restored.unlock(&target, PASSPHRASE).unwrap();
+        assert_eq!(unlocked.volume_key.as_bytes(), key.as_bytes());
+    }
+}

@@ -790,7 +790,24 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                         backup.display()
                     )
                 })?;
-            let len = header.backup(&device, &mut out)?;
+            let len = match header.backup(&device, &mut out) {
+                Ok(len) => len,
+                Err(e) => {
+                    // Never a backup left behind that looks complete and is not.
+                    drop(out);
+                    let removed = std::fs::remove_file(&backup).is_ok();
+                    return Err(anyhow::Error::new(e).context(format!(
+                        "saving the header of {} to {}{}",
+                        image.display(),
+                        backup.display(),
+                        if removed {
+                            " (the partial backup was removed)"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+            };
             print(
                 json,
                 json!({"image": json_path(&image), "backup": json_path(&backup), "bytes": len, "uuid": header.uuid()}),
@@ -815,6 +832,14 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
                 HeaderTarget::File(path) => path,
             };
             let source = open_read(&backup)?;
+            // As a keyslot change: not under a running server (which holds the file's lock
+            // and its keys), and under the file's lock, so a change another process makes
+            // meanwhile (cryptsetup's, ivdisk's) neither undoes the restore nor mixes with it.
+            let is_file = std::fs::metadata(&image).is_ok_and(|m| m.is_file());
+            if is_file {
+                refuse_if_served(&image)?;
+            }
+            let _lock = lock_header_file(&image)?;
             let header =
                 Header::restore(&mut open_write(&image)?, &source, force).with_context(|| {
                     format!("restoring {} from {}", image.display(), backup.display())

@@ -449,6 +449,72 @@ fn a_keyslot_change_waits_for_another_programs_lock_on_the_file() {
     assert_eq!(keyslot_ids(&hdr), [0, 1]);
 }
 
+/// `header restore` onto a LUKS file takes the file's lock as keyslot changes do: it waits
+/// for another program's change to end, where it wrote at once (a change made meanwhile from
+/// an older read then undid the restore, or mixed with it).
+#[test]
+fn a_header_restore_waits_for_another_programs_lock_on_the_file() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let one = key(dir.path(), "one", b"first passphrase");
+    let two = key(dir.path(), "two", b"second passphrase");
+    format_header(&hdr, &one);
+    let backup = dir.path().join("disk.backup");
+    ok(&["header", "backup", p(&hdr), p(&backup)]);
+    let mut args = vec!["passphrase", "add", p(&hdr), "--key-file", p(&one)];
+    args.extend(["--new-key-file", p(&two)]);
+    args.extend(FAST);
+    ok(&args);
+    assert_eq!(keyslot_ids(&hdr), [0, 1]);
+
+    let holder = std::fs::File::open(&hdr).unwrap();
+    rustix::fs::flock(&holder, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let started = Instant::now();
+    let restore = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["header", "restore", p(&hdr), p(&backup)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        keyslot_ids(&hdr),
+        [0, 1],
+        "the restore wrote while another program held the file's lock"
+    );
+    drop(holder);
+    let out = restore.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+    assert_eq!(keyslot_ids(&hdr), [0]);
+}
+
+/// A `header backup` of a LUKS file that fails part-way (the file ends inside its keyslots
+/// area) removes what it wrote: the partial file held valid header copies and read as a
+/// header, and a second try said it must not exist.
+#[test]
+fn a_failed_header_backup_leaves_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let hdr = dir.path().join("disk.hdr");
+    let one = key(dir.path(), "one", b"first passphrase");
+    format_header(&hdr, &one);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&hdr)
+        .unwrap()
+        .set_len(2 << 20)
+        .unwrap();
+    let backup = dir.path().join("disk.backup");
+    let err = fails(&["header", "backup", p(&hdr), p(&backup)]);
+    assert!(err.contains("partial backup was removed"), "{err}");
+    assert!(!backup.exists(), "a partial backup was left behind");
+}
+
 /// `header format --force` over a header leaves it as it was when the new one cannot be
 /// made (here a volume key of the wrong length): the file was truncated first, and the old
 /// header, a detached volume's only key material, was gone.
