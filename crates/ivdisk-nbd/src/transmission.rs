@@ -42,12 +42,21 @@ const REPLY_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 /// by unmapping) encrypts real zero sectors, a buffer as large as a write's payload (up to
 /// 32 MiB at once, `ivdisk_image`'s zero batches): charged as a write of its length, or
 /// thousands of them in flight asked for tens of gigabytes.
+///
+/// A block status is charged for the most it holds: the device's extents (at most
+/// `BLOCK_STATUS_EXTENTS` of them for the span it is asked about) and a reply of as many
+/// descriptors, 1.5 MiB. At one unit, a client that did not read its replies had 4096 of
+/// them computed at once (2 GiB of replies queued, more in extent lists).
 fn cost(request: &Request, writes_data: bool) -> u32 {
+    const BLOCK_STATUS_BYTES: usize = STRUCTURED_HEADER_LEN
+        + 4
+        + BLOCK_STATUS_EXTENTS * (8 + std::mem::size_of::<crate::device::Extent>());
     match request.command {
         CMD_READ | CMD_WRITE => 1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES,
         CMD_WRITE_ZEROES | CMD_TRIM if writes_data => {
             1 + request.length.min(MAX_PAYLOAD) / UNIT_BYTES
         }
+        CMD_BLOCK_STATUS => 1 + BLOCK_STATUS_BYTES.div_ceil(UNIT_BYTES as usize) as u32,
         _ => 1,
     }
 }
@@ -773,7 +782,13 @@ impl Context {
                 // an image of 4 KiB objects, alternately written, made the device look at a
                 // million objects and the server hold tens of megabytes per request, for one
                 // unit of budget.
-                let span = (request.length as u64).min(BLOCK_STATUS_SPAN);
+                // And no more than `BLOCK_STATUS_EXTENTS` of the device's preferred blocks, so
+                // its list of extents stays within what the request was charged for (a device
+                // whose extents are blocks, alternately written, gave 2^18 per GiB).
+                let granule = u64::from(device.preferred_block_size().max(512));
+                let span = (request.length as u64)
+                    .min(BLOCK_STATUS_SPAN)
+                    .min(BLOCK_STATUS_EXTENTS as u64 * granule);
                 let mut extents = device.allocation(request.offset, span).await?;
                 extents.retain(|e| e.len > 0);
                 extents.truncate(BLOCK_STATUS_EXTENTS);

@@ -860,6 +860,8 @@ struct ProbeDevice {
     never_fast: std::sync::atomic::AtomicBool,
     /// The longest range `allocation` was asked about.
     allocation_asked: AtomicU64,
+    /// How many times `allocation` was called.
+    allocation_calls: AtomicU64,
 }
 
 const PANIC_OFFSET: u64 = 1 << 20;
@@ -894,6 +896,7 @@ impl BlockDevice for ProbeDevice {
     /// written): one extent per 4 KiB.
     async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
         self.allocation_asked.fetch_max(len, Ordering::SeqCst);
+        self.allocation_calls.fetch_add(1, Ordering::SeqCst);
         let mut out = Vec::new();
         let mut at = offset;
         while at < offset + len {
@@ -933,6 +936,36 @@ async fn block_status_replies_are_bounded() {
     assert_eq!(descriptors[1].1, STATE_HOLE | STATE_ZERO);
     let asked = device.allocation_asked.load(Ordering::SeqCst);
     assert!(asked <= 1 << 30, "the device was asked about {asked} bytes");
+    server.stop().await;
+}
+
+/// Block status requests are charged for what they hold (up to 2^16 extents and a reply of
+/// as many descriptors): a client that sends many and reads no reply gets a bounded number
+/// of them computed (its budget of 256 MiB). They were charged one unit each: all 2000 ran,
+/// each a reply of 512 KiB queued for a client that did not read.
+#[tokio::test]
+async fn block_status_requests_are_charged_for_their_replies() {
+    let device = Arc::new(ProbeDevice::default());
+    let server = Server::start(device.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    // Sent from a task of its own: the server stops reading requests once the budget is
+    // spent, and the socket's buffer then fills.
+    let sender = tokio::spawn(async move {
+        for i in 0..2000u64 {
+            client.send(CMD_BLOCK_STATUS, 0, i, 8192, 0xFFFF_F000).await;
+        }
+        client
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let calls = device.allocation_calls.load(Ordering::SeqCst);
+    // 4096 units a connection, 25 a request: 163, and a few whose replies the socket's
+    // buffer took.
+    assert!(
+        (1..300).contains(&calls),
+        "{calls} block status requests computed for a client that reads no reply"
+    );
+    sender.abort();
+    let _ = sender.await;
     server.stop().await;
 }
 
