@@ -71,22 +71,29 @@ fn scan(mut wal: impl Read, len: u64) -> std::io::Result<Option<WalScan>> {
     // and were never part of this log: they are not "discarded".
     let mut current_end = HEADER_LEN as u64;
     let mut broken = false;
+    // A frame of other salts seen: from before a restart, or damaged. Which one, the frames
+    // after it tell: a frame of this log after it means it was this log's, damaged (SQLite
+    // stops there and drops every commit after it), since a restarted log is written from
+    // the start, in order, and everything past its end is older.
+    let mut other_salts = false;
     while at < len {
         if at + frame_len > len {
             // A partial frame at the end of the file: torn while being written, unless the
             // log already ended at a bad frame.
-            if !broken {
+            if !broken && !other_salts {
                 current_end = len;
             }
             break;
         }
         wal.read_exact(&mut frame)?;
         let f32 = |i: usize| u32::from_be_bytes(frame[i..i + 4].try_into().expect("4 bytes"));
-        if f32(8) != salt1 || f32(12) != salt2 {
-            break;
-        }
-        current_end = at + frame_len;
         at += frame_len;
+        if f32(8) != salt1 || f32(12) != salt2 {
+            other_salts = true;
+            continue;
+        }
+        current_end = at;
+        broken |= other_salts;
         if broken {
             continue;
         }
@@ -204,6 +211,18 @@ mod tests {
             Some(WalScan {
                 valid_commits: 1,
                 discarded_bytes: 0
+            })
+        );
+        // A frame of this log whose salts are damaged (a lost sector, a flipped bit): SQLite
+        // stops there, and the commits after it are dropped and said to be. The scan took it
+        // for the end of the log, as a frame from before a restart is, and said nothing.
+        let mut bad_salt = log(&frames[..4], None, (7, 9));
+        bad_salt[HEADER_LEN + 2 * FRAME as usize + 8] ^= 1;
+        assert_eq!(
+            scan_bytes(&bad_salt),
+            Some(WalScan {
+                valid_commits: 1,
+                discarded_bytes: 2 * FRAME
             })
         );
         // No usable header: SQLite ignores the file.
