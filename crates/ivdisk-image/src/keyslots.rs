@@ -77,6 +77,13 @@ impl HeaderChange {
         &self.ranges
     }
 
+    /// The digest of the header region the change was made from (for
+    /// [`Image::apply_header_change`]: the header object's version also moves with writes
+    /// that change no header byte).
+    pub fn made_from(&self) -> &[u8; 32] {
+        &self.made_from
+    }
+
     /// Bytes the change writes.
     pub fn bytes(&self) -> u64 {
         self.ranges.iter().map(|(_, b)| b.len() as u64).sum()
@@ -343,9 +350,15 @@ impl Image {
     /// changes the passphrases of a local image it serves. Refused, with nothing stored, if
     /// the header moved on from `version` (`HeaderChanged`), if the result is not a valid
     /// header, or if it changes anything but keyslots (size, suite, layout, geometry, id).
+    ///
+    /// `made_from` ([`HeaderChange::made_from`]): the change also applies at a newer version
+    /// while the header's bytes are still those it was made from. The writer's own nonce
+    /// reservations (`aes-gcm-random`, every 2^16 sectors written) and snapshots move the
+    /// version, and a change sent while the image was written failed every time.
     pub async fn apply_header_change(
         &self,
         version: u64,
+        made_from: Option<&[u8; 32]>,
         ranges: &[(u64, Vec<u8>)],
     ) -> Result<(), ImageError> {
         let inner = &self.inner;
@@ -362,7 +375,8 @@ impl Image {
         inner.check_writable()?;
         let store = inner.store.as_ref();
         let (header, mut region) = read_header(store, &inner.header_object, image).await?;
-        if region.version() != Some(version) {
+        let read_digest = region.digest();
+        if region.version() != Some(version) && made_from != Some(&read_digest) {
             return Err(ImageError::HeaderChanged {
                 image: image.to_owned(),
             });
@@ -411,7 +425,23 @@ impl Image {
         let Some(op) = region.write_op() else {
             return Ok(());
         };
-        store_header_op(store, &inner.header_object, image, op).await?;
+        // At the version read, or a newer one while the bytes are those checked above.
+        let steps = op.steps[1..].to_vec();
+        let stored = write_unless_header_changed(
+            store,
+            &inner.header_object,
+            &read_digest,
+            region.version(),
+            &steps,
+        )
+        .await
+        .map_err(ImageError::store(image))?;
+        if !stored {
+            return Err(ImageError::HeaderChanged {
+                image: image.to_owned(),
+            });
+        }
+        store.flush().await.map_err(ImageError::store(image))?;
         tracing::info!(
             image,
             bytes = ranges.iter().map(|(_, b)| b.len()).sum::<usize>(),
@@ -583,13 +613,21 @@ mod tests {
             .unwrap();
         assert!(added.bytes() > 0 && added.bytes() < 1 << 20, "{added:?}");
         writer
-            .apply_header_change(added.version().unwrap(), added.ranges())
+            .apply_header_change(
+                added.version().unwrap(),
+                Some(added.made_from()),
+                added.ranges(),
+            )
             .await
             .unwrap();
         assert_eq!(slot, 1);
         assert_eq!(Image::check_passphrase(&uri, b"two").await.unwrap(), 1);
         let err = writer
-            .apply_header_change(stale.version().unwrap(), stale.ranges())
+            .apply_header_change(
+                stale.version().unwrap(),
+                Some(stale.made_from()),
+                stale.ranges(),
+            )
             .await
             .unwrap_err();
         assert!(matches!(err, ImageError::HeaderChanged { .. }), "{err}");
@@ -621,7 +659,7 @@ mod tests {
         ];
         for (version, ranges, why) in refusals {
             let err = writer
-                .apply_header_change(version, &ranges)
+                .apply_header_change(version, None, &ranges)
                 .await
                 .unwrap_err();
             assert!(
@@ -645,12 +683,45 @@ mod tests {
             .await
             .unwrap();
         let err = reader
-            .apply_header_change(change.version().unwrap(), change.ranges())
+            .apply_header_change(change.version().unwrap(), None, change.ranges())
             .await
             .unwrap_err();
         assert!(matches!(err, ImageError::ReadOnly { .. }), "{err}");
         reader.close().await.unwrap();
         assert_eq!(Image::info(&uri).await.unwrap().keyslots, vec![0, 1]);
+    }
+
+    /// A change sent to the writer after the header object's version moved without a header
+    /// byte changing (the writer's nonce reservations, a snapshot, a lock renewal) is stored:
+    /// it was refused as "changed" for as long as the image was written.
+    #[tokio::test]
+    async fn a_writer_stores_a_change_made_before_its_header_object_moved() {
+        let uri = image("writer-moved").await;
+        let writer = Image::open(&uri, b"one", &OpenOptions::default())
+            .await
+            .unwrap();
+        let (slot, change) = Image::prepare_add_passphrase(&uri, b"one", b"two", &fast())
+            .await
+            .unwrap();
+        let object = writer.inner.header_object.clone();
+        let moved = WriteOp::new().omap_set(vec![(b"test.moved".to_vec(), b"1".to_vec())]);
+        writer.store().write_op(&object, moved).await.unwrap();
+        // Without the digest it made from, the moved version alone refuses it.
+        let err = writer
+            .apply_header_change(change.version().unwrap(), None, change.ranges())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::HeaderChanged { .. }), "{err}");
+        writer
+            .apply_header_change(
+                change.version().unwrap(),
+                Some(change.made_from()),
+                change.ranges(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(Image::check_passphrase(&uri, b"two").await.unwrap(), slot);
+        writer.close().await.unwrap();
     }
 
     #[tokio::test]

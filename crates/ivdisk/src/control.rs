@@ -273,7 +273,14 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
                 .zip(header_ranges(&request["ranges"]));
             match change {
                 Some((version, ranges)) => {
-                    match image.apply_header_change(version, &ranges).await {
+                    let made_from: Option<[u8; 32]> = request["made_from"]
+                        .as_str()
+                        .and_then(|h| hex::decode(h).ok())
+                        .and_then(|d| d.try_into().ok());
+                    match image
+                        .apply_header_change(version, made_from.as_ref(), &ranges)
+                        .await
+                    {
                         Ok(()) => json!({"stored": true}),
                         Err(e) => json!({"error": e.to_string()}),
                     }
@@ -351,7 +358,12 @@ pub fn header_change_request(change: &ivdisk_image::HeaderChange) -> Option<Valu
         .iter()
         .map(|(offset, bytes)| json!([offset, hex::encode(bytes)]))
         .collect();
-    Some(json!({"command": "header-change", "version": change.version()?, "ranges": ranges}))
+    Some(json!({
+        "command": "header-change",
+        "version": change.version()?,
+        "made_from": hex::encode(change.made_from()),
+        "ranges": ranges,
+    }))
 }
 
 /// Send `request` (its `location` set here) to the server holding the image `image_id` at
