@@ -142,6 +142,9 @@ pub struct BackupBase {
     pub snapshot_id: SnapId,
     /// The image's size at that snapshot.
     pub size: u64,
+    /// The snapshot's uid ([`crate::SnapshotInfo::uid`]; absent in backups made before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_uid: Option<String>,
 }
 
 /// What a backup file holds (its JSON description).
@@ -164,6 +167,9 @@ pub struct BackupDescription {
     /// The snapshot backed up (`None`: the head).
     pub snapshot: Option<String>,
     pub snapshot_id: Option<SnapId>,
+    /// The snapshot's uid ([`crate::SnapshotInfo::uid`]; absent in backups made before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_uid: Option<String>,
     /// When the backup was made, seconds since the Unix epoch.
     pub created: u64,
     /// Incremental backups: the snapshot the changes are counted from.
@@ -479,6 +485,9 @@ struct RestoredState {
     snapshot: Option<String>,
     /// Set while an increment is being applied: the snapshot id it goes to.
     applying: Option<SnapId>,
+    /// The uid of `snapshot_id`'s snapshot, when the backup carried one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot_uid: Option<String>,
 }
 
 /// Refuse an image an incremental restore left half-applied (`RestoredState::applying`), or
@@ -964,11 +973,13 @@ async fn write_backup<W: Write>(
         size,
         snapshot: snap.as_ref().map(|s| s.name.clone()),
         snapshot_id: read_snap,
+        snapshot_uid: snap.as_ref().and_then(|s| s.uid.clone()),
         created: now(),
         base: base.as_ref().map(|b| BackupBase {
             snapshot: b.name.clone(),
             snapshot_id: b.id,
             size: b.size,
+            snapshot_uid: b.uid.clone(),
         }),
     };
     let mut out = Out::start(writer, &description).map_err(io("writing it"))?;
@@ -1970,6 +1981,7 @@ async fn restore_full(
             snapshot_id: checked.description.snapshot_id,
             snapshot: checked.description.snapshot.clone(),
             applying: None,
+            snapshot_uid: checked.description.snapshot_uid.clone(),
         };
         op.steps.push(WriteStep::OmapSet(
             vec![(
@@ -2110,6 +2122,19 @@ async fn apply_increment(
                     _ => "a backup of the head (no snapshot)".into(),
                 }
             )));
+        }
+        // The same id is not the same snapshot: ids start at 1 in every local store, and
+        // copies restored from one backup share the image id. A base taken on another copy
+        // (a mirror fed increments of a sibling restored from the same backup) passed, and
+        // only the objects the increment changes were checked and written.
+        if let (Some(here), Some(there)) = (&state.snapshot_uid, &base.snapshot_uid) {
+            if here != there {
+                return Err(mismatch(format!(
+                    "it goes from snapshot `{}` (id {}) of another copy of the image than the \
+                     one this image was restored from (the snapshots' uids differ)",
+                    base.snapshot, base.snapshot_id
+                )));
+            }
         }
         if parsed.size != base.size {
             return Err(mismatch(format!(
@@ -2263,6 +2288,7 @@ async fn apply_increment(
         header_state.write_steps(&mut op);
         state.snapshot_id = d.snapshot_id;
         state.snapshot = d.snapshot.clone();
+        state.snapshot_uid = d.snapshot_uid.clone();
         state.applying = None;
         op.steps.push(WriteStep::OmapSet(
             vec![(

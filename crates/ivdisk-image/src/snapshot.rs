@@ -58,6 +58,11 @@ pub struct SnapshotInfo {
     pub size: u64,
     /// When it was taken, in seconds since the Unix epoch.
     pub created: u64,
+    /// 32 random hex digits given at creation (`None` for snapshots taken before there were
+    /// any): what tells this snapshot from another of the same id in another store, which
+    /// an incremental restore must (ids start at 1 in every local store, and copies of an
+    /// image restored from one backup share its image id).
+    pub uid: Option<String>,
 }
 
 /// Check a snapshot name: 1 to 128 printable ASCII bytes without `/` or `@`.
@@ -85,7 +90,18 @@ fn record_key(name: &str) -> Vec<u8> {
 }
 
 fn encode(info: &SnapshotInfo) -> Vec<u8> {
-    format!("id={} size={} created={}", info.id, info.size, info.created).into_bytes()
+    let mut text = format!("id={} size={} created={}", info.id, info.size, info.created);
+    if let Some(uid) = &info.uid {
+        text.push_str(&format!(" uid={uid}"));
+    }
+    text.into_bytes()
+}
+
+/// A new snapshot's uid: 16 random bytes in hex.
+fn new_uid(image: &str) -> Result<String, ImageError> {
+    let mut bytes = [0u8; 16];
+    ivdisk_crypto::fill_random(&mut bytes).map_err(ImageError::crypto(image))?;
+    Ok(hex::encode(bytes))
 }
 
 fn decode(image: &str, key: &[u8], value: &[u8]) -> Result<SnapshotInfo, ImageError> {
@@ -99,12 +115,18 @@ fn decode(image: &str, key: &[u8], value: &[u8]) -> Result<SnapshotInfo, ImageEr
     let name = std::str::from_utf8(&key[SNAPSHOT_KEY_PREFIX.len()..]).map_err(|_| corrupt())?;
     let text = std::str::from_utf8(value).map_err(|_| corrupt())?;
     let mut fields = [None; 3];
+    let mut uid = None;
     for part in text.split(' ') {
         let (k, v) = part.split_once('=').ok_or_else(corrupt)?;
         let slot = match k {
             "id" => 0,
             "size" => 1,
             "created" => 2,
+            "uid" if v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                uid = Some(v.to_ascii_lowercase());
+                continue;
+            }
+            "uid" => return Err(corrupt()),
             _ => continue,
         };
         fields[slot] = Some(v.parse::<u64>().map_err(|_| corrupt())?);
@@ -122,6 +144,7 @@ fn decode(image: &str, key: &[u8], value: &[u8]) -> Result<SnapshotInfo, ImageEr
         id,
         size,
         created,
+        uid,
     })
 }
 
@@ -345,6 +368,7 @@ async fn record_new(
         id,
         size,
         created: now(),
+        uid: Some(new_uid(image)?),
     };
     table.seq = table.seq.max(id);
     let op = WriteOp::new().step(WriteStep::AssertExists).omap_set(vec![

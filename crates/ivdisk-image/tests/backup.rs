@@ -1121,6 +1121,62 @@ async fn an_increment_outlives_the_header_objects_version() {
     );
 }
 
+/// Two copies restored from one full backup share the image id and the snapshot id; an
+/// increment between snapshots taken on one copy goes only onto images restored from that
+/// copy. On the other it passed (same image id, base id 1 == 1), checked and wrote only the
+/// objects the increment changes, and the image claimed a state it did not hold.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_increment_of_a_sibling_copy_is_refused() {
+    let dir = tmp();
+    abc_backups(dir.path()).await;
+    let full = dir.path().join("a.ivdbak");
+    let (mirror, work) = (memory(), memory());
+    for copy in [&mirror, &work] {
+        Image::restore_backup_on(&full, copy.clone(), "dst", |_| {})
+            .await
+            .unwrap();
+    }
+    let image = Image::open_on(work.clone(), "dst", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    image.write(0, &vec![8u8; OBJECT as usize]).await.unwrap();
+    let s = image.create_snapshot("s").await.unwrap();
+    image
+        .write(OBJECT, &vec![9u8; OBJECT as usize])
+        .await
+        .unwrap();
+    image.create_snapshot("t").await.unwrap();
+    image.close().await.unwrap();
+    // The snapshot ids of the copy are those the restored image records (1, as "a"'s).
+    let restored_id = {
+        let header = ObjectName::new(header_object_name("dst")).unwrap();
+        let (_, state) = mirror
+            .omap_all(&header)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|(k, _)| k == BACKUP_STATE_KEY)
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&state).unwrap()["snapshot_id"].clone()
+    };
+    assert_eq!(restored_id, s.id, "the scenario needs ids that collide");
+    let increment = dir.path().join("st.ivdbak");
+    let options = BackupOptions {
+        snapshot: Some("t".into()),
+        since: Some("s".into()),
+        overwrite: false,
+    };
+    Image::backup_on(work.clone(), "dst", &options, &increment, |_| {})
+        .await
+        .unwrap();
+    match Image::restore_backup_on(&increment, mirror.clone(), "dst", |_| {}).await {
+        Err(ImageError::IncrementalMismatch { reason, .. }) => {
+            assert!(reason.contains("another copy"), "{reason}")
+        }
+        other => panic!("expected IncrementalMismatch, got {other:?}"),
+    }
+}
+
 /// The memory store as a store that acknowledges writes before they are durable sees a
 /// failed group commit: once armed, data object writes are acknowledged and not applied, and
 /// the next flush fails (what the local store reports when a commit failed, ENOSPC).

@@ -76,11 +76,12 @@ fn snapshot_info(reply: &Value) -> Result<SnapshotInfo> {
         id: snapshot["id"].as_u64().unwrap_or_default(),
         size: snapshot["size"].as_u64().unwrap_or_default(),
         created: snapshot["created"].as_u64().unwrap_or_default(),
+        uid: snapshot["uid"].as_str().map(str::to_owned),
     })
 }
 
 pub fn snapshot_json(s: &SnapshotInfo) -> Value {
-    json!({"name": s.name, "id": s.id, "size": s.size, "created": s.created})
+    json!({"name": s.name, "id": s.id, "size": s.size, "created": s.created, "uid": s.uid})
 }
 
 pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
