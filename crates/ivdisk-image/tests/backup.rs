@@ -71,6 +71,19 @@ async fn objects(store: &dyn ObjectStore) -> Vec<ObjectName> {
     store.list("").await.unwrap()
 }
 
+/// The backup state recorded in the header object of image "dst" on `store`.
+async fn dst_backup_state(store: &dyn ObjectStore) -> serde_json::Value {
+    let header = ObjectName::new(header_object_name("dst")).unwrap();
+    let (_, state) = store
+        .omap_all(&header)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k == BACKUP_STATE_KEY)
+        .expect("a backup state");
+    serde_json::from_slice(&state).unwrap()
+}
+
 async fn nonce_count(store: &dyn ObjectStore, name: &str) -> Option<Vec<u8>> {
     let object = ObjectName::new(header_object_name(name)).unwrap();
     store
@@ -1148,17 +1161,7 @@ async fn an_increment_of_a_sibling_copy_is_refused() {
     image.create_snapshot("t").await.unwrap();
     image.close().await.unwrap();
     // The snapshot ids of the copy are those the restored image records (1, as "a"'s).
-    let restored_id = {
-        let header = ObjectName::new(header_object_name("dst")).unwrap();
-        let (_, state) = mirror
-            .omap_all(&header)
-            .await
-            .unwrap()
-            .into_iter()
-            .find(|(k, _)| k == BACKUP_STATE_KEY)
-            .unwrap();
-        serde_json::from_slice::<serde_json::Value>(&state).unwrap()["snapshot_id"].clone()
-    };
+    let restored_id = dst_backup_state(mirror.as_ref()).await["snapshot_id"].clone();
     assert_eq!(restored_id, s.id, "the scenario needs ids that collide");
     let increment = dir.path().join("st.ivdbak");
     let options = BackupOptions {
@@ -1286,15 +1289,7 @@ async fn an_increment_whose_data_was_lost_is_not_recorded_as_applied() {
         Image::restore_backup_on(&dir.path().join("ab.ivdbak"), target.clone(), "dst", |_| {})
             .await;
     assert!(applied.is_err(), "the lost writes went unreported");
-    let header = ObjectName::new(header_object_name("dst")).unwrap();
-    let (_, state) = target
-        .omap_all(&header)
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|(k, _)| k == BACKUP_STATE_KEY)
-        .unwrap();
-    let state: serde_json::Value = serde_json::from_slice(&state).unwrap();
+    let state = dst_backup_state(target.as_ref()).await;
     assert_eq!(state["snapshot"], "a", "the image claims b: {state}");
     assert_eq!(state["applying"], 2, "no half-applied mark: {state}");
     // Once the store keeps its writes, the same increment finishes the job.
@@ -1322,14 +1317,7 @@ async fn half_applied_increments_and_shared_ids_are_refused() {
         .unwrap();
     // a→c stopped part-way: its marker names c (id 3).
     let header = ObjectName::new(header_object_name("dst")).unwrap();
-    let (_, state) = target
-        .omap_all(&header)
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|(k, _)| k == BACKUP_STATE_KEY)
-        .unwrap();
-    let mut state: serde_json::Value = serde_json::from_slice(&state).unwrap();
+    let mut state = dst_backup_state(target.as_ref()).await;
     state["applying"] = 3.into();
     let op = ivdisk_store::WriteOp::new().omap_set(vec![(
         BACKUP_STATE_KEY.to_vec(),
