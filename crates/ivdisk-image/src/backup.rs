@@ -687,16 +687,19 @@ fn file_io(path: &Path, context: &str) -> impl FnOnce(std::io::Error) -> ImageEr
     }
 }
 
-/// `FILE.partial`: where a backup is written before it is renamed to `FILE`.
+/// `FILE.partial.PID`: where this process writes a backup before it is renamed to `FILE`.
+/// The process id keeps two backups to one file apart: sharing `FILE.partial`, they wrote
+/// into one inode, and the first renamed it to FILE and reported success while the second
+/// still wrote into it.
 pub fn partial_path(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
-    name.push(".partial");
+    name.push(format!(".partial.{}", std::process::id()));
     PathBuf::from(name)
 }
 
 impl Image {
     /// Back up an ivdisk image (no passphrase needed) into the file `path`: written as
-    /// `path.partial`, renamed when complete; an existing `path` is refused unless
+    /// `path.partial.PID`, renamed when complete; an existing `path` is refused unless
     /// `options.overwrite`. See the module documentation for what is copied.
     pub async fn backup(
         uri: &ImageUri,
@@ -783,6 +786,16 @@ async fn backup_in(
     }
     let (header, _) = read_header(store.as_ref(), &header_object, &image).await?;
     let parsed = parse_header(&image, &header)?;
+    if options.since.is_some() && options.snapshot.is_none() {
+        // The head has no snapshot id: a restore could not mark it half-applied, and an
+        // interrupted one opened as a mix of two states.
+        return Err(ImageError::InvalidParameter {
+            image,
+            reason: "an incremental backup goes between two snapshots: name the newer one \
+                     (IMAGE@SNAP) as well as --since"
+                .into(),
+        });
+    }
     if options.since.is_some() && options.since == options.snapshot {
         return Err(ImageError::InvalidParameter {
             image,
@@ -841,7 +854,7 @@ async fn backup_in(
     Ok(summary)
 }
 
-/// Write the backup to `path.partial`, then rename it; the partial file goes on failure.
+/// Write the backup to `path.partial.PID`, then rename it; the partial file goes on failure.
 async fn write_file(
     source: &Source,
     options: &BackupOptions,
@@ -850,13 +863,18 @@ async fn write_file(
 ) -> Result<BackupSummary, ImageError> {
     let partial = partial_path(path);
     // The header's keyslots are in it: material for guessing a passphrase offline.
+    // Created here, never reused: the 0600 applies, and a second backup to the same file in
+    // this process is refused rather than written into the first one's.
     let file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .open(&partial)
-        .map_err(file_io(&partial, "creating it"))?;
+        .map_err(file_io(
+            &partial,
+            "creating it (it must not exist: another backup to the same file runs in this \
+             process, or one that was killed left it; remove it if none runs)",
+        ))?;
     let written = write_backup(
         source,
         options,
@@ -877,7 +895,7 @@ async fn write_file(
             });
         }
         std::fs::rename(&partial, path)
-            .map_err(file_io(path, "renaming the .partial file to it"))?;
+            .map_err(file_io(path, "renaming the partial file to it"))?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             // The rename is durable once the directory is.
             if let Ok(dir) = File::open(dir) {
@@ -2010,6 +2028,30 @@ async fn restore_full(
     }
     .await;
     if let Err(e) = header {
+        // The header first, and the data only once it is gone: removed together, a header
+        // whose removal failed (its write timed out and landed) stayed without its data, an
+        // image that opened and read zeros.
+        let header_object = &target.header_object;
+        if created.contains(header_object) {
+            created.retain(|o| o != header_object);
+            let gone = match store.remove(header_object).await {
+                Ok(_) | Err(StoreError::NotFound { .. }) => true,
+                Err(removal) => {
+                    matches!(store.stat(header_object).await, Ok(None)) || {
+                        tracing::warn!(
+                            image,
+                            error = %removal,
+                            "the failed restore's header could not be removed: its data \
+                             is kept; delete the image (`ivdisk delete`) to remove both"
+                        );
+                        false
+                    }
+                }
+            };
+            if !gone {
+                return Err(e);
+            }
+        }
         remove_objects(store.as_ref(), &created).await;
         return Err(e);
     }

@@ -533,6 +533,95 @@ async fn a_store_failure_mid_restore_leaves_nothing() {
     }
 }
 
+/// The library refuses an increment to the head, as the command line does: the head has no
+/// snapshot id, so a restore of it could not be marked half-applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_increment_to_the_head_is_refused() {
+    let dir = tmp();
+    let (source, image) = two_object_image(1).await;
+    image.create_snapshot("one").await.unwrap();
+    image.close().await.unwrap();
+    let file = dir.path().join("head.ivdbak");
+    let options = BackupOptions {
+        snapshot: None,
+        since: Some("one".into()),
+        overwrite: false,
+    };
+    match Image::backup_on(source, "src", &options, &file, |_| {}).await {
+        Err(ImageError::InvalidParameter { reason, .. }) => {
+            assert!(reason.contains("two snapshots"), "{reason}")
+        }
+        other => panic!("expected InvalidParameter, got {other:?}"),
+    }
+    assert!(!file.exists());
+}
+
+/// Two backups to one file at once: one is refused (its partial file exists), and a backup
+/// that says it was made is a whole one. They shared the partial file: the first renamed
+/// it to FILE and reported success while the second still wrote into it.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_backups_to_one_file_never_make_a_mixed_one() {
+    let dir = tmp();
+    let (source, image) = two_object_image(1).await;
+    image
+        .write(0, &vec![3u8; 2 * OBJECT as usize])
+        .await
+        .unwrap();
+    // Backups of snapshots take no lock: both run. Two different ones, of different content.
+    image.create_snapshot("s").await.unwrap();
+    image.write(0, &vec![4u8; 4096]).await.unwrap();
+    image.create_snapshot("t").await.unwrap();
+    image.close().await.unwrap();
+    let file = dir.path().join("same.ivdbak");
+    let (s, t) = (at("s"), at("t"));
+    let (one, two) = tokio::join!(
+        Image::backup_on(source.clone(), "src", &s, &file, |_| {}),
+        Image::backup_on(source.clone(), "src", &t, &file, |_| {}),
+    );
+    let made = [&one, &two].iter().filter(|r| r.is_ok()).count();
+    assert!(made >= 1, "{one:?} {two:?}");
+    for refused in [&one, &two].into_iter().filter_map(|r| r.as_ref().err()) {
+        assert!(
+            matches!(
+                refused,
+                ImageError::BackupIo { .. } | ImageError::BackupFileExists { .. }
+            ),
+            "{refused}"
+        );
+    }
+    let summary = Image::verify_backup(&file).expect("the file that was made is whole");
+    let made_sha = [one, two].into_iter().find_map(Result::ok).unwrap().sha256;
+    assert_eq!(summary.sha256, made_sha);
+    assert!(!ivdisk_image::partial_path(&file).exists());
+}
+
+/// A restore whose header write failed after it was applied (a RADOS timeout) and whose
+/// header then could not be removed keeps the data: it removed the data beside the header,
+/// and left a header without it, an image that opened and read zeros.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_restore_never_leaves_a_header_without_its_data() {
+    let dir = tmp();
+    let (file, _) = sample_backup(dir.path()).await;
+    let store = Arc::new(FailingStore::new());
+    store.fail_object(ObjectName::new(header_object_name("dst")).unwrap());
+    store.apply_before_failing_once();
+    match Image::restore_backup_on(&file, store.clone(), "dst", |_| {}).await {
+        Err(ImageError::Store { .. }) => {}
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    store.arm(false);
+    let image = Image::open_on(store.clone(), "dst", PASS, &OpenOptions::read_only())
+        .await
+        .expect("the header stayed: the image opens");
+    // The sample's first 8 KiB are random.
+    let mut first = vec![0u8; 8192];
+    image.read(0, &mut first).await.unwrap();
+    assert!(
+        first.iter().any(|&b| b != 0),
+        "the header stayed without its data"
+    );
+}
+
 /// Image "src" of two objects on a fresh memory store, its first block `byte`s, open.
 async fn two_object_image(byte: u8) -> (Arc<dyn ObjectStore>, Image) {
     let source = memory();

@@ -21,8 +21,8 @@ pub fn backup_help() -> &'static str {
     "Examples:\n  ivdisk backup disk.ivd disk.ivdbak\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin'\n  ivdisk backup 'rados://rbd/vm1@nightly?id=admin' vm1-nightly.ivdbak --json\n  ivdisk backup 'rados://rbd/vm1@tuesday?id=admin' vm1-mon-tue.ivdbak --since nightly\n\n\
      No passphrase is needed: the file holds the image's header (its keyslots) and the \
      ciphertext and per-sector metadata of the sectors ever written, nothing decrypted; holes \
-     and unwritten sectors take no space. It is written to FILE.partial and renamed when \
-     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
+     and unwritten sectors take no space. It is written to FILE.partial.PID and renamed when \
+     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial.PID), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
      The head is read under the writer lock (refused while the image is served for writing); \
      a snapshot (IMAGE@SNAP) is read without it, with the size it had. With --since OLDER, only \
      the objects that changed between snapshot OLDER and SNAP go in (an incremental backup, \
@@ -159,9 +159,9 @@ fn what(s: &BackupSummary) -> String {
 pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
     if args.file == std::path::Path::new("-") {
         // Not a file named '-' (as before): a backup only exists once complete (renamed
-        // from FILE.partial), which a stream cannot promise.
+        // from FILE.partial.PID), which a stream cannot promise.
         anyhow::bail!(
-            "a backup is written to a file (FILE.partial, renamed when complete), not to \
+            "a backup is written to a file (FILE.partial.PID, renamed when complete), not to \
              standard output; give a file name, and copy the file where it goes (scp, rsync)"
         );
     }
@@ -180,8 +180,8 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
     };
     let mut bar = Bar::new(args.json);
     // SIGINT or SIGTERM stops the backup (its future is dropped at an await: the writer lock
-    // of a head backup is released as it drops) and its FILE.partial is removed, as after a
-    // failed backup; killed outright, the process left it behind. Once FILE.partial has been
+    // of a head backup is released as it drops) and its FILE.partial.PID is removed, as after a
+    // failed backup; killed outright, the process left it behind. Once FILE.partial.PID has been
     // renamed to FILE the backup is made: then it finishes.
     let identity =
         |path: &std::path::Path| std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));

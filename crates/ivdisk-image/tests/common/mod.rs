@@ -1019,7 +1019,8 @@ pub struct FailingStore {
     fail_at: std::sync::atomic::AtomicUsize,
     writes: std::sync::atomic::AtomicUsize,
     armed: std::sync::atomic::AtomicBool,
-    applied_first: std::sync::atomic::AtomicBool,
+    /// How many more failures are reported after the operation was applied.
+    applied_first: std::sync::atomic::AtomicUsize,
 }
 
 impl FailingStore {
@@ -1030,15 +1031,22 @@ impl FailingStore {
             fail_at: 0.into(),
             writes: 0.into(),
             armed: false.into(),
-            applied_first: false.into(),
+            applied_first: 0.into(),
         }
     }
 
     /// Failures from now on are reported after the operation was applied (a RADOS timeout
     /// whose operation went through), or before, as by default.
     pub fn apply_before_failing(&self, applied: bool) {
+        let count = if applied { usize::MAX } else { 0 };
         self.applied_first
-            .store(applied, std::sync::atomic::Ordering::SeqCst);
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The next failure only is reported after its operation was applied.
+    pub fn apply_before_failing_once(&self) {
+        self.applied_first
+            .store(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// From now on, every write operation on `object` fails.
@@ -1074,7 +1082,12 @@ ivdisk_store::object_store_forwarding_to_inner!(FailingStore {
         op: WriteOp,
     ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
         if self.fails(object) {
-            if self.applied_first.load(std::sync::atomic::Ordering::SeqCst) {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self
+                .applied_first
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
                 self.inner.write_op(object, op).await?;
             }
             return Err(ivdisk_store::StoreError::Io {
