@@ -182,6 +182,11 @@ pub(crate) struct Inner {
     pub(crate) loss_reported: AtomicBool,
     /// Nonce writes reserved in the header object (suites with a write limit).
     pub(crate) nonces_reserved: AtomicU64,
+    /// Nonces promised to writes since the open, counted from the saved reservation (suites
+    /// with a write limit): what `reserve_nonces` compares against the reservation. The
+    /// cipher's own count moves only as writes encrypt, so two writes that checked it before
+    /// either encrypted could both fit under the reservation and together pass it.
+    pub(crate) nonces_claimed: AtomicU64,
     pub(crate) nonce_reserve: tokio::sync::Mutex<()>,
     pub(crate) header_change: tokio::sync::Mutex<()>,
     /// A read-only open's mark that keeps what it reads from being removed (`readers.rs`).
@@ -776,6 +781,7 @@ impl Image {
             lost_at_open,
             loss_reported: AtomicBool::new(false),
             nonces_reserved: AtomicU64::new(spec.nonces_reserved),
+            nonces_claimed: AtomicU64::new(spec.nonces_reserved),
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
             reader_mark: std::sync::Mutex::new(None),
@@ -1337,7 +1343,10 @@ impl Inner {
         if self.suite.write_limit().is_none() {
             return Ok(());
         }
-        let needed = self.cipher.writes_used().unwrap_or(0) + sectors;
+        // Claimed before the check: writes in flight count whether or not they encrypted yet.
+        // (A write that fails after claiming wastes its nonces, never reuses them.)
+        let claimed = self.nonces_claimed.fetch_add(sectors, Ordering::AcqRel) + sectors;
+        let needed = claimed.max(self.cipher.writes_used().unwrap_or(0) + sectors);
         if needed <= self.nonces_reserved.load(Ordering::Acquire) {
             return Ok(());
         }

@@ -432,3 +432,97 @@ fn the_checker_accepts_serial_orders_and_rejects_the_rest() {
     assert!(check_serializable(&same_task, &content).is_err());
     assert!(check_serializable(&same_task, &apply(&same_task, &[0, 1], 8)).is_ok());
 }
+
+/// The memory store, its data object writes taking a millisecond (a disk's or a network's
+/// wait, during which other writes run).
+struct SlowDataStore {
+    inner: ivdisk_store::MemoryStore,
+}
+
+ivdisk_store::object_store_forwarding_to_inner!(SlowDataStore {
+    async fn write_op(
+        &self,
+        object: &ivdisk_store::ObjectName,
+        op: ivdisk_store::WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        if object.as_str().starts_with("ivdisk_data.") {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ivdisk_store::ObjectName,
+        op: ivdisk_store::ReadOp,
+    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+});
+
+/// The nonce count of an `aes-gcm-random` image saved in its header object covers every
+/// sector encrypted, however many writes run at once when the reservation runs out: each
+/// checked the cipher's count before any of them encrypted, all fit under the reservation,
+/// and together they passed it (a crash then restarted the count below what was used).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_writes_never_outrun_the_saved_nonce_count() {
+    use ivdisk_store::{ObjectName, ObjectStoreExt};
+    const MIB: u64 = 1 << 20;
+    const SECTORS_PER_MIB: u64 = MIB / 4096;
+    let store: Arc<dyn ivdisk_store::ObjectStore> = Arc::new(SlowDataStore {
+        inner: ivdisk_store::MemoryStore::new().unwrap(),
+    });
+    // Objects of 16 KiB: each 1 MiB write is 64 objects, encrypted in batches of 16 with
+    // waits between them, and the others' checks run meanwhile.
+    let options = common::options(
+        512 * MIB,
+        Suite::AesGcmRandom,
+        LayoutKind::Omap,
+        4096,
+        16 << 10,
+    );
+    let image = Image::create_on(store.clone(), "gcm", &options, common::PASS)
+        .await
+        .unwrap();
+    let header = ObjectName::new(ivdisk_image::header_object_name("gcm")).unwrap();
+    let saved = || async {
+        let (_, v) = store
+            .omap_all(&header)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|(k, _)| k == b"ivdisk.nonce_writes_reserved")
+            .expect("a saved nonce count");
+        std::str::from_utf8(&v).unwrap().parse::<u64>().unwrap()
+    };
+    let data = vec![0x42u8; MIB as usize];
+    // The first write saves the first count.
+    image.write(0, &data).await.unwrap();
+    let mut written = SECTORS_PER_MIB;
+    let mut next = 1u64;
+    for round in 0..3 {
+        // Written one at a time up to a few MiB below the saved count...
+        while written + (round + 3) * SECTORS_PER_MIB < saved().await {
+            image.write(next % 512 * MIB, &data).await.unwrap();
+            written += SECTORS_PER_MIB;
+            next += 1;
+        }
+        // ...then many at once, together past it.
+        let writes: Vec<_> = (0..16)
+            .map(|i| {
+                let (image, data) = (image.clone(), data.clone());
+                tokio::spawn(async move { image.write((next + i) % 512 * MIB, &data).await })
+            })
+            .collect();
+        for write in writes {
+            write.await.unwrap().unwrap();
+        }
+        written += 16 * SECTORS_PER_MIB;
+        next += 16;
+        let saved = saved().await;
+        assert!(
+            saved >= written,
+            "round {round}: {written} sectors encrypted, {saved} saved"
+        );
+    }
+    image.close().await.unwrap();
+}
