@@ -342,7 +342,7 @@ impl Image {
             object.clone(),
             &image,
             DEFAULT_LOCK_DURATION,
-            HolderRecord::Keep,
+            HolderRecord::KeepOnMissingHeader,
         )
         .await?;
         let result = async {

@@ -122,10 +122,19 @@ pub(crate) async fn take_over_if_silent(
 /// telling whether another writer held it meanwhile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HolderRecord {
-    /// ivdisk images: their header object is ours.
+    /// ivdisk images: their header object is ours (and must be there: see `after_taking`).
     Keep,
+    /// As `Keep`, where the header object may be missing: a header restored where none is.
+    KeepOnMissingHeader,
     /// Headers of other tools (a LUKS file, a librbd image's `rbd_header`): left as they are.
     None,
+}
+
+impl HolderRecord {
+    /// Whether the writer records itself in the header object.
+    fn keeps(self) -> bool {
+        matches!(self, HolderRecord::Keep | HolderRecord::KeepOnMissingHeader)
+    }
 }
 
 /// A held writer lock and the thread renewing it.
@@ -228,8 +237,7 @@ fn renew_until_stopped(
                     // (May have: the call came back a duration after the last renewal sent,
                     // so the store may have seen it only after the expiry.)
                     Err(StoreError::NotLocked { .. })
-                        if Instant::now() >= last_sent_ok + duration
-                            && record == HolderRecord::Keep =>
+                        if Instant::now() >= last_sent_ok + duration && record.keeps() =>
                     {
                         let taken = futures_executor::block_on(store.lock_exclusive(
                             object,
@@ -500,7 +508,7 @@ impl WriterLock {
         // on only two thirds of `duration` past it.
         let mut sent = Instant::now();
         let mut taken = store.lock_exclusive(&object, request.clone()).await;
-        if matches!(taken, Err(StoreError::Busy { .. })) && record == HolderRecord::Keep {
+        if matches!(taken, Err(StoreError::Busy { .. })) && record.keeps() {
             if let Ok(Some(locker)) = holder(store.as_ref(), &object).await {
                 if take_over_if_silent(store.as_ref(), &object, &locker, image).await {
                     sent = Instant::now();
@@ -584,7 +592,7 @@ impl WriterLock {
         let cookie = request.cookie.clone();
         let mut record = record;
         let mut watch = None;
-        if record == HolderRecord::Keep {
+        if record.keeps() {
             fence_an_unclosed_writer(store.as_ref(), &object, image).await;
             // Answering the next opener's notify (`take_over_if_silent`), registered before
             // the record that lets that opener take the lock from a writer that is silent.
@@ -615,8 +623,15 @@ impl WriterLock {
             // Not over another writer's record: a lock that expired during the fencing may
             // have been taken by another writer, who recorded itself.
             Self::renew_if_late(store.as_ref(), &object, image, &request, &mut sent).await?;
-            let mut op = WriteOp::new()
-                .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
+            // Only on a header that is there: the lock outlives its object (the stores keep
+            // locks apart, RADOS's class creates it), and an open that lost a race with a
+            // delete made an empty header object with this record, which no command opened,
+            // deleted or created over.
+            let mut op = match record {
+                HolderRecord::KeepOnMissingHeader => WriteOp::new(),
+                _ => WriteOp::new().step(WriteStep::AssertExists),
+            }
+            .omap_set(vec![(LAST_WRITER_KEY.to_vec(), cookie.as_bytes().to_vec())]);
             op = match own {
                 Some(own) => op.omap_set(vec![(LAST_WRITER_CLIENT_KEY.to_vec(), own.into_bytes())]),
                 None => op.step(WriteStep::OmapRemoveKeys(vec![
@@ -627,6 +642,11 @@ impl WriterLock {
                 Ok(_) => {}
                 // A store without omap (a LUKS file): no record, no taking it again.
                 Err(StoreError::InvalidOperation { .. }) => record = HolderRecord::None,
+                Err(StoreError::NotFound { .. }) => {
+                    return Err(ImageError::NotFound {
+                        image: image.to_owned(),
+                    })
+                }
                 Err(e) => return Err(ImageError::store(image)(e)),
             }
         }
@@ -736,7 +756,7 @@ impl WriterLock {
     /// Stop renewing and release the lock.
     pub(crate) async fn release(mut self) -> Result<(), StoreError> {
         self.stop_renewing();
-        if self.record == HolderRecord::Keep && self.lost().is_none() {
+        if self.record.keeps() && self.lost().is_none() {
             // Closed: the next writer has nothing to fence. Best effort: left behind, it costs
             // the next writer a fencing of a client that is gone.
             let client = self.store.client_id().to_owned();

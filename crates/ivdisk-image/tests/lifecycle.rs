@@ -1427,6 +1427,8 @@ enum WhileUnlocking {
     ReplaceImage,
     /// Start a delete (its marker) and remove data object 0, then stop (a dead deleter).
     StartDelete,
+    /// Delete the image (its header object last).
+    Delete,
 }
 
 /// The memory store, doing `hook` once before the first writer-lock request that is no
@@ -1492,6 +1494,12 @@ impl ObjectStore for ChangedWhileUnlocking {
                 other.write(0, &[0x77; 4096]).await.unwrap();
                 other.close().await.unwrap();
             }
+            Some(WhileUnlocking::Delete) => {
+                for data in self.inner.list("ivdisk_data.").await.unwrap() {
+                    self.inner.remove(&data).await.unwrap();
+                }
+                self.inner.remove(&header).await.unwrap();
+            }
             Some(WhileUnlocking::StartDelete) => {
                 let op = ivdisk_store::WriteOp::new()
                     .omap_set(vec![(b"ivdisk.deleting".to_vec(), b"1".to_vec())]);
@@ -1538,7 +1546,7 @@ impl ObjectStore for ChangedWhileUnlocking {
 }
 
 /// A writer checks, once it holds the lock, that the image it unlocked is still the one under
-/// the name and that no delete began meanwhile (the key derivation takes seconds). It went on
+/// the name (and there at all) and that no delete began meanwhile (the key derivation takes seconds). It went on
 /// with the other image's header and the first image's key (every sector it wrote failed
 /// authentication, and the other's read as integrity errors), or opened a half-deleted image
 /// that read zeros where objects were removed.
@@ -1547,6 +1555,7 @@ async fn a_writer_sees_the_image_replaced_or_deleted_while_it_unlocked() {
     for (hook, what) in [
         (WhileUnlocking::ReplaceImage, "replaced"),
         (WhileUnlocking::StartDelete, "half deleted"),
+        (WhileUnlocking::Delete, "deleted"),
     ] {
         let inner: std::sync::Arc<dyn ObjectStore> =
             std::sync::Arc::new(ivdisk_store::MemoryStore::new().unwrap());
@@ -1574,6 +1583,18 @@ async fn a_writer_sees_the_image_replaced_or_deleted_while_it_unlocked() {
                 other.close().await.unwrap();
             }
             (WhileUnlocking::StartDelete, Err(ImageError::DeleteUnfinished { .. })) => {}
+            (WhileUnlocking::Delete, Err(ImageError::NotFound { .. })) => {
+                // Nothing left under the name: it was left an empty header object holding
+                // the writer's record, which no command opened, deleted or created over.
+                let header = ObjectName::new(header_object_name("x")).unwrap();
+                assert_eq!(inner.stat(&header).await.unwrap(), None, "{what}");
+                Image::create_on(inner.clone(), "x", &opts(MIB), PASS)
+                    .await
+                    .unwrap()
+                    .close()
+                    .await
+                    .unwrap();
+            }
             (_, Err(e)) => panic!("{what}: unexpected error {e}"),
             (_, Ok(_)) => panic!("{what}: the writer opened"),
         }
