@@ -942,15 +942,28 @@ impl Image {
         }
         let (mut header, mut region) =
             read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
+        let made_from = region.digest();
         header
             .set_data_size(&mut region, Some(new_size))
             .map_err(ImageError::header(&inner.name))?;
         let op = region.write_op().expect("a resize changes the header");
-        inner
-            .store
-            .write_op(&inner.header_object, op)
-            .await
-            .map_err(ImageError::store(&inner.name))?;
+        // Stored while the header's bytes are those read, whatever the object's version: a
+        // lock renewal (RADOS), a nonce reservation or a keyslot change's record moves it
+        // without changing them, and the resize failed with a bare version mismatch.
+        let stored = crate::header_object::write_unless_header_changed(
+            inner.store.as_ref(),
+            &inner.header_object,
+            &made_from,
+            region.version(),
+            &op.steps[1..],
+        )
+        .await
+        .map_err(ImageError::store(&inner.name))?;
+        if !stored {
+            return Err(ImageError::HeaderChanged {
+                image: inner.name.clone(),
+            });
+        }
         restore.armed = false;
         inner.size.store(new_size, Ordering::Release);
         tracing::info!(image = %inner.name, old, new = new_size, "resized image");

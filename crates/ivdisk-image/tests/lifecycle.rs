@@ -1611,3 +1611,62 @@ async fn a_writer_sees_the_image_replaced_or_deleted_while_it_unlocked() {
         );
     }
 }
+
+/// The memory store; once armed, the next version-asserted write of image "x"'s header object
+/// is preceded by a change of an unrelated omap key there (as a RADOS lock renewal or a nonce
+/// reservation moves the object's version without changing the header's bytes).
+struct MovedBeforeHeaderWrite {
+    inner: ivdisk_store::MemoryStore,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+ivdisk_store::object_store_forwarding_to_inner!(MovedBeforeHeaderWrite {
+    async fn write_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::WriteOp,
+    ) -> Result<ivdisk_store::WriteOutcome, ivdisk_store::StoreError> {
+        let asserts = matches!(op.steps.first(), Some(ivdisk_store::WriteStep::AssertVersion(_)));
+        if asserts
+            && object.as_str() == header_object_name("x")
+            && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            let moved = ivdisk_store::WriteOp::new()
+                .omap_set(vec![(b"test.moved".to_vec(), b"1".to_vec())]);
+            self.inner.write_op(object, moved).await?;
+        }
+        self.inner.write_op(object, op).await
+    }
+    async fn read_op(
+        &self,
+        object: &ObjectName,
+        op: ivdisk_store::ReadOp,
+    ) -> Result<Vec<ivdisk_store::ReadResult>, ivdisk_store::StoreError> {
+        self.inner.read_op(object, op).await
+    }
+});
+
+/// A resize whose header object moved between its read and its write without a header byte
+/// changing goes in: it failed with a bare "version mismatch" from the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resize_goes_in_when_only_the_header_objects_version_moved() {
+    let store = std::sync::Arc::new(MovedBeforeHeaderWrite {
+        inner: ivdisk_store::MemoryStore::new().unwrap(),
+        armed: false.into(),
+    });
+    let image = Image::create_on(store.clone(), "x", &opts(MIB), PASS)
+        .await
+        .unwrap();
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    image.resize(2 * MIB, false).await.unwrap();
+    assert!(
+        !store.armed.load(std::sync::atomic::Ordering::SeqCst),
+        "not exercised"
+    );
+    assert_eq!(image.size(), 2 * MIB);
+    image.close().await.unwrap();
+    let again = Image::open_on(store.clone(), "x", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert_eq!(again.size(), 2 * MIB);
+}
