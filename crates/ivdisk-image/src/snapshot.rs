@@ -564,6 +564,30 @@ impl Image {
             // And the rollback under way is recorded (synced) before any object changes: one
             // stopped part-way (a signal, a crash, a store error) left objects of both states
             // in an image that opened without a word.
+            // A rollback to another snapshot stopped part-way is finished first: this one
+            // would visit only the objects its own sizes cover, and leave the other's past
+            // them (a later grow showed that snapshot's data where zeros belong).
+            let unfinished = store
+                .read_op(
+                    header_object,
+                    ReadOp::new().step(ReadStep::OmapGetByKeys(vec![ROLLING_BACK_KEY.to_vec()])),
+                )
+                .await
+                .map_err(ImageError::store(image))?
+                .into_iter()
+                .find_map(|r| match r {
+                    ReadResult::Omap { pairs, .. } => pairs
+                        .iter()
+                        .next()
+                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
+                    _ => None,
+                });
+            if let Some(other) = unfinished.filter(|other| other != name) {
+                return Err(ImageError::RollbackUnfinished {
+                    image: image.clone(),
+                    snapshot: other,
+                });
+            }
             let op = WriteOp::new()
                 .step(WriteStep::AssertExists)
                 .step(WriteStep::OmapRemoveKeys(vec![BACKUP_STATE_KEY.to_vec()]))

@@ -452,6 +452,7 @@ async fn an_interrupted_rollback_leaves_no_image_that_opens() {
         image.write(0, &old).await.unwrap();
         image.create_snapshot("s").await.unwrap();
         image.write(0, &pattern(2, size as usize)).await.unwrap();
+        image.create_snapshot("t").await.unwrap();
         image.close().await.unwrap();
         let rolling = uri.clone();
         let stopped = tokio::spawn(async move {
@@ -465,6 +466,12 @@ async fn an_interrupted_rollback_leaves_no_image_that_opens() {
                 Err(e) => panic!("{backend:?}: expected RollbackUnfinished, got {e}"),
                 Ok(_) => panic!("{backend:?}: a half-rolled-back image opened"),
             }
+        }
+        // Nor is it rolled back to another snapshot before this one is finished (that one
+        // visits only the objects its own sizes cover).
+        match Image::rollback_snapshot(&uri, "t", |_, _| {}).await {
+            Err(ImageError::RollbackUnfinished { snapshot, .. }) => assert_eq!(snapshot, "s"),
+            other => panic!("{backend:?}: expected RollbackUnfinished, got {other:?}"),
         }
         Image::rollback_snapshot(&uri, "s", |_, _| {})
             .await

@@ -343,6 +343,13 @@ impl HeaderFile {
 
     /// Open for a keyslot change, refused at once if an `ivdisk serve` holds the file (before
     /// any passphrase is asked for); [`HeaderFile::lock`] takes the lock before the change.
+    /// Whether the header on disk is no longer the one this read (or last wrote): after a
+    /// failed change, whether it failed before the header was switched or after (the wipe of
+    /// a keyslot's old area, a sync). `true` when the file cannot be read either.
+    pub fn changed_on_disk(&self) -> bool {
+        header_probe(&self.device).map_or(true, |now| now != self.probe)
+    }
+
     pub fn open_for_change(path: &Path) -> Result<HeaderFile> {
         let file = HeaderFile::open(path)?;
         if file.device.metadata().is_ok_and(|m| m.is_file()) {

@@ -189,6 +189,17 @@ fn file_unchanged(
         }
         _ => String::new(),
     };
+    // A change writes the new header, then wipes the old keyslot area: a failure after the
+    // switch (the wipe, a sync) has changed the keyslots, and saying "nothing was changed"
+    // sent the user off with a passphrase that no longer opens anything.
+    if file.changed_on_disk() {
+        return anyhow::anyhow!(
+            "{}: {e:#}; the header WAS changed before this failed (see `ivdisk header dump {}` \
+             for its keyslots now; a keyslot's old area may not have been wiped)",
+            file.path().display(),
+            file.path().display()
+        );
+    }
     anyhow::anyhow!(
         "{}: {e:#}; nothing was changed{hint}",
         file.path().display()

@@ -786,6 +786,58 @@ fn cryptsetup_luks2_file(f: &Fixture, key: &Path) -> PathBuf {
     volume
 }
 
+/// A keyslot removal whose header switch went through and whose wipe of the old keyslot area
+/// failed (here: writes past 256 KiB refused, `RLIMIT_FSIZE`, where keyslot 1's area lies)
+/// says the header was changed. It said "nothing was changed" while the keyslot was gone.
+#[test]
+fn a_change_that_fails_after_the_header_switch_says_so() {
+    let f = Fixture::new();
+    let first = f.file("first.key", b"cryptsetup's passphrase");
+    let second = f.file("second.key", b"the second one");
+    let volume = cryptsetup_luks2_file(&f, &first);
+    let out = cryptsetup(&[
+        "luksAddKey",
+        "--batch-mode",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        p(&first),
+        p(&volume),
+        p(&second),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new("sh")
+        .args([
+            "-c",
+            "trap '' XFSZ; exec prlimit --fsize=262144 \"$@\"",
+            "sh",
+        ])
+        .arg(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["passphrase", "remove", p(&volume), "--key-file", p(&second)])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the wipe past 256 KiB went through: {err}"
+    );
+    let dump = cryptsetup(&["luksDump", p(&volume)]);
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    // The header (below 32 KiB) was written: keyslot 1 is gone.
+    assert!(!dump.contains("  1: luks2"), "{dump}");
+    assert!(
+        err.contains("WAS changed") && !err.contains("nothing was changed"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_cryptsetup_luks2_file_gets_passphrases_cryptsetup_accepts() {
     let f = Fixture::new();
