@@ -641,6 +641,36 @@ async fn an_omap_value_of_the_wrong_length_fails_exactly_its_sectors() {
     .await;
 }
 
+/// An omap key that is no sector's (another tool's, `0000000A` in upper case) among an
+/// object's metadata keys fails nothing: every sector reads. It failed the whole read of every
+/// range around it (`Corrupt`), sectors that authenticate included.
+async fn a_foreign_key(case: Case, seed: u64) {
+    let (_place, image, content) = written_image(&case, seed).await;
+    let mut pairs = ivdisk_store::OmapPairs::new();
+    pairs.push(b"0000000A", &[1u8; 32]);
+    let op = ivdisk_store::WriteOp::new().omap_set(pairs);
+    image
+        .store()
+        .write_op(&image.data_object(1), op)
+        .await
+        .unwrap();
+    expect_read(&case, &image, &content, 0, OBJECTS * OBJECT_SIZE, &[]).await;
+    let ss = case.ss();
+    let spo = case.sectors_per_object();
+    expect_read(&case, &image, &content, (spo + 9) * ss, ss, &[]).await;
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_omap_key_of_no_sector_fails_nothing() {
+    run_cases(
+        "an_omap_key_of_no_sector_fails_nothing",
+        cases(&Backend::LOCAL, Suite::DEFAULT, &[LayoutKind::Omap], 4096),
+        a_foreign_key,
+    )
+    .await;
+}
+
 /// A store that lists fewer omap pairs per read than the `omap` layout asks (a Ceph OSD with
 /// `osd_max_omap_entries_per_request` lowered below 1024) must not make the sectors past the
 /// cut read with zero metadata: for `aes-xts-random` that decrypted to garbage returned as

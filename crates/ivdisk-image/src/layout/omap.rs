@@ -10,6 +10,8 @@ use super::{
 
 /// The most keys one read step asks for (the OSD's default `osd_max_omap_entries_per_request`).
 const MAX_KEYS_PER_STEP: u32 = 1024;
+/// Keys of no sector (another tool's) a range read lists past, beyond the range's own.
+const FOREIGN_KEYS_TOLERATED: usize = 16;
 
 #[derive(Debug)]
 pub(crate) struct Omap(pub ObjectGeometry);
@@ -83,10 +85,12 @@ impl SectorLayout for Omap {
         let mut at = first;
         while at < first + count {
             let n = (first + count - at).min(MAX_KEYS_PER_STEP);
+            // A few more than the range's keys: keys of no sector that sort inside it take
+            // places in the listing and would cut the last of ours.
             steps.push(ReadStep::OmapGetRange {
                 start: key(at),
                 end: Some(key(at + n)),
-                max: n as usize,
+                max: n as usize + FOREIGN_KEYS_TOLERATED,
             });
             at += n;
         }
@@ -117,26 +121,36 @@ impl SectorLayout for Omap {
             // garbage taken for data. The whole range has `asked` keys at most, so a short
             // listing with `more` is known to be incomplete.
             let asked = (count - step * MAX_KEYS_PER_STEP).min(MAX_KEYS_PER_STEP) as usize;
-            if more && pairs.len() < asked {
-                return Err(format!(
-                    "the store listed {} of up to {asked} metadata keys in one read and has more: \
-                     the `omap` layout reads up to {MAX_KEYS_PER_STEP} keys at once (on Ceph, set \
-                     `osd_max_omap_entries_per_request` to at least {MAX_KEYS_PER_STEP})",
-                    pairs.len()
-                ));
-            }
+            let mut ours = 0;
             for (k, value) in &pairs {
-                let index = index_of(k)
-                    .filter(|i| (first..first + count).contains(i))
-                    .ok_or_else(|| {
-                        format!("unexpected omap key {:?}", String::from_utf8_lossy(k))
-                    })?;
+                // A key that is no sector's (another tool's, `0000000A`) is no metadata: left
+                // out, it fails no sector. It failed the whole read, every sector of it.
+                let Some(index) = index_of(k) else {
+                    tracing::debug!(key = ?String::from_utf8_lossy(k), "omap key of no sector");
+                    continue;
+                };
+                if !(first..first + count).contains(&index) {
+                    return Err(format!(
+                        "unexpected omap key {:?}",
+                        String::from_utf8_lossy(k)
+                    ));
+                }
+                ours += 1;
                 let at = (index - first) as usize * ml;
                 match value.len() == ml {
                     true => metadata[at..at + ml].copy_from_slice(value),
                     // Damaged: the sector fails authentication.
                     false => metadata[at..at + ml].fill(DAMAGED_METADATA),
                 }
+            }
+            // Checked after: keys of no sector count toward what the store lists.
+            if more && ours < asked {
+                return Err(format!(
+                    "the store listed {ours} of up to {asked} metadata keys in one read and has \
+                     more: the `omap` layout reads up to {MAX_KEYS_PER_STEP} keys at once (on \
+                     Ceph, set `osd_max_omap_entries_per_request` to at least \
+                     {MAX_KEYS_PER_STEP}; and remove omap keys other tools put on data objects)"
+                ));
             }
         }
         Ok(taken.into())
