@@ -595,6 +595,18 @@ async fn large_unaligned_reads_fail_exactly_the_sectors_touched() {
     }
 }
 
+/// Set one omap pair on data object `object` behind the image's back (`rados setomapval`).
+async fn set_omap_value(image: &Image, object: u64, key: &[u8], value: &[u8]) {
+    let mut pairs = ivdisk_store::OmapPairs::new();
+    pairs.push(key, value);
+    let op = ivdisk_store::WriteOp::new().omap_set(pairs);
+    image
+        .store()
+        .write_op(&image.data_object(object), op)
+        .await
+        .unwrap();
+}
+
 /// An omap value of the wrong length (set with `rados setomapval`, say) is damage to the
 /// metadata of the sectors it holds: exactly those fail (`verify` lists them, the NBD server
 /// answers EIO for them), the rest of the object reads, and a write of a whole sector heals it.
@@ -606,14 +618,7 @@ async fn value_of_the_wrong_length(case: Case, seed: u64) {
         LayoutKind::Omap => (b"00000003", vec![spo + 3]),
         _ => (b"00000000", (spo..spo + 16).collect()),
     };
-    let mut pairs = ivdisk_store::OmapPairs::new();
-    pairs.push(key, &[7u8; 7]);
-    let op = ivdisk_store::WriteOp::new().omap_set(pairs);
-    image
-        .store()
-        .write_op(&image.data_object(1), op)
-        .await
-        .unwrap();
+    set_omap_value(&image, 1, key, &[7u8; 7]).await;
     expect_read(&case, &image, &content, 0, OBJECTS * OBJECT_SIZE, &damaged).await;
     // A whole sector written over one of them reads back; the others still fail.
     let ss = case.ss();
@@ -646,14 +651,7 @@ async fn an_omap_value_of_the_wrong_length_fails_exactly_its_sectors() {
 /// range around it (`Corrupt`), sectors that authenticate included.
 async fn a_foreign_key(case: Case, seed: u64) {
     let (_place, image, content) = written_image(&case, seed).await;
-    let mut pairs = ivdisk_store::OmapPairs::new();
-    pairs.push(b"0000000A", &[1u8; 32]);
-    let op = ivdisk_store::WriteOp::new().omap_set(pairs);
-    image
-        .store()
-        .write_op(&image.data_object(1), op)
-        .await
-        .unwrap();
+    set_omap_value(&image, 1, b"0000000A", &[1u8; 32]).await;
     expect_read(&case, &image, &content, 0, OBJECTS * OBJECT_SIZE, &[]).await;
     let ss = case.ss();
     let spo = case.sectors_per_object();
