@@ -2036,8 +2036,10 @@ async fn restore_full(
             created.retain(|o| o != header_object);
             let gone = match store.remove(header_object).await {
                 Ok(_) | Err(StoreError::NotFound { .. }) => true,
-                Err(removal) => {
-                    matches!(store.stat(header_object).await, Ok(None)) || {
+                // Gone anyway (the removal went through and its answer was lost)?
+                Err(removal) => match store.stat(header_object).await {
+                    Ok(None) => true,
+                    _ => {
                         tracing::warn!(
                             image,
                             error = %removal,
@@ -2046,7 +2048,7 @@ async fn restore_full(
                         );
                         false
                     }
-                }
+                },
             };
             if !gone {
                 return Err(e);

@@ -187,6 +187,27 @@ pub(crate) async fn write_unless_header_changed(
     Ok(false)
 }
 
+/// [`write_unless_header_changed`] for an image: a store error names `image`, and a header
+/// that changed is `HeaderChanged`.
+pub(crate) async fn store_unless_header_changed(
+    store: &dyn ObjectStore,
+    object: &ObjectName,
+    image: &str,
+    made_from: &[u8; 32],
+    version: Option<u64>,
+    steps: &[WriteStep],
+) -> Result<(), crate::ImageError> {
+    let stored = write_unless_header_changed(store, object, made_from, version, steps)
+        .await
+        .map_err(crate::ImageError::store(image))?;
+    match stored {
+        true => Ok(()),
+        false => Err(crate::ImageError::HeaderChanged {
+            image: image.to_owned(),
+        }),
+    }
+}
+
 impl HeaderIo for HeaderRegion {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.bytes.read_at(offset, buf)

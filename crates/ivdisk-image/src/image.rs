@@ -950,20 +950,15 @@ impl Image {
         // Stored while the header's bytes are those read, whatever the object's version: a
         // lock renewal (RADOS), a nonce reservation or a keyslot change's record moves it
         // without changing them, and the resize failed with a bare version mismatch.
-        let stored = crate::header_object::write_unless_header_changed(
+        crate::header_object::store_unless_header_changed(
             inner.store.as_ref(),
             &inner.header_object,
+            &inner.name,
             &made_from,
             region.version(),
             &op.steps[1..],
         )
-        .await
-        .map_err(ImageError::store(&inner.name))?;
-        if !stored {
-            return Err(ImageError::HeaderChanged {
-                image: inner.name.clone(),
-            });
-        }
+        .await?;
         restore.armed = false;
         inner.size.store(new_size, Ordering::Release);
         tracing::info!(image = %inner.name, old, new = new_size, "resized image");

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use ivdisk_header::{Header, HeaderIo, PbkdfRequest};
 use ivdisk_store::{ObjectName, ObjectStore, StoreError, WriteOp};
 
-use crate::header_object::{header_write_op, write_unless_header_changed, HeaderRegion};
+use crate::header_object::{header_write_op, store_unless_header_changed, HeaderRegion};
 use crate::image::{header_object_name, object_name, parse_header, read_header};
 use crate::{Image, ImageError, ImageUri};
 
@@ -106,20 +106,15 @@ impl HeaderChange {
         // made from: a change whose key derivations ran past a lock renewal or a nonce
         // reservation failed as if another header change had come first.
         let steps = header_write_op(None, ranges).steps.split_off(1);
-        let stored = write_unless_header_changed(
+        store_unless_header_changed(
             store.as_ref(),
             &self.object,
+            &self.image,
             &self.made_from,
             self.version,
             &steps,
         )
-        .await
-        .map_err(ImageError::store(&self.image))?;
-        if !stored {
-            return Err(ImageError::HeaderChanged {
-                image: self.image.clone(),
-            });
-        }
+        .await?;
         store.flush().await.map_err(ImageError::store(&self.image))
     }
 }
@@ -426,21 +421,15 @@ impl Image {
             return Ok(());
         };
         // At the version read, or a newer one while the bytes are those checked above.
-        let steps = op.steps[1..].to_vec();
-        let stored = write_unless_header_changed(
+        store_unless_header_changed(
             store,
             &inner.header_object,
+            image,
             &read_digest,
             region.version(),
-            &steps,
+            &op.steps[1..],
         )
-        .await
-        .map_err(ImageError::store(image))?;
-        if !stored {
-            return Err(ImageError::HeaderChanged {
-                image: image.to_owned(),
-            });
-        }
+        .await?;
         store.flush().await.map_err(ImageError::store(image))?;
         tracing::info!(
             image,
