@@ -82,9 +82,9 @@ on_exit() {
   trap '' INT TERM HUP
   if [[ -n $FUZZ_BUILD_PID && ! -e $FUZZ_BUILD_STATUS ]]; then
     # A run that failed before the fuzz step: its build is not wanted any more. (Once its
-    # status is written it has ended, and its pid may be another process's by now.)
-    pkill -TERM -P "$FUZZ_BUILD_PID" 2>/dev/null || true
-    kill -TERM "$FUZZ_BUILD_PID" 2>/dev/null || true
+    # status is written it has ended, and its pid may be another process's by now.) The whole
+    # process group: cargo-fuzz runs cargo and rustc as children of children.
+    kill -TERM -- "-$FUZZ_BUILD_PID" 2>/dev/null || true
   fi
   stop_cluster || ((rc)) || rc=1
   ((rc == 0)) || printf '\ntest-all.sh: FAILED (exit %d)\n' "$rc" >&2
@@ -155,6 +155,11 @@ start_cluster() {
 
 # ---------------------------------------------------------------- the run
 
+# Fail fast, not after a quarter of an hour of building: the full-disk and read-only tests
+# mount file systems (tmpfs, a loop ext4, read-only bind mounts).
+[[ $(id -u) == 0 ]] ||
+  die "run the tests as root (sudo scripts/test-all.sh): the full-disk and read-only tests mount tmpfs, loop and bind file systems"
+
 # fail fast, not only after clippy, when another Ceph cluster holds the mon ports
 [[ ${IVDISK_NO_CEPH:-} == 1 ]] || check_ceph_ports
 
@@ -181,12 +186,16 @@ mkdir -p "$ROOT/target"
 FUZZ_BUILD_LOG=$ROOT/target/fuzz-build.log
 FUZZ_BUILD_STATUS=$ROOT/target/fuzz-build.status
 rm -f "$FUZZ_BUILD_STATUS"
+# In a process group of its own (job control on for this one job), so that on_exit can stop
+# every process of the build, not just its first.
+set -m
 (
   rc=0
-  nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 || rc=$?
+  nice -n 19 scripts/fuzz-header --build-only >"$FUZZ_BUILD_LOG" 2>&1 </dev/null || rc=$?
   echo "$rc" >"$FUZZ_BUILD_STATUS"
 ) &
 FUZZ_BUILD_PID=$!
+set +m
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
@@ -347,9 +356,9 @@ crypto_tests_with() {
     echo "test-all: found no ivdisk-crypto test binaries to run with $*" >&2
     return 1
   fi
-  for bin in $bins; do
+  while IFS= read -r bin; do
     (cd crates/ivdisk-crypto && env "$@" "$bin" --quiet)
-  done
+  done <<<"$bins"
 }
 
 log "cargo test ivdisk-crypto on its fallback engines (OpenSSL XTS instead of VAES)"
@@ -365,7 +374,11 @@ fi
 if [[ -n $CEPH_CLUSTER_DIR ]]; then
   log "RADOS fault tests: kill and restart the OSDs of the cluster in $IVDISK_CEPH_DIR"
   # After the other tests and alone (one test at a time): they take the cluster's OSDs down.
-  linted_cargo test -p ivdisk-rados --test faults -- --ignored --test-threads=1
+  # The binary the workspace's test build made: `cargo test -p ivdisk-rados` would first
+  # rebuild tokio and ivdisk-store with that one package's features.
+  faults_exe=$(test_executables | awk -F'\t' '$1 ~ /\/ivdisk-rados$/ && $2 ~ /\/faults-[0-9a-f]+$/ { print $2 }')
+  [[ -n $faults_exe ]] || die "found no test binary of crates/ivdisk-rados/tests/faults.rs to run"
+  (cd crates/ivdisk-rados && "$faults_exe" --ignored --test-threads=1)
   # The fuzz run needs no cluster: give its memory and CPU back first.
   stop_cluster
 fi

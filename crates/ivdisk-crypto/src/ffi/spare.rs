@@ -15,7 +15,7 @@ use std::mem::MaybeUninit;
 /// The caller's promise: on `Ok`, `write` has written every one of the `len` bytes. The
 /// callers (`encrypt_sectors_append` of the AEAD suites in `aead.rs` and of AES-XTS in
 /// `xts.rs`; `encrypt_sectors_append_slots` of AEGIS-128L, AEGIS-256, AES-GCM and
-/// `aes-xts-random`, whose `seal_slots`, `seal_aegis256_slots`, `seal_gcm_slots` and
+/// `aes-xts-random`, whose `seal_slots`, `seal_each_slot` (AEGIS-256, AES-GCM) and
 /// `encrypt_slots` pass each slot's sector part as an `Io::fresh` run and write every byte of
 /// its metadata part) pass
 /// the region to their encryption path as `Io::fresh`, whose every branch writes the whole
