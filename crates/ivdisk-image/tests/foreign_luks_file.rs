@@ -637,6 +637,37 @@ async fn a_luks_file_cut_short_while_open_fails_reads() {
     assert!(err.to_string().contains("cut short"), "{err}");
 }
 
+/// A write at the end of a LUKS file cut short while open fails too: written, it grew the file
+/// back over a hole, and the part cut off then read as zeros without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_to_a_luks_file_cut_short_while_open_fails_and_leaves_it_short() {
+    let scratch = Scratch::new();
+    let kind = Kind::Luks2 { sector: 4096 };
+    let path = scratch.luks_format("vol.img", kind, 4 * MIB, &[]);
+    let uri = scratch.uri(&path);
+    let image = open_rw(&uri).await;
+    image.write(0, &random(4 * MIB as usize)).await.unwrap();
+    image.flush().await.unwrap();
+    let cut = kind.data_offset() + MIB;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    // A guest rewriting its backup GPT: whole sectors at the end of the disk.
+    let err = image.write(4 * MIB - 4096, &[1; 4096]).await.unwrap_err();
+    assert!(err.to_string().contains("cut short"), "{err}");
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        cut,
+        "the write grew the file"
+    );
+    let mut middle = vec![0u8; MIB as usize];
+    let err = image.read(MIB, &mut middle).await.unwrap_err();
+    assert!(err.to_string().contains("cut short"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_ciphers_are_refused_clearly() {
     let scratch = Scratch::new();

@@ -336,6 +336,24 @@ impl LuksFileStore {
         Ok(())
     }
 
+    /// Refuse to go on with a file shorter than the data area measured at the open: one cut
+    /// short since (by another program) would read as unwritten sectors, zeros, which a
+    /// convert would copy and verify; and a write at its end would grow it back over a hole,
+    /// so that the part cut off read as zeros from then on without an error.
+    fn refuse_if_cut_short(&self, file_len: u64, doing: &str) -> Result<(), StoreError> {
+        if file_len >= self.data_end {
+            return Ok(());
+        }
+        Err(self.io(doing)(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "the file is {file_len} bytes now, but its data area ends at byte {} (was it \
+                 cut short while open?)",
+                self.data_end
+            ),
+        )))
+    }
+
     /// Who holds the flock on the file, from /proc/locks (best effort).
     fn flock_holder(&self) -> Option<String> {
         self.flock_holder_pid().map(|pid| format!("process {pid}"))
@@ -391,6 +409,7 @@ impl ObjectStore for LuksFileStore {
                 }
             }
         }
+        self.refuse_if_cut_short(self.len()?, "writing")?;
         for step in op.steps {
             match step {
                 WriteStep::AssertExists => {
@@ -421,19 +440,7 @@ impl ObjectStore for LuksFileStore {
         }
         let base = self.base(object)?;
         let file_len = self.len()?;
-        // The data area was measured at the open: a file cut short since (by another
-        // program) would read as unwritten sectors, zeros, and a convert would copy and verify
-        // those.
-        if file_len < self.data_end {
-            return Err(self.io("reading")(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "the file is {file_len} bytes now, but its data area ends at byte {} (was \
-                     it cut short while open?)",
-                    self.data_end
-                ),
-            )));
-        }
+        self.refuse_if_cut_short(file_len, "reading")?;
         if base >= file_len {
             return Err(StoreError::NotFound {
                 object: object.to_string(),
