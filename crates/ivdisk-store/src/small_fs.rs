@@ -45,6 +45,34 @@ impl SmallFileSystem {
     /// `image`, mounted through a loop device. Why besides tmpfs: ext4 keeps 2% of itself
     /// (at most 4096 blocks) from every writer, root included, and still counts it as free.
     pub fn mount_ext4(at: &Path, image: &Path, mib: u64) -> SmallFileSystem {
+        Self::mount_made(
+            at,
+            image,
+            mib,
+            ("mkfs.ext4", &["-q", "-F"]),
+            "ext4",
+            "e2fsprogs",
+        )
+    }
+
+    /// Mount a fresh exFAT of `mib` MiB at `at`, as [`SmallFileSystem::mount_ext4`] does, through
+    /// FUSE (exfat-fuse: kernels without the exfat module have it too): a file system with
+    /// neither hard links nor `RENAME_NOREPLACE`, as on the usual USB stick.
+    pub fn mount_exfat(at: &Path, image: &Path, mib: u64) -> SmallFileSystem {
+        let packages = "exfatprogs, exfat-fuse";
+        Self::mount_made(at, image, mib, ("mkfs.exfat", &[]), "exfat-fuse", packages)
+    }
+
+    /// `mkfs ARGS IMAGE` on a new file `image` of `mib` MiB, mounted at `at` as `fs_type`
+    /// through a loop device; `packages` are where the tools come from.
+    fn mount_made(
+        at: &Path,
+        image: &Path,
+        mib: u64,
+        (mkfs, args): (&str, &[&str]),
+        fs_type: &str,
+        packages: &str,
+    ) -> SmallFileSystem {
         std::fs::create_dir_all(at).unwrap();
         std::fs::File::create(image)
             .and_then(|f| f.set_len(mib << 20))
@@ -52,19 +80,16 @@ impl SmallFileSystem {
         let run = |cmd: &mut Command, what: &str| match cmd.output() {
             Ok(out) if out.status.success() => {}
             Ok(out) => panic!(
-                "this test needs root and e2fsprogs to make and mount a {mib} MiB ext4: {what} \
-                 failed: {}",
+                "this test needs root and {packages} to make and mount a {mib} MiB {fs_type}: \
+                 {what} failed: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             ),
-            Err(e) => panic!("this test needs {what} (root, e2fsprogs, mount(8)): {e}"),
+            Err(e) => panic!("this test needs {what} (root, {packages}, mount(8)): {e}"),
         };
-        run(
-            Command::new("mkfs.ext4").args(["-q", "-F"]).arg(image),
-            "mkfs.ext4",
-        );
+        run(Command::new(mkfs).args(args).arg(image), mkfs);
         run(
             Command::new("mount")
-                .args(["-o", "loop"])
+                .args(["-o", "loop", "-t", fs_type])
                 .arg(image)
                 .arg(at),
             "mount -o loop",

@@ -563,28 +563,16 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     };
     let bar = progress(size, "exporting", args.json);
     let started = Instant::now();
-    let copied = rt.block_on(copy_out(&image, &mut sink, &bar));
+    let copied = rt.block_on(copy_out(&image, &shown, &mut sink, &bar));
     bar.finish_and_clear();
+    let mut complete = false;
     let finished = copied.and_then(|written| {
         match &mut sink {
             Sink::File(file) => {
                 file.sync_all()
                     .with_context(|| format!("syncing {}", target.display()))?;
-                if replacing {
-                    std::fs::rename(&target, &args.file).with_context(|| {
-                        format!("renaming {} to {}", target.display(), args.file.display())
-                    })?;
-                } else {
-                    // Linked, not renamed: a file made under that name meanwhile stays.
-                    std::fs::hard_link(&target, &args.file).with_context(|| {
-                        format!(
-                            "naming the export {} (made meanwhile by someone else? pass \
-                             --force to overwrite it)",
-                            args.file.display()
-                        )
-                    })?;
-                    let _ = std::fs::remove_file(&target);
-                }
+                complete = true;
+                name_export(&target, &args.file, args.force)?;
             }
             Sink::Stdout(out) => out.flush().context("writing to standard output")?,
         }
@@ -594,16 +582,19 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         Ok(written) => written,
         Err(e) => {
             if let Sink::File(_) = sink {
-                // An incomplete export must not pass for a copy of the image.
+                // An incomplete export must not pass for a copy of the image; a complete one
+                // that could not be named is plaintext under a hidden name nobody looks for.
                 let _ = std::fs::remove_file(&target);
+                let what = if complete { "complete" } else { "incomplete" };
                 return Err(e.context(if replacing {
                     format!(
-                        "exporting image {shown} failed; {} was left as it was",
+                        "exporting image {shown} failed; {} was left as it was (the {what} \
+                         export was removed)",
                         args.file.display()
                     )
                 } else {
                     format!(
-                        "exporting image {shown} failed; the incomplete {} was removed",
+                        "exporting image {shown} failed; the {what} {} was removed",
                         args.file.display()
                     )
                 }));
@@ -613,6 +604,9 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             )));
         }
     };
+    if !to_stdout {
+        sync_export_name(&args.file)?;
+    }
     let seconds = started.elapsed().as_secs_f64();
     let report = if args.json {
         json!({"image": uri.to_string(), "snapshot": snapshot, "file": json_path(&args.file), "size": size,
@@ -640,9 +634,81 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     Ok(())
 }
 
+/// Give the complete, synced export `target` its name `file` (over a file of that name only
+/// with `overwrite`, never over one made meanwhile without it). [`sync_export_name`] then
+/// makes the name durable: an export reported done must not vanish, or bring the old file
+/// back, at a power cut.
+///
+/// Why not always a hard link, then unlink: file systems without hard links (vfat and exFAT,
+/// the usual USB stick) refuse it, after the whole copy. `RENAME_NOREPLACE` is the way; where
+/// it is not supported (EINVAL: FUSE file systems such as exfat-fuse, some network ones), a
+/// link and unlink; where neither is, a rename after a look for the name (a file made in
+/// between would be replaced: the one case no call can rule out there).
+fn name_export(target: &Path, file: &Path, overwrite: bool) -> Result<()> {
+    use rustix::fs::{renameat_with, RenameFlags, CWD};
+    use rustix::io::Errno;
+    let made_meanwhile = || {
+        anyhow::anyhow!(
+            "a file of that name was made meanwhile by another program; pass --force to \
+             overwrite it, or pick another name"
+        )
+    };
+    let named = if overwrite {
+        std::fs::rename(target, file).map_err(anyhow::Error::new)
+    } else {
+        match renameat_with(CWD, target, CWD, file, RenameFlags::NOREPLACE) {
+            Err(Errno::INVAL) => match std::fs::hard_link(target, file) {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(target);
+                    Ok(())
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(made_meanwhile()),
+                Err(e)
+                    if [Errno::PERM, Errno::NOTSUP, Errno::NOSYS]
+                        .contains(&Errno::from_io_error(&e).unwrap_or(Errno::IO)) =>
+                {
+                    match std::fs::symlink_metadata(file) {
+                        Ok(_) => Err(made_meanwhile()),
+                        Err(_) => std::fs::rename(target, file).map_err(anyhow::Error::new),
+                    }
+                }
+                Err(e) => Err(anyhow::Error::new(e)),
+            },
+            Err(Errno::EXIST) => Err(made_meanwhile()),
+            other => other.map_err(|e| anyhow::Error::new(std::io::Error::from(e))),
+        }
+    };
+    named.with_context(|| {
+        format!(
+            "naming the export {} (it was written as {})",
+            file.display(),
+            target.display()
+        )
+    })
+}
+
+/// Sync the directory of the export `file` once it is named (see [`name_export`]).
+fn sync_export_name(file: &Path) -> Result<()> {
+    let dir = match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| {
+            format!(
+                "syncing directory {} after naming the export {} (the file is complete, but a \
+                 power cut now could lose its name: run `sync`)",
+                dir.display(),
+                file.display()
+            )
+        })
+}
+
 /// Copy the whole image into `sink`, in order; returns the bytes written that were not
-/// zeros left as holes.
-async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u64> {
+/// zeros left as holes. `shown` names the image as the user gave it (`IMAGE@SNAP` for a
+/// snapshot, which the image's own errors do not name).
+async fn copy_out(image: &Image, shown: &str, sink: &mut Sink, bar: &ProgressBar) -> Result<u64> {
     let size = image.size();
     let chunk = chunk_size(image);
     let extents = image.allocation(0, size).await.map_err(flat)?;
@@ -666,6 +732,7 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
         .take_while(|_| std::future::ready(!stop.load(Ordering::Relaxed) && !interrupted()))
         .map(|(offset, n, allocated)| {
             let image = image.clone();
+            let shown = shown.to_owned();
             async move {
                 if !allocated {
                     return Ok((offset, n, None));
@@ -676,8 +743,7 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
                     .context("an export task failed")?
                     .map_err(|e| match e {
                         ImageError::Integrity { .. } => anyhow::anyhow!(
-                            "{e}; run `ivdisk verify {}` to list every damaged sector",
-                            image_name(&e)
+                            "{e}; run `ivdisk verify {shown}` to list every damaged sector"
                         ),
                         e => flat(e),
                     })?;
@@ -728,13 +794,6 @@ async fn copy_out(image: &Image, sink: &mut Sink, bar: &ProgressBar) -> Result<u
         Some(e) => Err(e),
         None if interrupted() => Err(interrupted_error()),
         None => Ok(written),
-    }
-}
-
-fn image_name(e: &ImageError) -> &str {
-    match e {
-        ImageError::Integrity { image, .. } => image,
-        _ => "IMAGE",
     }
 }
 

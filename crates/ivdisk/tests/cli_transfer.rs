@@ -351,6 +351,22 @@ fn verify_names_exactly_the_tampered_sectors() {
         .filter(|e| e.file_name().to_string_lossy().contains("ivdisk-export"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+    // Of a snapshot, the advice names the snapshot: `verify IMAGE` would check the head.
+    let at_snapshot = format!("{}@damaged", p(&image));
+    ok(&["snap", "create", &at_snapshot]);
+    let err = fails(&[
+        "export",
+        &at_snapshot,
+        p(&out),
+        "--force",
+        "--passphrase-file",
+        p(&f.pw),
+    ]);
+    assert!(
+        err.contains(&format!("run `ivdisk verify {at_snapshot}`")),
+        "{err}"
+    );
+    ok(&["snap", "rm", &at_snapshot]);
 
     // Anything else is exit code 2: a wrong passphrase, a missing image.
     let wrong = f.file("wrong", b"incorrect horse\n");
@@ -1074,6 +1090,50 @@ fn info_shows_what_a_local_image_takes_on_disk() {
 }
 
 /// `ivdisk export IMAGE FILE --force` with the passphrase file `pw`.
+/// An export onto exFAT, a file system without hard links (the usual USB stick): it was made
+/// in full, then failed to be named (a hard link) and removed, with advice (--force) that did
+/// not help. An existing file is still overwritten with --force only.
+#[test]
+fn export_onto_a_file_system_without_hard_links() {
+    let f = Fixture::new();
+    let mut content = raw_disk(21);
+    let (image, _) = f.import("disk", &content);
+    // The image is the disk padded to whole sectors.
+    content.resize(
+        (content.len() as u64).div_ceil(SECTOR) as usize * SECTOR as usize,
+        0,
+    );
+    let stick = ivdisk_store::small_fs::SmallFileSystem::mount_exfat(
+        &f.path("stick"),
+        &f.path("stick.img"),
+        16,
+    );
+    let out = stick.path().join("disk.raw");
+    let pw = p(&f.pw);
+    ok_bytes(&["export", p(&image), p(&out), "--passphrase-file", pw]);
+    assert!(
+        std::fs::read(&out).unwrap() == content,
+        "the export differs"
+    );
+    let left: Vec<_> = std::fs::read_dir(stick.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, [std::ffi::OsString::from("disk.raw")], "files left");
+    // Overwritten with --force only.
+    let text = fails(&["export", p(&image), p(&out), "--passphrase-file", pw]);
+    assert!(
+        text.contains("exists") && text.contains("--force"),
+        "{text}"
+    );
+    std::fs::write(&out, b"old").unwrap();
+    ok_bytes(&export_over(&image, &out, &f.pw));
+    assert!(
+        std::fs::read(&out).unwrap() == content,
+        "the export differs"
+    );
+}
+
 fn export_over<'a>(image: &'a Path, file: &'a Path, pw: &'a Path) -> [&'a str; 6] {
     [
         "export",
