@@ -405,3 +405,49 @@ async fn a_watch_dropped_while_the_osds_are_down_does_not_hang() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
+
+/// A read still in flight when its store is dropped keeps its io context until it completes:
+/// librados takes no reference of its own for reads, and its completion reaches the io
+/// context, which was destroyed with the store (freed memory read by librados).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kills OSDs of the cluster in IVDISK_CEPH_DIR; run by scripts/test-all.sh"]
+async fn a_read_in_flight_keeps_its_io_context_after_the_store_is_gone() {
+    use futures_util::FutureExt;
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let before = RadosStore::io_contexts_alive();
+    let store = RadosStore::open(&RadosConfig {
+        op_timeout: Some(Duration::from_secs(5)),
+        ..common::config()
+    })
+    .await
+    .unwrap();
+    let object = name("read-outlives-store", 0);
+    store
+        .write_op(&object, WriteOp::new().write(0, b"r".to_vec()))
+        .await
+        .unwrap();
+    let mut guard = RestartOnPanic { armed: true };
+    kill_all_osds();
+    // Submitted at its first poll, then given up.
+    assert!(store.read(&object, 0, 1).now_or_never().is_none());
+    drop(store);
+    assert_eq!(
+        RadosStore::io_contexts_alive(),
+        before + 1,
+        "the read in flight holds no io context (or the store left more)"
+    );
+    // The operation timeout completes it, and its context goes with it.
+    let gone_by = Instant::now() + Duration::from_secs(30);
+    while RadosStore::io_contexts_alive() > before {
+        assert!(
+            Instant::now() < gone_by,
+            "the read's io context outlived it"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    start_all_osds();
+    guard.armed = false;
+}
