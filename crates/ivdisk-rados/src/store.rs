@@ -130,6 +130,14 @@ impl RadosStore {
                 config.namespace
             )));
         }
+        // librados would only fail the connect with ENOENT, which reads as the cluster
+        // refusing the client.
+        if let Some(missing) = config.keyring.as_ref().filter(|k| !k.exists()) {
+            return Err(RadosError::Invalid(format!(
+                "keyring file {} (keyring= in the address) does not exist",
+                missing.display()
+            )));
+        }
         let cluster = Cluster::create(client_id).map_err(|e| RadosError::Connect {
             client: client_id.clone(),
             source: e.io_error(),

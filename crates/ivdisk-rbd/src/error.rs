@@ -26,6 +26,7 @@ pub enum RbdError {
         source: RadosError,
     },
 
+    /// `pool`: where `rbd ls` lists the image's neighbours (`POOL` or `POOL/NAMESPACE`).
     #[error(
         "rbd image {image} does not exist; check the name (`rbd ls {pool}`) or create it \
          (`rbd create --size 10G {image}`)"
@@ -52,8 +53,8 @@ pub enum RbdError {
 
     #[error(
         "rbd image {image}: the passphrase opens no {format} keyslot; give the passphrase \
-         the image was formatted with (`rbd encryption format {image} {} FILE`)",
-        .format.name()
+         of one of its keyslots (`ivdisk info` lists them); never run `rbd encryption format` \
+         on it again: that makes a new key, and its data is lost"
     )]
     WrongPassphrase { image: String, format: LuksFormat },
 

@@ -477,7 +477,10 @@ async fn open_handle(
         }),
         Err((Errno(libc::ENOENT), false)) => Err(RbdError::NotFound {
             image: image.to_owned(),
-            pool: config.pool.clone(),
+            pool: match config.namespace.as_str() {
+                "" => config.pool.clone(),
+                namespace => format!("{}/{namespace}", config.pool),
+            },
         }),
         Err((e, _)) => Err(RbdError::Open {
             image: image.to_owned(),

@@ -67,10 +67,17 @@ impl RbdUri {
             snapshot: snapshot.map(str::to_owned),
             encryption: EncryptionKind::Auto,
         };
+        let mut seen = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| bad(&format!("query part `{pair}` is not KEY=VALUE")))?;
+            // Not the last one taken: `encryption=luks2&encryption=none` served the raw image,
+            // header and all, writable.
+            if seen.contains(&key) {
+                return Err(bad(&format!("parameter `{key}` is given twice")));
+            }
+            seen.push(key);
             match key {
                 "conf" => uri.config.conf = Some(PathBuf::from(value)),
                 "id" => uri.config.client_id = value.trim_start_matches("client.").to_owned(),
@@ -175,6 +182,11 @@ mod tests {
             ("rbd://pool/img?size=1", "unknown parameter `size`"),
             ("rbd://pool/img?encryption=luks3", "luks2"),
             ("rados://pool/img", "rbd://"),
+            (
+                "rbd://pool/img?encryption=luks2&encryption=none",
+                "given twice",
+            ),
+            ("rbd://pool/img?conf=/a&conf=/b", "given twice"),
         ] {
             let err = RbdUri::parse(text).unwrap_err().to_string();
             assert!(err.contains(words), "{text}: `{words}` missing from: {err}");

@@ -179,6 +179,11 @@ async fn passphrase_and_format_mistakes_are_typed_errors_naming_the_image() {
         text.contains(&rbd.spec()) && text.contains("passphrase"),
         "{text}"
     );
+    // Not advice to format it again (a new key: the data lost), as it read before.
+    assert!(
+        !text.contains("(`rbd encryption format") && text.contains("never run"),
+        "{text}"
+    );
     assert!(
         !text.contains("not the passphrase"),
         "the passphrase leaked: {text}"

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use common::{random, Model, TestImage, MIB, OBJECT};
 use futures_util::FutureExt;
+use ivdisk_rados::RadosConfig;
 use ivdisk_rbd::{Encryption, RbdError, RbdImage, RbdOpenOptions};
 
 const SIZE: u64 = 64 * MIB;
@@ -190,6 +191,16 @@ async fn zeroing_read_only_snapshots_and_bad_ranges_behave_and_say_so() {
         .unwrap_err();
     assert!(matches!(err, RbdError::NotFound { .. }), "{err}");
     assert!(err.to_string().contains(&missing), "{err}");
+    // In a namespace, `rbd ls` of that namespace (the pool's lists another set of images).
+    let in_namespace = RadosConfig {
+        namespace: "ivdisk-missing-ns".into(),
+        ..rbd.config()
+    };
+    let err = RbdImage::open(&in_namespace, RbdOpenOptions::new(missing.clone()))
+        .await
+        .unwrap_err();
+    let ls = format!("`rbd ls {}/ivdisk-missing-ns`", in_namespace.pool);
+    assert!(err.to_string().contains(&ls), "{err}");
     let err = RbdImage::inspect(&rbd.config(), &missing, None)
         .await
         .unwrap_err();

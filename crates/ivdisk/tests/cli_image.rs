@@ -666,11 +666,19 @@ fn image_addresses_are_checked() {
     // (before any connection).
     let err = fails(&["info", "rados://rbd/vm?conf=/a.conf&conf=/b.conf"]);
     assert!(err.contains("`conf` is given twice"), "{err}");
-    let err = fails(&["info", "rados://rbd/vm?keyring=/nonexistent/ceph.keyring"]);
-    assert!(
-        err.contains("keyring file /nonexistent/ceph.keyring") && err.contains("does not exist"),
-        "{err}"
-    );
+    for scheme in ["rados", "rbd"] {
+        let err = fails(&[
+            "info",
+            &format!("{scheme}://rbd/vm?keyring=/nonexistent/ceph.keyring"),
+        ]);
+        assert!(
+            err.contains("keyring file /nonexistent/ceph.keyring")
+                && err.contains("does not exist"),
+            "{scheme}: {err}"
+        );
+        let err = fails(&["info", &format!("{scheme}://rbd/vm?id=a&id=b")]);
+        assert!(err.contains("`id` is given twice"), "{scheme}: {err}");
+    }
     // A local name with two '@' is offered no `create` it would refuse.
     let err = fails(&["snap", "ls", "/nonexistent/disk.ivd@a"]);
     assert!(!err.contains("ivdisk create"), "{err}");
