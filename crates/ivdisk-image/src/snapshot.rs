@@ -343,6 +343,24 @@ fn no_foreign_snapshots(image: &str) -> ImageError {
     }
 }
 
+/// Why [`record_new`] failed; `maybe_made`: the table with the new snapshot, when its record
+/// may have been stored after all (the write failed, and the table could not be read to
+/// tell). A writer goes on preserving that snapshot then: a record stored without its
+/// writer's copy-on-write is a snapshot that silently shows later data.
+struct RecordFailed {
+    error: ImageError,
+    maybe_made: Option<SnapshotTable>,
+}
+
+impl From<ImageError> for RecordFailed {
+    fn from(error: ImageError) -> RecordFailed {
+        RecordFailed {
+            error,
+            maybe_made: None,
+        }
+    }
+}
+
 /// Allocate a store snapshot and record it under `name` with `size`.
 async fn record_new(
     store: &dyn ObjectStore,
@@ -350,14 +368,15 @@ async fn record_new(
     image: &str,
     name: &str,
     size: u64,
-) -> Result<(SnapshotInfo, SnapshotTable), ImageError> {
+) -> Result<(SnapshotInfo, SnapshotTable), RecordFailed> {
     check_name(image, name)?;
     let mut table = SnapshotTable::read(store, header_object, image).await?;
     if table.find(name).is_some() {
         return Err(ImageError::SnapshotExists {
             image: image.to_owned(),
             snapshot: name.to_owned(),
-        });
+        }
+        .into());
     }
     let id = store
         .snap_create()
@@ -387,9 +406,16 @@ async fn record_new(
                 return Ok((info, now));
             }
             Ok(_) => drop(store.snap_remove(id).await),
-            Err(_) => {}
+            Err(_) => {
+                tracing::warn!(image, snapshot = name, error = %e, "recording the snapshot failed, and whether its record was stored is unknown: it is preserved as if it were");
+                table.snapshots.push(info);
+                return Err(RecordFailed {
+                    error: ImageError::store(image)(e),
+                    maybe_made: Some(table),
+                });
+            }
         }
-        return Err(ImageError::store(image)(e));
+        return Err(ImageError::store(image)(e).into());
     }
     table.snapshots.push(info.clone());
     tracing::info!(image, snapshot = name, id, size, "created snapshot");
@@ -439,6 +465,7 @@ impl Image {
                 locked.parsed.size,
             )
             .await
+            .map_err(|failed| failed.error)
         }
         .await;
         let released = locked.lock.release().await;
@@ -456,14 +483,24 @@ impl Image {
         // No write may straddle the snapshot: wait for all IO to finish, hold new IO off.
         let _all = inner.ranges.lock_exclusive(0, u64::MAX).await;
         self.flush().await?;
-        let (info, table) = record_new(
+        let recorded = record_new(
             inner.store.as_ref(),
             &inner.header_object,
             &inner.name,
             name,
             inner.size.load(Ordering::Acquire),
         )
-        .await?;
+        .await;
+        let (info, table) = match recorded {
+            Ok(made) => made,
+            Err(RecordFailed { error, maybe_made }) => {
+                // A leaked store snapshot at worst, never a snapshot without its copies.
+                if let Some(table) = maybe_made {
+                    self.write_under(&table);
+                }
+                return Err(error);
+            }
+        };
         self.write_under(&table);
         // Durable, and seen by other processes (a local store shows a writer's changes to
         // its read-only openers once committed): `ivdisk backup IMAGE@SNAP` comes next.

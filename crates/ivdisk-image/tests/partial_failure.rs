@@ -172,3 +172,39 @@ async fn a_snapshot_recorded_despite_an_error_is_kept_whole() {
     old.read(0, &mut back).await.unwrap();
     assert!(back.iter().all(|&b| b == 0x11), "the snapshot's data");
 }
+
+/// A snapshot record whose write failed after it was stored, where the writer could not read
+/// the table back to tell: the writer goes on preserving the snapshot. It went on writing
+/// under the old context, and the snapshot (recorded) showed the later writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_whose_record_is_unknown_is_preserved_by_its_writer() {
+    let (store, image) = created(LayoutKind::OmapPacked).await;
+    image
+        .write(0, &vec![0x11u8; OBJECT as usize])
+        .await
+        .unwrap();
+    let header = ivdisk_store::ObjectName::new("ivdisk_header.img").unwrap();
+    store.apply_before_failing_once();
+    store.fail_reads_after_next_failure(1);
+    store.fail_object(header);
+    image.create_snapshot("s").await.unwrap_err();
+    store.arm(false);
+    image
+        .write(0, &vec![0x22u8; OBJECT as usize])
+        .await
+        .unwrap();
+    image.close().await.unwrap();
+    let at_s = OpenOptions {
+        snapshot: Some("s".into()),
+        ..OpenOptions::read_only()
+    };
+    let old = Image::open_on(store.clone(), "img", PASS, &at_s)
+        .await
+        .expect("the record was stored");
+    let mut back = vec![0u8; OBJECT as usize];
+    old.read(0, &mut back).await.unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0x11),
+        "the snapshot shows a write made after it"
+    );
+}

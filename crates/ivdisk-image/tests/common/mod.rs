@@ -1021,6 +1021,10 @@ pub struct FailingStore {
     armed: std::sync::atomic::AtomicBool,
     /// How many more failures are reported after the operation was applied.
     applied_first: std::sync::atomic::AtomicUsize,
+    /// How many reads of the failing object fail once the next write failure is injected,
+    /// and how many more fail now.
+    reads_failing_after: std::sync::atomic::AtomicUsize,
+    reads_failing: std::sync::atomic::AtomicUsize,
 }
 
 impl FailingStore {
@@ -1032,7 +1036,16 @@ impl FailingStore {
             writes: 0.into(),
             armed: false.into(),
             applied_first: 0.into(),
+            reads_failing_after: 0.into(),
+            reads_failing: 0.into(),
         }
+    }
+
+    /// The next `n` read operations on the failing object, after the next injected write
+    /// failure, fail too (the cluster still down when the writer looks what became of it).
+    pub fn fail_reads_after_next_failure(&self, n: usize) {
+        self.reads_failing_after
+            .store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Failures from now on are reported after the operation was applied (a RADOS timeout
@@ -1090,6 +1103,8 @@ ivdisk_store::object_store_forwarding_to_inner!(FailingStore {
             {
                 self.inner.write_op(object, op).await?;
             }
+            let reads = self.reads_failing_after.swap(0, SeqCst);
+            self.reads_failing.store(reads, SeqCst);
             return Err(ivdisk_store::StoreError::Io {
                 context: format!("injected failure writing `{object}`"),
                 source: std::io::ErrorKind::Other.into(),
@@ -1102,6 +1117,19 @@ ivdisk_store::object_store_forwarding_to_inner!(FailingStore {
         object: &ObjectName,
         op: ReadOp,
     ) -> Result<Vec<ReadResult>, ivdisk_store::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let victim = self.victim.lock().unwrap().as_ref() == Some(object);
+        if victim
+            && self
+                .reads_failing
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(ivdisk_store::StoreError::Io {
+                context: format!("injected failure reading `{object}`"),
+                source: std::io::ErrorKind::Other.into(),
+            });
+        }
         self.inner.read_op(object, op).await
     }
 });
