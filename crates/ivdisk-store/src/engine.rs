@@ -746,6 +746,10 @@ pub(crate) struct Engine {
     /// log frames durable; after a power cut the store may come back at a state before them,
     /// which the ranges freed since still hold. The next open reclaims what was left.
     log_unsynced: Option<(bool, String)>,
+    /// Dead ranges were dropped unpunched (their widening's lookups or their punch failed):
+    /// the stop then leaves the store unclean, so that the next open's reclaim finds them.
+    /// Marked clean, the open skipped that search and their space was never given back.
+    frees_dropped: bool,
     /// The heads of objects written or read lately, as in the open transaction (read-write
     /// engines only): a write looks its object up here instead of in SQLite. Cleared whenever
     /// SQLite's state goes back (a rolled back operation or transaction).
@@ -787,6 +791,11 @@ pub(crate) struct Engine {
     /// node's extent removals then removed the newcomer's extents when it was replayed (a
     /// snapshot's clone, copied in SQL, lost its extents after a crash).
     next_node_id: std::cell::Cell<i64>,
+    /// The highest snapshot id handed out in this run. The stored counter goes back with a
+    /// lost transaction, and an id handed out twice named two snapshots: a writer still
+    /// carrying the first in its context made clones for it, which the second then read as
+    /// its own (older data), as node ids were (`next_node_id`).
+    snap_ids_issued: std::cell::Cell<u64>,
     /// A read-only engine: the last `extents_pending` row replayed, and whether the store
     /// has that table.
     extent_rows_seen: i64,
@@ -992,6 +1001,7 @@ impl Engine {
             dirty_heads: Default::default(),
             inline_column: true,
             log_unsynced: None,
+            frees_dropped: false,
             omap: Default::default(),
             omap_rows_seen: None,
             omap_pending_table: true,
@@ -1002,6 +1012,7 @@ impl Engine {
             extent_rows_seen: 0,
             extents_pending_table: true,
             next_node_id: Default::default(),
+            snap_ids_issued: Default::default(),
             // Due at the open too: a store stopped by a crash, or by a build without
             // compaction, may hold a large log and free pages.
             compaction: Compaction::new(true),
@@ -1063,6 +1074,7 @@ impl Engine {
             dirty_heads: Default::default(),
             inline_column: true,
             log_unsynced: None,
+            frees_dropped: false,
             read_only: Some(ReadOnlyState {
                 source,
                 connected: true,
@@ -1077,6 +1089,7 @@ impl Engine {
             extent_rows_seen: 0,
             extents_pending_table: false,
             next_node_id: Default::default(),
+            snap_ids_issued: Default::default(),
             compaction: Compaction::new(false),
             autocheckpoint_held: None,
             debt_seen: (0, Instant::now()),
@@ -1669,7 +1682,7 @@ impl Engine {
                 "stopping before every dead range was punched; the next open reclaims their space"
             );
         }
-        if self.lost.is_none() && self.log_unsynced.is_none() && settled {
+        if self.lost.is_none() && self.log_unsynced.is_none() && !self.frees_dropped && settled {
             self.durability.mark_clean();
         }
         // SQLite checkpoints the log as the database closes: not when that cannot complete
@@ -1839,6 +1852,7 @@ impl Engine {
             let mut punch_failure = None;
             for &(segment, from, to) in &point.frees {
                 if let Err(e) = self.segments.punch(segment, from, to - from) {
+                    self.frees_dropped = true;
                     punch_failure.get_or_insert(e);
                 }
             }
@@ -2883,6 +2897,14 @@ impl Engine {
     /// at every durable commit (four per commit) made the kernel zero new pages for them, 8%
     /// of the worker's time in the store bench (docs/BENCHMARKS.md).
     fn widened_frees(&mut self) -> Result<Vec<(u32, u64, u64)>, StoreError> {
+        let widened = self.widen_frees();
+        // The ranges were taken: on an error they are gone (widened part-way, they cannot go
+        // back: past the append position they could cover bytes appended later).
+        self.frees_dropped |= widened.is_err();
+        widened
+    }
+
+    fn widen_frees(&mut self) -> Result<Vec<(u32, u64, u64)>, StoreError> {
         let spare = std::mem::take(&mut self.frees_spare);
         let mut frees = std::mem::replace(&mut self.frees_pending, spare);
         // (segment, offset, length) -> (segment, from, to).
@@ -4229,7 +4251,14 @@ impl Engine {
     }
 
     fn snap_create(&mut self) -> Result<SnapId, StoreError> {
-        let id = self.bump_meta("snap_seq")?;
+        let mut id = self.bump_meta("snap_seq")?;
+        if id <= self.snap_ids_issued.get() {
+            id = self.snap_ids_issued.get() + 1;
+            self.db
+                .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'snap_seq'")?
+                .execute([id as i64])?;
+        }
+        self.snap_ids_issued.set(id);
         self.db
             .execute("INSERT INTO snaps (id) VALUES (?1)", [id as i64])?;
         Ok(id)
@@ -4911,6 +4940,42 @@ mod tests {
         assert!(engine.in_operation(false, whole_transaction_gone).is_err());
         assert_eq!(engine.losses.load(Ordering::Acquire), 1);
         assert!(engine.lost.is_some());
+    }
+
+    /// Dead ranges whose widening failed (here: the read transaction could not begin) are
+    /// dropped unpunched; the stop must not mark the store clean then, or the next open
+    /// skips the search that finds them, and their space is never given back.
+    #[test]
+    fn dead_ranges_dropped_unpunched_leave_the_store_unclean() {
+        let db = Connection::open_in_memory().unwrap();
+        let mut engine =
+            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+        assert!(!engine.frees_dropped);
+        engine.frees_pending.extend([(0, 0, 4096), (0, 8192, 4096)]);
+        engine.db.execute_batch("BEGIN").unwrap();
+        assert!(engine.widened_frees().is_err());
+        engine.db.execute_batch("ROLLBACK").unwrap();
+        assert!(engine.frees_dropped, "dropped ranges not noted");
+    }
+
+    /// A snapshot id handed out in a transaction that is then lost is not handed out again:
+    /// the stored counter went back with the transaction, and the next snapshot got the id a
+    /// writer may still carry in its context (its clones then read as the new snapshot's).
+    #[test]
+    fn a_snapshot_id_of_a_lost_transaction_is_not_given_again() {
+        let db = Connection::open_in_memory().unwrap();
+        let mut engine =
+            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+        let whole_transaction_gone = |e: &mut Engine| -> Result<(), StoreError> {
+            e.db.execute_batch("ROLLBACK")?;
+            Err(StoreError::Database("the disk is full (test)".into()))
+        };
+        let first = engine.in_operation(false, |e| e.snap_create()).unwrap();
+        assert!(engine.in_operation(false, whole_transaction_gone).is_err());
+        assert_eq!(engine.losses.load(Ordering::Acquire), 1);
+        let second = engine.in_operation(false, |e| e.snap_create()).unwrap();
+        assert!(second > first, "snapshot id {first} given twice ({second})");
+        assert_eq!(engine.meta("snap_seq").unwrap(), second);
     }
 
     /// The wall clock stepped forward while a writer holds its lock (NTP stepping after
