@@ -4915,6 +4915,18 @@ mod tests {
         }
     }
 
+    fn in_memory_engine() -> Engine {
+        let db = Connection::open_in_memory().unwrap();
+        Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap()
+    }
+
+    /// An operation that fails and takes the whole transaction with it (SQLite rolls back
+    /// itself on SQLITE_FULL or SQLITE_IOERR, as here).
+    fn whole_transaction_gone(e: &mut Engine) -> Result<(), StoreError> {
+        e.db.execute_batch("ROLLBACK")?;
+        Err(StoreError::Database("the disk is full (test)".into()))
+    }
+
     /// An operation that fails and takes the whole transaction with it (SQLite rolls back by
     /// itself on SQLITE_FULL or SQLITE_IOERR) when it is the first since a commit loses
     /// nothing acknowledged: no loss is counted or reported. It was counted, and the image
@@ -4922,13 +4934,7 @@ mod tests {
     /// a later one that follows acknowledged operations is still counted.
     #[test]
     fn a_failed_first_operation_after_a_commit_counts_no_loss() {
-        let db = Connection::open_in_memory().unwrap();
-        let mut engine =
-            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
-        let whole_transaction_gone = |e: &mut Engine| -> Result<(), StoreError> {
-            e.db.execute_batch("ROLLBACK")?;
-            Err(StoreError::Database("the disk is full (test)".into()))
-        };
+        let mut engine = in_memory_engine();
         assert!(engine.in_operation(false, whole_transaction_gone).is_err());
         assert_eq!(engine.losses.load(Ordering::Acquire), 0);
         assert!(engine.lost.is_none(), "{:?}", engine.lost);
@@ -4947,9 +4953,7 @@ mod tests {
     /// skips the search that finds them, and their space is never given back.
     #[test]
     fn dead_ranges_dropped_unpunched_leave_the_store_unclean() {
-        let db = Connection::open_in_memory().unwrap();
-        let mut engine =
-            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
+        let mut engine = in_memory_engine();
         assert!(!engine.frees_dropped);
         engine.frees_pending.extend([(0, 0, 4096), (0, 8192, 4096)]);
         engine.db.execute_batch("BEGIN").unwrap();
@@ -4963,13 +4967,7 @@ mod tests {
     /// writer may still carry in its context (its clones then read as the new snapshot's).
     #[test]
     fn a_snapshot_id_of_a_lost_transaction_is_not_given_again() {
-        let db = Connection::open_in_memory().unwrap();
-        let mut engine =
-            Engine::new(db, Box::<MemorySegments>::default(), Arc::new(NoDurability)).unwrap();
-        let whole_transaction_gone = |e: &mut Engine| -> Result<(), StoreError> {
-            e.db.execute_batch("ROLLBACK")?;
-            Err(StoreError::Database("the disk is full (test)".into()))
-        };
+        let mut engine = in_memory_engine();
         let first = engine.in_operation(false, |e| e.snap_create()).unwrap();
         assert!(engine.in_operation(false, whole_transaction_gone).is_err());
         assert_eq!(engine.losses.load(Ordering::Acquire), 1);
