@@ -239,7 +239,37 @@ async fn answer(stream: tokio::net::UnixStream, image: &Image, location: &str) {
         Ok(Err(e)) => json!({"error": format!("reading the request: {e}")}),
         Err(_) => json!({"error": "no request within 10 s"}),
     };
-    let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
+    send_reply(&mut write, &reply, REPLY_WITHIN).await;
+}
+
+/// How long a client has to take its answer. Requests are answered one at a time, and the
+/// server's stop waits for the one being answered: a client that never read its answer held
+/// every later request off, and the shutdown with its flush for ever.
+const REPLY_WITHIN: Duration = Duration::from_secs(10);
+
+/// Send `reply`; false if the client did not take it within `within`.
+async fn send_reply<W: AsyncWriteExt + Unpin>(
+    write: &mut W,
+    reply: &Value,
+    within: Duration,
+) -> bool {
+    let text = format!("{reply}\n");
+    match tokio::time::timeout(within, write.write_all(text.as_bytes())).await {
+        Ok(sent) => sent.is_ok(),
+        Err(_) => {
+            tracing::warn!("control socket: a client did not read its answer; dropped");
+            false
+        }
+    }
+}
+
+/// A part of a request, for an answer: at most 200 characters (a request can be MiBs).
+fn shown(value: &Value) -> String {
+    let text = value.to_string();
+    match text.char_indices().nth(200) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text,
+    }
 }
 
 async fn execute(line: &str, image: &Image, location: &str) -> Value {
@@ -249,7 +279,7 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
     };
     if request["location"].as_str() != Some(location) {
         return json!({"error": format!(
-            "this server serves {location}, not {}", request["location"]
+            "this server serves {location}, not {}", shown(&request["location"])
         )});
     }
     match (request["command"].as_str(), request["snapshot"].as_str()) {
@@ -290,7 +320,7 @@ async fn execute(line: &str, image: &Image, location: &str) -> Value {
             }
         }
         (Some("ping"), None) => json!({"pid": std::process::id()}),
-        _ => json!({"error": format!("unknown request {request}")}),
+        _ => json!({"error": format!("unknown request: command {}", shown(&request["command"]))}),
     }
 }
 
@@ -418,6 +448,22 @@ mod tests {
             err.to_string().contains("may still carry the request out"),
             "{err:#}"
         );
+    }
+
+    /// A client that does not read its answer is dropped after a while: requests are answered
+    /// one at a time and the server's stop waits for the one in hand, so such a client held
+    /// off the shutdown (and its flush) for ever. Answers do not echo a request's MiBs.
+    #[tokio::test]
+    async fn a_client_that_reads_no_answer_is_dropped() {
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let (_read, mut write) = server.into_split();
+        let huge = json!({"error": "x".repeat(8 << 20)});
+        let started = std::time::Instant::now();
+        assert!(!send_reply(&mut write, &huge, Duration::from_millis(300)).await);
+        assert!(started.elapsed() < Duration::from_secs(5));
+        drop(client);
+        let echoed = shown(&json!("y".repeat(1 << 20)));
+        assert!(echoed.len() < 300, "{} bytes echoed", echoed.len());
     }
 
     /// Two clusters can each hold an image of the same pool, name and id (a restore keeps the
