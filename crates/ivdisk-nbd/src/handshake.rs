@@ -373,12 +373,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<'_, S> {
             .await
     }
 
-    /// The export by name; "" names the first (default) export.
+    /// The export by name; "" names the first (default) export unless one is named "" (which
+    /// could not be reached otherwise).
     fn find(&self, name: &str) -> Option<Arc<Export>> {
-        if name.is_empty() {
-            return self.exports.first().cloned();
+        let named = self.exports.iter().find(|e| e.name == name).cloned();
+        match name.is_empty() {
+            true => named.or_else(|| self.exports.first().cloned()),
+            false => named,
         }
-        self.exports.iter().find(|e| e.name == name).cloned()
     }
 
     /// `NBD_OPT_INFO` / `NBD_OPT_GO`: the export's size, flags and block sizes.

@@ -225,12 +225,19 @@ fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    let dir = parent.join(format!(
-        ".ivdisk-{}-{}",
-        std::process::id(),
-        STAGING.fetch_add(1, Ordering::Relaxed)
-    ));
-    let staged = dir.join("s");
+    // A name no one can guess ahead: a directory of the name left by a process killed in
+    // between (in a container the server's pid repeats at every start), or made by another
+    // user in a shared /tmp, failed the bind with "File exists" for a path that did not exist.
+    let staging_dir = || {
+        // std's hash keys: random (from the OS) for each process.
+        let salt = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), 0u8) as u32;
+        parent.join(format!(
+            ".ivdisk-{}-{}-{salt:08x}",
+            std::process::id(),
+            STAGING.fetch_add(1, Ordering::Relaxed)
+        ))
+    };
+    let mut dir = staging_dir();
     let bind_in_place = || {
         let listener = UnixListener::bind(path)?;
         if let Err(e) = std::fs::set_permissions(path, private()) {
@@ -239,10 +246,23 @@ fn bind_private_unix(path: &Path) -> std::io::Result<UnixListener> {
         }
         Ok(listener)
     };
-    if staged.as_os_str().as_bytes().len() > SUN_PATH_MAX {
+    // (The longest staged name: the counter has at most 10 digits.)
+    if dir.as_os_str().as_bytes().len() + 12 > SUN_PATH_MAX {
         return bind_in_place();
     }
-    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    let mut attempts = 0;
+    loop {
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempts < 8 => {
+                attempts += 1;
+                dir = staging_dir();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return bind_in_place(),
+            Err(e) => return Err(e),
+        }
+    }
+    let staged = dir.join("s");
     let clean_up = || {
         let _ = std::fs::remove_file(&staged);
         let _ = std::fs::remove_dir(&dir);
@@ -692,5 +712,24 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["d".repeat(room), "taken".into()]);
+    }
+
+    /// Staging directories of the names a server would pick (left by a process killed while
+    /// binding, whose pid a container's next server has again, or made ahead by another user
+    /// in /tmp) do not stop the bind: it failed with "File exists" for a path that did not.
+    #[tokio::test]
+    async fn a_staging_name_taken_ahead_does_not_stop_the_bind() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for n in 0..4096 {
+            let name = format!(".ivdisk-{}-{n}", std::process::id());
+            std::fs::create_dir(dir.path().join(name)).unwrap();
+        }
+        let path = dir.path().join("s");
+        let listener = bind_private_unix(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        UnixStream::connect(&path).await.unwrap();
+        drop(listener);
     }
 }

@@ -137,17 +137,21 @@ impl Server {
     }
 
     async fn start_with(device: Arc<dyn BlockDevice>, tls: Option<TlsCredentials>) -> Server {
+        let exports = vec![Export {
+            name: "disk".into(),
+            description: "test disk".into(),
+            device,
+        }];
+        Server::start_exports(exports, tls).await
+    }
+
+    async fn start_exports(exports: Vec<Export>, tls: Option<TlsCredentials>) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
         let listener = Listener::bind(&ListenAddress::Unix(path.clone()))
             .await
             .unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let exports = vec![Export {
-            name: "disk".into(),
-            description: "test disk".into(),
-            device,
-        }];
         let task = tokio::spawn(async move {
             serve_with_tls(listener, exports, tls, async {
                 let _ = stopped.await;
@@ -578,6 +582,32 @@ async fn export_name_option_and_abort() {
     let mut third = Client::connect(&server).await;
     third.option(OPT_EXPORT_NAME, b"nope").await;
     assert!(third.closed().await);
+    server.stop().await;
+}
+
+/// An export named "" is the one "" asks for; the first export is the default only where no
+/// export has that name. "" reached the first export, and the one named "" never.
+#[tokio::test]
+async fn an_export_named_empty_is_reached_by_the_empty_name() {
+    let export = |name: &str, read_only| Export {
+        name: name.into(),
+        description: String::new(),
+        device: MemoryDevice::new(read_only),
+    };
+    let both = vec![export("disk", false), export("", true)];
+    let server = Server::start_exports(both, None).await;
+    let mut client = Client::connect(&server).await;
+    let (_, flags) = client.go("").await;
+    assert_eq!(flags & TF_READ_ONLY, TF_READ_ONLY, "\"\" reached \"disk\"");
+    let mut client = Client::connect(&server).await;
+    let (_, flags) = client.go("disk").await;
+    assert_eq!(flags & TF_READ_ONLY, 0);
+    server.stop().await;
+    // Without one named "", the first.
+    let server = Server::start_exports(vec![export("disk", true)], None).await;
+    let mut client = Client::connect(&server).await;
+    let (_, flags) = client.go("").await;
+    assert_eq!(flags & TF_READ_ONLY, TF_READ_ONLY);
     server.stop().await;
 }
 
