@@ -477,15 +477,33 @@ impl Image {
             Err(e) => return Err(ImageError::store(&image)(e)),
         }
         tracing::info!(image = %image, suite = %options.suite, layout = %layout, size = options.size, "created image");
-        Image::open_unlocked(
-            image,
-            store,
-            header_object,
+        let opened = Image::open_unlocked(
+            image.clone(),
+            store.clone(),
+            header_object.clone(),
             &header,
             volume_key,
             &OpenOptions::default(),
         )
-        .await
+        .await;
+        // An open that failed on the store (a RADOS timeout taking the writer lock) left a
+        // new, empty image of the full size that anything else opens and reads zeros from:
+        // the header goes again. Not after other failures: another process may hold the
+        // image by then (its lock, a delete begun), and it is not ours to remove.
+        if let Err(e @ (ImageError::Store { .. } | ImageError::Rados { .. })) = &opened {
+            let remove = WriteOp::new()
+                .step(WriteStep::AssertExists)
+                .step(WriteStep::Remove);
+            match store.write_op(&header_object, remove).await {
+                Ok(_) => {
+                    tracing::info!(image = %image, error = %e, "removed the image just created: its open failed")
+                }
+                Err(removal) => {
+                    tracing::warn!(image = %image, error = %removal, "the image just created could not be removed after its open failed; delete it (`ivdisk delete`)")
+                }
+            }
+        }
+        opened
     }
 
     /// Open an image with a passphrase (or the contents of a key file).

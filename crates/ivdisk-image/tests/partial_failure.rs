@@ -14,7 +14,7 @@ use common::FailingStore;
 use ivdisk_crypto::Suite;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageError, LayoutKind, OpenOptions};
-use ivdisk_store::StoreError;
+use ivdisk_store::{ObjectStoreExt, StoreError};
 
 const PASS: &[u8] = b"partial failure";
 const OBJECT: u64 = 64 << 10;
@@ -207,4 +207,36 @@ async fn a_snapshot_whose_record_is_unknown_is_preserved_by_its_writer() {
         back.iter().all(|&b| b == 0x11),
         "the snapshot shows a write made after it"
     );
+}
+
+/// A create whose open fails on the store after the header was written (the writer lock's
+/// record, say, in a RADOS timeout) removes the header again: it left a new, empty image of
+/// the full size, which anything else opened and read zeros from, and which the next create
+/// under the name refused as existing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_open_fails_leaves_no_image() {
+    let store = Arc::new(FailingStore::new());
+    let options = CreateOptions {
+        object_size: OBJECT,
+        pbkdf: PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2),
+        ..CreateOptions::new(8 * OBJECT)
+    };
+    // The first write is the header's, the second the writer lock's record.
+    store.fail_nth_write(2);
+    let err = Image::create_on(store.clone(), "img", &options, PASS)
+        .await
+        .unwrap_err();
+    store.arm(false);
+    assert!(matches!(err, ImageError::Store { .. }), "{err}");
+    let header = ivdisk_store::ObjectName::new("ivdisk_header.img").unwrap();
+    assert!(
+        store.stat(&header).await.unwrap().is_none(),
+        "the header of the failed create is left"
+    );
+    Image::create_on(store.clone(), "img", &options, PASS)
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
 }
