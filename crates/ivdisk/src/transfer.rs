@@ -17,7 +17,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -187,9 +187,40 @@ pub(crate) fn stop_copies_on_signals(rt: &Runtime) -> Result<()> {
             _ = quit.recv() => {}
         }
         INTERRUPTED.store(true, Ordering::Relaxed);
+        // An export stuck in a write (a reader of standard output that stopped reading) or a
+        // read (a cluster that does not answer) never reaches the check between pieces: it
+        // is given up after a while. Nothing of it is worth keeping, unlike a half-made
+        // image, which only its own cleanup may remove.
+        tokio::time::sleep(EXPORT_GRACE).await;
+        let abandoned = ABANDONABLE_EXPORT.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(partial) = &*abandoned {
+            if let Some(partial) = partial {
+                let _ = std::fs::remove_file(partial);
+            }
+            eprintln!(
+                "ivdisk: {}; the export did not stop within {} s (stuck writing or reading), \
+                 given up{}",
+                interrupted_error(),
+                EXPORT_GRACE.as_secs(),
+                if partial.is_some() {
+                    ", its partial file removed"
+                } else {
+                    ""
+                }
+            );
+            std::process::exit(1);
+        }
     });
     Ok(())
 }
+
+/// How long an export may take to stop after a signal before it is given up.
+const EXPORT_GRACE: Duration = Duration::from_secs(5);
+
+/// While an export runs: that it may be given up after a signal (see
+/// [`stop_copies_on_signals`]), and its partial file (none for standard output). Taken
+/// before the export is named: from then on it finishes.
+static ABANDONABLE_EXPORT: std::sync::Mutex<Option<Option<PathBuf>>> = std::sync::Mutex::new(None);
 
 /// Whether a copy must stop: a signal came (see [`stop_copies_on_signals`]).
 pub(crate) fn interrupted() -> bool {
@@ -532,6 +563,8 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             .with_file_name(format!(".{name}.ivdisk-export-{}", std::process::id()))
     };
     // A signal stops the copy between pieces, and the partial file is removed.
+    *ABANDONABLE_EXPORT.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((!to_stdout).then(|| target.clone()));
     stop_copies_on_signals(rt)?;
     let image = open_read_only_at(rt, &uri, snapshot.as_deref(), &args.passphrase)?;
     let size = image.size();
@@ -565,6 +598,11 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let started = Instant::now();
     let copied = rt.block_on(copy_out(&image, &shown, &mut sink, &bar));
     bar.finish_and_clear();
+    // From here on the export finishes (or fails) on its own: never given up half-named.
+    ABANDONABLE_EXPORT
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
     let mut complete = false;
     let finished = copied.and_then(|written| {
         match &mut sink {
@@ -598,6 +636,11 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                         args.file.display()
                     )
                 }));
+            }
+            if let Sink::Stdout(out) = sink {
+                // Not flushed on the way out: a reader that stopped reading would hold the
+                // process in that write for ever.
+                let _ = out.into_parts();
             }
             return Err(e.context(format!(
                 "exporting image {shown} failed; standard output got an incomplete copy"

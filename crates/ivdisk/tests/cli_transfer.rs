@@ -1233,6 +1233,61 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     assert!(interrupted > 0, "every restore ended before its signal");
 }
 
+/// An export whose standard output is not read any more (a stalled `ssh`) stops after a
+/// signal all the same: stuck in the write, it never reached the check between pieces, and
+/// every later signal was only recorded; only SIGKILL ended it.
+#[test]
+fn an_export_stuck_writing_stops_after_a_signal() {
+    let f = Fixture::new();
+    let image = f.path("img");
+    let mut args = vec![
+        "create",
+        p(&image),
+        "--size",
+        "64M",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    args.extend(FAST);
+    ok_bytes(&args);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["export", p(&image), "-", "--passphrase-file", p(&f.pw)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The pipe fills (nobody reads it) and the export blocks in its write.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the export ended unread"
+    );
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the export did not stop within 30 s of SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("interrupted") && err.contains("given up"),
+        "{err}"
+    );
+}
+
 /// An export stopped by a signal leaves no file under the name asked for, nor its partial
 /// file beside it: written at that name, it left a file of the image's size that read as
 /// zeros past where it got, a copy that looked complete. And with `-` (the disk's bytes on
