@@ -114,7 +114,11 @@ pub fn location(uri: &ImageUri) -> Option<String> {
             let conf = conf
                 .clone()
                 .or_else(|| std::env::var_os("CEPH_CONF").map(PathBuf::from))
-                .unwrap_or_else(|| PathBuf::from("/etc/ceph/ceph.conf"));
+                .unwrap_or_else(|| {
+                    let home = std::env::var_os("HOME").map(PathBuf::from);
+                    let cwd = std::env::current_dir().unwrap_or_default();
+                    default_conf(home.as_deref(), &cwd)
+                });
             let conf = std::fs::canonicalize(&conf).unwrap_or(conf);
             Some(format!(
                 "rados:{pool}/{namespace}/{image}?conf={}",
@@ -123,6 +127,23 @@ pub fn location(uri: &ImageUri) -> Option<String> {
         }
         ImageUri::Memory { .. } => None,
     }
+}
+
+/// The configuration file librados reads when none is named: the first that exists of
+/// /etc/ceph/ceph.conf, ~/.ceph/ceph.conf and ./ceph.conf. Taken as /etc/ceph/ceph.conf
+/// always, two servers of two clusters found through the others (another HOME, another
+/// directory) had one location, and a snapshot asked of one reached the other's server.
+fn default_conf(home: Option<&Path>, cwd: &Path) -> PathBuf {
+    let system = PathBuf::from("/etc/ceph/ceph.conf");
+    [
+        Some(system.clone()),
+        home.map(|h| h.join(".ceph/ceph.conf")),
+        Some(cwd.join("ceph.conf")),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|candidate| candidate.exists())
+    .unwrap_or(system)
 }
 
 fn socket_name(image_id: &ImageId, location: &str) -> String {
@@ -475,6 +496,29 @@ mod tests {
         let again = ImageUri::parse("rados://rbd/vm1?id=admin&conf=/etc/ceph/a.conf").unwrap();
         assert_ne!(location(&a), location(&b));
         assert_eq!(location(&a), location(&again));
+    }
+
+    /// Without conf= or CEPH_CONF, the location names the file librados reads: one in HOME
+    /// or the working directory when /etc/ceph has none.
+    #[test]
+    fn the_default_conf_is_the_one_librados_reads() {
+        if Path::new("/etc/ceph/ceph.conf").exists() {
+            eprintln!("SKIPPED: /etc/ceph/ceph.conf exists here, which librados reads first");
+            return;
+        }
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        std::fs::create_dir(a.path().join(".ceph")).unwrap();
+        std::fs::write(a.path().join(".ceph/ceph.conf"), b"").unwrap();
+        std::fs::write(b.path().join("ceph.conf"), b"").unwrap();
+        assert_eq!(
+            default_conf(Some(a.path()), b.path()),
+            a.path().join(".ceph/ceph.conf")
+        );
+        assert_eq!(default_conf(None, b.path()), b.path().join("ceph.conf"));
+        assert_eq!(
+            default_conf(None, a.path()),
+            PathBuf::from("/etc/ceph/ceph.conf")
+        );
     }
 
     /// A control socket that stops removes its file only while the path still names it: a
