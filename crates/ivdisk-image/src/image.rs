@@ -875,6 +875,14 @@ impl Image {
         self.inner.object_size
     }
 
+    /// The longest range [`Image::allocation`] answers without listing the store's objects
+    /// (wherever it starts): what a caller that asks again and again, as an NBD server's
+    /// block status does, should ask about at most. Longer ranges without an object map list
+    /// every object of the image (on RADOS, of the pool) each time.
+    pub fn allocation_span_unlisted(&self) -> u64 {
+        (LIST_ABOVE_OBJECTS - 1) * self.inner.object_size
+    }
+
     pub fn image_id(&self) -> ImageId {
         self.inner.image_id
     }

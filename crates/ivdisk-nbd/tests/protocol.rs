@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ivdisk_header::{PbkdfKind, PbkdfRequest};
-use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind};
+use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind, OpenOptions};
 use ivdisk_nbd::proto::*;
 use ivdisk_nbd::{
     serve_with_tls, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress,
@@ -966,6 +966,40 @@ async fn block_status_replies_are_bounded() {
     assert_eq!(descriptors[1].1, STATE_HOLE | STATE_ZERO);
     let asked = device.allocation_asked.load(Ordering::SeqCst);
     assert!(asked <= 1 << 30, "the device was asked about {asked} bytes");
+    server.stop().await;
+}
+
+/// A block-status request on an image of small objects asks the image about no more than it
+/// answers without listing the store: 256 MiB of 64 KiB objects (a read-only open, which has
+/// no object map) listed every object of the image, of the pool on RADOS, at every request.
+#[tokio::test]
+async fn block_status_of_small_objects_covers_what_needs_no_listing() {
+    const OBJECT: u64 = 64 << 10;
+    let uri = ImageUri::parse("mem:protocol-small-objects").unwrap();
+    let options = CreateOptions {
+        object_size: OBJECT,
+        pbkdf: PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2),
+        ..CreateOptions::new(16 << 30)
+    };
+    let writer = Image::create(&uri, &options, b"pw").await.unwrap();
+    writer.write(0, &[1u8; 4096]).await.unwrap();
+    writer.close().await.unwrap();
+    let image = Image::open(&uri, b"pw", &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let span = image.allocation_span_unlisted();
+    assert!(span < 256 << 20);
+    let server = Server::start(Arc::new(image)).await;
+    let mut client = Client::attach(&server, true).await;
+    client.send(CMD_BLOCK_STATUS, 0, 1, 0, 256 << 20).await;
+    let Chunk::Structured { kind, payload, .. } = client.reply(0).await.0 else {
+        panic!("a structured reply")
+    };
+    assert_eq!(kind, REPLY_TYPE_BLOCK_STATUS);
+    let descriptors = descriptors(&payload);
+    let covered: u64 = descriptors.iter().map(|&(len, _)| u64::from(len)).sum();
+    assert_eq!(covered, span, "{descriptors:?}");
+    assert_eq!(descriptors[0].1, 0, "object 0 holds data");
     server.stop().await;
 }
 
