@@ -814,7 +814,15 @@ impl Header {
     fn write(&mut self, io: &mut dyn HeaderIo) -> Result<(), HeaderError> {
         let secondary_first = self.secondary_first;
         let (binary, metadata) = self.luks2_mut()?;
-        binary.seqid += 1;
+        // A crafted seqid of u64::MAX: wrapped to 0, a torn write's stale copy (the higher
+        // seqid) would win at the next read and undo the change.
+        binary.seqid = binary.seqid.checked_add(1).ok_or_else(|| {
+            HeaderError::Metadata(
+                "the header's sequence number (seqid) is at its maximum; it cannot be changed \
+                 (restore a header backup, or make a new header)"
+                    .into(),
+            )
+        })?;
         binary::write_both(io, binary, metadata, secondary_first)?;
         self.warning = None;
         self.secondary_first = false;

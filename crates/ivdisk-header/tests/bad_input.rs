@@ -83,6 +83,31 @@ fn fix_checksum(bytes: &mut [u8], offset: usize) {
     copy[CSUM_OFFSET..CSUM_OFFSET + sum.len()].copy_from_slice(&sum);
 }
 
+/// A header whose seqid is at its maximum cannot be changed: the change is refused, where
+/// the next seqid overflowed (a panic with overflow checks; wrapped to 0 otherwise, so a torn
+/// write's stale copy won the next read and undid the change).
+#[test]
+fn a_header_at_the_last_seqid_is_refused_changes() {
+    let (mut io, _, key) = formatted();
+    let (mut binary_header, metadata) = primary_copy(&io);
+    binary_header.seqid = u64::MAX;
+    for offset in [0, binary_header.hdr_size] {
+        let bytes = binary::encode_copy(&binary_header, &metadata, offset).unwrap();
+        io.write_at(offset, &bytes).unwrap();
+    }
+    let mut header = Header::read(&io).unwrap();
+    let err = header
+        .add_keyslot(&mut io, &key, b"second", None, &fast())
+        .unwrap_err();
+    assert!(err.to_string().contains("seqid"), "{err}");
+    // Both copies as they were (only the unused keyslot area may hold the new material).
+    for offset in [0, binary_header.hdr_size] {
+        let copy = binary::read_copy(&io, offset, "copy").unwrap();
+        assert_eq!(copy.binary.seqid, u64::MAX);
+        assert_eq!(copy.metadata, metadata);
+    }
+}
+
 /// `Header::read` must fail with `BothHeadersDamaged`; returns (primary, secondary, Display).
 fn expect_both_damaged(io: &dyn HeaderIo) -> (String, String, String) {
     match Header::read(io) {
