@@ -28,21 +28,19 @@ struct ShimFile {
     path: *mut PathBuf,
 }
 
-struct Vfs(*mut ffi::sqlite3_vfs);
-// SAFETY: the registered VFS is immutable after registration and SQLite's VFS calls are
-// thread-safe (SQLite is built threadsafe); the pointer is only handed to SQLite.
-unsafe impl Send for Vfs {}
-// SAFETY: as above.
-unsafe impl Sync for Vfs {}
+/// Whether the shim was registered (once per process).
+static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
 
-static REGISTERED: OnceLock<Result<Vfs, String>> = OnceLock::new();
-
-fn unix_vfs() -> *mut ffi::sqlite3_vfs {
-    match REGISTERED.get() {
-        // SAFETY: the shim's pAppData is the `unix` VFS, set at registration and never changed.
-        Some(Ok(vfs)) => unsafe { (*vfs.0).pAppData as *mut ffi::sqlite3_vfs },
-        _ => ptr::null_mut(),
-    }
+/// The `unix` VFS the shim `vfs` delegates to: its pAppData, set before the shim was
+/// registered and never changed. Why not through `REGISTERED`: SQLite may call the shim
+/// (another thread opening a connection) between its registration and the end of
+/// `get_or_init`, while `REGISTERED` is still empty.
+///
+/// # Safety
+/// `vfs` is the shim SQLite called.
+unsafe fn unix_vfs(vfs: *mut ffi::sqlite3_vfs) -> *mut ffi::sqlite3_vfs {
+    // SAFETY: the caller's promise: `vfs` is the registered shim, a leaked, valid struct.
+    unsafe { (*vfs).pAppData as *mut ffi::sqlite3_vfs }
 }
 
 /// Register the shim as SQLite's default VFS for this process (idempotent): every connection
@@ -70,7 +68,7 @@ pub fn register_default() -> Result<(), String> {
         if rc != ffi::SQLITE_OK {
             return Err(format!("sqlite3_vfs_register failed: {rc}"));
         }
-        Ok(Vfs(shim))
+        Ok(())
     });
     result.as_ref().map(|_| ()).map_err(Clone::clone)
 }
@@ -87,13 +85,14 @@ fn path_of(name: *const c_char) -> Option<PathBuf> {
 }
 
 unsafe extern "C" fn shim_open(
-    _vfs: *mut ffi::sqlite3_vfs,
+    vfs: *mut ffi::sqlite3_vfs,
     name: ffi::sqlite3_filename,
     file: *mut ffi::sqlite3_file,
     flags: c_int,
     out_flags: *mut c_int,
 ) -> c_int {
-    let unix = unix_vfs();
+    // SAFETY: SQLite calls xOpen with the VFS it belongs to: the shim.
+    let unix = unsafe { unix_vfs(vfs) };
     let shim = file as *mut ShimFile;
     // SAFETY: `file` points at szOsFile (= size_of ShimFile) bytes SQLite allocated for us.
     unsafe {
@@ -101,7 +100,7 @@ unsafe extern "C" fn shim_open(
         (*shim).real = ptr::null_mut();
         (*shim).path = ptr::null_mut();
     }
-    // SAFETY: `unix` is the valid `unix` VFS (registration succeeded to get here).
+    // SAFETY: `unix` is the valid `unix` VFS (the shim's pAppData).
     let size = unsafe { (*unix).szOsFile };
     // SAFETY: plain allocation.
     let real = unsafe { ffi::sqlite3_malloc(size) } as *mut ffi::sqlite3_file;
@@ -135,11 +134,12 @@ unsafe extern "C" fn shim_open(
 }
 
 unsafe extern "C" fn shim_delete(
-    _vfs: *mut ffi::sqlite3_vfs,
+    vfs: *mut ffi::sqlite3_vfs,
     name: *const c_char,
     sync_dir: c_int,
 ) -> c_int {
-    let unix = unix_vfs();
+    // SAFETY: SQLite calls xDelete with the VFS it belongs to: the shim.
+    let unix = unsafe { unix_vfs(vfs) };
     // SAFETY: delegating with SQLite's own arguments to the valid `unix` VFS.
     let rc = unsafe { ((*unix).xDelete.expect("unix has xDelete"))(unix, name, sync_dir) };
     if rc == ffi::SQLITE_OK {

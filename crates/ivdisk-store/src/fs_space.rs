@@ -21,6 +21,24 @@ fn ext4_reserved_blocks(blocks: u64) -> u64 {
     (blocks / 50).min(4096)
 }
 
+/// The blocks this process may still write, from statfs's counts.
+///
+/// Root may also use the blocks ext2/3/4 keep for it (`f_bfree` against `f_bavail`), but not
+/// those ext4 keeps for itself: on a 200 MB ext4 with 1 KiB blocks, `f_bfree` said 4 MiB were
+/// free when a write of 4 KiB failed with ENOSPC. Elsewhere `f_bavail` is what can be
+/// written, root or not: btrfs counts the free room of its metadata chunks in `f_bfree`,
+/// which file data never gets, so a store on a full btrfs kept its commit room back (the
+/// disk looked roomy) and its next commit failed, losing what was acknowledged since the
+/// last. (XFS and tmpfs give `f_bfree == f_bavail`.)
+fn usable_blocks(root: bool, f_type: i64, f_bfree: u64, f_bavail: u64, blocks: u64) -> u64 {
+    match root && f_type == EXT4_MAGIC {
+        true => f_bfree
+            .saturating_sub(ext4_reserved_blocks(blocks))
+            .max(f_bavail),
+        false => f_bavail,
+    }
+}
+
 impl FsSpace {
     fn from_statfs(fs: &rustix::fs::StatFs) -> FsSpace {
         let unit = match fs.f_frsize {
@@ -28,17 +46,13 @@ impl FsSpace {
             n => n as u64,
         };
         let blocks = fs.f_blocks;
-        // Root may also use the blocks kept for it (`f_bfree` against `f_bavail`), but not
-        // those ext4 keeps for itself: on a 200 MB ext4 with 1 KiB blocks, `f_bfree` said
-        // 4 MiB were free when a write of 4 KiB failed with ENOSPC.
-        let usable = match rustix::process::geteuid().is_root() {
-            true if fs.f_type == EXT4_MAGIC => fs
-                .f_bfree
-                .saturating_sub(ext4_reserved_blocks(blocks))
-                .max(fs.f_bavail),
-            true => fs.f_bfree,
-            false => fs.f_bavail,
-        };
+        let usable = usable_blocks(
+            rustix::process::geteuid().is_root(),
+            fs.f_type as i64,
+            fs.f_bfree,
+            fs.f_bavail,
+            blocks,
+        );
         FsSpace {
             total: blocks.saturating_mul(unit),
             usable: usable.saturating_mul(unit),
@@ -63,6 +77,21 @@ impl FsSpace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// btrfs counts its metadata chunks' free room in `f_bfree`: root gets `f_bavail` there.
+    #[test]
+    fn only_ext4_gives_root_more_than_f_bavail() {
+        const BTRFS: i64 = 0x9123_683E;
+        assert_eq!(usable_blocks(true, BTRFS, 50_000, 0, 1 << 20), 0);
+        assert_eq!(
+            usable_blocks(false, EXT4_MAGIC, 50_000, 10_000, 1 << 20),
+            10_000
+        );
+        assert_eq!(
+            usable_blocks(true, EXT4_MAGIC, 50_000, 10_000, 1 << 20),
+            50_000 - 4096
+        );
+    }
 
     #[test]
     fn ext4_keeps_two_percent_up_to_4096_blocks() {
