@@ -48,7 +48,7 @@ impl FsSpace {
         let blocks = fs.f_blocks;
         let usable = usable_blocks(
             rustix::process::geteuid().is_root(),
-            fs.f_type as i64,
+            fs.f_type,
             fs.f_bfree,
             fs.f_bavail,
             blocks,
