@@ -121,6 +121,13 @@ pub trait BlockDevice: Send + Sync + 'static {
         4096
     }
 
+    /// The longest range a block-status request asks [`BlockDevice::allocation`] about: one a
+    /// device answers cheaply (an ivdisk image without an object map lists the store's
+    /// objects for longer ones). The client asks again for the rest.
+    fn allocation_span(&self) -> u64 {
+        u64::MAX
+    }
+
     /// Let `[offset, offset + len)` read as zeros and free its space where possible.
     async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         self.write_zeroes(offset, len, false).await

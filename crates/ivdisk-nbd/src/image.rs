@@ -90,11 +90,13 @@ impl BlockDevice for Image {
         may_unmap && !self.is_foreign()
     }
 
+    fn allocation_span(&self) -> u64 {
+        // On images of small objects a block status of 256 MiB listed every object of the
+        // image, or of the pool on RADOS, at every request.
+        self.allocation_span_unlisted()
+    }
+
     async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
-        // Less than asked where a longer range would list the store (the client asks again
-        // for the rest): on images of small objects a block status of 256 MiB listed every
-        // object of the image, or of the pool on RADOS, at every request.
-        let len = len.min(self.allocation_span_unlisted());
         Ok(Image::allocation(self, offset, len)
             .await
             .map_err(device_error)?

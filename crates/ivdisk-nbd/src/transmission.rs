@@ -788,7 +788,8 @@ impl Context {
                 let granule = u64::from(device.preferred_block_size().max(512));
                 let span = (request.length as u64)
                     .min(BLOCK_STATUS_SPAN)
-                    .min(BLOCK_STATUS_EXTENTS as u64 * granule);
+                    .min(BLOCK_STATUS_EXTENTS as u64 * granule)
+                    .min(device.allocation_span().max(granule));
                 let mut extents = device.allocation(request.offset, span).await?;
                 extents.retain(|e| e.len > 0);
                 extents.truncate(BLOCK_STATUS_EXTENTS);
