@@ -458,36 +458,8 @@ impl Drop for Cluster {
 /// snapshot reads and serializes "set, then submit" on each (`&mut self` methods).
 pub struct IoCtx {
     raw: sys::rados_ioctx_t,
-    handle: Arc<IoCtxHandle>,
+    _cluster: Arc<Cluster>,
 }
-
-/// The io context itself, destroyed when the last of its [`IoCtx`] and of the operations
-/// submitted on it (each holds one, [`Inflight`]) is gone. Why operations hold it: librados
-/// takes a reference of its own for writes only; a read's completion reaches the io context
-/// (`c->io->client`) when it fires, so a read still in flight when its context was destroyed
-/// (a future dropped, then the store) made librados read freed memory.
-struct IoCtxHandle {
-    raw: sys::rados_ioctx_t,
-    cluster: Arc<Cluster>,
-}
-
-// SAFETY: the handle only destroys the io context, from whichever thread drops it last.
-unsafe impl Send for IoCtxHandle {}
-// SAFETY: `&IoCtxHandle` gives no access to the context.
-unsafe impl Sync for IoCtxHandle {}
-
-impl Drop for IoCtxHandle {
-    fn drop(&mut self) {
-        // SAFETY: created by rados_ioctx_create and destroyed once, here, when no `IoCtx` and
-        // no operation in flight on it is left (each holds this handle).
-        unsafe { sys::rados_ioctx_destroy(self.raw) }
-        IO_CONTEXTS_ALIVE.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// How many io contexts this process has not destroyed yet (for the tests).
-pub static IO_CONTEXTS_ALIVE: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(0);
 
 // SAFETY: librados io contexts may be used from any thread; their only mutable state (read
 // snapshot, write context) is changed through `&mut self` methods.
@@ -509,13 +481,9 @@ impl IoCtx {
         // guest), instead of waiting for space until the operation timeout says "timed out".
         // SAFETY: `raw` was just created and is not shared yet.
         unsafe { sys::rados_set_pool_full_try(raw) };
-        IO_CONTEXTS_ALIVE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(IoCtx {
             raw,
-            handle: Arc::new(IoCtxHandle {
-                raw,
-                cluster: cluster.clone(),
-            }),
+            _cluster: cluster.clone(),
         })
     }
 
@@ -545,7 +513,7 @@ impl IoCtx {
     /// Submit a write operation on `oid`; the future resolves once it is durable on the OSDs.
     pub fn submit_write(&self, oid: &CStr, op: WriteOp) -> Result<Pending<WriteOp>, Errno> {
         let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
-        submit(op, &self.handle, move |c| {
+        submit(op, move |c| {
             // SAFETY: the op, io context and completion are valid; `oid` outlives this call
             // (librados copies it); the op stays alive inside the payload until completion.
             unsafe { sys::rados_aio_write_op_operate(raw_op, io, c, oid_ptr, ptr::null_mut(), 0) }
@@ -555,7 +523,7 @@ impl IoCtx {
     /// Submit a read operation on `oid` (at the io context's read snapshot).
     pub fn submit_read(&self, oid: &CStr, op: ReadOp) -> Result<Pending<ReadOp>, Errno> {
         let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
-        submit(op, &self.handle, move |c| {
+        submit(op, move |c| {
             // SAFETY: as in `submit_write`; every buffer the steps write into is owned by the
             // boxed payload, alive until the callback.
             unsafe { sys::rados_aio_read_op_operate(raw_op, io, c, oid_ptr, 0) }
@@ -567,7 +535,7 @@ impl IoCtx {
         let mut id = Box::new(0u64);
         let out: *mut u64 = &mut *id;
         let io = self.raw;
-        submit(id, &self.handle, move |c| {
+        submit(id, move |c| {
             // SAFETY: `out` points into the boxed payload, which lives until the callback.
             unsafe { sys::rados_aio_ioctx_selfmanaged_snap_create(io, out, c) };
             0
@@ -576,7 +544,7 @@ impl IoCtx {
 
     pub fn snap_remove(&self, snap: u64) -> Result<Pending<()>, Errno> {
         let io = self.raw;
-        submit((), &self.handle, move |c| {
+        submit((), move |c| {
             // SAFETY: valid io context and completion.
             unsafe { sys::rados_aio_ioctx_selfmanaged_snap_remove(io, snap, c) };
             0
@@ -700,6 +668,14 @@ impl IoCtx {
         // SAFETY: `ctx` is open and closed exactly once.
         unsafe { sys::rados_nobjects_list_close(ctx) };
         result
+    }
+}
+
+impl Drop for IoCtx {
+    fn drop(&mut self) {
+        // SAFETY: created by rados_ioctx_create; no operation is being submitted (we own it),
+        // and librados keeps in-flight operations' state alive on its own.
+        unsafe { sys::rados_ioctx_destroy(self.raw) }
     }
 }
 
@@ -984,7 +960,7 @@ impl Unregistering {
         // SAFETY: a valid, connected cluster handle (the io context holds it alive). After
         // this, no callback of an unregistered watch runs any more, and with `dropped` set
         // nothing registers one: the context may go.
-        unsafe { sys::rados_watch_flush(self.context.io.handle.cluster.raw) };
+        unsafe { sys::rados_watch_flush(self.context.io._cluster.raw) };
     }
 }
 
@@ -1038,8 +1014,6 @@ pub type Pending<T> = oneshot::Receiver<Done<T>>;
 struct Inflight<T> {
     payload: T,
     done: oneshot::Sender<Done<T>>,
-    /// The io context the operation runs on, alive until it completes.
-    io: Arc<IoCtxHandle>,
 }
 
 extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *mut c_void) {
@@ -1055,24 +1029,13 @@ extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *m
     };
     // SAFETY: drops our reference; librados holds its own until the callback returns.
     unsafe { sys::rados_aio_release(c) };
-    let Inflight { payload, done, io } = *inflight;
+    let Inflight { payload, done } = *inflight;
     // A dropped receiver gets the payload dropped here, which frees its librados buffers.
     let _ = done.send(Done {
         payload,
         rval,
         version,
     });
-    // The last holder of the io context: destroyed on a thread of ours, not on librados'
-    // finisher, which its cluster's shutdown (if this was the cluster's last holder too)
-    // would wait for. Without a thread it is leaked, never destroyed in here.
-    if let Some(last) = Arc::into_inner(io) {
-        let spawned = std::thread::Builder::new()
-            .name("ivdisk-ioctx-drop".into())
-            .spawn(move || drop(last));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "leaking a RADOS io context: no thread to destroy it on");
-        }
-    }
 }
 
 /// Leak `payload` into a new completion's callback argument and run `start` (which must submit
@@ -1080,12 +1043,10 @@ extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *m
 /// before). On a submission error the callback never runs, so the payload is reclaimed here.
 fn submit<T: Send + 'static>(
     payload: T,
-    io: &Arc<IoCtxHandle>,
     start: impl FnOnce(sys::rados_completion_t) -> c_int,
 ) -> Result<Pending<T>, Errno> {
     let (done, pending) = oneshot::channel();
-    let io = io.clone();
-    let inflight = Box::into_raw(Box::new(Inflight { payload, done, io }));
+    let inflight = Box::into_raw(Box::new(Inflight { payload, done }));
     let mut c = ptr::null_mut();
     // SAFETY: valid out-pointer; the callback is a monomorphized `on_complete::<T>` matching
     // the argument's type.

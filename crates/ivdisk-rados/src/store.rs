@@ -247,13 +247,6 @@ impl RadosStore {
         }
     }
 
-    /// How many librados io contexts this process holds (stores' and operations' in flight:
-    /// an operation keeps its context until it completes); for the tests.
-    #[doc(hidden)]
-    pub fn io_contexts_alive() -> usize {
-        ffi::IO_CONTEXTS_ALIVE.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// This connection's budget of bytes in flight (librados' `objecter_inflight_op_bytes`,
     /// widened by [`RadosConfig::inflight_bytes_headroom_permille`]).
     pub fn inflight_bytes_budget(&self) -> Option<u64> {
