@@ -231,27 +231,41 @@ fn renew_until_stopped(
         // on while it hung, past the lock's expiry, beside a writer that took it).
         let renewed = std::thread::scope(|scope| {
             let retaken = &mut retaken;
-            let call = scope.spawn(|| {
-                match futures_executor::block_on(store.lock_exclusive(object, request.clone())) {
-                    // Gone. If it may have expired, take it again unless someone else has.
-                    // (May have: the call came back a duration after the last renewal sent,
-                    // so the store may have seen it only after the expiry.)
-                    Err(StoreError::NotLocked { .. })
-                        if Instant::now() >= last_sent_ok + duration && record.keeps() =>
+            // A thread that cannot be started is a failed renewal (tried again), not a panic
+            // that ends the renewals.
+            let call = std::thread::Builder::new()
+                .name("ivdisk-lock-call".into())
+                .spawn_scoped(scope, || {
+                    match futures_executor::block_on(store.lock_exclusive(object, request.clone()))
                     {
-                        let taken = futures_executor::block_on(store.lock_exclusive(
-                            object,
-                            LockRequest {
-                                renew: false,
-                                ..request.clone()
-                            },
-                        ));
-                        *retaken |= taken.is_ok();
-                        taken
+                        // Gone. If it may have expired, take it again unless someone else has.
+                        // (May have: the call came back a duration after the last renewal sent,
+                        // so the store may have seen it only after the expiry.)
+                        Err(StoreError::NotLocked { .. })
+                            if Instant::now() >= last_sent_ok + duration && record.keeps() =>
+                        {
+                            let taken = futures_executor::block_on(store.lock_exclusive(
+                                object,
+                                LockRequest {
+                                    renew: false,
+                                    ..request.clone()
+                                },
+                            ));
+                            *retaken |= taken.is_ok();
+                            taken
+                        }
+                        other => other,
                     }
-                    other => other,
+                });
+            let call = match call {
+                Ok(call) => call,
+                Err(e) => {
+                    return Err(StoreError::Io {
+                        context: "starting a thread to renew the writer lock".into(),
+                        source: e,
+                    })
                 }
-            });
+            };
             let deadline = last_sent_ok + duration * 2 / 3;
             while !call.is_finished() {
                 if !refused && Instant::now() >= deadline {
@@ -683,11 +697,23 @@ impl WriterLock {
                 .name("ivdisk-lock-renew".into())
                 .spawn(move || {
                     let lock = (&*store, &object, request, sent);
-                    renew_until_stopped(lock, &name, record, stopped, |why| {
+                    let set_refused = |why: Option<String>| {
                         // `Some`: writes refused, and why; `None`: held again.
                         *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
                         healthy.store(why.is_none(), Ordering::Release);
-                    })
+                    };
+                    let renewing = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        renew_until_stopped(lock, &name, record, stopped, set_refused)
+                    }));
+                    // Nobody renews the lock any more, so it expires and another writer may
+                    // take it: writes must stop (they went on unchecked when this panicked).
+                    if renewing.is_err() {
+                        tracing::error!(image = %name, "the writer lock's renewal failed; refusing further writes");
+                        set_refused(Some(
+                            "the writer lock's renewal failed (see the log); reopen the image"
+                                .into(),
+                        ));
+                    }
                 })
                 .map_err(|e| ImageError::Store {
                     image: image.to_owned(),
@@ -878,6 +904,110 @@ mod tests {
             .await
             .unwrap()
             .is_empty());
+    }
+
+    /// The memory store, whose lock renewals panic (a fault in the store or in the renewal).
+    struct RenewalPanics(MemoryStore);
+
+    // By hand: the forwarding macro passes `lock_exclusive` on unchanged.
+    #[async_trait::async_trait]
+    impl ObjectStore for RenewalPanics {
+        async fn lock_exclusive(
+            &self,
+            object: &ObjectName,
+            request: LockRequest,
+        ) -> Result<(), StoreError> {
+            assert!(!request.renew, "a renewal fails (on purpose, in this test)");
+            self.0.lock_exclusive(object, request).await
+        }
+        async fn write_op(
+            &self,
+            object: &ObjectName,
+            op: WriteOp,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.0.write_op(object, op).await
+        }
+        async fn read_op(
+            &self,
+            object: &ObjectName,
+            op: ReadOp,
+        ) -> Result<Vec<ReadResult>, StoreError> {
+            self.0.read_op(object, op).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<ObjectName>, StoreError> {
+            self.0.list(prefix).await
+        }
+        async fn snap_create(&self) -> Result<ivdisk_store::SnapId, StoreError> {
+            self.0.snap_create().await
+        }
+        async fn snap_remove(&self, snap: ivdisk_store::SnapId) -> Result<(), StoreError> {
+            self.0.snap_remove(snap).await
+        }
+        async fn unlock(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+            cookie: &str,
+        ) -> Result<(), StoreError> {
+            self.0.unlock(object, lock, cookie).await
+        }
+        async fn list_lockers(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+        ) -> Result<Vec<Locker>, StoreError> {
+            self.0.list_lockers(object, lock).await
+        }
+        async fn break_lock(
+            &self,
+            object: &ObjectName,
+            lock: &str,
+            client: &str,
+            cookie: &str,
+        ) -> Result<(), StoreError> {
+            self.0.break_lock(object, lock, client, cookie).await
+        }
+        async fn flush(&self) -> Result<(), StoreError> {
+            self.0.flush().await
+        }
+        fn client_id(&self) -> &str {
+            self.0.client_id()
+        }
+    }
+
+    /// A renewal thread that dies refuses writes: nobody renews the lock any more, so it
+    /// expires and another writer may take it (writes went on as if it were held).
+    #[tokio::test]
+    async fn writes_are_refused_once_the_renewal_thread_dies() {
+        let store = Arc::new(RenewalPanics(MemoryStore::new().unwrap()));
+        let object = ObjectName::new("img.header").unwrap();
+        store
+            .write_op(&object, WriteOp::new().write(0, b"header".to_vec()))
+            .await
+            .unwrap();
+        let lock = WriterLock::acquire(
+            store.clone(),
+            object.clone(),
+            "img",
+            Duration::from_secs(3),
+            HolderRecord::Keep,
+        )
+        .await
+        .unwrap();
+        let healthy = lock.healthy();
+        assert!(healthy.load(Ordering::Acquire));
+        // The first renewal goes out after a third of the duration (1 s), and panics at once,
+        // well before writes would be refused for want of an answer (2 s).
+        let refused_by = std::time::Instant::now() + Duration::from_millis(1900);
+        while healthy.load(Ordering::Acquire) {
+            assert!(
+                std::time::Instant::now() < refused_by,
+                "writes still allowed with no thread renewing the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let why = lock.lost().expect("a reason");
+        assert!(why.contains("renewal failed"), "{why}");
     }
 
     async fn record_of(store: &dyn ObjectStore, object: &ObjectName) -> Option<String> {
