@@ -99,6 +99,13 @@ pub const BACKUP_STATE_KEY: &[u8] = b"ivdisk.backup_state";
 /// finishes it.
 pub(crate) const DELETING_KEY: &[u8] = b"ivdisk.deleting";
 
+/// Header omap key set by `Image::create_to_fill` (to what fills the image: "an import of
+/// FILE") in the operation that creates the header, removed by `Image::mark_filled` once
+/// everything is written: an import or conversion killed part-way (SIGKILL, a crash, power
+/// loss: nothing there could delete the half-made image) leaves an image no open accepts,
+/// where it looked complete and read zeros for everything not copied yet.
+pub(crate) const FILLING_KEY: &[u8] = b"ivdisk.filling";
+
 /// Header omap key set by `Image::rollback_snapshot` (to the snapshot's name) before the first
 /// object is rolled back, removed with the size write at its end: a rollback stopped part-way
 /// leaves objects of two states, which no open accepts until a rollback finishes.
@@ -473,6 +480,7 @@ fn carried(key: &[u8]) -> bool {
         || key == LAST_WRITER_CLIENT_KEY
         || key == REMOVING_KEY
         || key == DELETING_KEY
+        || key == FILLING_KEY
         || key == ROLLING_BACK_KEY)
 }
 
@@ -491,18 +499,30 @@ struct RestoredState {
 }
 
 /// Refuse an image an incremental restore left half-applied (`RestoredState::applying`), or
-/// a delete or a rollback half done (`DELETING_KEY`, `ROLLING_BACK_KEY`); the restore itself reads its header object directly,
-/// not through this. A state that cannot be read (a store without omap: LUKS files) is no
-/// unfinished restore.
+/// a delete, a rollback or an import half done (`DELETING_KEY`, `ROLLING_BACK_KEY`,
+/// `FILLING_KEY`); the restore itself reads its header object directly, not through this. A
+/// state that cannot be read (a store without omap: LUKS files) is no unfinished restore.
 pub(crate) async fn refuse_unfinished_restore(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     image: &str,
 ) -> Result<(), ImageError> {
+    refuse_unfinished(store, header_object, image, false).await
+}
+
+/// [`refuse_unfinished_restore`]; `filling`: the image is being filled by this process (just
+/// created by `Image::create_to_fill`), so its `FILLING_KEY` is expected.
+pub(crate) async fn refuse_unfinished(
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    image: &str,
+    filling: bool,
+) -> Result<(), ImageError> {
     let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
         BACKUP_STATE_KEY.to_vec(),
         DELETING_KEY.to_vec(),
         ROLLING_BACK_KEY.to_vec(),
+        FILLING_KEY.to_vec(),
     ]));
     let Ok(results) = store.read_op(header_object, op).await else {
         return Ok(());
@@ -514,6 +534,12 @@ pub(crate) async fn refuse_unfinished_restore(
     if pairs.iter().any(|(k, _)| k == DELETING_KEY) {
         return Err(ImageError::DeleteUnfinished {
             image: image.to_owned(),
+        });
+    }
+    if let Some((_, what)) = pairs.iter().find(|(k, _)| *k == FILLING_KEY && !filling) {
+        return Err(ImageError::FillUnfinished {
+            image: image.to_owned(),
+            what: String::from_utf8_lossy(what).into_owned(),
         });
     }
     if let Some((_, snapshot)) = pairs.iter().find(|(k, _)| *k == ROLLING_BACK_KEY) {

@@ -238,6 +238,12 @@ pub enum ImageError {
     /// at the head, so it is not opened.
     #[error("image {image}: a rollback of it to snapshot {snapshot} did not finish, so it holds objects of two states and is not opened; run `ivdisk snap rollback {image}@{snapshot}` again to finish it")]
     RollbackUnfinished { image: String, snapshot: String },
+
+    /// The command that created the image to fill it (`what`: "an import of FILE") stopped
+    /// before it finished (killed, or the machine stopped) and could not delete it: the image
+    /// holds part of the data, zeros for the rest, so it is not opened.
+    #[error("image {image}: {what} into it did not finish (the command was killed or the machine stopped), so it holds only part of the data and is not opened; delete it with `ivdisk delete {image} --yes` and run the command again")]
+    FillUnfinished { image: String, what: String },
 }
 
 impl ImageError {

@@ -373,16 +373,62 @@ impl Image {
         options: &CreateOptions,
         passphrase: &[u8],
     ) -> Result<Image, ImageError> {
+        Image::create_at(uri, options, passphrase, None).await
+    }
+
+    /// [`Image::create`] of an image this process goes on to fill (`what`, as errors name it:
+    /// "an import of FILE"): until [`Image::mark_filled`], every other open of it fails with
+    /// [`ImageError::FillUnfinished`], so an import killed part-way leaves an image that says
+    /// so instead of one that looks complete. A failed fill that is not killed deletes the
+    /// image itself.
+    pub async fn create_to_fill(
+        uri: &ImageUri,
+        options: &CreateOptions,
+        passphrase: &[u8],
+        what: &str,
+    ) -> Result<Image, ImageError> {
+        Image::create_at(uri, options, passphrase, Some(what)).await
+    }
+
+    async fn create_at(
+        uri: &ImageUri,
+        options: &CreateOptions,
+        passphrase: &[u8],
+        filling: Option<&str>,
+    ) -> Result<Image, ImageError> {
         let created = Image::create_with(
             uri.to_string(),
             uri.image_name(),
             options,
             passphrase,
+            filling,
             || uri.open_store(true),
         )
         .await?;
         let _ = created.inner.uri.set(uri.clone());
         Ok(created)
+    }
+
+    /// Everything written to an image from [`Image::create_to_fill`] is durable, and it opens
+    /// from now on: flushes, then removes the mark, durably.
+    pub async fn mark_filled(&self) -> Result<(), ImageError> {
+        let inner = &self.inner;
+        self.flush().await?;
+        let op = WriteOp::new()
+            .step(WriteStep::AssertExists)
+            .step(WriteStep::OmapRemoveKeys(vec![
+                crate::backup::FILLING_KEY.to_vec()
+            ]));
+        inner
+            .store
+            .write_op(&inner.header_object, op)
+            .await
+            .map_err(ImageError::store(&inner.name))?;
+        inner
+            .store
+            .flush()
+            .await
+            .map_err(ImageError::store(&inner.name))
     }
 
     /// [`Image::create`] of the image `image_name` (shown as `image`) in the store that
@@ -392,6 +438,7 @@ impl Image {
         image_name: &str,
         options: &CreateOptions,
         passphrase: &[u8],
+        filling: Option<&str>,
         open_store: F,
     ) -> Result<Image, ImageError>
     where
@@ -470,7 +517,14 @@ impl Image {
         let mut region = HeaderRegion::new_object();
         let header = Header::format(&mut region, &spec, &volume_key, passphrase)
             .map_err(ImageError::header(&image))?;
-        let op = region.write_op().expect("a new header writes bytes");
+        let mut op = region.write_op().expect("a new header writes bytes");
+        if let Some(what) = filling {
+            // In the operation that creates the header: no moment when it exists unmarked.
+            op = op.omap_set(vec![(
+                crate::backup::FILLING_KEY.to_vec(),
+                what.as_bytes().to_vec(),
+            )]);
+        }
         match store.write_op(&header_object, op).await {
             Ok(outcome) => region.stored(outcome.version),
             Err(StoreError::Exists { .. }) => return Err(ImageError::Exists { image }),
@@ -484,6 +538,7 @@ impl Image {
             &header,
             volume_key,
             &OpenOptions::default(),
+            filling.is_some(),
         )
         .await;
         // An open that failed on the store (a RADOS timeout taking the writer lock) left a
@@ -623,11 +678,13 @@ impl Image {
             &header,
             unlocked.volume_key,
             options,
+            false,
         )
         .await
     }
 
-    /// Open with the volume key already recovered (create, tests).
+    /// Open with the volume key already recovered (create, tests). `filling`: just created by
+    /// [`Image::create_to_fill`], so its mark is expected.
     async fn open_unlocked(
         image: String,
         store: Arc<dyn ObjectStore>,
@@ -635,8 +692,9 @@ impl Image {
         header: &Header,
         volume_key: VolumeKey,
         options: &OpenOptions,
+        filling: bool,
     ) -> Result<Image, ImageError> {
-        crate::backup::refuse_unfinished_restore(store.as_ref(), &header_object, &image).await?;
+        crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling).await?;
         let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         let snapshot = match &options.snapshot {
             None => None,
@@ -679,7 +737,7 @@ impl Image {
                 check_same_image(&image, header, &again, &volume_key)?;
                 // Markers checked before the lock: a delete, rollback or restore that
                 // started since (or a dead holder's, taken over) is seen now.
-                crate::backup::refuse_unfinished_restore(store.as_ref(), &header_object, &image)
+                crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling)
                     .await?;
                 again
             }

@@ -16,7 +16,7 @@ impl Image {
         options: &CreateOptions,
         passphrase: &[u8],
     ) -> Result<Image, ImageError> {
-        Image::create_with(name.to_owned(), name, options, passphrase, || async {
+        Image::create_with(name.to_owned(), name, options, passphrase, None, || async {
             Ok(store)
         })
         .await

@@ -243,6 +243,56 @@ async fn delete_removes_every_object_and_the_header_local() {
     delete(Backend::Local).await;
 }
 
+/// An image made to be filled (an import) opens nowhere else until it is marked filled: one
+/// whose filler stopped part-way (killed) is refused by every open, a snapshot's included, with
+/// what filled it named; `delete` removes it. Once marked, it opens as any other.
+async fn fill(backend: Backend) {
+    let place = common::place(backend, "fill");
+    let uri = &place.uri;
+    let what = "an import of disk.raw";
+    let image = Image::create_to_fill(uri, &opts(MIB), PASS, what)
+        .await
+        .unwrap();
+    image.write(0, b"half").await.unwrap();
+    image.close().await.unwrap();
+    for result in [
+        Image::open(uri, PASS, &OpenOptions::default())
+            .await
+            .map(drop),
+        Image::open(uri, PASS, &OpenOptions::read_only())
+            .await
+            .map(drop),
+    ] {
+        match result {
+            Err(ImageError::FillUnfinished { what: named, .. }) => assert_eq!(named, what),
+            other => panic!("{other:?}"),
+        }
+    }
+    Image::delete(uri, |_, _| {}).await.unwrap();
+
+    let image = Image::create_to_fill(uri, &opts(MIB), PASS, what)
+        .await
+        .unwrap();
+    image.write(0, b"full").await.unwrap();
+    image.mark_filled().await.unwrap();
+    image.close().await.unwrap();
+    let image = Image::open(uri, PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    assert_eq!(read(&image, 0, 4).await, b"full");
+    image.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_being_filled_opens_only_once_filled_memory() {
+    fill(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_being_filled_opens_only_once_filled_local() {
+    fill(Backend::Local).await;
+}
+
 /// On RADOS the writer lock lives in the header object, and `delete` removes that object while
 /// it holds the lock: the unlock after it finds nothing, which must not fail the delete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

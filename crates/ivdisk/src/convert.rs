@@ -930,7 +930,14 @@ fn convert_open(
     // A signal from here on deletes the image made below again.
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
-        || rt.block_on(Image::create(dst, &options, &secret)),
+        || {
+            rt.block_on(Image::create_to_fill(
+                dst,
+                &options,
+                &secret,
+                &format!("a conversion from {}", source.name),
+            ))
+        },
     )
     .map_err(|e| crate::images::create_failed(dst, made_dir.as_deref(), e))?;
     drop(secret);
@@ -960,7 +967,12 @@ fn convert_open(
         ));
         bar.finish_and_clear();
         match verified? {
-            None => Ok(copied),
+            None => {
+                // Only now does the image open (a conversion killed before this leaves one
+                // that says it is incomplete).
+                rt.block_on(image.mark_filled()).map_err(flat)?;
+                Ok(copied)
+            }
             Some(at) => Err(anyhow!(
                 "verification failed: {dst} differs from {} at byte offset {at} (the first \
                  difference; was the source changed during the copy?)",

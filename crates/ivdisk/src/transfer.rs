@@ -261,7 +261,14 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     stop_copies_on_signals(rt)?;
     let image = with_spinner(
         "creating (the key derivation benchmark takes seconds by design)",
-        || rt.block_on(Image::create(&uri, &options, &passphrase)),
+        || {
+            rt.block_on(Image::create_to_fill(
+                &uri,
+                &options,
+                &passphrase,
+                &format!("an import of {}", args.file.display()),
+            ))
+        },
     )
     .map_err(|e| crate::images::create_failed(&uri, made_dir.as_deref(), e))?;
     drop(passphrase);
@@ -309,6 +316,9 @@ fn fill_or_delete(
     } = target;
     let copied = rt.block_on(copy_in(&image, Arc::new(file), len, bar));
     bar.finish_and_clear();
+    // Only now does the image open (an import killed before this leaves one that says it is
+    // incomplete).
+    let copied = copied.and_then(|w| rt.block_on(image.mark_filled()).map_err(flat).map(|()| w));
     // Closing flushes (only then is the import durable) and releases the writer lock, which
     // the delete below takes.
     let closed = rt.block_on(image.close()).map_err(flat);

@@ -1233,6 +1233,62 @@ fn a_signal_amid_import_or_convert_leaves_no_half_made_image() {
     assert!(interrupted > 0, "every restore ended before its signal");
 }
 
+/// SIGKILL amid `import` or `convert` (or the machine stopping): nothing can delete the
+/// half-made image, so it says it is half made. Before, it opened, served and exported, with
+/// zeros for whatever was not copied yet. Whatever moment the kill comes at, the image is
+/// absent, complete, or refused by every open with an error that says what to do, and
+/// `ivdisk delete` removes it.
+#[test]
+fn an_import_or_convert_killed_leaves_an_image_no_open_takes_for_complete() {
+    let f = Fixture::new();
+    let disk = random(384 << 20, 12);
+    let raw = f.file("big.raw", &disk);
+    let mut half_made = 0;
+    for (round, delay_ms) in [300u64, 500, 800, 1200].into_iter().enumerate() {
+        for command in ["import", "convert"] {
+            let image = f.path(&format!("{command}-killed-{round}"));
+            let mut args = vec![command, p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
+            args.extend(FAST);
+            let out = signalled(&args, delay_ms, "-KILL");
+            if out.status.success() {
+                let (_, exported) = f.export(&image, &format!("{command}-{round}.raw"));
+                assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
+                continue;
+            }
+            assert_eq!(out.status.code(), None, "{command} was not killed");
+            if !image.exists() {
+                continue;
+            }
+            let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+                .args(["export", p(&image), p(&f.path("half.raw"))])
+                .args(["--passphrase-file", p(&f.pw)])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            if out.status.success() {
+                // Killed after it marked the image filled (between that and its exit).
+                let exported = std::fs::read(f.path("half.raw")).unwrap();
+                assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
+                continue;
+            }
+            if err.contains("does not exist") {
+                // Killed while it created the image: its directory made, no header yet.
+                continue;
+            }
+            assert!(err.contains("did not finish"), "{command}: {err}");
+            assert!(
+                err.contains(&format!("`ivdisk delete {} --yes`", image.display())),
+                "{err}"
+            );
+            ok_bytes(&["delete", p(&image), "--yes"]);
+            let err = fails(&["info", p(&image)]);
+            assert!(err.contains("does not exist"), "{err}");
+            half_made += 1;
+        }
+    }
+    assert!(half_made > 0, "no kill landed amid a copy");
+}
+
 /// An export whose standard output is not read any more (a stalled `ssh`) stops after a
 /// signal all the same: stuck in the write, it never reached the check between pieces, and
 /// every later signal was only recorded; only SIGKILL ended it.
