@@ -23,12 +23,14 @@
 
 #![allow(unsafe_code)]
 
+use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
 use std::io;
 use std::ptr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use futures_channel::oneshot;
 use ivdisk_store::OmapPairs;
@@ -129,6 +131,7 @@ mod sys {
         pub fn rados_aio_get_return_value(c: rados_completion_t) -> c_int;
         pub fn rados_aio_get_version(c: rados_completion_t) -> u64;
         pub fn rados_aio_release(c: rados_completion_t);
+        pub fn rados_aio_cancel(io: rados_ioctx_t, c: rados_completion_t) -> c_int;
 
         pub fn rados_create_write_op() -> rados_write_op_t;
         pub fn rados_release_write_op(op: rados_write_op_t);
@@ -459,7 +462,30 @@ impl Drop for Cluster {
 pub struct IoCtx {
     raw: sys::rados_ioctx_t,
     _cluster: Arc<Cluster>,
+    /// Reads submitted on this context and not completed yet: dropping the context cancels
+    /// them and waits for their completions (see `Drop`).
+    reads: Arc<ReadsInFlight>,
 }
+
+/// The completions of an io context's reads in flight. librados takes a reference to the io
+/// context for a write until it completes, but none for a read, whose completion still
+/// reaches the context (`c->io->client`) when it fires: a read in flight when its context
+/// was destroyed (its future dropped, then its store) made librados read freed memory.
+#[derive(Default)]
+struct ReadsInFlight {
+    /// Completion addresses. An entry is removed under this lock before the completion's
+    /// callback releases our reference, so a completion found here is still valid.
+    completions: Mutex<HashSet<usize>>,
+    /// Signalled when an entry is removed.
+    removed: Condvar,
+}
+
+/// How long dropping an io context waits for its cancelled reads to complete before it
+/// leaks the context (and keeps its cluster connected) instead of destroying it under them.
+const CANCELLED_READS_WAIT: Duration = Duration::from_secs(10);
+
+/// Reads submitted in this process and not completed yet (for the tests).
+pub static READS_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: librados io contexts may be used from any thread; their only mutable state (read
 // snapshot, write context) is changed through `&mut self` methods.
@@ -484,6 +510,7 @@ impl IoCtx {
         Ok(IoCtx {
             raw,
             _cluster: cluster.clone(),
+            reads: Arc::default(),
         })
     }
 
@@ -513,7 +540,7 @@ impl IoCtx {
     /// Submit a write operation on `oid`; the future resolves once it is durable on the OSDs.
     pub fn submit_write(&self, oid: &CStr, op: WriteOp) -> Result<Pending<WriteOp>, Errno> {
         let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
-        submit(op, move |c| {
+        submit(op, None, move |c| {
             // SAFETY: the op, io context and completion are valid; `oid` outlives this call
             // (librados copies it); the op stays alive inside the payload until completion.
             unsafe { sys::rados_aio_write_op_operate(raw_op, io, c, oid_ptr, ptr::null_mut(), 0) }
@@ -523,7 +550,7 @@ impl IoCtx {
     /// Submit a read operation on `oid` (at the io context's read snapshot).
     pub fn submit_read(&self, oid: &CStr, op: ReadOp) -> Result<Pending<ReadOp>, Errno> {
         let (raw_op, io, oid_ptr) = (op.raw, self.raw, oid.as_ptr());
-        submit(op, move |c| {
+        submit(op, Some(&self.reads), move |c| {
             // SAFETY: as in `submit_write`; every buffer the steps write into is owned by the
             // boxed payload, alive until the callback.
             unsafe { sys::rados_aio_read_op_operate(raw_op, io, c, oid_ptr, 0) }
@@ -535,7 +562,8 @@ impl IoCtx {
         let mut id = Box::new(0u64);
         let out: *mut u64 = &mut *id;
         let io = self.raw;
-        submit(id, move |c| {
+        // The snapshot operations' completions reach the cluster, not the io context.
+        submit(id, None, move |c| {
             // SAFETY: `out` points into the boxed payload, which lives until the callback.
             unsafe { sys::rados_aio_ioctx_selfmanaged_snap_create(io, out, c) };
             0
@@ -544,7 +572,7 @@ impl IoCtx {
 
     pub fn snap_remove(&self, snap: u64) -> Result<Pending<()>, Errno> {
         let io = self.raw;
-        submit((), move |c| {
+        submit((), None, move |c| {
             // SAFETY: valid io context and completion.
             unsafe { sys::rados_aio_ioctx_selfmanaged_snap_remove(io, snap, c) };
             0
@@ -673,10 +701,57 @@ impl IoCtx {
 
 impl Drop for IoCtx {
     fn drop(&mut self) {
-        // SAFETY: created by rados_ioctx_create; no operation is being submitted (we own it),
-        // and librados keeps in-flight operations' state alive on its own.
+        if !self.cancel_reads_and_wait() {
+            tracing::warn!(
+                "leaking a RADOS io context: reads cancelled on it did not complete within \
+                 {CANCELLED_READS_WAIT:?}"
+            );
+            // Its cluster stays connected too: shutting it down under the reads would free
+            // what they still reach.
+            std::mem::forget(self._cluster.clone());
+            return;
+        }
+        // SAFETY: created by rados_ioctx_create; no operation is being submitted (we own it)
+        // and no read is in flight on it; writes in flight hold a reference of their own.
         unsafe { sys::rados_ioctx_destroy(self.raw) }
     }
+}
+
+impl IoCtx {
+    /// Cancel this context's reads in flight and wait until their completions have fired
+    /// (after which librados no longer reaches the context for them); false if some did not
+    /// within [`CANCELLED_READS_WAIT`].
+    fn cancel_reads_and_wait(&self) -> bool {
+        let mut completions = lock_unpoisoned(&self.reads.completions);
+        if completions.is_empty() {
+            return true;
+        }
+        tracing::debug!(reads = completions.len(), "cancelling reads in flight");
+        for &c in completions.iter() {
+            // SAFETY: valid io context; `c` is still in the set, so its callback has not
+            // released our reference yet (it removes the entry under this lock first). A
+            // cancelled read completes with ECANCELED; one already completing is not found
+            // (ENOENT) and completes on its own.
+            unsafe { sys::rados_aio_cancel(self.raw, c as sys::rados_completion_t) };
+        }
+        let deadline = Instant::now() + CANCELLED_READS_WAIT;
+        while !completions.is_empty() {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            completions = match self.reads.removed.wait_timeout(completions, left) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+        true
+    }
+}
+
+fn lock_unpoisoned<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1014,6 +1089,8 @@ pub type Pending<T> = oneshot::Receiver<Done<T>>;
 struct Inflight<T> {
     payload: T,
     done: oneshot::Sender<Done<T>>,
+    /// For a read: its io context's reads in flight, which it leaves on completion.
+    read_of: Option<Arc<ReadsInFlight>>,
 }
 
 extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *mut c_void) {
@@ -1027,9 +1104,21 @@ extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *m
             sys::rados_aio_get_version(c),
         )
     };
+    let Inflight {
+        payload,
+        done,
+        read_of,
+    } = *inflight;
+    if let Some(reads) = read_of {
+        // Before the release below: a context being dropped cancels only the completions it
+        // finds in the set, so it never cancels a released one. Once this callback runs,
+        // librados has finished with the io context for this read.
+        lock_unpoisoned(&reads.completions).remove(&(c as usize));
+        READS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        reads.removed.notify_all();
+    }
     // SAFETY: drops our reference; librados holds its own until the callback returns.
     unsafe { sys::rados_aio_release(c) };
-    let Inflight { payload, done } = *inflight;
     // A dropped receiver gets the payload dropped here, which frees its librados buffers.
     let _ = done.send(Done {
         payload,
@@ -1041,12 +1130,21 @@ extern "C" fn on_complete<T: Send + 'static>(c: sys::rados_completion_t, arg: *m
 /// Leak `payload` into a new completion's callback argument and run `start` (which must submit
 /// an operation using that completion, touching the payload only through raw pointers taken
 /// before). On a submission error the callback never runs, so the payload is reclaimed here.
+/// A read (`read_of`: its io context's reads in flight) is entered there before it is
+/// submitted, so that its callback always finds its entry.
 fn submit<T: Send + 'static>(
     payload: T,
+    read_of: Option<&Arc<ReadsInFlight>>,
     start: impl FnOnce(sys::rados_completion_t) -> c_int,
 ) -> Result<Pending<T>, Errno> {
     let (done, pending) = oneshot::channel();
-    let inflight = Box::into_raw(Box::new(Inflight { payload, done }));
+    let read_of = read_of.cloned();
+    let reads = read_of.clone();
+    let inflight = Box::into_raw(Box::new(Inflight {
+        payload,
+        done,
+        read_of,
+    }));
     let mut c = ptr::null_mut();
     // SAFETY: valid out-pointer; the callback is a monomorphized `on_complete::<T>` matching
     // the argument's type.
@@ -1058,8 +1156,16 @@ fn submit<T: Send + 'static>(
         drop(unsafe { Box::from_raw(inflight) });
         return Err(Errno(-r));
     }
+    if let Some(reads) = &reads {
+        lock_unpoisoned(&reads.completions).insert(c as usize);
+        READS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+    }
     let r = start(c);
     if r < 0 {
+        if let Some(reads) = &reads {
+            lock_unpoisoned(&reads.completions).remove(&(c as usize));
+            READS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        }
         // SAFETY: the operation was refused, so the callback will never run: release the
         // completion and reclaim the box here, exactly once.
         unsafe {

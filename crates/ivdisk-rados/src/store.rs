@@ -247,6 +247,13 @@ impl RadosStore {
         }
     }
 
+    /// How many reads this process has submitted to RADOS and not seen complete (a dropped
+    /// store cancels its own and waits for them); for the tests.
+    #[doc(hidden)]
+    pub fn reads_in_flight() -> usize {
+        ffi::READS_IN_FLIGHT.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// This connection's budget of bytes in flight (librados' `objecter_inflight_op_bytes`,
     /// widened by [`RadosConfig::inflight_bytes_headroom_permille`]).
     pub fn inflight_bytes_budget(&self) -> Option<u64> {

@@ -405,3 +405,47 @@ async fn a_watch_dropped_while_the_osds_are_down_does_not_hang() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
+
+/// A read still in flight when its store is dropped (its future given up first) is
+/// cancelled, and the drop returns once its completion has fired: librados takes no
+/// reference to the io context for a read, and the completion reaches the context, which
+/// was destroyed with the store at once (librados then read freed memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kills OSDs of the cluster in IVDISK_CEPH_DIR; run by scripts/test-all.sh"]
+async fn a_read_in_flight_when_its_store_is_dropped_completes_before_the_drop_returns() {
+    use futures_util::FutureExt;
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let store = common::open().await;
+    let object = name("read-outlives-store", 0);
+    store
+        .write_op(&object, WriteOp::new().write(0, b"r".to_vec()))
+        .await
+        .unwrap();
+    let before = RadosStore::reads_in_flight();
+    let mut guard = RestartOnPanic { armed: true };
+    kill_all_osds();
+    // Submitted at its first poll, then given up; with every OSD down it stays in flight.
+    assert!(store.read(&object, 0, 1).now_or_never().is_none());
+    assert_eq!(RadosStore::reads_in_flight(), before + 1);
+    let started = Instant::now();
+    tokio::task::spawn_blocking(move || drop(store))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        RadosStore::reads_in_flight(),
+        before,
+        "the store was dropped with its read still in flight"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "dropping the store took {took:?}: its read was waited for, not cancelled"
+    );
+    start_all_osds();
+    guard.armed = false;
+    let again = common::open().await;
+    assert_eq!(again.read(&object, 0, 1).await.unwrap(), b"r");
+}
