@@ -496,6 +496,17 @@ impl ObjectStore for RadosStore {
             return self.rollback(object, snap, op.snap_context).await;
         }
 
+        // Only Zero steps of no length, which are not sent (see below): the OSD refuses an
+        // operation of no steps (EINVAL), and this one changes nothing.
+        if !op.steps.is_empty()
+            && op
+                .steps
+                .iter()
+                .all(|s| matches!(s, WriteStep::Zero { len: 0, .. }))
+        {
+            let version = self.stat(object).await?.map_or(0, |s| s.version);
+            return Ok(WriteOutcome { version });
+        }
         let what = "writing";
         let mut raw = ffi::WriteOp::new().map_err(|e| self.error(object, what, e))?;
         let mut hint = None;
@@ -532,6 +543,9 @@ impl ObjectStore for RadosStore {
                 WriteStep::AssertVersion(v) => raw.assert_version(*v),
                 WriteStep::Write { offset, data } => raw.write(*offset, data),
                 WriteStep::WriteFull(data) => raw.write_full(data),
+                // A ZERO of no length aborts the OSD (Ceph 16's `do_osd_ops` asserts on it:
+                // the whole OSD goes down, every PG it holds with it); it changes nothing.
+                WriteStep::Zero { len: 0, .. } => {}
                 WriteStep::Zero { offset, len } => raw.zero(*offset, *len),
                 WriteStep::Truncate(size) => raw.truncate(*size),
                 WriteStep::Remove => raw.remove(),

@@ -611,6 +611,37 @@ pub async fn sparse_reads<S: ObjectStore>(c: Clients<S>) {
         s.read(&end, 0, 2 * K).await.unwrap()[..],
         concat(&[&a[..K as usize], &zeros(size - K)])[..]
     );
+
+    // Steps of no length are accepted and change nothing: Zero inside the object or past
+    // its end (on RADOS such a ZERO, sent, aborted the OSD), Write inside it. (A Write of no
+    // length past the end grows the object on every backend, RADOS included; not relied on.)
+    let before = s.read(&o, 0, 8 * K).await.unwrap();
+    s.write_op(
+        &o,
+        WriteOp::new()
+            .step(WriteStep::Zero {
+                offset: 3 * K,
+                len: 0,
+            })
+            .step(WriteStep::Zero {
+                offset: 100 * K,
+                len: 0,
+            })
+            .write(2 * K, Vec::new()),
+    )
+    .await
+    .unwrap();
+    s.write_op(
+        &o,
+        WriteOp::new().step(WriteStep::Zero {
+            offset: 5 * K,
+            len: 0,
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stat_of(s, &o).await.size, 8 * K);
+    assert_eq!(s.read(&o, 0, 8 * K).await.unwrap(), before);
 }
 
 /// Truncate shrinks (the data beyond is gone: growing again reads zeros, as a hole) and grows
