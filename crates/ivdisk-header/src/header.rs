@@ -180,6 +180,15 @@ pub struct SegmentInfo {
 }
 
 impl SegmentInfo {
+    /// The sector number (in units of the segment's sector size) to pass to the cipher for the
+    /// sector at `offset` bytes into the segment's data, `iv_tweak` included: as dm-crypt
+    /// computes it, `(offset / 512 + iv_tweak) >> shift` in 64 bits, wrapping (a header's
+    /// tweak near 2^64 overflowed here, a panic where overflow is checked).
+    pub fn sector_number(&self, offset: u64) -> u64 {
+        let units = u64::from(self.sector_size / 512).max(1);
+        (offset / 512).wrapping_add(self.iv_tweak) / units
+    }
+
     /// The ivdisk suite of this segment, if it is one.
     pub fn suite(&self) -> Result<Suite, HeaderError> {
         self.cipher
@@ -200,8 +209,7 @@ impl DataSegment {
     /// The sector number (in units of the segment's sector size) to pass to the cipher for the
     /// sector at `offset` bytes into the segment's data, `iv_tweak` included.
     pub fn sector_number(&self, offset: u64) -> u64 {
-        let ss = self.info.sector_size as u64;
-        offset / ss + self.info.iv_tweak / (ss / 512)
+        self.info.sector_number(offset)
     }
 }
 
@@ -1197,4 +1205,31 @@ fn wipe(io: &mut dyn HeaderIo, offset: u64, len: u64) -> Result<(), HeaderError>
         .map_err(|source| HeaderError::Write { offset, source })?;
     io.sync()
         .map_err(|source| HeaderError::Write { offset, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(sector_size: u32, iv_tweak: u64) -> SegmentInfo {
+        SegmentInfo {
+            cipher: "aes-xts-plain64".into(),
+            offset: 0,
+            size: None,
+            sector_size,
+            iv_tweak,
+        }
+    }
+
+    /// dm-crypt's sector numbers: the tweak (512-byte units) added before the shift to the
+    /// sector size, in 64 bits that wrap.
+    #[test]
+    fn sector_numbers_add_the_tweak_as_dm_crypt_does() {
+        assert_eq!(segment(512, 0).sector_number(3 * 512), 3);
+        assert_eq!(segment(512, 10).sector_number(3 * 512), 13);
+        assert_eq!(segment(4096, 16).sector_number(3 * 4096), 5);
+        assert_eq!(segment(512, u64::MAX).sector_number(512), 0);
+        assert_eq!(segment(512, u64::MAX).sector_number(3 * 512), 2);
+        assert_eq!(segment(4096, u64::MAX - 7).sector_number(4096), 0);
+    }
 }
