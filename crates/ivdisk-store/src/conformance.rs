@@ -1834,6 +1834,28 @@ pub async fn snapshot_remove<S: ObjectStore>(c: Clients<S>) {
     assert_eq!(read_state(s, &o, None).await.unwrap(), v(b"v3"));
     let s3 = s.snap_create().await.unwrap();
     assert!(s3 > s2, "snapshot ids are not reused: {s3} after {s2}");
+
+    // A context librados would refuse (a snapshot newer than its seq, snapshots not newest
+    // first) is refused by every backend, and the operation writes nothing.
+    for bad in [
+        SnapContext {
+            seq: s2,
+            snaps: vec![s3],
+        },
+        SnapContext {
+            seq: s3,
+            snaps: vec![s2, s3],
+        },
+    ] {
+        let op = WriteOp::new()
+            .write(0, b"bad")
+            .with_snap_context(bad.clone());
+        match s.write_op(&o, op).await {
+            Err(StoreError::InvalidOperation { .. }) => {}
+            other => panic!("a write under {bad:?} gave {other:?}"),
+        }
+    }
+    assert_eq!(read_state(s, &o, None).await.unwrap(), v(b"v3"));
 }
 
 /// Writes without a snap context preserve nothing: a snapshot taken before such a write reads

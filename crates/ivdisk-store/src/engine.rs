@@ -890,6 +890,15 @@ static WALL_CLOCK_STEP_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::Ato
 /// (A version only changes at the end of an operation, so `AssertVersion` compares with the
 /// version at its start, or 0 for an object the operation created.)
 fn check_write(object: &ObjectName, op: &WriteOp, head: Option<&Node>) -> Result<(), StoreError> {
+    if let Some(context) = op.snap_context.as_ref().filter(|c| !c.is_valid()) {
+        return Err(StoreError::InvalidOperation {
+            object: object.to_string(),
+            reason: format!(
+                "snapshot context {context:?} is not valid: its snapshots must be newest first \
+                 and none newer than its seq"
+            ),
+        });
+    }
     let mut version = head.map(|h| h.version);
     for step in &op.steps {
         match step {

@@ -130,6 +130,18 @@ pub struct SnapContext {
     pub snaps: Vec<SnapId>,
 }
 
+impl SnapContext {
+    /// What librados accepts (Ceph's `SnapContext::is_valid`): `seq` at most 2^64 - 3 (the
+    /// ids above are reserved), and `snaps` strictly newest first, none newer than `seq`, no
+    /// 0 before the last. Every backend refuses an operation under any other context.
+    pub fn is_valid(&self) -> bool {
+        const MAX_SNAP: SnapId = u64::MAX - 2;
+        self.seq <= MAX_SNAP
+            && self.snaps.first().is_none_or(|&newest| newest <= self.seq)
+            && self.snaps.windows(2).all(|w| w[0] != 0 && w[1] < w[0])
+    }
+}
+
 /// Omap keys and values, packed into one buffer: the pairs a write sets and the pairs a read
 /// returns.
 ///
@@ -499,7 +511,26 @@ pub struct LockRequest {
 
 #[cfg(test)]
 mod tests {
-    use super::{NumberedNames, ObjectName, OmapPairs, MAX_NAME_LEN};
+
+    /// The contexts librados accepts and refuses (Ceph's `SnapContext::is_valid`).
+    #[test]
+    fn snapshot_contexts_are_valid_as_librados_says() {
+        let ctx = |seq, snaps: &[u64]| SnapContext {
+            seq,
+            snaps: snaps.to_vec(),
+        };
+        assert!(ctx(0, &[]).is_valid());
+        assert!(ctx(5, &[5, 3, 1]).is_valid());
+        assert!(ctx(7, &[5]).is_valid());
+        assert!(ctx(u64::MAX - 2, &[]).is_valid());
+        assert!(!ctx(u64::MAX - 1, &[]).is_valid(), "a reserved id");
+        assert!(!ctx(4, &[5]).is_valid(), "newer than seq");
+        assert!(!ctx(5, &[3, 5]).is_valid(), "oldest first");
+        assert!(!ctx(5, &[3, 3]).is_valid(), "twice");
+        assert!(!ctx(5, &[0, 0]).is_valid(), "0 before the last");
+    }
+
+    use super::{NumberedNames, ObjectName, OmapPairs, SnapContext, MAX_NAME_LEN};
     use crate::StoreError;
 
     #[test]
