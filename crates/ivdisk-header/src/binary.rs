@@ -198,6 +198,13 @@ pub fn read_luks2(io: &dyn HeaderIo) -> Result<Loaded, HeaderError> {
                 })
             }
         }
+        // One copy intact (checksum-valid) but using what this ivdisk does not support, which
+        // neither a torn write nor a bug makes: another tool wrote it, maybe after the other
+        // copy, which may then be stale (its next change, "repairing" the intact copy,
+        // overwrote that tool's state). Say what is unsupported rather than open the other.
+        // (Malformed JSON or metadata out of spec falls back to the other copy, as
+        // cryptsetup's does.)
+        (Ok(_), Err(e)) | (Err(e), Ok(_)) if is_unsupported(&e) => Err(e),
         (Ok(p), Err(e)) => Ok(Loaded {
             copy: p,
             warning: Some(format!(
@@ -234,6 +241,17 @@ fn is_damage(e: &HeaderError) -> bool {
             | HeaderError::Truncated { .. }
             | HeaderError::BinaryHeader { .. }
             | HeaderError::Checksum { .. }
+    )
+}
+
+/// Whether a copy's error means it uses an algorithm or version this ivdisk does not support.
+fn is_unsupported(e: &HeaderError) -> bool {
+    matches!(
+        e,
+        HeaderError::UnsupportedVersion(_)
+            | HeaderError::UnsupportedKdf(_)
+            | HeaderError::UnsupportedHash(_)
+            | HeaderError::UnsupportedCipher(..)
     )
 }
 

@@ -898,3 +898,31 @@ fn a_header_with_a_bad_copy_backs_up_restorable() {
         assert_eq!(unlocked.volume_key.as_bytes(), key.as_bytes());
     }
 }
+
+/// One copy intact but unsupported (another tool's newer change: here an unknown hash), the
+/// other usable but older: the header is refused with what is unsupported. It was opened
+/// from the stale copy, with a warning that the intact one was "damaged", and the next change
+/// "repaired" that copy with the stale state.
+#[test]
+fn an_intact_unsupported_copy_is_not_passed_over_for_a_stale_one() {
+    for unsupported_at in ["primary", "secondary"] {
+        let (mut io, _, _) = formatted();
+        let (mut binary_header, mut metadata) = primary_copy(&io);
+        binary_header.seqid += 1;
+        metadata.digests.get_mut(&0).unwrap().hash = "whirlpool".into();
+        let offset = match unsupported_at {
+            "primary" => 0,
+            _ => binary_header.hdr_size,
+        };
+        let bytes = binary::encode_copy(&binary_header, &metadata, offset).unwrap();
+        io.write_at(offset, &bytes).unwrap();
+        match Header::read(&io) {
+            Err(HeaderError::UnsupportedHash(hash)) => assert_eq!(hash, "whirlpool"),
+            Err(e) => panic!("{unsupported_at}: expected UnsupportedHash, got {e:?}"),
+            Ok(h) => panic!(
+                "{unsupported_at}: opened from the other copy, warning {:?}",
+                h.warning()
+            ),
+        }
+    }
+}
