@@ -62,8 +62,9 @@ pub fn after_help() -> String {
      to DST's sector size (the added bytes read as zeros). Ranges SRC reports unallocated are \
      not read, and all-zero sectors are not written (an unwritten sector reads as zeros). Then \
      every byte of DST is read back and compared with SRC; if any differs, or the copy fails or \
-     is stopped by Ctrl-C (SIGINT), SIGTERM or SIGHUP, DST is deleted and convert exits 1 (naming the first differing offset). A DST that \
-     exists is refused unless --force, which deletes it (an ivdisk image; never a file) once \
+     is stopped by Ctrl-C (SIGINT), SIGTERM or SIGHUP, DST is deleted and convert exits 1 (naming the first differing offset); killed outright \
+     (SIGKILL, a crash), it leaves DST marked unfinished, refused by every open until deleted \
+     (`ivdisk delete DST --yes`). A DST that exists is refused unless --force, which deletes it (an ivdisk image; never a file) once \
      SRC is open. SRC and DST may not be the same image.\n\n\
      Passphrases: SRC's comes from --passphrase-file/--key-file or the terminal, and protects \
      DST too unless --new-passphrase-file/--new-key-file gives DST its own. An unencrypted SRC \
