@@ -203,6 +203,7 @@ pub(crate) fn info(header: &Header, info: &SegmentInfo, size: u64, object_size: 
         image_id: ImageId::default(),
         keyslots: header.keyslots().iter().map(|k| k.id).collect(),
         snapshots: Vec::new(),
+        unfinished: None,
     }
 }
 

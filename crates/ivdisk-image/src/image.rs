@@ -130,6 +130,9 @@ pub struct ImageInfo {
     pub keyslots: Vec<u32>,
     /// Snapshots, oldest first (none for LUKS volumes made by other tools).
     pub snapshots: Vec<SnapshotInfo>,
+    /// Why no open accepts the image, if a command that changes it as a whole stopped
+    /// part-way (an import, a delete, a rollback, an incremental restore): that open's error.
+    pub unfinished: Option<String>,
 }
 
 /// An open image. Cheap to clone (clones share the open image); IO methods take `&self` and
@@ -1076,6 +1079,10 @@ impl Image {
             snapshots: SnapshotTable::read(store.as_ref(), &object, &image)
                 .await?
                 .snapshots,
+            unfinished: crate::backup::refuse_unfinished_restore(store.as_ref(), &object, &image)
+                .await
+                .err()
+                .map(|e| e.to_string()),
         })
     }
 

@@ -435,12 +435,13 @@ fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
         "keyslots": info.keyslots,
         "image_id": hex::encode(info.image_id.0),
         "snapshots": info.snapshots.iter().map(crate::snapshots::snapshot_json).collect::<Vec<_>>(),
+        "unfinished": info.unfinished,
     })
 }
 
 fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
     let keyslots: Vec<String> = info.keyslots.iter().map(u32::to_string).collect();
-    vec![
+    let mut lines = vec![
         ("image", uri.to_string()),
         (
             "size",
@@ -478,7 +479,11 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
                     .join(", ")
             },
         ),
-    ]
+    ];
+    if let Some(why) = &info.unfinished {
+        lines.push(("unfinished", why.clone()));
+    }
+    lines
 }
 
 fn aligned(lines: &[(&str, String)]) -> String {

@@ -1253,21 +1253,23 @@ fn an_import_or_convert_killed_leaves_an_image_no_open_takes_for_complete() {
             if out.status.success() {
                 let (_, exported) = f.export(&image, &format!("{command}-{round}.raw"));
                 assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
+                assert_eq!(info(&image)["unfinished"], Value::Null);
                 continue;
             }
             assert_eq!(out.status.code(), None, "{command} was not killed");
             if !image.exists() {
                 continue;
             }
+            let half = f.path(&format!("half-{command}-{round}.raw"));
             let out = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
-                .args(["export", p(&image), p(&f.path("half.raw"))])
+                .args(["export", p(&image), p(&half)])
                 .args(["--passphrase-file", p(&f.pw)])
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&out.stderr);
             if out.status.success() {
                 // Killed after it marked the image filled (between that and its exit).
-                let exported = std::fs::read(f.path("half.raw")).unwrap();
+                let exported = std::fs::read(&half).unwrap();
                 assert!(exported[..disk.len()] == disk[..], "{command}: data lost");
                 continue;
             }
@@ -1276,6 +1278,12 @@ fn an_import_or_convert_killed_leaves_an_image_no_open_takes_for_complete() {
                 continue;
             }
             assert!(err.contains("did not finish"), "{command}: {err}");
+            // `info` shows it too, and says the same.
+            let unfinished = info(&image)["unfinished"].as_str().unwrap_or("").to_owned();
+            assert!(
+                unfinished.contains("did not finish"),
+                "{command}: {unfinished}"
+            );
             assert!(
                 err.contains(&format!("`ivdisk delete {} --yes`", image.display())),
                 "{err}"
