@@ -1244,7 +1244,7 @@ fn an_import_or_convert_killed_leaves_an_image_no_open_takes_for_complete() {
     let disk = random(384 << 20, 12);
     let raw = f.file("big.raw", &disk);
     let mut half_made = 0;
-    for (round, delay_ms) in [300u64, 500, 800, 1200].into_iter().enumerate() {
+    for (round, delay_ms) in [300u64, 500, 800, 1200, 1800].into_iter().enumerate() {
         for command in ["import", "convert"] {
             let image = f.path(&format!("{command}-killed-{round}"));
             let mut args = vec![command, p(&raw), p(&image), "--passphrase-file", p(&f.pw)];
