@@ -66,7 +66,10 @@ impl Image {
         len: u64,
     ) -> Result<Vec<AllocationExtent>, ImageError> {
         self.inner.check_range(offset, len)?;
-        self.allocation_unchecked(offset, len).await
+        let extents = self.allocation_unchecked(offset, len).await?;
+        // Objects removed unseen would map as unallocated.
+        self.inner.check_reads_watched().await?;
+        Ok(extents)
     }
 
     /// [`Image::allocation`] of a range not checked against the image's size (a shrink maps

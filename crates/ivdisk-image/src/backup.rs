@@ -70,7 +70,7 @@ use crate::image::{
 };
 use crate::keyslots::missing_header;
 use crate::layout::max_stored_object_len;
-use crate::readers::REMOVING_KEY;
+use crate::readers::{ReaderHold, REMOVING_KEY};
 use crate::snapshot::{SnapshotTable, SNAPSHOT_KEY_PREFIX, SNAP_SEQ_KEY};
 use crate::writer_lock::{
     HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, LAST_WRITER_CLIENT_KEY, LAST_WRITER_KEY,
@@ -654,6 +654,8 @@ struct Source {
     header_object: ObjectName,
     parsed: Parsed,
     table: SnapshotTable,
+    /// What keeps the snapshots read from being removed meanwhile (`readers.rs`).
+    reader_marks: Vec<ReaderHold>,
 }
 
 impl Source {
@@ -770,9 +772,7 @@ impl Image {
                 }
             }
         }
-        let summary = backup_in(image, store, header_object, options, path, progress).await;
-        drop(marks);
-        summary
+        backup_in(image, store, header_object, marks, options, path, progress).await
     }
 
     /// [`Image::backup`] of the image `name` in an open store (see [`Image::open_on`]).
@@ -788,6 +788,7 @@ impl Image {
             name.to_owned(),
             store,
             header_object,
+            Vec::new(),
             options,
             path,
             progress,
@@ -800,6 +801,7 @@ async fn backup_in(
     image: String,
     store: Arc<dyn ObjectStore>,
     header_object: ObjectName,
+    reader_marks: Vec<ReaderHold>,
     options: &BackupOptions,
     path: &Path,
     progress: impl FnMut(BackupProgress),
@@ -864,6 +866,7 @@ async fn backup_in(
             header_object: header_object.clone(),
             parsed,
             table,
+            reader_marks,
         };
         write_file(&source, options, path, progress).await
     }
@@ -915,6 +918,13 @@ async fn write_file(
             .map_err(|e| file_io(&partial, "writing it")(e.into_error()))?;
         file.sync_all().map_err(file_io(&partial, "syncing it"))?;
         drop(file);
+        // A snapshot removed unseen while a watch was lost read as holes: no such backup.
+        if source.reader_marks.iter().any(|mark| !mark.unbroken()) {
+            return Err(ImageError::ReaderWatchLost {
+                image: source.image.clone(),
+                gone: false,
+            });
+        }
         if !options.overwrite && path.exists() {
             return Err(ImageError::BackupFileExists {
                 file: path.display().to_string(),

@@ -149,6 +149,13 @@ pub enum ImageError {
     RemovalUnderway { image: String },
 
     /// The stored data does not have the shape the header describes.
+    /// A read-only open of a RADOS image found, once a read had its data, that its watch on
+    /// the header (which keeps `delete` and `snap rm` elsewhere from removing what it reads)
+    /// was lost: the read is refused, as what it read may be gone. `gone`: the header object
+    /// is gone, the image deleted.
+    #[error("image {image}: {}", if *gone { "it was deleted while this read-only open read it (its watch on the image's header was lost, so the delete did not see this reader); nothing more is read from it, close it" } else { "this read-only open's watch on the image's header was lost (this client was cut off from the cluster, or stopped, for longer than the watch timeout), so a delete or `snap rm` elsewhere could have gone on without seeing it; reads are refused until the watch is registered again and the image is found unchanged (try again in a few seconds; if it goes on, check the network to the cluster)" })]
+    ReaderWatchLost { image: String, gone: bool },
+
     #[error("image {image}: {reason}")]
     Corrupt { image: String, reason: String },
 

@@ -10,7 +10,7 @@ use ivdisk_crypto::{new_cipher, CipherParams, ImageId, SectorCipher, Suite, Volu
 use ivdisk_header::{FormatSpec, Header, ImageParams, PbkdfRequest, FORMAT_VERSION};
 use ivdisk_store::{
     Locker, NumberedNames, ObjectName, ObjectStore, ObjectStoreExt, ReadOp, ReadResult, ReadStep,
-    SnapContext, SnapId, StoreError, WriteOp, WriteStep,
+    SnapContext, SnapId, StoreError, WatchStatus, WriteOp, WriteStep,
 };
 
 use crate::allocation::LIST_ABOVE_OBJECTS;
@@ -194,6 +194,12 @@ pub(crate) struct Inner {
     pub(crate) header_change: tokio::sync::Mutex<()>,
     /// A read-only open's mark that keeps what it reads from being removed (`readers.rs`).
     pub(crate) reader_mark: std::sync::Mutex<Option<crate::readers::ReaderHold>>,
+    /// The mark is a watch, whose status every read checks (`check_reads_watched`).
+    pub(crate) reads_watched: AtomicBool,
+    /// The watch's registration for which what is read was last found still there (0: the
+    /// first, checked at the open), and the one check at a time after a registration again.
+    pub(crate) reads_watched_since: AtomicU64,
+    pub(crate) reader_recheck: tokio::sync::Mutex<()>,
     /// Where the image was opened from, when opened by address: a writer's snapshot
     /// removal asks that store for the snapshot's readers (`readers.rs`).
     pub(crate) uri: std::sync::OnceLock<ImageUri>,
@@ -623,33 +629,10 @@ impl Image {
         else {
             return Ok(());
         };
-        // (`NotFound` once the header object is gone.) The image read is still the one under
-        // the name (not deleted and made again since), and no delete, rollback or restore
-        // began before the mark.
-        let (header, _) =
-            read_header(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
-        if parse_header(&inner.name, &header)?.params.image_id != inner.image_id {
-            return Err(ImageError::HeaderChanged {
-                image: inner.name.clone(),
-            });
-        }
-        crate::backup::refuse_unfinished_restore(
-            inner.store.as_ref(),
-            &inner.header_object,
-            &inner.name,
-        )
-        .await?;
-        let table =
-            SnapshotTable::read(inner.store.as_ref(), &inner.header_object, &inner.name).await?;
-        if let Some((name, id)) = &inner.snapshot {
-            if table.find(name).map(|s| s.id) != Some(*id) {
-                return Err(ImageError::SnapshotNotFound {
-                    image: inner.name.clone(),
-                    snapshot: name.clone(),
-                });
-            }
-        }
+        inner.check_still_there().await?;
+        let watched = matches!(mark, crate::readers::ReaderHold::Watching(_));
         *inner.reader_mark.lock().unwrap_or_else(|e| e.into_inner()) = Some(mark);
+        inner.reads_watched.store(watched, Ordering::Release);
         Ok(())
     }
 
@@ -864,6 +847,9 @@ impl Image {
             nonce_reserve: tokio::sync::Mutex::new(()),
             header_change: tokio::sync::Mutex::new(()),
             reader_mark: std::sync::Mutex::new(None),
+            reads_watched: AtomicBool::new(false),
+            reads_watched_since: AtomicU64::new(0),
+            reader_recheck: tokio::sync::Mutex::new(()),
             uri: std::sync::OnceLock::new(),
             foreign: spec.foreign,
             snapshot: spec.snapshot,
@@ -1394,6 +1380,91 @@ impl Inner {
     /// The snapshot reads go to (`None`: the head).
     pub(crate) fn read_snap(&self) -> Option<SnapId> {
         self.snapshot.as_ref().map(|&(_, id)| id)
+    }
+
+    /// What this open reads is still there as it was opened: (`NotFound` once the header
+    /// object is gone) the image under the name is the one opened (not deleted and made
+    /// again since), no delete, rollback or restore began, and the snapshot read is not
+    /// removed.
+    async fn check_still_there(&self) -> Result<(), ImageError> {
+        let store = self.store.as_ref();
+        let (header, _) = read_header(store, &self.header_object, &self.name).await?;
+        if parse_header(&self.name, &header)?.params.image_id != self.image_id {
+            return Err(ImageError::HeaderChanged {
+                image: self.name.clone(),
+            });
+        }
+        crate::backup::refuse_unfinished_restore(store, &self.header_object, &self.name).await?;
+        let table = SnapshotTable::read(store, &self.header_object, &self.name).await?;
+        if let Some((name, id)) = &self.snapshot {
+            if table.find(name).map(|s| s.id) != Some(*id) {
+                return Err(ImageError::SnapshotNotFound {
+                    image: self.name.clone(),
+                    snapshot: name.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Called once a read has its data, before it is handed out: a read-only open of a RADOS
+    /// image counts on its watch of the header to keep what it reads from being removed
+    /// (`readers.rs`), so its reads are good only if the OSD held that watch when they
+    /// completed. A watch lost (this client cut off from the cluster, or stopped, for
+    /// longer than the watch timeout) let a delete or `snap rm` elsewhere go on unseen, and
+    /// the objects it removed read as holes, zeros: such reads are refused until the watch
+    /// is registered again and what is read is found still there.
+    pub(crate) async fn check_reads_watched(&self) -> Result<(), ImageError> {
+        if !self.reads_watched.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let lost = |gone| ImageError::ReaderWatchLost {
+            image: self.shown(),
+            gone,
+        };
+        loop {
+            let status = match &*self.reader_mark.lock().unwrap_or_else(|e| e.into_inner()) {
+                Some(crate::readers::ReaderHold::Watching(watch)) => watch.status(),
+                // Closed: nothing is kept from removal any more.
+                _ => return Ok(()),
+            };
+            let registration = match status {
+                WatchStatus::Held { registration } => registration,
+                WatchStatus::Lost => return Err(lost(false)),
+                WatchStatus::ObjectGone => return Err(lost(true)),
+            };
+            if registration == self.reads_watched_since.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            // Registered again: whatever was removed while it was lost shows in the header.
+            let _one_check = self.reader_recheck.lock().await;
+            if registration == self.reads_watched_since.load(Ordering::Acquire) {
+                continue;
+            }
+            self.check_still_there().await?;
+            crate::readers::refuse_if_removing(
+                self.store.as_ref(),
+                &self.header_object,
+                &self.shown(),
+                self.read_snap(),
+            )
+            .await?;
+            tracing::info!(
+                image = %self.shown(),
+                "the watch on the image's header is registered again and the image is unchanged: reads go on"
+            );
+            // Checked for this registration; the loop asks again whether it still holds.
+            self.reads_watched_since
+                .store(registration, Ordering::Release);
+        }
+    }
+
+    /// The image (and snapshot) as messages about reads name it.
+    fn shown(&self) -> String {
+        match &self.snapshot {
+            Some((name, _)) => crate::uri::at_snapshot(&self.name, name),
+            None => self.name.clone(),
+        }
     }
 
     /// Refuse once the store has lost acknowledged writes since this open

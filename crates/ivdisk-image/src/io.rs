@@ -1036,6 +1036,7 @@ impl Image {
             buf.copy_from_slice(&sectors[at..at + buf.len()]);
             failed
         };
+        inner.check_reads_watched().await?;
         if failed.is_empty() {
             Ok(())
         } else {
@@ -1087,6 +1088,7 @@ impl Image {
             slots,
         };
         let failed = inner.read_piece(piece, &mut out).await?;
+        inner.check_reads_watched().await?;
         if !failed.is_empty() {
             return Err(inner.integrity(failed));
         }

@@ -11,15 +11,18 @@
 //!   if one reads what it removes or does not answer. A reader that starts watching after the
 //!   notify finds the record and gives up: the OSD orders the watch, the notify and the
 //!   record's write on the one object, so no reader slips between them. A record left by a
-//!   removal that failed or crashed counts only while the writer lock it names is held.
+//!   removal that failed or crashed counts only while the writer lock it names is held. A
+//!   watch the OSD dropped (the reader cut off or paused past the watch timeout) hides the
+//!   reader from removals until it is registered again, so its reads count only while the
+//!   watch is held (`Inner::check_reads_watched`, `ReaderHold::unbroken`).
 //! - `mem:` images are in one process' memory: nothing to keep apart.
 
 use std::time::Duration;
 
 use ivdisk_store::reader_marks::{self, ReadTarget, ReaderMark, RemovalHold};
 use ivdisk_store::{
-    ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, SnapId, StoreError, Watch, WriteOp,
-    WriteStep,
+    ObjectName, ObjectStore, ReadOp, ReadResult, ReadStep, SnapId, StoreError, Watch, WatchStatus,
+    WriteOp, WriteStep,
 };
 
 use crate::{ImageError, ImageUri};
@@ -37,6 +40,17 @@ const REPLY_TAG: &str = "ivdisk-reader";
 pub(crate) enum ReaderHold {
     Marked(#[allow(dead_code)] ReaderMark),
     Watching(#[allow(dead_code)] Watch),
+}
+
+impl ReaderHold {
+    /// Whether this hold has kept what it marks from removal without a break since it was
+    /// taken: not a watch the store lost meanwhile, even if registered again since.
+    pub(crate) fn unbroken(&self) -> bool {
+        match self {
+            ReaderHold::Marked(_) => true,
+            ReaderHold::Watching(watch) => watch.status() == WatchStatus::Held { registration: 0 },
+        }
+    }
 }
 
 /// What a removal holds while it removes.
@@ -135,16 +149,27 @@ pub(crate) async fn mark_reader(
                 }
                 Err(e) => return Err(ImageError::store(shown)(e)),
             };
-            if let Some(removing) = removal_under_way(store, header_object, shown).await? {
-                if removing == "head" || removing == target_word(snapshot) {
-                    return Err(ImageError::RemovalUnderway {
-                        image: shown.to_owned(),
-                    });
-                }
-            }
+            refuse_if_removing(store, header_object, shown, snapshot).await?;
             Ok(watch.map(ReaderHold::Watching))
         }
         ImageUri::Memory { .. } => Ok(None),
+    }
+}
+
+/// Refuse a reader of the image at `snapshot` while a removal of it is under way.
+pub(crate) async fn refuse_if_removing(
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    shown: &str,
+    snapshot: Option<SnapId>,
+) -> Result<(), ImageError> {
+    match removal_under_way(store, header_object, shown).await? {
+        Some(removing) if removing == "head" || removing == target_word(snapshot) => {
+            Err(ImageError::RemovalUnderway {
+                image: shown.to_owned(),
+            })
+        }
+        _ => Ok(()),
     }
 }
 

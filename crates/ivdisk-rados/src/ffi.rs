@@ -29,11 +29,11 @@ use std::fmt;
 use std::io;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use futures_channel::oneshot;
-use ivdisk_store::OmapPairs;
+use ivdisk_store::{OmapPairs, WatchStatus};
 
 #[allow(non_camel_case_types)]
 mod sys {
@@ -294,6 +294,7 @@ mod sys {
             arg: *mut c_void,
         ) -> c_int;
         pub fn rados_unwatch2(io: rados_ioctx_t, cookie: u64) -> c_int;
+        pub fn rados_watch_check(io: rados_ioctx_t, cookie: u64) -> c_int;
         pub fn rados_watch_flush(cluster: rados_t) -> c_int;
         pub fn rados_notify2(
             io: rados_ioctx_t,
@@ -767,24 +768,38 @@ struct WatchContext {
     reply: Vec<u8>,
     /// Seconds the OSD keeps the watch of a client that stopped answering.
     timeout: u32,
-    state: Mutex<WatchState>,
+    /// Written by registrations and unregistrations (which hold it across their round trip),
+    /// read by [`Watch::status`], which never waits for it: a registration under way is a
+    /// watch not held.
+    state: RwLock<WatchState>,
 }
 
 struct WatchState {
-    /// The current registration (0: none, between a loss and its re-registration).
+    /// The current registration (0: none, between a loss and its re-registration). A cookie
+    /// is librados' handle of the registration (a pointer), used only while it is
+    /// registered: it is unregistered under the write lock.
     cookie: u64,
+    /// Registrations since the first (0: the first, never lost).
+    registration: u64,
+    /// When the current registration was sent: the OSD holds the watch from before the
+    /// registration succeeded, for at least its timeout from then (librados' own time of the
+    /// last confirmation may be older at first).
+    registered_at: Instant,
+    /// The watched object is gone (a registration again found no object): nothing to retry.
+    object_gone: bool,
     /// The `Watch` is gone: register nothing any more.
     dropped: bool,
 }
 
 impl WatchContext {
-    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn state(&self) -> std::sync::RwLockWriteGuard<'_, WatchState> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Register a watch with this context as the callbacks' argument; its cookie.
-    fn register(self: &Arc<Self>) -> Result<u64, Errno> {
+    fn register(self: &Arc<Self>, state: &mut WatchState) -> Result<u64, Errno> {
         let mut cookie = 0u64;
+        let sent = Instant::now();
         // SAFETY: valid io context, live C string and out-pointer; the argument points at
         // this context, which stays allocated while librados may call back with it: the
         // `Watch` holds it until its last registration is unregistered and the callbacks
@@ -800,6 +815,7 @@ impl WatchContext {
                 Arc::as_ptr(self).cast_mut().cast(),
             )
         })?;
+        state.registered_at = sent;
         Ok(cookie)
     }
 
@@ -821,10 +837,19 @@ impl WatchContext {
                     unsafe { sys::rados_unwatch2(self.io.raw, expected) };
                     (state.cookie, expected) = (0, 0);
                 }
-                match self.register() {
+                match self.register(&mut state) {
                     Ok(cookie) => {
                         state.cookie = cookie;
+                        state.registration += 1;
                         tracing::warn!(lost, cookie, "a lost RADOS watch is registered again");
+                        return;
+                    }
+                    // The object was removed while the watch was lost.
+                    Err(Errno(libc::ENOENT)) => {
+                        state.object_gone = true;
+                        tracing::warn!(
+                            "a lost RADOS watch is not registered again: its object is gone"
+                        );
                         return;
                     }
                     // EBLOCKLISTED: this client was fenced, for good; nothing to retry.
@@ -852,6 +877,60 @@ impl WatchContext {
 /// if librados loses it, unregistered on drop. Holds its io context (and the cluster) alive.
 pub struct Watch {
     context: Arc<WatchContext>,
+}
+
+impl Watch {
+    /// Whether the OSD holds this watch now: librados confirms a watch by a ping every
+    /// `objecter_tick_interval` (5 s); the OSD drops a watch it has not heard from for the
+    /// watch's timeout, and then librados reports it lost at its next ping. A watch last
+    /// confirmed nearly a timeout ago (this client cut off from the OSD, or stopped) counts as
+    /// lost at once: the OSD may have dropped it, and a notify would not reach it.
+    pub fn status(&self) -> WatchStatus {
+        let context = &self.context;
+        let state = match context.state.try_read() {
+            Ok(state) => state,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            // A registration or an unregistration under way.
+            Err(std::sync::TryLockError::WouldBlock) => return WatchStatus::Lost,
+        };
+        if state.object_gone {
+            return WatchStatus::ObjectGone;
+        }
+        if state.cookie == 0 {
+            return WatchStatus::Lost;
+        }
+        // SAFETY: valid io context; the cookie is a registration on it that is not
+        // unregistered: unregistering takes the state's write lock, held off by this read
+        // guard. Only reads librados' record of the watch.
+        let check = unsafe { sys::rados_watch_check(context.io.raw, state.cookie) };
+        status_from_check(
+            check,
+            state.registered_at.elapsed(),
+            Duration::from_secs(u64::from(context.timeout)),
+            state.registration,
+        )
+    }
+}
+
+/// A registered watch's status from librados' check of it (`rados_watch_check`: an error
+/// below 0, else one more than the milliseconds since the OSD last confirmed it), the time
+/// since its registration was sent (confirmed from then, where librados' time may be
+/// older) and its timeout.
+fn status_from_check(
+    check: c_int,
+    since_registered: Duration,
+    timeout: Duration,
+    registration: u64,
+) -> WatchStatus {
+    if check <= 0 {
+        return WatchStatus::Lost;
+    }
+    let confirmed_ago = Duration::from_millis(check as u64 - 1).min(since_registered);
+    // A tenth of the timeout's margin for the OSD's timer and the clocks' rates.
+    if confirmed_ago >= timeout - timeout / 10 {
+        return WatchStatus::Lost;
+    }
+    WatchStatus::Held { registration }
 }
 
 unsafe extern "C" fn on_notify(
@@ -959,14 +1038,17 @@ impl IoCtx {
             oid: oid.to_owned(),
             reply,
             timeout: timeout.as_secs().clamp(1, u32::MAX as u64) as u32,
-            state: Mutex::new(WatchState {
+            state: RwLock::new(WatchState {
                 cookie: 0,
+                registration: 0,
+                registered_at: Instant::now(),
+                object_gone: false,
                 dropped: false,
             }),
         });
         // Held across the registration: a loss reported at once waits for its cookie.
         let mut state = context.state();
-        state.cookie = context.register()?;
+        state.cookie = context.register(&mut state)?;
         drop(state);
         Ok(Watch { context })
     }
@@ -1023,7 +1105,7 @@ impl Unregistering {
         let cookie = {
             let mut state = self.context.state();
             state.dropped = true;
-            state.cookie
+            std::mem::take(&mut state.cookie)
         };
         if cookie != 0 {
             // SAFETY: the cookie came from a successful rados_watch3 on this io context.
@@ -1585,6 +1667,26 @@ impl Drop for ReadOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_not_confirmed_for_nearly_its_timeout_counts_as_lost() {
+        let timeout = Duration::from_secs(30);
+        let secs = Duration::from_secs;
+        let status = |check, since| status_from_check(check, since, timeout, 2);
+        let held = WatchStatus::Held { registration: 2 };
+        // Confirmed a second ago, registered long before.
+        assert_eq!(status(1001, secs(600)), held);
+        // librados' errors (ENOTCONN: the OSD said it dropped the watch).
+        assert_eq!(status(-libc::ENOTCONN, secs(1)), WatchStatus::Lost);
+        // Not confirmed for 27 s (nine tenths of the timeout) and more: maybe dropped.
+        assert_eq!(status(26_001, secs(600)), held);
+        assert_eq!(status(27_001, secs(600)), WatchStatus::Lost);
+        assert_eq!(status(90_001, secs(600)), WatchStatus::Lost);
+        // Just registered: held from the registration on, whatever librados' last
+        // confirmation says (it may predate the registration).
+        assert_eq!(status(90_001, secs(1)), held);
+        assert_eq!(status(90_001, secs(28)), WatchStatus::Lost);
+    }
 
     #[test]
     fn notify_replies_decode_as_librados_documents_them() {

@@ -9,7 +9,7 @@ use futures_channel::oneshot;
 use ivdisk_store::{
     check_range, Extent, LockRequest, Locker, NotifyReplies, ObjectName, ObjectStore,
     ObjectStoreExt, OmapPairs, ReadOp, ReadResult, ReadStep, SnapContext, SnapId, Stat, StoreError,
-    Watch, WriteOp, WriteOutcome, WriteStep, MAX_OBJECT_SIZE,
+    Watch, WatchRegistration, WatchStatus, WriteOp, WriteOutcome, WriteStep, MAX_OBJECT_SIZE,
 };
 
 use crate::ffi::{self, Cluster, Errno, IoCtx, SlotResult};
@@ -957,8 +957,9 @@ impl ObjectStore for RadosStore {
         reply: Vec<u8>,
     ) -> Result<Option<Watch>, StoreError> {
         let (io, oid) = (self.control.clone(), cstring(object));
-        match blocking("watching", move || io.watch(&oid, reply, WATCH_TIMEOUT)).await? {
-            Ok(watch) => Ok(Some(Watch::new(watch))),
+        let timeout = self.watch_timeout();
+        match blocking("watching", move || io.watch(&oid, reply, timeout)).await? {
+            Ok(watch) => Ok(Some(Watch::new(RadosWatch(watch)))),
             Err(e) => Err(self.error(object, "watching", e)),
         }
     }
@@ -1001,9 +1002,31 @@ impl ObjectStore for RadosStore {
     }
 }
 
-/// How long the OSDs keep a watch of a client that stopped answering (died, say): Ceph's own
-/// default (`osd_client_watch_timeout`).
+/// How long the OSDs keep a watch of a client that stopped answering (died, say), unless the
+/// configuration says otherwise: Ceph's own default (`osd_client_watch_timeout`).
 const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl RadosStore {
+    /// The watch timeout this client's configuration gives (`osd_client_watch_timeout`, as
+    /// librados' own watches take it), or Ceph's default.
+    fn watch_timeout(&self) -> Duration {
+        self.cluster
+            .get_conf("osd_client_watch_timeout")
+            .ok()
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .filter(|seconds| seconds.is_finite() && *seconds >= 1.0)
+            .map_or(WATCH_TIMEOUT, |seconds| Duration::from_secs(seconds as u64))
+    }
+}
+
+/// A RADOS watch as the store trait hands it out.
+struct RadosWatch(crate::ffi::Watch);
+
+impl WatchRegistration for RadosWatch {
+    fn status(&self) -> WatchStatus {
+        self.0.status()
+    }
+}
 
 /// Extra keys asked for when an omap range starts at a key holding a NUL byte (the OSD caps
 /// the listing at its per-request limit anyway).

@@ -10,7 +10,7 @@ use futures_util::FutureExt;
 use ivdisk_rados::RadosConfig;
 use ivdisk_store::{
     ObjectName, ObjectStore, ObjectStoreExt, OmapPairs, ReadOp, ReadResult, ReadStep, StoreError,
-    WriteOp, WriteStep,
+    WatchStatus, WriteOp, WriteStep,
 };
 
 macro_rules! skip_without_ceph {
@@ -348,6 +348,79 @@ async fn watchers_answer_notifies_until_dropped() {
         remover.notify(&missing, timeout).await,
         Err(StoreError::NotFound { .. })
     ));
+    remover
+        .write_op(&object, WriteOp::new().step(WriteStep::Remove))
+        .await
+        .unwrap();
+}
+
+/// A store on the test cluster whose config adds `extra` lines to `[global]`.
+async fn open_with(extra: &str) -> (ivdisk_rados::RadosStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = std::fs::read_to_string(common::config().conf.unwrap()).unwrap();
+    assert!(conf.contains("[global]\n"));
+    let path = dir.path().join("ceph.conf");
+    std::fs::write(
+        &path,
+        conf.replacen("[global]\n", &format!("[global]\n{extra}"), 1),
+    )
+    .unwrap();
+    let config = RadosConfig {
+        conf: Some(path),
+        ..common::config()
+    };
+    (ivdisk_rados::RadosStore::open(&config).await.unwrap(), dir)
+}
+
+/// A watch counts as held, without a break since its first registration, only while the
+/// OSD holds it: its timeout comes from the client's config (`osd_client_watch_timeout`),
+/// and the watch of a client whose pings stop (here by librados' own switch for that) is
+/// dropped by the OSD after that timeout and does not count as held since the first
+/// registration any more, while one that pings does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_dropped_by_its_osd_counts_as_held_no_more() {
+    skip_without_ceph!();
+    let short = "osd_client_watch_timeout = 3\nobjecter_tick_interval = 1\n";
+    let (pinging, _dir) = open_with(short).await;
+    let (silent, _dir2) =
+        open_with(&format!("{short}objecter_inject_no_watch_ping = true\n")).await;
+    let remover = common::open().await;
+    let object = name("watch-status", "header");
+    remover
+        .write_op(&object, WriteOp::new().write(0, b"h".to_vec()))
+        .await
+        .unwrap();
+    let held = WatchStatus::Held { registration: 0 };
+    let kept = pinging
+        .watch(&object, b"kept".to_vec())
+        .await
+        .unwrap()
+        .unwrap();
+    let dropped = silent
+        .watch(&object, b"dropped".to_vec())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(kept.status(), held);
+    assert_eq!(dropped.status(), held);
+    let answers = remover
+        .notify(&object, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(answers.replies.len(), 2, "{answers:?}");
+
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(kept.status(), held, "a watch confirmed every second");
+    // Dropped by the OSD: lost, or registered again (the OSD tells a client it can reach).
+    assert!(
+        matches!(
+            dropped.status(),
+            WatchStatus::Lost | WatchStatus::Held { registration: 1.. }
+        ),
+        "a watch never confirmed: {:?}",
+        dropped.status()
+    );
+    drop((kept, dropped));
     remover
         .write_op(&object, WriteOp::new().step(WriteStep::Remove))
         .await

@@ -453,15 +453,40 @@ pub enum ReadResult {
 
 /// A registration made by [`crate::ObjectStore::watch`]: the watcher counts while this value
 /// lives and stops counting when it is dropped.
-pub struct Watch(
-    // Held only for its `Drop`, which ends the registration.
-    #[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>,
-);
+pub struct Watch(Box<dyn WatchRegistration>);
+
+/// A backend's watch registration: it ends the watch when dropped, and says whether the store
+/// holds it now.
+pub trait WatchRegistration: Send + Sync + 'static {
+    /// Whether the store holds the watch now, and since when without a break.
+    fn status(&self) -> WatchStatus;
+}
+
+/// Whether the store holds a watch, as its watcher can tell. A store drops the watch of a
+/// client it has not heard from for its watch timeout (a client cut off from it, or stopped),
+/// and then a notify does not reach that watcher: a removal that asks the watchers goes on
+/// without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchStatus {
+    /// The store holds the watch, without a break since its registration number
+    /// `registration` (0: the first; each registration again after a loss counts one up).
+    Held { registration: u64 },
+    /// The store may have dropped the watch (it was not confirmed within the watch timeout,
+    /// or the store said it dropped it) and it is not registered again yet.
+    Lost,
+    /// The watched object is gone: the watch cannot be registered again.
+    ObjectGone,
+}
 
 impl Watch {
     /// Wrap a backend's registration, which ends the watch when dropped.
-    pub fn new(registration: impl std::any::Any + Send + Sync) -> Watch {
+    pub fn new(registration: impl WatchRegistration) -> Watch {
         Watch(Box::new(registration))
+    }
+
+    /// Whether the store holds this watch now (see [`WatchStatus`]).
+    pub fn status(&self) -> WatchStatus {
+        self.0.status()
     }
 }
 

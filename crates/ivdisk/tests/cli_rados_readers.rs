@@ -145,6 +145,95 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
     ok(&["snap", "rm", &kept]);
 }
 
+/// A copy of the cluster's conf file in which clients keep watches for `timeout_s` seconds
+/// and confirm them every second (`objecter_tick_interval`), so that a paused reader's
+/// watch is lost in seconds rather than the default 30.
+fn conf_with_watch_timeout(f: &Fixture, timeout_s: u32) -> std::path::PathBuf {
+    let conf = std::fs::read_to_string(std::env::var_os("CEPH_CONF").unwrap()).unwrap();
+    let extra =
+        format!("\n[client]\nosd_client_watch_timeout = {timeout_s}\nobjecter_tick_interval = 1\n");
+    f.file("short-watch.conf", (conf + &extra).as_bytes())
+}
+
+/// A read-only server whose process is paused past its watch timeout while its image, or
+/// the snapshot it serves, is removed reads none of what is gone as zeros: once it runs
+/// again its reads fail (EIO) for good. One paused while nothing is removed reads again
+/// once its watch is registered again.
+#[test]
+fn a_reader_paused_past_its_watch_reads_nothing_removed_meanwhile() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let name = format!("unseen-{}", std::process::id());
+    let image = format!("rados://{pool}/{name}");
+    let cleanup = create(&f, &image);
+    let writer = serve(&f, &image, "writer.sock", &[]);
+    let wrote = qemu_io(&f.path("writer.sock"), "write -P 0xab 0 64k");
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+    let mut writer = writer;
+    signal(&writer.0, "-TERM");
+    assert!(writer.0.wait().unwrap().success());
+    ok(&["snap", "create", &format!("{image}@kept")]);
+
+    let conf = conf_with_watch_timeout(&f, 4);
+    let reads_back = |sock: &str| {
+        let read = qemu_io_read_only(&f.path(sock), "read -P 0xab 0 64k");
+        read.contains("read 65536/65536") && !read.contains("verification failed")
+    };
+    // Paused for twice the watch timeout (the OSD drops the watch), then continued.
+    let paused = |server: &Server, meanwhile: &dyn Fn()| {
+        signal(&server.0, "-STOP");
+        std::thread::sleep(Duration::from_secs(8));
+        meanwhile();
+        signal(&server.0, "-CONT");
+    };
+    // Every read for 10 s after it runs again fails: none returns zeros for removed data.
+    let reads_fail_for_good = |sock: &str, what: &str| {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < until {
+            let read = qemu_io_read_only(&f.path(sock), "read -P 0xab 0 64k");
+            assert!(
+                read.contains("read failed") && !read.contains("read 65536"),
+                "{what}: a read after it ran again: {read}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+
+    // Nothing removed: reads go on once the watch is registered again.
+    let head = format!("{image}?conf={}", p(&conf));
+    let reader = serve(&f, &head, "head.sock", &["--read-only"]);
+    assert!(reads_back("head.sock"));
+    paused(&reader, &|| {});
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while !reads_back("head.sock") {
+        assert!(
+            std::time::Instant::now() < until,
+            "reads did not go on after the watch was registered again"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    // The snapshot it serves removed meanwhile.
+    let at_snap = format!("{image}@kept?conf={}", p(&conf));
+    let snap_reader = serve(&f, &at_snap, "snap.sock", &["--read-only"]);
+    assert!(reads_back("snap.sock"));
+    paused(&snap_reader, &|| {
+        ok(&["snap", "rm", &format!("{image}@kept")]);
+    });
+    reads_fail_for_good("snap.sock", "the removed snapshot");
+    drop(snap_reader);
+
+    // The image it serves deleted meanwhile.
+    paused(&reader, &|| {
+        ok(&["delete", &image, "--yes"]);
+    });
+    reads_fail_for_good("head.sock", "the deleted image");
+    drop(reader);
+    drop(cleanup);
+}
+
 /// Deletes a Ceph client's key at the end, also when the test fails.
 struct CephClient(String);
 
@@ -234,7 +323,17 @@ fn a_second_writer_is_refused_before_its_passphrase() {
 
 /// `qemu-io` with one command on the NBD socket `sock`; its stdout and stderr.
 fn qemu_io(sock: &std::path::Path, command: &str) -> String {
+    qemu_io_with(sock, command, &[])
+}
+
+/// [`qemu_io`] of a read-only export.
+fn qemu_io_read_only(sock: &std::path::Path, command: &str) -> String {
+    qemu_io_with(sock, command, &["-r"])
+}
+
+fn qemu_io_with(sock: &std::path::Path, command: &str, extra: &[&str]) -> String {
     let out = Command::new("qemu-io")
+        .args(extra)
         .args(["-f", "raw", "-c", command])
         .arg(format!("nbd+unix:///?socket={}", sock.display()))
         .output()
