@@ -89,25 +89,28 @@ impl Inner {
         self.object_size / self.sector_size as u64
     }
 
-    /// Split sectors `[first, end)` at object boundaries.
-    fn pieces(&self, first: u64, end: u64) -> Vec<Piece> {
+    /// Split sectors `[first, end)` at object boundaries, lazily: a trim of a whole large
+    /// image of small objects has millions of pieces.
+    fn pieces(&self, first: u64, end: u64) -> impl Iterator<Item = Piece> {
         let per_object = self.sectors_per_object();
         let base = self.data_offset / self.sector_size as u64;
-        let mut out = Vec::new();
         let mut lba = first;
-        while lba < end {
+        std::iter::from_fn(move || {
+            if lba >= end {
+                return None;
+            }
             let global = base + lba;
             let index = global % per_object;
             let count = (per_object - index).min(end - lba);
-            out.push(Piece {
+            let piece = Piece {
                 object: global / per_object,
                 index: index as u32,
                 count: count as u32,
                 lba,
-            });
+            };
             lba += count;
-        }
-        out
+            Some(piece)
+        })
     }
 
     /// The one piece of sectors `[first, end)` (not empty) when they lie inside one object:
@@ -169,10 +172,9 @@ impl Inner {
             // A read inside one object, the usual case: awaited as it is.
             return self.read_piece(piece, &mut ReadOutput::Borrowed(out)).await;
         }
-        let pieces = self.pieces(first, end);
-        let mut reads = Vec::with_capacity(pieces.len());
+        let mut reads = Vec::new();
         let mut rest = out;
-        for piece in pieces {
+        for piece in self.pieces(first, end) {
             let (chunk, tail) = rest.split_at_mut(piece.count as usize * ss);
             rest = tail;
             reads.push(async move {
@@ -832,9 +834,10 @@ impl Inner {
             // An IO inside one object, the usual case: its operation awaited as it is.
             return self.write_piece(piece, build(piece)?).await;
         }
-        for batch in self.pieces(first, end).chunks(OBJECTS_IN_FLIGHT) {
-            let mut ops = Vec::with_capacity(batch.len());
-            for &piece in batch {
+        let mut pieces = self.pieces(first, end).peekable();
+        while pieces.peek().is_some() {
+            let mut ops = Vec::with_capacity(OBJECTS_IN_FLIGHT);
+            for piece in pieces.by_ref().take(OBJECTS_IN_FLIGHT) {
                 ops.push(self.write_piece(piece, build(piece)?));
             }
             // Wait for every operation of the batch even if one fails, so no operation is
