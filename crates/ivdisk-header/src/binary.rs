@@ -33,25 +33,33 @@ const CSUM_LEN: usize = 64;
 pub struct BinaryHeader {
     pub hdr_size: u64,
     pub seqid: u64,
-    pub label: String,
+    /// The label and subsystem as stored, up to their NUL: cryptsetup takes any bytes
+    /// there (`--label`), not only UTF-8, and a header written again keeps them as they were.
+    pub label: Vec<u8>,
     pub checksum_alg: String,
     pub uuid: String,
-    pub subsystem: String,
+    pub subsystem: Vec<u8>,
 }
 
-fn c_string(bytes: &[u8]) -> String {
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    String::from_utf8_lossy(&bytes[..end]).into_owned()
+/// A NUL-terminated field's bytes (all of them if it has no NUL).
+fn c_bytes(field: &[u8]) -> Vec<u8> {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    field[..end].to_vec()
 }
 
-fn put_c_string(dst: &mut [u8], text: &str) -> Result<(), HeaderError> {
+fn c_string(field: &[u8]) -> String {
+    String::from_utf8_lossy(&c_bytes(field)).into_owned()
+}
+
+fn put_c_string(dst: &mut [u8], text: &[u8]) -> Result<(), HeaderError> {
     if text.len() >= dst.len() {
         return Err(HeaderError::InvalidParameter(format!(
-            "`{text}` is longer than the {} bytes the LUKS2 header holds",
+            "`{}` is longer than the {} bytes the LUKS2 header holds",
+            String::from_utf8_lossy(text),
             dst.len() - 1
         )));
     }
-    dst[..text.len()].copy_from_slice(text.as_bytes());
+    dst[..text.len()].copy_from_slice(text);
     Ok(())
 }
 
@@ -134,10 +142,10 @@ pub fn read_copy(io: &dyn HeaderIo, offset: u64, which: &'static str) -> Result<
         binary: BinaryHeader {
             hdr_size,
             seqid: be64(16),
-            label: c_string(&head[24..72]),
+            label: c_bytes(&head[24..72]),
             checksum_alg,
             uuid: c_string(&head[168..208]),
-            subsystem: c_string(&head[208..256]),
+            subsystem: c_bytes(&head[208..256]),
         },
         metadata,
     })
@@ -280,9 +288,9 @@ pub fn encode_copy(
     out[8..16].copy_from_slice(&binary.hdr_size.to_be_bytes());
     out[16..24].copy_from_slice(&binary.seqid.to_be_bytes());
     put_c_string(&mut out[24..72], &binary.label)?;
-    put_c_string(&mut out[72..104], &binary.checksum_alg)?;
+    put_c_string(&mut out[72..104], binary.checksum_alg.as_bytes())?;
     crate::random_bytes(&mut out[104..168])?;
-    put_c_string(&mut out[168..208], &binary.uuid)?;
+    put_c_string(&mut out[168..208], binary.uuid.as_bytes())?;
     put_c_string(&mut out[208..256], &binary.subsystem)?;
     out[256..264].copy_from_slice(&offset.to_be_bytes());
     out[BINARY_HEADER_LEN..BINARY_HEADER_LEN + json.len()].copy_from_slice(&json);

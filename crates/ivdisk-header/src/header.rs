@@ -411,10 +411,10 @@ impl Header {
                 binary: BinaryHeader {
                     hdr_size: spec.header_size,
                     seqid: 0,
-                    label: spec.label.clone(),
+                    label: spec.label.clone().into_bytes(),
                     checksum_alg: "sha256".into(),
                     uuid: random_uuid()?,
-                    subsystem: String::new(),
+                    subsystem: Vec::new(),
                 },
                 metadata: Box::new(metadata),
             },
@@ -449,10 +449,12 @@ impl Header {
         }
     }
 
-    pub fn label(&self) -> &str {
+    /// The LUKS2 label, shown as text (bytes that are not UTF-8 as U+FFFD; the header keeps
+    /// them as they are).
+    pub fn label(&self) -> std::borrow::Cow<'_, str> {
         match &self.format {
-            Format::Luks1(_) => "",
-            Format::Luks2 { binary, .. } => &binary.label,
+            Format::Luks1(_) => "".into(),
+            Format::Luks2 { binary, .. } => String::from_utf8_lossy(&binary.label),
         }
     }
 

@@ -343,6 +343,69 @@ fn a_passphrase_changed_in_a_slot_cryptsetup_made_with_another_hash_opens_it() {
     ]);
 }
 
+/// cryptsetup stores a label and subsystem of any bytes, not only UTF-8: a header ivdisk
+/// writes again keeps them byte for byte in both copies. They were read as text, bytes that
+/// are not UTF-8 replaced by U+FFFD (three bytes each): a passphrase change wrote the
+/// replacement over a short label, and was refused for a long one ("longer than the 47 bytes
+/// the LUKS2 header holds").
+#[test]
+fn a_label_that_is_not_utf8_is_kept_byte_for_byte() {
+    use std::os::unix::ffi::OsStrExt;
+    let scratch = Scratch::new();
+    let path = scratch.path("vol");
+    File::create(&path).unwrap().set_len(24 << 20).unwrap();
+    let a = scratch.key_file("a", b"a");
+    let label = [0xe9u8; 40];
+    let subsystem = b"caf\xe9-\xff\xfe";
+    let out = Command::new("cryptsetup")
+        .args(["luksFormat", "-q", "--type", "luks2"])
+        .args(luks_fast_pbkdf2())
+        .arg("--label")
+        .arg(std::ffi::OsStr::from_bytes(&label))
+        .arg("--subsystem")
+        .arg(std::ffi::OsStr::from_bytes(subsystem))
+        .args(["--key-file", s(&a), s(&path)])
+        .output()
+        .expect("cryptsetup (apt install cryptsetup-bin)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The label at byte 24 and the subsystem at byte 208 of each 16 KiB copy.
+    let fields = || {
+        let bytes = std::fs::read(&path).unwrap();
+        [0usize, 16 << 10].map(|copy| {
+            (
+                bytes[copy + 24..copy + 72].to_vec(),
+                bytes[copy + 208..copy + 256].to_vec(),
+            )
+        })
+    };
+    let before = fields();
+    assert_eq!(
+        &before[0].0[..40],
+        &label[..],
+        "cryptsetup stored the label as given"
+    );
+
+    let mut header = Header::read(&File::open(&path).unwrap()).unwrap();
+    assert_eq!(header.label(), "\u{fffd}".repeat(40));
+    let fast = PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2);
+    header
+        .change_passphrase(&mut open_rw(&path), b"a", b"b", None, &fast)
+        .unwrap();
+    assert_eq!(fields(), before, "label or subsystem changed");
+    let b = scratch.key_file("b", b"b");
+    cryptsetup_ok(&[
+        "luksOpen",
+        "--test-passphrase",
+        "--key-file",
+        s(&b),
+        s(&path),
+    ]);
+}
+
 /// A LUKS1 volume converted to LUKS2 by `cryptsetup convert` keeps LUKS1's 20-byte digest
 /// under the name of its hash (SHA-256 by default since cryptsetup 1.7): it is read and opens
 /// with its passphrase (and not with another), and a passphrase ivdisk adds opens it in
