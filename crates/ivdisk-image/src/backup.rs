@@ -922,7 +922,7 @@ async fn write_file(
         if source.reader_marks.iter().any(|mark| !mark.unbroken()) {
             return Err(ImageError::ReaderWatchLost {
                 image: source.image.clone(),
-                gone: false,
+                removed: None,
             });
         }
         if !options.overwrite && path.exists() {

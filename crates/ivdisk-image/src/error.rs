@@ -151,10 +151,14 @@ pub enum ImageError {
     /// The stored data does not have the shape the header describes.
     /// A read-only open of a RADOS image found, once a read had its data, that its watch on
     /// the header (which keeps `delete` and `snap rm` elsewhere from removing what it reads)
-    /// was lost: the read is refused, as what it read may be gone. `gone`: the header object
-    /// is gone, the image deleted.
-    #[error("image {image}: {}", if *gone { "it was deleted while this read-only open read it (its watch on the image's header was lost, so the delete did not see this reader); nothing more is read from it, close it" } else { "this read-only open's watch on the image's header was lost (this client was cut off from the cluster, or stopped, for longer than the watch timeout), so a delete or `snap rm` elsewhere could have gone on without seeing it; reads are refused until the watch is registered again and the image is found unchanged (try again in a few seconds; if it goes on, check the network to the cluster)" })]
-    ReaderWatchLost { image: String, gone: bool },
+    /// was lost: the read is refused, as what it read may be gone. `removed`: what was found
+    /// removed meanwhile (the image deleted, its snapshot removed), for good; `None`: the
+    /// watch is not registered again yet.
+    #[error("image {image}: {}", match removed { Some(what) => format!("{what} while this read-only open read it (its watch on the image's header was lost, so that went on without seeing this reader); nothing more is read from it, close it"), None => "this read-only open's watch on the image's header was lost (this client was cut off from the cluster, or stopped, for longer than the watch timeout), so a delete or `snap rm` elsewhere could have gone on without seeing it; reads are refused until the watch is registered again and the image is found unchanged (try again in a few seconds; if it goes on, check the network to the cluster)".to_owned() })]
+    ReaderWatchLost {
+        image: String,
+        removed: Option<String>,
+    },
 
     #[error("image {image}: {reason}")]
     Corrupt { image: String, reason: String },

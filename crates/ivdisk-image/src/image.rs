@@ -1418,9 +1418,9 @@ impl Inner {
         if !self.reads_watched.load(Ordering::Acquire) {
             return Ok(());
         }
-        let lost = |gone| ImageError::ReaderWatchLost {
+        let lost = |removed: Option<&str>| ImageError::ReaderWatchLost {
             image: self.shown(),
-            gone,
+            removed: removed.map(str::to_owned),
         };
         loop {
             let status = match &*self.reader_mark.lock().unwrap_or_else(|e| e.into_inner()) {
@@ -1430,8 +1430,8 @@ impl Inner {
             };
             let registration = match status {
                 WatchStatus::Held { registration } => registration,
-                WatchStatus::Lost => return Err(lost(false)),
-                WatchStatus::ObjectGone => return Err(lost(true)),
+                WatchStatus::Lost => return Err(lost(None)),
+                WatchStatus::ObjectGone => return Err(lost(Some("it was deleted"))),
             };
             if registration == self.reads_watched_since.load(Ordering::Acquire) {
                 return Ok(());
@@ -1441,7 +1441,16 @@ impl Inner {
             if registration == self.reads_watched_since.load(Ordering::Acquire) {
                 continue;
             }
-            self.check_still_there().await?;
+            self.check_still_there().await.map_err(|e| match e {
+                ImageError::NotFound { .. } => lost(Some("it was deleted")),
+                ImageError::HeaderChanged { .. } => lost(Some(
+                    "it was deleted (an image of the same name was made since)",
+                )),
+                ImageError::SnapshotNotFound { snapshot, .. } => {
+                    lost(Some(&format!("its snapshot `{snapshot}` was removed")))
+                }
+                other => other,
+            })?;
             crate::readers::refuse_if_removing(
                 self.store.as_ref(),
                 &self.header_object,

@@ -1,7 +1,8 @@
 //! Readers of RADOS images keep them from being removed (crates/ivdisk-image/src/readers.rs):
 //! here, a reader whose watch the OSD dropped while its process was paused (as a VM host or
 //! a stopped container pauses one) is seen again once it runs: its watch is registered
-//! again, and `snap rm` refuses once more.
+//! again, and `snap rm` refuses once more; and one paused while its image or snapshot was
+//! removed reads none of it as zeros.
 //!
 //! A second writer is refused before it asks for a passphrase, naming the holder. A writer
 //! whose lock `ivdisk lock break` removes is fenced first (blocklisted): it writes nothing
@@ -11,8 +12,8 @@
 //! read-only opens do), with a warning that removals will not see it.
 //!
 //! The cluster comes from the environment as for the other Ceph tests (`CEPH_CONF`,
-//! `IVDISK_RADOS_POOL`); `IVDISK_NO_CEPH=1` skips this test loudly. It takes about a minute:
-//! the OSD keeps a silent client's watch for 30 s.
+//! `IVDISK_RADOS_POOL`); `IVDISK_NO_CEPH=1` skips this test loudly. Paused readers run with
+//! a 4 s watch timeout (`osd_client_watch_timeout` in a conf file of their own).
 
 mod common;
 
@@ -118,7 +119,9 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
     let kept = format!("{image}@kept");
     ok(&["snap", "create", &kept]);
 
-    let server = serve(&f, &kept, "kept.sock", &[]);
+    // With a 4 s watch timeout (30 s by default) and a ping every second.
+    let conf = conf_with_watch_timeout(&f, 4);
+    let server = serve(&f, &format!("{kept}?conf={}", p(&conf)), "kept.sock", &[]);
     let pid = server.0.id();
     let refused = fails(&["snap", "rm", &kept]);
     assert!(
@@ -126,13 +129,13 @@ fn a_paused_reader_is_seen_again_once_it_runs() {
         "{refused}"
     );
 
-    // Paused past the OSD's 30 s watch timeout: the OSD drops its watch.
+    // Paused past its watch timeout: the OSD drops its watch.
     signal(&server.0, "-STOP");
-    std::thread::sleep(Duration::from_secs(40));
+    std::thread::sleep(Duration::from_secs(8));
     signal(&server.0, "-CONT");
-    // librados finds the watch gone at its next ping (every 5 s) and the server registers
-    // it again.
-    std::thread::sleep(Duration::from_secs(20));
+    // librados finds the watch gone (the OSD's word, or its next ping) and the server
+    // registers it again.
+    std::thread::sleep(Duration::from_secs(5));
     let refused = fails(&["snap", "rm", &kept]);
     assert!(
         refused.contains(&format!("open read-only by process {pid} on host")),
