@@ -918,8 +918,13 @@ async fn write_file(
             .map_err(|e| file_io(&partial, "writing it")(e.into_error()))?;
         file.sync_all().map_err(file_io(&partial, "syncing it"))?;
         drop(file);
-        // A snapshot removed unseen while a watch was lost read as holes: no such backup.
-        if source.reader_marks.iter().any(|mark| !mark.unbroken()) {
+        // A snapshot removed unseen while a watch was lost read as holes: a backup whose
+        // watches are not held now (a break since was checked after the reads) is refused.
+        if source
+            .reader_marks
+            .iter()
+            .any(|mark| mark.held_unbroken().is_none())
+        {
             return Err(ImageError::ReaderWatchLost {
                 image: source.image.clone(),
                 removed: None,
@@ -1134,6 +1139,23 @@ async fn write_backup<W: Write>(
                     image: image.clone(),
                     snapshot: s.name.clone(),
                 });
+            }
+        }
+        // A watch lost and registered again meanwhile: a removal that began unseen and has
+        // not finished yet has removed the snapshot's objects before its record.
+        if source
+            .reader_marks
+            .iter()
+            .any(|mark| mark.held_unbroken() != Some(true))
+        {
+            for s in snap.iter().chain(base.iter()) {
+                crate::readers::refuse_if_removing(
+                    store,
+                    &source.header_object,
+                    &crate::uri::at_snapshot(image, &s.name),
+                    Some(s.id),
+                )
+                .await?;
             }
         }
     }

@@ -14,7 +14,7 @@
 //!   removal that failed or crashed counts only while the writer lock it names is held. A
 //!   watch the OSD dropped (the reader cut off or paused past the watch timeout) hides the
 //!   reader from removals until it is registered again, so its reads count only while the
-//!   watch is held (`Inner::check_reads_watched`, `ReaderHold::unbroken`).
+//!   watch is held (`Inner::check_reads_watched`, `ReaderHold::held_unbroken`).
 //! - `mem:` images are in one process' memory: nothing to keep apart.
 
 use std::time::Duration;
@@ -43,12 +43,17 @@ pub(crate) enum ReaderHold {
 }
 
 impl ReaderHold {
-    /// Whether this hold has kept what it marks from removal without a break since it was
-    /// taken: not a watch the store lost meanwhile, even if registered again since.
-    pub(crate) fn unbroken(&self) -> bool {
+    /// How this hold keeps what it marks from removal now: `Some(true)` held without a break
+    /// since it was taken, `Some(false)` held again after a break (a watch the store lost
+    /// and registered again: a removal may have gone on unseen meanwhile), `None` not held
+    /// (a watch lost, not registered again yet, or whose object is gone).
+    pub(crate) fn held_unbroken(&self) -> Option<bool> {
         match self {
-            ReaderHold::Marked(_) => true,
-            ReaderHold::Watching(watch) => watch.status() == WatchStatus::Held { registration: 0 },
+            ReaderHold::Marked(_) => Some(true),
+            ReaderHold::Watching(watch) => match watch.status() {
+                WatchStatus::Held { registration } => Some(registration == 0),
+                WatchStatus::Lost | WatchStatus::ObjectGone => None,
+            },
         }
     }
 }

@@ -237,6 +237,75 @@ fn a_reader_paused_past_its_watch_reads_nothing_removed_meanwhile() {
     drop(cleanup);
 }
 
+/// A backup of a snapshot paused past its watch timeout (its watch lost, so removals do
+/// not see it) is refused once it runs again if that snapshot was removed meanwhile, and
+/// leaves no file; if nothing was removed it completes.
+#[test]
+fn a_backup_paused_while_its_snapshot_is_removed_is_refused() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let image = format!("rados://{pool}/paused-backup-{}", std::process::id());
+    // 128 MiB in 2048 objects: a backup of it takes seconds on the test cluster.
+    let raw = f.file("data.raw", &common::random(128 << 20, 7));
+    let mut args = vec!["import", p(&raw), &image, "--object-size", "64K"];
+    args.extend(["--passphrase-file", p(&f.pw)]);
+    args.extend(FAST);
+    ok(&args);
+    let _cleanup = Cleanup(image.clone());
+    let kept = format!("{image}@kept");
+    ok(&["snap", "create", &kept]);
+    let conf = conf_with_watch_timeout(&f, 4);
+
+    // A backup paused for twice its watch timeout once it has begun writing its file, with
+    // `meanwhile` run before it goes on: its output.
+    let paused_backup = |name: &str, meanwhile: &dyn Fn()| {
+        let file = f.path(name);
+        let child = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+            .args(["backup", &format!("{kept}?conf={}", p(&conf)), p(&file)])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let partial = f.path(&format!("{name}.partial.{}", child.id()));
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while !partial.exists() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the backup did not start"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        signal(&child, "-STOP");
+        let mut child = child;
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the backup ended before it was paused: make the image larger"
+        );
+        std::thread::sleep(Duration::from_secs(8));
+        meanwhile();
+        signal(&child, "-CONT");
+        let out = child.wait_with_output().unwrap();
+        assert!(!partial.exists(), "the partial file was left");
+        (out, file)
+    };
+
+    let (out, file) = paused_backup("whole.backup", &|| {});
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "nothing was removed: {stderr}");
+    assert!(file.exists());
+
+    let (out, file) = paused_backup("removed.backup", &|| {
+        ok(&["snap", "rm", &kept]);
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the snapshot was removed: {stderr}");
+    assert!(stderr.contains("no snapshot named `kept`"), "{stderr}");
+    assert!(!file.exists(), "a backup file was left");
+}
+
 /// Deletes a Ceph client's key at the end, also when the test fails.
 struct CephClient(String);
 
