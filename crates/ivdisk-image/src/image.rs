@@ -614,15 +614,11 @@ impl Image {
     /// removal that ended before the mark was taken went unseen.
     async fn mark_reader(&self, uri: &ImageUri) -> Result<(), ImageError> {
         let inner = &self.inner;
-        let shown = match &inner.snapshot {
-            Some((name, _)) => crate::uri::at_snapshot(&inner.name, name),
-            None => inner.name.clone(),
-        };
         let Some(mark) = crate::readers::mark_reader(
             uri,
             inner.store.as_ref(),
             &inner.header_object,
-            &shown,
+            &inner.shown(),
             self.snapshot_id(),
         )
         .await?
