@@ -154,7 +154,7 @@ pub enum ImageError {
     /// was lost: the read is refused, as what it read may be gone. `removed`: what was found
     /// removed meanwhile (the image deleted, its snapshot removed), for good; `None`: the
     /// watch is not registered again yet.
-    #[error("image {image}: {}", match removed { Some(what) => format!("{what} while this read-only open read it (its watch on the image's header was lost, so that went on without seeing this reader); nothing more is read from it, close it"), None => "this read-only open's watch on the image's header was lost (this client was cut off from the cluster, or stopped, for longer than the watch timeout), so a delete or `snap rm` elsewhere could have gone on without seeing it; reads are refused until the watch is registered again and the image is found unchanged (try again in a few seconds; if it goes on, check the network to the cluster)".to_owned() })]
+    #[error("image {image}: {}", match removed { Some(what) => format!("{what} while this read-only open read it (its watch on the image's header was lost, so that went on without seeing this reader); nothing more is read from it, close it"), None => "this read-only open's watch on the image's header was lost (this client was cut off from the cluster, or stopped, for longer than the watch timeout), so a delete or `snap rm` elsewhere could have gone on without seeing it; reads waited 10 s for it and are refused until the watch is registered again and the image is found unchanged (if this goes on, check the network to the cluster)".to_owned() })]
     ReaderWatchLost {
         image: String,
         removed: Option<String>,

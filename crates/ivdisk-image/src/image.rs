@@ -200,6 +200,10 @@ pub(crate) struct Inner {
     /// first, checked at the open), and the one check at a time after a registration again.
     pub(crate) reads_watched_since: AtomicU64,
     pub(crate) reader_recheck: tokio::sync::Mutex<()>,
+    /// Since when reads have found the watch lost (`watch_lost` says whether it is set, so
+    /// that reads with the watch held take no lock).
+    pub(crate) watch_lost_since: std::sync::Mutex<Option<std::time::Instant>>,
+    pub(crate) watch_lost: AtomicBool,
     /// Where the image was opened from, when opened by address: a writer's snapshot
     /// removal asks that store for the snapshot's readers (`readers.rs`).
     pub(crate) uri: std::sync::OnceLock<ImageUri>,
@@ -249,6 +253,29 @@ pub(crate) struct EngineSpec {
     pub(crate) snap_context: Option<SnapContext>,
     /// Bytes for the metadata cache (0: none).
     pub(crate) metadata_cache_bytes: usize,
+}
+
+/// How long reads wait for a lost reader's watch to be confirmed or registered again before
+/// they are refused: librados pings a watch every `objecter_tick_interval` (5 s).
+const LOST_WATCH_WAIT: Duration = Duration::from_secs(10);
+/// How often a read waiting for a lost watch looks again.
+const LOST_WATCH_POLL: Duration = Duration::from_millis(100);
+
+/// Wait `duration` without a timer of the runtime's (the engine runs on any executor): on a
+/// thread of its own. For rare waits only.
+async fn pause(duration: Duration) {
+    let (done, waited) = tokio::sync::oneshot::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("ivdisk-pause".into())
+        .spawn(move || {
+            std::thread::sleep(duration);
+            let _ = done.send(());
+        });
+    match spawned {
+        Ok(_) => drop(waited.await),
+        // No thread: wait here, blocking this worker for that long.
+        Err(_) => std::thread::sleep(duration),
+    }
 }
 
 fn invalid(image: &str, reason: impl Into<String>) -> ImageError {
@@ -846,6 +873,8 @@ impl Image {
             reads_watched: AtomicBool::new(false),
             reads_watched_since: AtomicU64::new(0),
             reader_recheck: tokio::sync::Mutex::new(()),
+            watch_lost_since: std::sync::Mutex::new(None),
+            watch_lost: AtomicBool::new(false),
             uri: std::sync::OnceLock::new(),
             foreign: spec.foreign,
             snapshot: spec.snapshot,
@@ -1408,8 +1437,9 @@ impl Inner {
     /// (`readers.rs`), so its reads are good only if the OSD held that watch when they
     /// completed. A watch lost (this client cut off from the cluster, or stopped, for
     /// longer than the watch timeout) let a delete or `snap rm` elsewhere go on unseen, and
-    /// the objects it removed read as holes, zeros: such reads are refused until the watch
-    /// is registered again and what is read is found still there.
+    /// the objects it removed read as holes, zeros: such reads wait until the watch is
+    /// confirmed or registered again (and what is read is found still there), and are
+    /// refused once it has been lost for `LOST_WATCH_WAIT`.
     pub(crate) async fn check_reads_watched(&self) -> Result<(), ImageError> {
         if !self.reads_watched.load(Ordering::Acquire) {
             return Ok(());
@@ -1425,8 +1455,31 @@ impl Inner {
                 _ => return Ok(()),
             };
             let registration = match status {
-                WatchStatus::Held { registration } => registration,
-                WatchStatus::Lost => return Err(lost(None)),
+                WatchStatus::Held { registration } => {
+                    if self.watch_lost.swap(false, Ordering::AcqRel) {
+                        *self
+                            .watch_lost_since
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner()) = None;
+                    }
+                    registration
+                }
+                // Reads complete, so the cluster is reachable: librados confirms the watch at
+                // its next ping, or hears that it is gone and registers it again.
+                WatchStatus::Lost => {
+                    let since = *self
+                        .watch_lost_since
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert_with(std::time::Instant::now);
+                    self.watch_lost.store(true, Ordering::Release);
+                    let waited = since.elapsed();
+                    if waited >= LOST_WATCH_WAIT {
+                        return Err(lost(None));
+                    }
+                    pause((LOST_WATCH_WAIT - waited).min(LOST_WATCH_POLL)).await;
+                    continue;
+                }
                 WatchStatus::ObjectGone => return Err(lost(Some("it was deleted"))),
             };
             if registration == self.reads_watched_since.load(Ordering::Acquire) {
@@ -1557,5 +1610,124 @@ impl Drop for SizeRestore<'_> {
         if self.armed {
             self.size.store(self.old, Ordering::Release);
         }
+    }
+}
+
+#[cfg(test)]
+mod reads_watched_tests {
+    //! `Inner::check_reads_watched` with a watch whose status the test sets (a RADOS
+    //! reader's watch, as `readers.rs` takes it, on a `mem:` image).
+    use super::*;
+    use crate::readers::ReaderHold;
+    use ivdisk_store::{Watch, WatchRegistration};
+
+    #[derive(Clone)]
+    struct SetStatus(Arc<Mutex<WatchStatus>>);
+
+    impl WatchRegistration for SetStatus {
+        fn status(&self) -> WatchStatus {
+            *self.0.lock().unwrap()
+        }
+    }
+
+    impl SetStatus {
+        fn set(&self, status: WatchStatus) {
+            *self.0.lock().unwrap() = status;
+        }
+    }
+
+    /// A 1 MiB `mem:` image whose first sector holds 7s, opened read-only with a watch whose
+    /// status starts held (registration 0).
+    async fn watched_reader() -> (Image, SetStatus, ImageUri) {
+        let mut hex = [0u8; 6];
+        getrandom::getrandom(&mut hex).unwrap();
+        let uri = ImageUri::parse(&format!("mem:watched-{}", hex::encode(hex))).unwrap();
+        let options = CreateOptions {
+            pbkdf: PbkdfRequest::fast_for_tests(ivdisk_header::PbkdfKind::Pbkdf2),
+            ..CreateOptions::new(1 << 20)
+        };
+        let writer = Image::create(&uri, &options, b"pw").await.unwrap();
+        writer.write(0, &[7u8; 4096]).await.unwrap();
+        writer.close().await.unwrap();
+        let reader = Image::open(
+            &uri,
+            b"pw",
+            &OpenOptions {
+                read_only: true,
+                ..OpenOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        let status = SetStatus(Arc::new(Mutex::new(WatchStatus::Held { registration: 0 })));
+        *reader.inner.reader_mark.lock().unwrap() =
+            Some(ReaderHold::Watching(Watch::new(status.clone())));
+        reader.inner.reads_watched.store(true, Ordering::Release);
+        (reader, status, uri)
+    }
+
+    async fn first_sector(image: &Image) -> Result<Vec<u8>, ImageError> {
+        image.read_owned(0, 4096).await
+    }
+
+    #[tokio::test]
+    async fn reads_wait_for_a_lost_watch_and_go_on_once_it_is_held() {
+        let (reader, status, _uri) = watched_reader().await;
+        assert_eq!(first_sector(&reader).await.unwrap(), [7u8; 4096]);
+        status.set(WatchStatus::Lost);
+        let confirmed = status.clone();
+        let confirmer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            confirmed.set(WatchStatus::Held { registration: 0 });
+        });
+        let started = std::time::Instant::now();
+        assert_eq!(first_sector(&reader).await.unwrap(), [7u8; 4096]);
+        assert!(started.elapsed() >= Duration::from_millis(250));
+        confirmer.join().unwrap();
+        // Registered again, the image unchanged: checked, and reads go on.
+        status.set(WatchStatus::Held { registration: 1 });
+        assert_eq!(first_sector(&reader).await.unwrap(), [7u8; 4096]);
+        assert_eq!(reader.inner.reads_watched_since.load(Ordering::Acquire), 1);
+    }
+
+    #[tokio::test]
+    async fn reads_are_refused_once_the_watch_stays_lost() {
+        let (reader, status, _uri) = watched_reader().await;
+        status.set(WatchStatus::Lost);
+        let started = std::time::Instant::now();
+        let refused = first_sector(&reader).await.unwrap_err();
+        assert!(
+            matches!(refused, ImageError::ReaderWatchLost { removed: None, .. }),
+            "{refused}"
+        );
+        assert!(started.elapsed() >= LOST_WATCH_WAIT);
+        // Lost that long already: the next read is refused at once.
+        let started = std::time::Instant::now();
+        assert!(first_sector(&reader).await.is_err());
+        assert!(started.elapsed() < LOST_WATCH_WAIT / 2);
+        // And allocation queries, whose holes could be objects removed unseen.
+        assert!(reader.allocation(0, 1 << 20).await.is_err());
+        status.set(WatchStatus::Held { registration: 0 });
+        assert_eq!(first_sector(&reader).await.unwrap(), [7u8; 4096]);
+    }
+
+    #[tokio::test]
+    async fn reads_fail_for_good_once_the_image_was_deleted_unseen() {
+        let (reader, status, uri) = watched_reader().await;
+        status.set(WatchStatus::ObjectGone);
+        let refused = first_sector(&reader).await.unwrap_err();
+        assert!(
+            matches!(&refused, ImageError::ReaderWatchLost { removed: Some(what), .. } if what == "it was deleted"),
+            "{refused}"
+        );
+        // Registered again on an image deleted meanwhile (here: its header object made
+        // again is not the one opened, or gone): refused, naming the deletion.
+        status.set(WatchStatus::Held { registration: 1 });
+        Image::delete(&uri, |_, _| {}).await.unwrap();
+        let refused = first_sector(&reader).await.unwrap_err();
+        assert!(
+            matches!(&refused, ImageError::ReaderWatchLost { removed: Some(what), .. } if what == "it was deleted"),
+            "{refused}"
+        );
     }
 }
