@@ -1456,7 +1456,10 @@ impl Inner {
             };
             let registration = match status {
                 WatchStatus::Held { registration } => {
-                    if self.watch_lost.swap(false, Ordering::AcqRel) {
+                    // A load first: the usual read writes nothing shared.
+                    if self.watch_lost.load(Ordering::Acquire)
+                        && self.watch_lost.swap(false, Ordering::AcqRel)
+                    {
                         *self
                             .watch_lost_since
                             .lock()

@@ -959,7 +959,7 @@ impl ObjectStore for RadosStore {
         let (io, oid) = (self.control.clone(), cstring(object));
         let timeout = self.watch_timeout();
         match blocking("watching", move || io.watch(&oid, reply, timeout)).await? {
-            Ok(watch) => Ok(Some(Watch::new(RadosWatch(watch)))),
+            Ok(watch) => Ok(Some(Watch::new(watch))),
             Err(e) => Err(self.error(object, "watching", e)),
         }
     }
@@ -1019,12 +1019,9 @@ impl RadosStore {
     }
 }
 
-/// A RADOS watch as the store trait hands it out.
-struct RadosWatch(crate::ffi::Watch);
-
-impl WatchRegistration for RadosWatch {
+impl WatchRegistration for crate::ffi::Watch {
     fn status(&self) -> WatchStatus {
-        self.0.status()
+        crate::ffi::Watch::status(self)
     }
 }
 
