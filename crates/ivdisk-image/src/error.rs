@@ -19,7 +19,10 @@ pub enum ImageError {
     NotFound { image: String },
 
     /// Create found an image already there.
-    #[error("image {image} already exists; delete it first (`ivdisk delete {image}`) or pick another name")]
+    #[error(
+        "image {image} already exists; delete it first (`ivdisk delete {}`) or pick another name",
+        crate::uri::shell_word(image)
+    )]
     Exists { image: String },
 
     /// A create/open/resize parameter is out of range.
@@ -67,7 +70,7 @@ pub enum ImageError {
     /// Another client holds the image's writer lock.
     /// `breakable`: `ivdisk lock break` removes a dead holder's lock (not so for a LUKS
     /// file's flock, which ends with its process, or a librbd client's lock).
-    #[error("image {image} is open for writing by {holder}{}; open it read-only, stop that writer{}", expires_in.map(|d| format!(" (lock expires in {} s unless renewed)", d.as_secs())).unwrap_or_default(), if *breakable { format!(", or if it is gone run `ivdisk lock break {image}`") } else { String::new() })]
+    #[error("image {image} is open for writing by {holder}{}; open it read-only, stop that writer{}", expires_in.map(|d| format!(" (lock expires in {} s unless renewed)", d.as_secs())).unwrap_or_default(), if *breakable { format!(", or if it is gone run `ivdisk lock break {}`", crate::uri::shell_word(image)) } else { String::new() })]
     Locked {
         image: String,
         holder: String,
@@ -119,15 +122,18 @@ pub enum ImageError {
     },
 
     /// A snapshot name already taken.
-    #[error("image {image} already has a snapshot named `{snapshot}`; pick another name or remove it first (`ivdisk snap rm {}`)", crate::uri::at_snapshot(image, snapshot))]
+    #[error("image {image} already has a snapshot named `{snapshot}`; pick another name or remove it first (`ivdisk snap rm {}`)", crate::uri::shell_word(&crate::uri::at_snapshot(image, snapshot)))]
     SnapshotExists { image: String, snapshot: String },
 
     /// No snapshot by that name.
-    #[error("image {image} has no snapshot named `{snapshot}` (list them with `ivdisk snap ls {image}`)")]
+    #[error(
+        "image {image} has no snapshot named `{snapshot}` (list them with `ivdisk snap ls {}`)",
+        crate::uri::shell_word(image)
+    )]
     SnapshotNotFound { image: String, snapshot: String },
 
     /// Deleting an image that still has snapshots.
-    #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {}`), nothing was deleted", names.len(), names.join(", "), crate::uri::at_snapshot(image, "NAME"))]
+    #[error("image {image} has {} snapshot(s) ({}); remove them first (`ivdisk snap rm {}`), nothing was deleted", names.len(), names.join(", "), crate::uri::shell_word(&crate::uri::at_snapshot(image, "NAME")))]
     HasSnapshots { image: String, names: Vec<String> },
 
     /// A removal (`delete`, `snap rm`) refused: another open reads what it would remove (a
@@ -237,23 +243,23 @@ pub enum ImageError {
     /// An incremental restore into the image stopped part-way (a full disk, a signal, a
     /// crash): the image holds some of its changes and none of the others, a state that was
     /// never a snapshot. It is not opened until the restore is run again (which finishes it).
-    #[error("image {image}: an incremental restore into it (up to snapshot {snapshot}) did not finish, so it holds part of that increment's changes and is neither the base nor the new snapshot; run the same `ivdisk restore FILE {image}` again (it finishes what is left), or delete it and restore the full backup and increments again")]
+    #[error("image {image}: an incremental restore into it (up to snapshot {snapshot}) did not finish, so it holds part of that increment's changes and is neither the base nor the new snapshot; run the same `ivdisk restore FILE {}` again (it finishes what is left), or delete it and restore the full backup and increments again", crate::uri::shell_word(image))]
     RestoreUnfinished { image: String, snapshot: String },
 
     /// A delete of the image stopped after it began removing data objects (a signal, a
     /// crash, a store error): some of its data is gone, so it is not opened.
-    #[error("image {image}: a delete of it did not finish, so some of its data objects are gone and it is not opened; run `ivdisk delete {image}` again to finish it")]
+    #[error("image {image}: a delete of it did not finish, so some of its data objects are gone and it is not opened; run `ivdisk delete {}` again to finish it", crate::uri::shell_word(image))]
     DeleteUnfinished { image: String },
 
     /// A rollback to a snapshot stopped part-way: some objects are at the snapshot, others
     /// at the head, so it is not opened.
-    #[error("image {image}: a rollback of it to snapshot {snapshot} did not finish, so it holds objects of two states and is not opened; run `ivdisk snap rollback {image}@{snapshot}` again to finish it")]
+    #[error("image {image}: a rollback of it to snapshot {snapshot} did not finish, so it holds objects of two states and is not opened; run `ivdisk snap rollback {}` again to finish it", crate::uri::shell_word(&crate::uri::at_snapshot(image, snapshot)))]
     RollbackUnfinished { image: String, snapshot: String },
 
     /// The command that created the image to fill it (`what`: "an import of FILE") stopped
     /// before it finished (killed, or the machine stopped) and could not delete it: the image
     /// holds part of the data, zeros for the rest, so it is not opened.
-    #[error("image {image}: {what} into it did not finish (the command was killed or the machine stopped), so it holds only part of the data and is not opened; delete it with `ivdisk delete {image} --yes` and run the command again")]
+    #[error("image {image}: {what} into it did not finish (the command was killed or the machine stopped), so it holds only part of the data and is not opened; delete it with `ivdisk delete {} --yes` and run the command again", crate::uri::shell_word(image))]
     FillUnfinished { image: String, what: String },
 }
 
@@ -306,6 +312,9 @@ fn create_hint(image: &str) -> String {
         true => "no image name holds an '@': IMAGE@SNAP names snapshot SNAP of IMAGE, and \
                  `ivdisk snap ls IMAGE` lists them"
             .into(),
-        false => format!("create it with `ivdisk create {image} --size SIZE`"),
+        false => format!(
+            "create it with `ivdisk create {} --size SIZE`",
+            crate::uri::shell_word(image)
+        ),
     }
 }

@@ -336,6 +336,19 @@ pub fn at_snapshot(image: &str, snapshot: &str) -> String {
     }
 }
 
+/// `text` as one word of a POSIX shell command line: as it is when it holds only characters no
+/// shell treats specially, else single-quoted (each `'` in it closed, escaped and reopened).
+/// Why: messages suggest commands to run (`ivdisk lock break IMAGE`), and an address such as
+/// `rados://rbd/vm1?conf=/etc/ceph/ceph.conf&id=admin` pasted bare ran its part before `&` in
+/// the background and dropped the rest; a path with a space split in two.
+pub fn shell_word(text: &str) -> std::borrow::Cow<'_, str> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "@%+=:,./_-".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(format!("'{}'", text.replace('\'', "'\\''")))
+}
+
 /// One memory store per process: `mem:` images live as long as the process. Each opener gets
 /// its own client identity, so writer locks between two opens behave as between two hosts.
 fn memory_store() -> Arc<dyn ObjectStore> {

@@ -241,8 +241,8 @@ fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
             "{e}; or back up a snapshot, which needs no lock: `ivdisk snap create {}` (a \
              running `ivdisk serve` on this machine takes it live), then `ivdisk backup {} \
              FILE`",
-            uri.at_snapshot("NAME"),
-            uri.at_snapshot("NAME")
+            ivdisk_image::shell_word(&uri.at_snapshot("NAME")),
+            ivdisk_image::shell_word(&uri.at_snapshot("NAME"))
         ),
         e => flat(e),
     }

@@ -309,8 +309,9 @@ pub fn parse_uri(text: &str) -> Result<ImageUri> {
         match ImageUri::parse_with_snapshot(text) {
             Ok((image, Some(snap))) => anyhow::anyhow!(
                 "`{text}` names snapshot `{snap}` of image {image}, and this command takes an \
-                 image; snapshots are removed with `ivdisk snap rm {text}`, read with `serve`, \
-                 `export`, `verify`, `backup` or `convert`"
+                 image; snapshots are removed with `ivdisk snap rm {}`, read with `serve`, \
+                 `export`, `verify`, `backup` or `convert`",
+                ivdisk_image::shell_word(text)
             ),
             _ => flat(e),
         }
@@ -787,8 +788,9 @@ pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
     if let ImageUri::Local { dir } = &uri {
         text.push_str(&format!(
             "\nthe local store directory {} stays (now without an image); `ivdisk create` can \
-             reuse it, or remove it with rm -r",
-            dir.display()
+             reuse it, or remove it with `rm -r {}`",
+            dir.display(),
+            ivdisk_image::shell_word(&dir.to_string_lossy())
         ));
     }
     print(
@@ -864,7 +866,8 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
                     },
                 ) => bail!(
                     "{e}; the lock was left in place. If you know that writer is stopped, run \
-                     `ivdisk lock break '{image}' --no-fence`"
+                     `ivdisk lock break {} --no-fence`",
+                    ivdisk_image::shell_word(&image.to_string())
                 ),
                 Err(e @ ImageError::Locked { .. }) => bail!(
                     "the writer lock changed hands while you confirmed (it was {}'s): {e}. \

@@ -219,7 +219,7 @@ fn read_header(path: &Path) -> Result<(Header, File)> {
             "{0} is a directory, not a LUKS header file or volume; if it is an ivdisk image, \
              its passphrases are tested with `ivdisk passphrase test {0}` and changed with \
              `ivdisk passphrase add/remove/change {0}`",
-            path.display()
+            ivdisk_image::shell_word(&path.to_string_lossy())
         );
     }
     let file = open_read(path)?;
@@ -558,7 +558,8 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
     let size_note = match (size_before, size_after) {
         (Some(before), Some(after)) if before != after => format!(
             "; the image's size is now {after} bytes, as when the backup was made (it was \
-             {before}: `ivdisk resize {uri} --size {before}` brings it back)"
+             {before}: `ivdisk resize {} --size {before}` brings it back)",
+            ivdisk_image::shell_word(&uri.to_string())
         ),
         _ => String::new(),
     };

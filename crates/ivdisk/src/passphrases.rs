@@ -197,7 +197,7 @@ fn file_unchanged(
             "{}: {e:#}; the header WAS changed before this failed (see `ivdisk header dump {}` \
              for its keyslots now; a keyslot's old area may not have been wiped)",
             file.path().display(),
-            file.path().display()
+            ivdisk_image::shell_word(&file.path().to_string_lossy())
         );
     }
     anyhow::anyhow!(

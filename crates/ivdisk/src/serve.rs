@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use ivdisk_image::{Image, ImageError, ImageUri, OpenOptions};
+use ivdisk_image::{shell_word, Image, ImageError, ImageUri, OpenOptions};
 use ivdisk_nbd::{
     serve_with_tls, BlockDevice, Export, ListenAddress, Listener, ServeStats, TlsCredentials,
     TlsKind,
@@ -117,10 +117,13 @@ fn attach_hints(
     let uri = nbd_uri(address, export, tls);
     let qemu = match qemu_object(tls) {
         Some(object) => format!(
-            "-object {object} -drive '{}'",
-            qemu_drive(address, export, read_only, tls)
+            "-object {object} -drive {}",
+            quoted(&qemu_drive(address, export, read_only, tls))
         ),
-        None => format!("-drive '{}'", qemu_drive(address, export, read_only, tls)),
+        None => format!(
+            "-drive {}",
+            quoted(&qemu_drive(address, export, read_only, tls))
+        ),
     };
     let nbd_client = if tls.is_some() {
         // nbd-client's TLS options differ between its builds; the hints stay with what was
@@ -130,17 +133,20 @@ fn attach_hints(
         let export_flag = if export.is_empty() {
             String::new()
         } else {
-            format!(" -N {export}")
+            format!(" -N {}", shell_word(export))
         };
         match address {
             ListenAddress::Unix(path) => format!(
                 "  nbd-client -unix {} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n",
-                path.display()
+                shell_word(&path.to_string_lossy())
             ),
             ListenAddress::Tcp(addr) => {
                 let addr = dial_address(addr);
                 let (host, port) = addr.rsplit_once(':').unwrap_or((&addr, "10809"));
-                format!("  nbd-client {host} {port} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n")
+                format!(
+                    "  nbd-client {} {port} /dev/nbd0{export_flag}   # as root, after modprobe nbd\n",
+                    shell_word(host)
+                )
             }
         }
     };
@@ -161,20 +167,30 @@ fn attach_hints(
     // default directory only, and cannot use a keys file at all.
     let nbdfuse = match tls {
         None => {
-            format!("  mkdir -p /tmp/disk && nbdfuse /tmp/disk '{uri}' &   # file /tmp/disk/nbd\n")
+            format!(
+                "  mkdir -p /tmp/disk && nbdfuse /tmp/disk {} &   # file /tmp/disk/nbd\n",
+                quoted(&uri)
+            )
         }
         Some(TlsKind::X509) => format!(
-            "  mkdir -p /tmp/disk && nbdfuse /tmp/disk '{}' &   # file /tmp/disk/nbd; the \
+            "  mkdir -p /tmp/disk && nbdfuse /tmp/disk {} &   # file /tmp/disk/nbd; the \
              client's files in ~/.pki/libnbd (root: /etc/pki/libnbd)\n",
-            uri.split('?').next().unwrap_or(&uri)
+            quoted(uri.split('?').next().unwrap_or(&uri))
         ),
         Some(TlsKind::Psk) => String::new(),
     };
     format!(
-        "{creds}Attach it{ro} with:\n  nbdinfo '{uri}'\n{nbdfuse}  \
+        "{creds}Attach it{ro} with:\n  nbdinfo {}\n{nbdfuse}  \
          qemu-system-x86_64 ... {qemu}\n{nbd_client}\
-         Stop with Ctrl-C or SIGTERM."
+         Stop with Ctrl-C or SIGTERM.",
+        quoted(&uri)
     )
+}
+
+/// `text` single-quoted for a shell, always (URIs and qemu options hold `?`, `&` and `,`; the
+/// hints quote them alike so they read alike), each `'` in it closed, escaped and reopened.
+fn quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "'\\''"))
 }
 
 /// qemu's `-drive` option for the export, raw (the export is the plaintext disk), on virtio:
@@ -828,6 +844,95 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The words a POSIX shell (`sh`) makes of `line`, one per argument.
+    fn shell_words_of(line: &str) -> Vec<String> {
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("printf '%s\\0' {line}"))
+            .output()
+            .expect("sh runs");
+        assert!(out.status.success(), "sh refused {line}");
+        let text = String::from_utf8(out.stdout).expect("UTF-8");
+        text.split_terminator('\0').map(str::to_owned).collect()
+    }
+
+    /// What `shell_word` makes of an address comes back from the shell as one word, that
+    /// address; plain names are left as they are.
+    #[test]
+    fn a_shell_word_is_read_back_by_the_shell_as_itself() {
+        for text in [
+            "disk.ivd",
+            "rados://rbd/vm1?conf=/etc/ceph/ceph.conf&id=admin",
+            "rados://rbd/vm1@snap?conf=/etc/ceph/my ceph.conf",
+            "/srv/my disk.ivd",
+            // Nothing here may do harm if a broken quoting lets the shell run it.
+            "it's; true $HOME `true` \\ \"q\" * | :",
+            "tab\there",
+            "~user/disk",
+            "",
+        ] {
+            assert_eq!(shell_words_of(&shell_word(text)), [text], "{text}");
+        }
+        assert_eq!(
+            shell_word("/srv/vms/disk.ivd@monday"),
+            "/srv/vms/disk.ivd@monday"
+        );
+        assert_eq!(shell_word("file:/srv/a,b"), "file:/srv/a,b");
+    }
+
+    /// Each hint is a command to paste into a shell: a socket path or export name with a
+    /// space, a quote or an `&` stays one argument. The nbd-client line gave the path bare.
+    #[test]
+    fn hints_survive_the_shell_with_any_path_or_export_name() {
+        let path = "/tmp/my vms/it's & more.sock";
+        let export = "vm 1's";
+        let address = ListenAddress::Unix(path.into());
+        let hints = attach_hints(&address, export, true, None);
+        let line = |client: &str| {
+            let line = hints
+                .lines()
+                .find(|l| l.trim_start().starts_with(client))
+                .unwrap_or_else(|| panic!("no {client} line in {hints}"));
+            shell_words_of(line.split("   #").next().unwrap())
+        };
+        let uri = nbd_uri(&address, export, None);
+        assert_eq!(line("nbdinfo"), ["nbdinfo", uri.as_str()]);
+        assert_eq!(
+            line("nbd-client"),
+            ["nbd-client", "-unix", path, "/dev/nbd0", "-N", export]
+        );
+        let qemu = line("qemu-system-x86_64");
+        assert_eq!(
+            qemu.last().unwrap(),
+            &qemu_drive(&address, export, true, None)
+        );
+        let nbdfuse = hints.lines().find(|l| l.contains("nbdfuse")).unwrap();
+        let nbdfuse = nbdfuse
+            .split("&& ")
+            .nth(1)
+            .unwrap()
+            .split(" &   #")
+            .next()
+            .unwrap();
+        assert_eq!(
+            shell_words_of(nbdfuse),
+            ["nbdfuse", "/tmp/disk", uri.as_str()]
+        );
+        // With TLS, qemu takes the socket's path as an option of its own, not in a URI.
+        let tls = attach_hints(&address, export, false, Some(TlsKind::X509));
+        let drive = tls
+            .lines()
+            .find(|l| l.contains("qemu-system-x86_64"))
+            .unwrap()
+            .split(" -drive ")
+            .nth(1)
+            .unwrap();
+        assert_eq!(
+            shell_words_of(drive),
+            [qemu_drive(&address, export, false, Some(TlsKind::X509))]
+        );
+    }
 
     #[test]
     fn the_default_socket_is_named_after_the_image() {

@@ -375,7 +375,8 @@ pub(crate) fn delete_half_made(
         )),
         Err(d) => e.context(format!(
             "{what} failed, and deleting the half-made image failed too ({d}); delete it with \
-             `ivdisk delete {uri} --yes`"
+             `ivdisk delete {} --yes`",
+            ivdisk_image::shell_word(&uri.to_string())
         )),
     }
 }
@@ -409,8 +410,9 @@ pub(crate) fn remove_made_dir(made_dir: Option<&Path>) -> String {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => format!(", and the directory {} made for it removed", dir.display()),
         Err(r) => format!(
-            ", but removing the directory {} made for it failed ({r}); remove it with rm -r",
-            dir.display()
+            ", but removing the directory {} made for it failed ({r}); remove it with `rm -r {}`",
+            dir.display(),
+            ivdisk_image::shell_word(&dir.to_string_lossy())
         ),
     }
 }
@@ -796,7 +798,8 @@ async fn copy_out(image: &Image, shown: &str, sink: &mut Sink, bar: &ProgressBar
                     .context("an export task failed")?
                     .map_err(|e| match e {
                         ImageError::Integrity { .. } => anyhow::anyhow!(
-                            "{e}; run `ivdisk verify {shown}` to list every damaged sector"
+                            "{e}; run `ivdisk verify {}` to list every damaged sector",
+                            ivdisk_image::shell_word(&shown)
                         ),
                         e => flat(e),
                     })?;

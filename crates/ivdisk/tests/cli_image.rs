@@ -849,3 +849,62 @@ fn a_secret_from_standard_input_is_not_read_from_a_terminal() {
     );
     assert!(!image.exists());
 }
+
+/// The command a message suggests (the text between backticks that starts with `start`),
+/// run by `sh` as a user who pasted it would, with `ivdisk` standing for the built binary.
+fn run_suggested(message: &str, start: &str, extra: &str) -> std::process::Output {
+    let command = message
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .find(|c| c.starts_with(start))
+        .unwrap_or_else(|| panic!("no `{start} ...` in: {message}"));
+    let binary = env!("CARGO_BIN_EXE_ivdisk");
+    let line = format!("{}{extra}", command.replacen("ivdisk", binary, 1));
+    Command::new("sh")
+        .arg("-c")
+        .arg(&line)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// Messages that suggest a command give one that runs as shown when pasted into a shell, with
+/// the image's path as one word: a path with a space, a quote or an `&` was given bare (an
+/// `&` sent part of the command to the background and ran the rest as another).
+#[test]
+fn suggested_commands_run_as_shown_in_a_shell() {
+    let f = Fixture::new();
+    let image = f.path("vm's disk & more.ivd");
+    f.create(&image, "8M", &[]);
+    let missing = format!("{}@nosuch", p(&image));
+    let message = fails(&["info", &missing]);
+    let listed = run_suggested(&message, "ivdisk snap ls", "");
+    assert!(
+        listed.status.success(),
+        "{message}: {}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains("no snapshots"),
+        "{}",
+        String::from_utf8_lossy(&listed.stdout)
+    );
+    let mut again = vec!["create", p(&image), "--size", "8M", "--passphrase-file"];
+    again.push(p(&f.pw));
+    again.extend(FAST);
+    let message = fails(&again);
+    let deleted = run_suggested(&message, "ivdisk delete", " --yes");
+    assert!(
+        deleted.status.success(),
+        "{message}: {}",
+        String::from_utf8_lossy(&deleted.stderr)
+    );
+    let gone = fails(&["info", p(&image)]);
+    assert!(gone.contains("does not exist"), "{gone}");
+    // The store directory stays; the message says how to remove it.
+    let message = String::from_utf8_lossy(&deleted.stdout).into_owned();
+    let removed = run_suggested(&message, "rm -r", "");
+    assert!(removed.status.success(), "{message}");
+    assert!(!image.exists(), "the suggested rm -r removed the directory");
+}
