@@ -19,6 +19,11 @@ pub enum NbdError {
     #[error("client {peer} broke the NBD protocol: {reason}; connection closed")]
     Protocol { peer: String, reason: String },
 
+    /// The client stopped sending a request or reading its replies while other clients
+    /// waited for the server budget it held; its connection was closed so that they go on.
+    #[error("client {peer} {reason}; connection closed so that the others can go on")]
+    Stalled { peer: String, reason: String },
+
     /// The TLS handshake with a client failed (no certificate, one of another authority, no
     /// common protocol version); its connection was closed.
     #[error("TLS with client {peer} failed: {reason}; connection closed")]

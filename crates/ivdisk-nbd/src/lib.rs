@@ -30,6 +30,7 @@ pub use device::{BlockDevice, DeviceError, DeviceErrorKind, Extent};
 pub use error::NbdError;
 pub use handshake::MAX_PAYLOAD;
 pub use server::{
-    serve, serve_with_tls, Export, ListenAddress, Listener, ServeStats, MAX_CONNECTIONS,
+    serve, serve_with_options, serve_with_tls, Export, ListenAddress, Listener, ServeOptions,
+    ServeStats, DEFAULT_STALL_TIMEOUT, MAX_CONNECTIONS,
 };
 pub use tls::{TlsCredentials, TlsKind};

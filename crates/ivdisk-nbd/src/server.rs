@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::device::BlockDevice;
 use crate::handshake::{greet, options, Haggled, Negotiated, TlsState};
 use crate::tls::TlsCredentials;
-use crate::transmission::{transmit, Ending, PayloadSource, SERVER_BUDGET_UNITS};
+use crate::transmission::{transmit, Ending, PayloadSource, ServerBudget};
 use crate::NbdError;
 
 /// A client must pick an export within this time after connecting (qemu-nbd's default
@@ -38,6 +38,28 @@ const MAX_NEGOTIATING_PER_ADDRESS: usize = 8;
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_PROBES: u32 = 6;
+/// How long a connection may make no progress within a request or a reply while other
+/// connections wait for the server budget it holds, before it is closed (see
+/// `transmission::ServerBudget`). Alone, it may stall as long as it likes.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How [`serve_with_options`] serves.
+#[derive(Clone)]
+pub struct ServeOptions {
+    /// Require TLS of every client (see [`serve_with_tls`]).
+    pub tls: Option<TlsCredentials>,
+    /// See [`DEFAULT_STALL_TIMEOUT`].
+    pub stall_timeout: Duration,
+}
+
+impl Default for ServeOptions {
+    fn default() -> ServeOptions {
+        ServeOptions {
+            tls: None,
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
+        }
+    }
+}
 
 /// Connections in their handshake, counted in all and by client address (TCP).
 #[derive(Default)]
@@ -338,6 +360,8 @@ pub struct ServeStats {
     pub protocol_errors: u64,
     /// Connections closed because their TLS handshake failed.
     pub tls_failures: u64,
+    /// Connections closed because they stalled in the way of others ([`NbdError::Stalled`]).
+    pub stalled: u64,
 }
 
 impl ServeStats {
@@ -346,6 +370,7 @@ impl ServeStats {
         match outcome {
             Err(NbdError::Protocol { .. }) => self.protocol_errors += 1,
             Err(NbdError::TlsHandshake { .. }) => self.tls_failures += 1,
+            Err(NbdError::Stalled { .. }) => self.stalled += 1,
             _ => {}
         }
     }
@@ -370,6 +395,21 @@ pub async fn serve_with_tls(
     tls: Option<TlsCredentials>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<ServeStats, NbdError> {
+    let options = ServeOptions {
+        tls,
+        ..ServeOptions::default()
+    };
+    serve_with_options(listener, exports, options, shutdown).await
+}
+
+/// [`serve`] with every option.
+pub async fn serve_with_options(
+    listener: Listener,
+    exports: Vec<Export>,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ServeStats, NbdError> {
+    let ServeOptions { tls, stall_timeout } = options;
     if exports.is_empty() {
         return Err(NbdError::Config("no exports".into()));
     }
@@ -388,7 +428,7 @@ pub async fn serve_with_tls(
     let mut next_id = 0u64;
     let negotiating = Arc::new(Negotiating::default());
     let mut refusals = Refusals::default();
-    let server_budget = Arc::new(Semaphore::new(SERVER_BUDGET_UNITS as usize));
+    let server_budget = Arc::new(ServerBudget::new(stall_timeout));
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -444,7 +484,11 @@ pub async fn serve_with_tls(
             };
             match &result {
                 Ok(()) => tracing::info!(peer, "client disconnected"),
-                Err(e @ (NbdError::Protocol { .. } | NbdError::TlsHandshake { .. })) => {
+                Err(
+                    e @ (NbdError::Protocol { .. }
+                    | NbdError::TlsHandshake { .. }
+                    | NbdError::Stalled { .. }),
+                ) => {
                     tracing::warn!(peer, error = %e, "client dropped")
                 }
                 Err(e) => tracing::info!(peer, error = %e, "connection ended"),
@@ -529,7 +573,7 @@ fn keep_alive(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
 struct Limits {
     /// Its place among the connections in their handshake, given back once attached.
     negotiating: NegotiatingSlot,
-    server_budget: Arc<Semaphore>,
+    server_budget: Arc<ServerBudget>,
 }
 
 /// A client's socket, which the transmission phase takes apart into halves of its own: the

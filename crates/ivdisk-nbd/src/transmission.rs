@@ -3,7 +3,10 @@
 //! task, so a slow request never holds up a fast one (replies out of order, as NBD allows).
 //! A budget bounds the requests and payload bytes in flight per connection: a reply keeps its
 //! share until it is on the wire, so a client that stops reading replies stops being read.
+//! A connection that stalls within a transfer while others wait for the server-wide budget
+//! it holds is closed ([`ServerBudget`]).
 
+use std::future::Future as _;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
@@ -30,6 +33,110 @@ const UNIT_BYTES: u32 = 64 * 1024;
 /// each, measured), and 256 connections could ask for 64 GiB. Clients that do not read then
 /// stall the others once they hold it all, which memory running out would not spare either.
 pub(crate) const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
+
+/// The server's budget ([`SERVER_BUDGET_UNITS`]), shared by its connections, and how many of
+/// them wait for it now. A connection whose transfer stalls (a write's payload that stops
+/// coming, replies the client stops reading) keeps what it took; while others wait, it is cut
+/// off once it has made no progress for `stall` (see [`unless_stalled`]). Without that, 32
+/// connections that each sent the header of a 32 MiB write and nothing more held the whole
+/// budget, and every other client's requests waited for ever (the protocol says a payload of
+/// up to 32 MiB should not be taken for an attack, so each one alone is legal). A client that
+/// stalls alone (a copy suspended with Ctrl-Z) keeps its connection: it is in no one's way.
+pub(crate) struct ServerBudget {
+    units: Arc<Semaphore>,
+    waiting: std::sync::atomic::AtomicUsize,
+    stall: std::time::Duration,
+}
+
+impl ServerBudget {
+    pub(crate) fn new(stall: std::time::Duration) -> ServerBudget {
+        ServerBudget {
+            units: Arc::new(Semaphore::new(SERVER_BUDGET_UNITS as usize)),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+            stall,
+        }
+    }
+
+    /// `cost` units, counted among the waiters while they are not free.
+    async fn acquire(&self, cost: u32) -> OwnedSemaphorePermit {
+        if let Ok(permit) = self.units.clone().try_acquire_many_owned(cost) {
+            return permit;
+        }
+        struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
+        }
+        self.waiting
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let _waiting = Waiting(&self.waiting);
+        self.units
+            .clone()
+            .acquire_many_owned(cost)
+            .await
+            .expect("the server's budget semaphore is never closed")
+    }
+
+    /// Whether a connection waits for budget now.
+    fn wanted(&self) -> bool {
+        self.waiting.load(std::sync::atomic::Ordering::Acquire) > 0
+    }
+}
+
+/// `io`, one step of a request's or a reply's transfer (a read or write that returns once
+/// some bytes moved), failed with `TimedOut` if it makes no progress for the budget's stall
+/// time while another connection waits for the budget ([`ServerBudget`]). No timer is set
+/// unless the step has to wait.
+async fn unless_stalled<T>(
+    budget: &ServerBudget,
+    io: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    let mut io = std::pin::pin!(io);
+    let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(result) = io.as_mut().poll(cx) {
+            return Poll::Ready(result);
+        }
+        let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(budget.stall)));
+        while timer.as_mut().poll(cx).is_ready() {
+            if budget.wanted() {
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    StalledWhileWanted(budget.stall),
+                )));
+            }
+            let next = tokio::time::Instant::now() + budget.stall;
+            timer.as_mut().reset(next);
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// Why [`unless_stalled`] gave up: the connection is closed as [`NbdError::Stalled`].
+#[derive(Debug)]
+pub(crate) struct StalledWhileWanted(std::time::Duration);
+
+impl std::fmt::Display for StalledWhileWanted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "made no progress for {} s while other clients waited for the server's memory \
+             budget, which it held",
+            self.0.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for StalledWhileWanted {}
+
+/// Whether `error` is [`unless_stalled`]'s.
+fn is_stall(error: &std::io::Error) -> bool {
+    error
+        .get_ref()
+        .is_some_and(|inner| inner.is::<StalledWhileWanted>())
+}
 /// The most one block-status reply covers, and the most descriptors it holds (the protocol
 /// asks for no more than 2^20).
 const BLOCK_STATUS_SPAN: u64 = 1 << 30;
@@ -98,7 +205,7 @@ pub(crate) async fn transmit<R, W>(
     writer: W,
     peer: &str,
     negotiated: Negotiated,
-    server_budget: Arc<Semaphore>,
+    server_budget: Arc<ServerBudget>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<Ending, NbdError>
 where
@@ -107,7 +214,16 @@ where
 {
     let (replies, queue) = mpsc::unbounded_channel::<Reply>();
     let peer_name = peer.to_owned();
-    let writer_task = tokio::spawn(write_replies(writer, queue, peer_name));
+    // Set when the reply writer gives up because the client stopped reading while others
+    // waited: the request loop then ends the connection.
+    let (writer_failed, mut writer_gone) = watch::channel(false);
+    let writer_task = tokio::spawn(write_replies(
+        writer,
+        queue,
+        peer_name,
+        server_budget.clone(),
+        writer_failed,
+    ));
     let budget = Arc::new(Semaphore::new(BUDGET_UNITS as usize));
     let context = Arc::new(Context {
         device: negotiated.export.device.clone(),
@@ -115,9 +231,22 @@ where
         block_status: negotiated.block_status,
     });
     let mut reader = RequestReader::new(reader);
-    let io = |source| NbdError::Io {
+    let io = |source: std::io::Error| match is_stall(&source) {
+        true => NbdError::Stalled {
+            peer: peer.to_owned(),
+            reason: source.to_string(),
+        },
+        false => NbdError::Io {
+            peer: peer.to_owned(),
+            source,
+        },
+    };
+    let stalled_replies = || NbdError::Stalled {
         peer: peer.to_owned(),
-        source,
+        reason: format!(
+            "did not read its replies: {}",
+            StalledWhileWanted(server_budget.stall)
+        ),
     };
     let protocol = |reason: String| NbdError::Protocol {
         peer: peer.to_owned(),
@@ -128,7 +257,8 @@ where
         tokio::select! {
             biased;
             _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-            read = read_header(&mut reader, &mut header) => match read {
+            Ok(_) = writer_gone.wait_for(|gone| *gone) => break Err(stalled_replies()),
+            read = read_header(&mut reader, &mut header, &server_budget) => match read {
                 Ok(true) => {}
                 Ok(false) => break Ok(Ending::Disconnect),
                 Err(e) => break Err(io(e)),
@@ -174,9 +304,7 @@ where
         let server_permit = tokio::select! {
             biased;
             _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
-            permit = server_budget.clone().acquire_many_owned(cost) => {
-                permit.expect("the server's budget semaphore is never closed")
-            }
+            permit = server_budget.acquire(cost) => permit,
         };
         let mut payload = WritePayload::contiguous(Vec::new());
         if request.command == CMD_WRITE {
@@ -184,10 +312,12 @@ where
             tokio::select! {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop) => break Ok(Ending::Shutdown),
+                Ok(_) = writer_gone.wait_for(|gone| *gone) => break Err(stalled_replies()),
                 read = receive_payload(
                     &mut reader,
                     len,
                     context.device.write_placement(request.offset, len),
+                    &server_budget,
                 ) => match read {
                     Ok(read) => payload = read,
                     Err(e) => break Err(io(e)),
@@ -390,19 +520,20 @@ async fn receive_payload<R: PayloadSource>(
     reader: &mut RequestReader<R>,
     len: usize,
     placement: PayloadPlacement,
+    budget: &ServerBudget,
 ) -> std::io::Result<WritePayload> {
     match placement {
         PayloadPlacement::Slots { sector, slot }
             if sector > 0 && sector <= slot && len.is_multiple_of(sector) =>
         {
-            let slots = read_payload_in_slots(reader, len, sector, slot).await?;
+            let slots = read_payload_in_slots(reader, len, sector, slot, budget).await?;
             Ok(WritePayload::in_slots(slots, sector, slot))
         }
         PayloadPlacement::Contiguous { spare } => Ok(WritePayload::contiguous(
-            read_payload(reader, len, spare).await?,
+            read_payload(reader, len, spare, budget).await?,
         )),
         PayloadPlacement::Slots { .. } => Ok(WritePayload::contiguous(
-            read_payload(reader, len, 0).await?,
+            read_payload(reader, len, 0, budget).await?,
         )),
     }
 }
@@ -415,13 +546,14 @@ async fn read_payload_in_slots<R: PayloadSource>(
     len: usize,
     sector: usize,
     slot: usize,
+    budget: &ServerBudget,
 ) -> std::io::Result<Vec<u8>> {
     let mut slots = SlotBuffer::new(len, sector, slot);
     let took = slots.fill_from(reader.buffer());
     reader.consume(took);
     while slots.missing() > 0 {
         let read = std::future::poll_fn(|cx| reader.get_mut().poll_read_slots(cx, &mut slots));
-        if read.await? == 0 {
+        if unless_stalled(budget, read).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
     }
@@ -437,11 +569,12 @@ async fn read_payload<R: AsyncRead + Unpin>(
     reader: &mut R,
     len: usize,
     headroom: usize,
+    budget: &ServerBudget,
 ) -> std::io::Result<Vec<u8>> {
     let mut payload = Vec::with_capacity(len + headroom);
     let mut limited = (&mut *reader).take(len as u64);
     while payload.len() < len {
-        if limited.read_buf(&mut payload).await? == 0 {
+        if unless_stalled(budget, limited.read_buf(&mut payload)).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
     }
@@ -449,15 +582,18 @@ async fn read_payload<R: AsyncRead + Unpin>(
 }
 
 /// Read a request header; `Ok(false)` on a clean end of stream before its first byte.
+/// Between requests a client may be idle as long as it likes; within one, it counts as
+/// stalled ([`unless_stalled`]).
 async fn read_header<R: AsyncRead + Unpin>(
     reader: &mut R,
     header: &mut [u8; REQUEST_HEADER_LEN],
+    budget: &ServerBudget,
 ) -> std::io::Result<bool> {
     let n = reader.read(&mut header[..]).await?;
     if n == 0 {
         return Ok(false);
     }
-    reader.read_exact(&mut header[n..]).await?;
+    unless_stalled(budget, reader.read_exact(&mut header[n..])).await?;
     Ok(true)
 }
 
@@ -476,21 +612,23 @@ const MAX_WRITE_PIECES: usize = 1024;
 async fn write_frame<W: AsyncWrite + Unpin>(
     writer: &mut BufWriter<W>,
     frame: &Frame,
+    budget: &ServerBudget,
 ) -> std::io::Result<()> {
     let mut body = frame.body.pieces();
     if body.len() <= 1 {
         // Every reply but a slotted read's: no list of pieces to allocate.
         let body = body.next().unwrap_or_default();
-        return write_pieces(writer, &mut [&frame.head[..], body]).await;
+        return write_pieces(writer, &mut [&frame.head[..], body], budget).await;
     }
     let mut pieces: Vec<&[u8]> = std::iter::once(&frame.head[..]).chain(body).collect();
-    write_pieces(writer, &mut pieces).await
+    write_pieces(writer, &mut pieces, budget).await
 }
 
 /// Write `pieces` in order, in vectored writes of at most [`MAX_WRITE_PIECES`] buffers.
 async fn write_pieces<W: AsyncWrite + Unpin>(
     writer: &mut BufWriter<W>,
     pieces: &mut [&[u8]],
+    budget: &ServerBudget,
 ) -> std::io::Result<()> {
     let mut at = 0;
     while at < pieces.len() {
@@ -502,14 +640,14 @@ async fn write_pieces<W: AsyncWrite + Unpin>(
         let mut n = if rest.len() <= 2 {
             let next = rest.get(1).copied().unwrap_or_default();
             let slices = [std::io::IoSlice::new(rest[0]), std::io::IoSlice::new(next)];
-            writer.write_vectored(&slices).await?
+            unless_stalled(budget, writer.write_vectored(&slices)).await?
         } else {
             let slices: Vec<std::io::IoSlice<'_>> = rest
                 .iter()
                 .take(MAX_WRITE_PIECES)
                 .map(|piece| std::io::IoSlice::new(piece))
                 .collect();
-            writer.write_vectored(&slices).await?
+            unless_stalled(budget, writer.write_vectored(&slices)).await?
         };
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
@@ -528,23 +666,40 @@ async fn write_pieces<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// Write the replies as they come; on a failure, tell the request loop (`failed`) and drop
+/// the replies still queued, which gives their budget back.
 async fn write_replies<W: AsyncWrite + Unpin>(
     writer: W,
     mut queue: mpsc::UnboundedReceiver<Reply>,
     peer: String,
+    budget: Arc<ServerBudget>,
+    failed: watch::Sender<bool>,
 ) -> std::io::Result<()> {
     let mut writer = BufWriter::with_capacity(REPLY_BUFFER, writer);
-    while let Some(reply) = queue.recv().await {
-        write_frame(&mut writer, &reply.frame).await?;
-        drop(reply);
-        // Coalesce replies that are ready into one write to the socket.
-        while let Ok(reply) = queue.try_recv() {
-            write_frame(&mut writer, &reply.frame).await?;
+    let written = async {
+        while let Some(reply) = queue.recv().await {
+            write_frame(&mut writer, &reply.frame, &budget).await?;
+            drop(reply);
+            // Coalesce replies that are ready into one write to the socket.
+            while let Ok(reply) = queue.try_recv() {
+                write_frame(&mut writer, &reply.frame, &budget).await?;
+            }
+            unless_stalled(&budget, writer.flush()).await?;
         }
-        writer.flush().await?;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = written {
+        // Stalled: the request loop must end the connection too (the client may go on
+        // sending requests). Other failures (the client went away) end it there anyway.
+        if is_stall(&e) {
+            let _ = failed.send(true);
+        }
+        queue.close();
+        return Err(e);
     }
     tracing::trace!(peer, "all replies sent");
-    writer.shutdown().await
+    unless_stalled(&budget, writer.shutdown()).await
 }
 
 struct Context {
@@ -843,6 +998,11 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server budget no other connection waits for.
+    fn idle_budget() -> ServerBudget {
+        ServerBudget::new(std::time::Duration::from_secs(20))
+    }
     use std::io::IoSlice;
     use std::pin::Pin;
 
@@ -924,7 +1084,7 @@ mod tests {
         };
         let mut writer = BufWriter::with_capacity(REPLY_BUFFER, socket);
         for f in frames {
-            write_frame(&mut writer, f).await.unwrap();
+            write_frame(&mut writer, f, &idle_budget()).await.unwrap();
         }
         writer.flush().await.unwrap();
         let socket = writer.into_inner();
@@ -973,11 +1133,15 @@ mod tests {
         });
         // Small requests: a header's read fills the buffer as far as it goes.
         let mut header = [0u8; REQUEST_HEADER_LEN];
-        assert!(read_header(&mut reader, &mut header).await.unwrap());
+        assert!(read_header(&mut reader, &mut header, &idle_budget())
+            .await
+            .unwrap());
         assert_eq!(reader.get_ref().asked, vec![READ_AHEAD]);
         assert!(header[..] == data[..REQUEST_HEADER_LEN]);
         let mut at = REQUEST_HEADER_LEN;
-        let small = read_payload(&mut reader, 4096, 0).await.unwrap();
+        let small = read_payload(&mut reader, 4096, 0, &idle_budget())
+            .await
+            .unwrap();
         assert!(small[..] == data[at..at + 4096]);
         at += 4096;
         assert_eq!(
@@ -990,7 +1154,9 @@ mod tests {
         reader.read_ahead(false);
         let len = 200_000;
         let buffered = reader.buffer().len();
-        let large = read_payload(&mut reader, len, 0).await.unwrap();
+        let large = read_payload(&mut reader, len, 0, &idle_budget())
+            .await
+            .unwrap();
         assert!(large[..] == data[at..at + len]);
         at += len;
         let asked = reader.get_ref().asked[1..].to_vec();
@@ -1004,20 +1170,28 @@ mod tests {
 
         // The next header: nothing read ahead of it.
         let before = reader.get_ref().asked.len();
-        assert!(read_header(&mut reader, &mut header).await.unwrap());
+        assert!(read_header(&mut reader, &mut header, &idle_budget())
+            .await
+            .unwrap());
         assert!(header[..] == data[at..at + REQUEST_HEADER_LEN]);
         at += REQUEST_HEADER_LEN;
         assert_eq!(reader.get_ref().asked[before..], [REQUEST_HEADER_LEN]);
-        let large = read_payload(&mut reader, 300_000, 0).await.unwrap();
+        let large = read_payload(&mut reader, 300_000, 0, &idle_budget())
+            .await
+            .unwrap();
         assert!(large[..] == data[at..at + 300_000]);
         at += 300_000;
         assert!(reader.get_ref().asked[before + 1] == 300_000);
 
         // Small again: the whole buffer ahead; the end of the stream is an end.
         reader.read_ahead(true);
-        let rest = read_payload(&mut reader, data.len() - at, 0).await.unwrap();
+        let rest = read_payload(&mut reader, data.len() - at, 0, &idle_budget())
+            .await
+            .unwrap();
         assert!(rest[..] == data[at..]);
-        assert!(!read_header(&mut reader, &mut header).await.unwrap());
+        assert!(!read_header(&mut reader, &mut header, &idle_budget())
+            .await
+            .unwrap());
     }
 
     /// A write's payload is read whole, exactly its length (the next request's bytes stay in
@@ -1026,7 +1200,9 @@ mod tests {
     async fn payload_is_read_exactly_with_room_to_spare() {
         let stream: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
         let mut reader = &stream[..];
-        let payload = read_payload(&mut reader, 8192, 4096).await.unwrap();
+        let payload = read_payload(&mut reader, 8192, 4096, &idle_budget())
+            .await
+            .unwrap();
         assert!(payload[..] == stream[..8192]);
         assert!(payload.capacity() >= 8192 + 4096);
         assert_eq!(
@@ -1034,7 +1210,9 @@ mod tests {
             10_000 - 8192,
             "nothing past the payload was read"
         );
-        let short = read_payload(&mut reader, 4096, 0).await.unwrap_err();
+        let short = read_payload(&mut reader, 4096, 0, &idle_budget())
+            .await
+            .unwrap_err();
         assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
@@ -1065,7 +1243,7 @@ mod tests {
         reader.read_exact(&mut first).await.unwrap();
         assert!(first[..] == stream[..16]);
         let placement = PayloadPlacement::Slots { sector, slot };
-        let payload = receive_payload(&mut reader, len - sector, placement)
+        let payload = receive_payload(&mut reader, len - sector, placement, &idle_budget())
             .await
             .unwrap();
         assert_eq!(payload.slots(), Some((sector, slot)));
@@ -1088,13 +1266,15 @@ mod tests {
         let client = sender.await.unwrap();
         let mut client = client;
         client.write_all(&stream[..1000]).await.unwrap();
-        let payload = receive_payload(&mut reader, 1000, placement).await.unwrap();
+        let payload = receive_payload(&mut reader, 1000, placement, &idle_budget())
+            .await
+            .unwrap();
         assert_eq!(payload.slots(), None);
         assert!(payload.into_buf() == stream[..1000]);
         // Cut short.
         client.write_all(&stream[..5000]).await.unwrap();
         drop(client);
-        let short = receive_payload(&mut reader, 2 * sector, placement)
+        let short = receive_payload(&mut reader, 2 * sector, placement, &idle_budget())
             .await
             .unwrap_err();
         assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof);

@@ -15,8 +15,9 @@ use ivdisk_header::{PbkdfKind, PbkdfRequest};
 use ivdisk_image::{CreateOptions, Image, ImageUri, LayoutKind, OpenOptions};
 use ivdisk_nbd::proto::*;
 use ivdisk_nbd::{
-    serve_with_tls, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent, ListenAddress,
-    Listener, NbdError, ServeStats, TlsCredentials, TlsKind, MAX_PAYLOAD,
+    serve_with_options, serve_with_tls, BlockDevice, DeviceError, DeviceErrorKind, Export, Extent,
+    ListenAddress, Listener, NbdError, ServeOptions, ServeStats, TlsCredentials, TlsKind,
+    MAX_PAYLOAD,
 };
 use openssl::ssl::{SslConnector, SslFiletype, SslMethod};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -146,6 +147,28 @@ impl Server {
     }
 
     async fn start_exports(exports: Vec<Export>, tls: Option<TlsCredentials>) -> Server {
+        let options = ServeOptions {
+            tls,
+            ..ServeOptions::default()
+        };
+        Server::start_with_options(exports, options).await
+    }
+
+    /// A server that closes connections stalled in others' way after `stall`.
+    async fn start_stalling(device: Arc<dyn BlockDevice>, stall: Duration) -> Server {
+        let exports = vec![Export {
+            name: "disk".into(),
+            description: "test disk".into(),
+            device,
+        }];
+        let options = ServeOptions {
+            tls: None,
+            stall_timeout: stall,
+        };
+        Server::start_with_options(exports, options).await
+    }
+
+    async fn start_with_options(exports: Vec<Export>, options: ServeOptions) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
         let listener = Listener::bind(&ListenAddress::Unix(path.clone()))
@@ -153,7 +176,7 @@ impl Server {
             .unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            serve_with_tls(listener, exports, tls, async {
+            serve_with_options(listener, exports, options, async {
                 let _ = stopped.await;
             })
             .await
@@ -892,7 +915,14 @@ struct ProbeDevice {
     allocation_asked: AtomicU64,
     /// How many times `allocation` was called.
     allocation_calls: AtomicU64,
+    /// Reads at `GATED_OFFSET` wait until the gate opens, then fail (they hold the server's
+    /// budget meanwhile, and no memory); `gated` counts those that reached the device.
+    gate: tokio::sync::Notify,
+    gate_opened: AtomicBool,
+    gated: AtomicU64,
 }
+
+const GATED_OFFSET: u64 = 4096;
 
 const PANIC_OFFSET: u64 = 1 << 20;
 
@@ -903,6 +933,16 @@ impl BlockDevice for ProbeDevice {
     }
     async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), DeviceError> {
         assert_ne!(offset, PANIC_OFFSET, "a bug in the device");
+        if offset == GATED_OFFSET {
+            self.gated.fetch_add(1, Ordering::SeqCst);
+            loop {
+                let opened = self.gate.notified();
+                if self.gate_opened.load(Ordering::SeqCst) {
+                    return Err(DeviceError::new(DeviceErrorKind::Io, "the gate opened"));
+                }
+                opened.await;
+            }
+        }
         buf.fill(0);
         Ok(())
     }
@@ -1667,4 +1707,146 @@ async fn a_socket_path_too_long_for_an_address_is_refused() {
     };
     assert!(err.to_string().contains("pick a shorter path"), "{err}");
     assert!(!path.exists());
+}
+
+/// Connections holding the server's whole budget with write headers whose payloads never
+/// come: 31 writes of 32 MiB hold all but 481 of its 16384 units, and the 32nd waits for 513.
+async fn stall_the_budget(server: &Server) -> Vec<Client> {
+    let mut stalled = Vec::new();
+    for i in 0..32u64 {
+        let mut client = Client::attach(server, true).await;
+        client.send(CMD_WRITE, 0, 100 + i, 0, MAX_PAYLOAD).await;
+        stalled.push(client);
+    }
+    stalled
+}
+
+/// A client that stops sending a write's payload keeps its connection while it is in no
+/// one's way (a copy suspended with Ctrl-Z); once others wait for the server budget it holds,
+/// it is cut off after the stall time and they go on. 32 stalled 32 MiB write headers held
+/// the whole budget, and every other client's requests waited for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_stalled_in_the_way_of_others_are_cut_off() {
+    let device = MemoryDevice::new(false);
+    let stall = Duration::from_millis(500);
+    let server = Server::start_stalling(device.clone(), stall).await;
+
+    // Alone: half a payload, then a pause of many stall times, then the rest.
+    let mut paused = Client::attach(&server, true).await;
+    let data = pattern(8192, 3);
+    paused.send(CMD_WRITE, 0, 1, 0, 8192).await;
+    paused.stream.write_all(&data[..4096]).await.unwrap();
+    tokio::time::sleep(4 * stall).await;
+    paused.stream.write_all(&data[4096..]).await.unwrap();
+    assert_eq!(
+        paused.status().await,
+        (1, 0),
+        "the paused write went through"
+    );
+    assert_eq!(&device.bytes.lock().unwrap()[..8192], &data[..]);
+
+    // In the way: a client with a 4 KiB read gets its answer, the stalled ones are closed.
+    let mut stalled = stall_the_budget(&server).await;
+    let mut victim = Client::attach(&server, true).await;
+    victim.send(CMD_READ, 0, 7, 0, 4096).await;
+    let answered = tokio::time::timeout(Duration::from_secs(30), victim.reply(0))
+        .await
+        .expect("a read waited for ever behind stalled writes");
+    let Chunk::Structured { payload, .. } = answered.0 else {
+        panic!("{answered:?}")
+    };
+    assert_eq!(&payload[8..], &data[..4096]);
+    // The paused client's connection, idle between requests, was left alone.
+    paused.send(CMD_READ, 0, 2, 0, 4096).await;
+    assert!(matches!(paused.reply(0).await.0, Chunk::Structured { .. }));
+    // As many stalled connections were closed as the others needed (at least one), and no
+    // more: the rest are in no one's way now.
+    let stats = server.stop().await;
+    assert!((1..32).contains(&stats.stalled), "{stats:?}");
+    assert_eq!(stats.protocol_errors, 0, "{stats:?}");
+    let mut closed = 0;
+    for client in &mut stalled {
+        closed += client.closed().await as usize;
+    }
+    assert_eq!(closed, 32, "the server's stop closed the rest");
+}
+
+/// A client that stops reading its replies holds their budget; once others wait for it, its
+/// connection is closed after the stall time (its replies dropped), and they go on. Here it
+/// is the only connection stalled: the rest of the budget is held by reads waiting in the
+/// device, which are in no one's way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_no_replies_in_the_way_of_others_is_cut_off() {
+    let device = Arc::new(ProbeDevice::default());
+    let stall = Duration::from_millis(500);
+    let server = Server::start_stalling(device.clone(), stall).await;
+    // 40 reads of 1 MiB (17 units each): the first replies fill the socket, the rest wait.
+    let mut deaf = Client::attach(&server, true).await;
+    let reads = 40u64;
+    for cookie in 0..reads {
+        deaf.send(CMD_READ, 0, cookie, 0, SIZE as u32).await;
+    }
+    // Reads that wait in the device (16 units each): three connections of 256 take 12288
+    // units, a fourth takes the rest and waits for more, from its own task.
+    let gated_len = (SIZE - GATED_OFFSET) as u32; // 16 units
+    let mut holders = Vec::new();
+    for _ in 0..3 {
+        let mut holder = Client::attach(&server, true).await;
+        for cookie in 0..256 {
+            holder
+                .send(CMD_READ, 0, cookie, GATED_OFFSET, gated_len)
+                .await;
+        }
+        holders.push(holder);
+    }
+    let mut waiter = Client::attach(&server, true).await;
+    for cookie in 0..256 {
+        waiter
+            .send(CMD_READ, 0, cookie, GATED_OFFSET, gated_len)
+            .await;
+    }
+    // The deaf client's budget goes to the waiting reads once it is cut off: all 256 of the
+    // fourth client's reach the device.
+    let all_in = async {
+        while device.gated.load(Ordering::SeqCst) < 4 * 256 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), all_in)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} of 1024 waiting reads reached the device",
+                device.gated.load(Ordering::SeqCst)
+            )
+        });
+    // Reading at last, the deaf client finds part of its replies, then the end of its
+    // connection.
+    let mut got = 0u64;
+    loop {
+        let mut head = [0u8; 20];
+        let read = tokio::time::timeout(Duration::from_secs(20), deaf.stream.read_exact(&mut head))
+            .await
+            .expect("the connection of a client that reads no replies was not closed");
+        if read.is_err() {
+            break;
+        }
+        let len = u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize;
+        let mut payload = vec![0u8; len];
+        if deaf.stream.read_exact(&mut payload).await.is_err() {
+            break;
+        }
+        if u16::from_be_bytes(head[4..6].try_into().unwrap()) & REPLY_FLAG_DONE != 0 {
+            got += 1;
+        }
+    }
+    assert!(
+        got < reads,
+        "all {got} replies came: the connection was not cut"
+    );
+    device.gate_opened.store(true, Ordering::SeqCst);
+    device.gate.notify_waiters();
+    drop((holders, waiter));
+    let stats = server.stop().await;
+    assert_eq!(stats.stalled, 1, "{stats:?}");
 }
