@@ -246,6 +246,12 @@ pub enum ImageError {
     #[error("image {image}: an incremental restore into it (up to snapshot {snapshot}) did not finish, so it holds part of that increment's changes and is neither the base nor the new snapshot; run the same `ivdisk restore FILE {}` again (it finishes what is left), or delete it and restore the full backup and increments again", crate::uri::shell_word(image))]
     RestoreUnfinished { image: String, snapshot: String },
 
+    /// An incremental restore failed in its writing pass, after it began changing objects:
+    /// the backup file changed or became unreadable under it, or the image did. The image is
+    /// marked as holding part of the increment (not opened until it is finished).
+    #[error("image {image}: the incremental restore stopped part-way: {reason}; the image holds part of the increment and is not opened until it is finished: run the same `ivdisk restore FILE {}` again with the backup file as it was (it goes on from where it stopped), or delete the image and restore the full backup and increments again", crate::uri::shell_word(image))]
+    IncrementStopped { image: String, reason: String },
+
     /// A delete of the image stopped after it began removing data objects (a signal, a
     /// crash, a store error): some of its data is gone, so it is not opened.
     #[error("image {image}: a delete of it did not finish, so some of its data objects are gone and it is not opened; run `ivdisk delete {}` again to finish it", crate::uri::shell_word(image))]

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use common::{FailingStore, Rng, PASS};
 use ivdisk_crypto::Suite;
 use ivdisk_image::{
-    data_object_prefix, header_object_name, BackupKind, BackupOptions, BackupPhase, Image,
-    ImageError, ImageUri, LayoutKind, OpenOptions, BACKUP_STATE_KEY,
+    data_object_prefix, header_object_name, BackupKind, BackupOptions, BackupPhase, BackupProgress,
+    Image, ImageError, ImageUri, LayoutKind, OpenOptions, BACKUP_STATE_KEY,
 };
 use ivdisk_store::{MemoryStore, ObjectName, ObjectStore, ObjectStoreExt};
 
@@ -367,6 +367,22 @@ async fn sample_backup(dir: &Path) -> (PathBuf, Vec<u8>) {
         .unwrap();
     let bytes = std::fs::read(&file).unwrap();
     (file, bytes)
+}
+
+/// Image `dst` of `target` reads as snapshot `snapshot` of image `src` of `source`.
+async fn copy_holds(target: Arc<dyn ObjectStore>, source: Arc<dyn ObjectStore>, snapshot: &str) {
+    let copy = Image::open_on(target, "dst", PASS, &OpenOptions::read_only())
+        .await
+        .unwrap();
+    let at = OpenOptions {
+        snapshot: Some(snapshot.into()),
+        ..OpenOptions::read_only()
+    };
+    let original = Image::open_on(source, "src", PASS, &at).await.unwrap();
+    assert!(
+        contents(&copy).await == contents(&original).await,
+        "the copy holds {snapshot}"
+    );
 }
 
 /// Where each record starts (after the description), the trailer last.
@@ -1209,18 +1225,7 @@ async fn an_increment_outlives_the_header_objects_version() {
     Image::restore_backup_on(&dir.path().join("ab.ivdbak"), target.clone(), "dst", |_| {})
         .await
         .unwrap();
-    let copy = Image::open_on(target.clone(), "dst", PASS, &OpenOptions::read_only())
-        .await
-        .unwrap();
-    let at_b = OpenOptions {
-        snapshot: Some("b".into()),
-        ..OpenOptions::read_only()
-    };
-    let b = Image::open_on(source, "src", PASS, &at_b).await.unwrap();
-    assert!(
-        contents(&copy).await == contents(&b).await,
-        "the copy holds b"
-    );
+    copy_holds(target, source, "b").await;
 }
 
 /// Two copies restored from one full backup share the image id and the snapshot id; an
@@ -1466,24 +1471,14 @@ async fn half_applied_increments_and_shared_ids_are_refused() {
 /// A record whose checksums and file digest are right but which holds more omap pairs than
 /// any layout writes into an object (empty pairs: tens of millions fit a record, gigabytes in
 /// memory) is refused as damaged; it was decoded whole, and restored.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_record_of_too_many_omap_pairs_is_refused() {
+/// `good` (a backup) with its first data record's payload replaced by `payload` (the object's
+/// index kept), its checksums and digest made right again.
+fn with_first_data_record(good: &[u8], state: &[u8]) -> Vec<u8> {
     use sha2::Digest;
-    let dir = tmp();
-    let (_, good) = sample_backup(dir.path()).await;
-    let starts = record_starts(&good);
+    let starts = record_starts(good);
     let (first, trailer) = (starts[1], *starts.last().unwrap());
-    let index = &good[first + 9..first + 17];
-    let mut payload = index.to_vec();
-    payload.extend_from_slice(&0u64.to_le_bytes()); // size
-    payload.extend_from_slice(&0u32.to_le_bytes()); // runs
-    let pairs = 2000u32; // 64 KiB objects: at most 128 + 1024
-    payload.extend_from_slice(&pairs.to_le_bytes());
-    for i in 0..pairs {
-        payload.extend_from_slice(&4u32.to_le_bytes());
-        payload.extend_from_slice(&i.to_be_bytes());
-        payload.extend_from_slice(&0u32.to_le_bytes());
-    }
+    let mut payload = good[first + 9..first + 17].to_vec(); // the index
+    payload.extend_from_slice(state);
     // kind | length | payload | CRC-32 of the three.
     let record = |out: &mut Vec<u8>, kind: u8, payload: &[u8]| {
         let mut head = vec![kind];
@@ -1502,5 +1497,150 @@ async fn a_record_of_too_many_omap_pairs_is_refused() {
     let mut payload = good[trailer + 9..trailer + 17].to_vec();
     payload.extend_from_slice(&sha2::Sha256::digest(&bad));
     record(&mut bad, 0xFF, &payload);
-    refused(dir.path(), &bad, "too many omap pairs").await;
+    bad
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_of_too_many_omap_pairs_is_refused() {
+    let dir = tmp();
+    let (_, good) = sample_backup(dir.path()).await;
+    let mut state = 0u64.to_le_bytes().to_vec(); // size
+    state.extend_from_slice(&0u32.to_le_bytes()); // runs
+    let pairs = 2000u32; // 64 KiB objects: at most 128 + 1024
+    state.extend_from_slice(&pairs.to_le_bytes());
+    for i in 0..pairs {
+        state.extend_from_slice(&4u32.to_le_bytes());
+        state.extend_from_slice(&i.to_be_bytes());
+        state.extend_from_slice(&0u32.to_le_bytes());
+    }
+    refused(
+        dir.path(),
+        &with_first_data_record(&good, &state),
+        "too many omap pairs",
+    )
+    .await;
+}
+
+/// Runs of data are whole 4 KiB blocks with zero blocks between them, as backups are
+/// written; a crafted record of 1-byte runs (each held in a buffer of its own, a restore of a
+/// 390 MB file took 9 GB of memory) is refused, and so are adjacent and unaligned runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_of_runs_not_in_whole_blocks_is_refused() {
+    let dir = tmp();
+    let (_, good) = sample_backup(dir.path()).await;
+    let state = |size: u64, runs: &[(u64, u32)]| {
+        let mut state = size.to_le_bytes().to_vec();
+        state.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+        for &(offset, len) in runs {
+            state.extend_from_slice(&offset.to_le_bytes());
+            state.extend_from_slice(&len.to_le_bytes());
+            state.extend(std::iter::repeat_n(7u8, len as usize));
+        }
+        state.extend_from_slice(&0u32.to_le_bytes()); // omap pairs
+        state
+    };
+    let tiny: Vec<(u64, u32)> = (0..1000).map(|i| (2 * i, 1)).collect();
+    for (what, runs) in [
+        ("1-byte runs", tiny),
+        ("adjacent runs", vec![(0, 4096), (4096, 4096)]),
+        ("an unaligned run", vec![(512, 4096)]),
+        ("a run of part of a block", vec![(0, 100), (8192, 4096)]),
+    ] {
+        let bad = with_first_data_record(&good, &state(OBJECT, &runs));
+        refused(dir.path(), &bad, what).await;
+    }
+    // The form backups have: whole blocks apart, the last one cut at the object's end.
+    let fine = with_first_data_record(
+        &good,
+        &state(OBJECT - 100, &[(0, 4096), (OBJECT - 4096, 3996)]),
+    );
+    std::fs::write(dir.path().join("fine.ivdbak"), &fine).unwrap();
+    Image::verify_backup(&dir.path().join("fine.ivdbak")).unwrap();
+}
+
+/// An increment whose writing pass fails part-way (here its file is cut short under it) says
+/// that the image now holds part of it, not that "nothing was restored", and the same restore
+/// with the file as it was finishes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_increment_failing_part_way_says_so_and_finishes_when_run_again() {
+    let dir = tmp();
+    let source = memory();
+    const MIB: u64 = 1 << 20;
+    let options = common::options(
+        32 * MIB,
+        Suite::DEFAULT,
+        LayoutKind::ObjectEnd,
+        4096,
+        4 * MIB,
+    );
+    let image = Image::create_on(source.clone(), "src", &options, PASS)
+        .await
+        .unwrap();
+    let mut rng = Rng::new(11);
+    image.write(0, &rng.bytes(32 * MIB as usize)).await.unwrap();
+    image.create_snapshot("a").await.unwrap();
+    image.write(0, &rng.bytes(32 * MIB as usize)).await.unwrap();
+    image.create_snapshot("b").await.unwrap();
+    image.close().await.unwrap();
+    let (base, increment) = (dir.path().join("a.ivdbak"), dir.path().join("ab.ivdbak"));
+    Image::backup_on(source.clone(), "src", &at("a"), &base, |_| {})
+        .await
+        .unwrap();
+    let since = BackupOptions {
+        snapshot: Some("b".into()),
+        since: Some("a".into()),
+        overwrite: false,
+    };
+    Image::backup_on(source.clone(), "src", &since, &increment, |_| {})
+        .await
+        .unwrap();
+    let target = memory();
+    Image::restore_backup_on(&base, target.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    let intact = std::fs::read(&increment).unwrap();
+    // At the writing pass's first report (16 MiB into the file), the file is cut to 1 MiB.
+    let cut = |p: BackupProgress| {
+        if p.phase == BackupPhase::Writing && p.done < p.total {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&increment)
+                .unwrap();
+            file.set_len(MIB).unwrap();
+        }
+    };
+    let failed = Image::restore_backup_on(&increment, target.clone(), "dst", cut).await;
+    let Err(e @ ImageError::IncrementStopped { .. }) = failed else {
+        panic!("expected IncrementStopped, got {failed:?}")
+    };
+    let message = e.to_string();
+    assert!(
+        message.contains("part of the increment") && !message.contains("nothing was"),
+        "{message}"
+    );
+    match Image::open_on(target.clone(), "dst", PASS, &OpenOptions::read_only()).await {
+        Err(ImageError::RestoreUnfinished { .. }) => {}
+        other => panic!("a half-applied image opened: {:?}", other.map(|_| ())),
+    }
+    std::fs::write(&increment, &intact).unwrap();
+    Image::restore_backup_on(&increment, target.clone(), "dst", |_| {})
+        .await
+        .unwrap();
+    copy_holds(target, source, "b").await;
+}
+
+/// A stop asked for while the file is being checked (minutes for a large one) ends the
+/// restore there, before anything is created; it went unheard until the check was done.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_during_the_check_creates_nothing() {
+    let dir = tmp();
+    let (file, _) = sample_backup(dir.path()).await;
+    let target = dir.path().join("restored");
+    let uri = ImageUri::parse(target.to_str().unwrap()).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(true);
+    match Image::restore_backup_until(&file, &uri, |_| {}, &stop).await {
+        Err(ImageError::Stopped { .. }) => {}
+        other => panic!("expected Stopped, got {other:?}"),
+    }
+    assert!(!target.exists(), "a stopped check created the store");
 }
