@@ -169,9 +169,13 @@ pub(crate) async fn options<S: AsyncRead + AsyncWrite + Unpin>(
         let len = session.stream.read_u32().await.map_err(io)?;
         if len > MAX_OPTION_LEN {
             // The payload is not read, so the stream is out of sync: say why, then close.
-            session
-                .reply_error(option, REP_ERR_TOO_BIG, "option payload too large")
-                .await?;
+            // `NBD_OPT_EXPORT_NAME` has no option replies (its client reads an export's size
+            // and flags next): refused by closing alone, as the protocol says.
+            if option != OPT_EXPORT_NAME {
+                session
+                    .reply_error(option, REP_ERR_TOO_BIG, "option payload too large")
+                    .await?;
+            }
             return Err(protocol(
                 peer,
                 format!(

@@ -852,6 +852,21 @@ async fn misbehaving_clients_are_cut_off_and_others_carry_on() {
         .unwrap();
     assert_eq!(huge.option_reply().await.kind, REP_ERR_TOO_BIG);
     assert!(huge.closed().await);
+    // An oversized `NBD_OPT_EXPORT_NAME`, which has no option replies: closed, nothing sent
+    // (a reply would be read as the export's size and flags).
+    let mut huge_name = Client::connect(&server).await;
+    let mut option = IHAVEOPT.to_be_bytes().to_vec();
+    option.extend_from_slice(&OPT_EXPORT_NAME.to_be_bytes());
+    option.extend_from_slice(&70_000u32.to_be_bytes());
+    huge_name.stream.write_all(&option).await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(
+        Duration::from_secs(5),
+        huge_name.stream.read_to_end(&mut rest),
+    )
+    .await
+    .expect("the connection was closed");
+    assert!(read.is_err() || rest.is_empty(), "sent {rest:?}");
     // Unknown client flags.
     let mut stream = UnixStream::connect(&server.path).await.unwrap();
     let mut greeting = [0u8; 18];
