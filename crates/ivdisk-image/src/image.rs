@@ -1011,6 +1011,7 @@ impl Image {
             old,
             armed: false,
         };
+        let mut readers_held = None;
         if new_size < old {
             if !allow_shrink {
                 return Err(invalid(
@@ -1020,6 +1021,22 @@ impl Image {
                     ),
                 ));
             }
+            // Refused while another open reads the image: its size is fixed at its open, and
+            // it read the discarded part as zeros without an error (an export wrote them into
+            // its file and succeeded; a read-only server's clients copied them).
+            readers_held = match inner.uri.get() {
+                Some(uri) => {
+                    crate::readers::hold_off_readers(
+                        uri,
+                        inner.store.as_ref(),
+                        &inner.header_object,
+                        &inner.name,
+                        None,
+                    )
+                    .await?
+                }
+                None => None,
+            };
             // Stop IO past the new end first, then free what lies there.
             inner.size.store(new_size, Ordering::Release);
             restore.armed = true;
@@ -1059,6 +1076,8 @@ impl Image {
         .await?;
         restore.armed = false;
         inner.size.store(new_size, Ordering::Release);
+        // Readers open again once the header has the new size.
+        crate::readers::end_hold(inner.store.as_ref(), &inner.header_object, readers_held).await;
         tracing::info!(image = %inner.name, old, new = new_size, "resized image");
         Ok(())
     }

@@ -233,6 +233,22 @@ pub(crate) async fn hold_off_readers(
     }
 }
 
+/// After a change that held off the readers without removing the header (a shrink, a
+/// rollback): the removal record goes, so that readers open again at once (it would count
+/// until the lock it names is released).
+pub(crate) async fn end_hold(
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    held: Option<RemovalGuard>,
+) {
+    if let Some(RemovalGuard::Recorded) = held {
+        let op = WriteOp::new().step(WriteStep::OmapRemoveKeys(vec![REMOVING_KEY.to_vec()]));
+        if let Err(e) = store.write_op(header_object, op).await {
+            tracing::warn!(object = %header_object, error = %e, "removing the record that held off readers");
+        }
+    }
+}
+
 async fn hold_off_watchers(
     store: &dyn ObjectStore,
     header_object: &ObjectName,

@@ -625,6 +625,12 @@ impl Image {
                     snapshot: other,
                 });
             }
+            // Refused while another open reads the image (an export, a read-only server): it
+            // read objects of both states mixed, and the size it opened with, without an
+            // error. Held to the end.
+            let readers_held =
+                crate::readers::hold_off_readers(uri, store.as_ref(), header_object, image, None)
+                    .await?;
             let op = WriteOp::new()
                 .step(WriteStep::AssertExists)
                 .step(WriteStep::OmapRemoveKeys(vec![BACKUP_STATE_KEY.to_vec()]))
@@ -697,6 +703,7 @@ impl Image {
                 .await
                 .map_err(ImageError::store(image))?;
             store.flush().await.map_err(ImageError::store(image))?;
+            crate::readers::end_hold(store.as_ref(), header_object, readers_held).await;
             tracing::info!(image = %image, snapshot = name, objects, size = snap.size, "rolled back to snapshot");
             Ok(snap)
         }

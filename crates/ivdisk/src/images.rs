@@ -159,18 +159,27 @@ impl FormatArgs {
 }
 
 /// Refuse an image that exists, before asking for a passphrase.
+/// A file holding a LUKS volume, or an image whose header does not read, is not one `ivdisk
+/// delete` removes: the refusal suggests no delete then (it sent users to a command that
+/// refused, about an encrypted volume they may well need).
 pub fn refuse_existing(rt: &Runtime, uri: &ImageUri) -> Result<()> {
     match rt.block_on(Image::info(uri)) {
+        Ok(_) if uri.luks_file().is_some() => bail!(
+            "{uri} is a LUKS volume (a file another tool made, such as cryptsetup), not a place \
+             for a new image; pick a path that does not exist yet; nothing was created"
+        ),
         Ok(_) => Err(flat(ImageError::Exists {
             image: uri.to_string(),
         })),
         Err(ImageError::NotFound { .. }) => Ok(()),
         // A header object that does not parse is still an image in the way.
-        Err(ImageError::Header { .. } | ImageError::Corrupt { .. }) => {
-            Err(flat(ImageError::Exists {
-                image: uri.to_string(),
-            }))
-        }
+        Err(e @ (ImageError::Header { .. } | ImageError::Corrupt { .. })) => bail!(
+            "image {uri} already exists, but its header does not read ({}); pick another name, \
+             or restore its header from a backup (`ivdisk header restore {} FILE`); nothing \
+             was created",
+            flat(e),
+            ivdisk_image::shell_word(&uri.to_string())
+        ),
         Err(e) => Err(flat(e)),
     }
 }

@@ -648,6 +648,15 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             if bytes == 0 || bytes % sector_size as u64 != 0 {
                 bail!("--size {size}: must be a non-zero multiple of the {sector_size}-byte sector size");
             }
+            // As `ivdisk create` refuses: every command that opens the header refused it.
+            if bytes > ivdisk_image::MAX_IMAGE_SIZE {
+                bail!(
+                    "--size {size}: must be below 8E ({} bytes at most: NBD clients hold sizes \
+                     as signed 64-bit numbers)",
+                    ivdisk_image::MAX_IMAGE_SIZE
+                        - ivdisk_image::MAX_IMAGE_SIZE % sector_size as u64
+                );
+            }
             // As `ivdisk create` chooses.
             let layout = layout.unwrap_or_else(|| {
                 ivdisk_image::LayoutKind::default_for(suite.metadata_len())

@@ -908,3 +908,32 @@ fn suggested_commands_run_as_shown_in_a_shell() {
     assert!(removed.status.success(), "{message}");
     assert!(!image.exists(), "the suggested rm -r removed the directory");
 }
+
+/// `create` over a LUKS volume that another tool made refuses without suggesting `ivdisk
+/// delete` (which refuses such a file, and would be about an encrypted volume the user may
+/// need), and says what to do instead.
+#[test]
+fn create_over_a_luks_file_suggests_no_delete() {
+    let f = Fixture::new();
+    let luks = f.path("vol.img");
+    std::fs::write(&luks, vec![0u8; 20 << 20]).unwrap();
+    let made = Command::new("cryptsetup")
+        .args(["luksFormat", "--type", "luks2", "--batch-mode"])
+        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .args(["--key-file", p(&f.pw)])
+        .arg(&luks)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    let before = std::fs::read(&luks).unwrap();
+    let mut args = vec!["create", p(&luks), "--size", "1M", "--passphrase-file"];
+    args.push(p(&f.pw));
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(err.contains("is a LUKS volume"), "{err}");
+    assert!(!err.contains("ivdisk delete"), "{err}");
+    assert!(
+        std::fs::read(&luks).unwrap() == before,
+        "the volume is untouched"
+    );
+}

@@ -548,6 +548,15 @@ fn a_forced_header_format_that_fails_keeps_the_old_header() {
     ok(&args);
     assert!(std::fs::read(&hdr).unwrap() != before);
     assert_eq!(keyslot_ids(&hdr), vec![0]);
+    // A size no other command takes (8E and up: `create` refuses it too) is refused here, and
+    // the header stays.
+    let before = std::fs::read(&hdr).unwrap();
+    let mut args = vec!["header", "format", p(&hdr), "--size", "8E", "--force"];
+    args.extend(["--key-file", p(&pw)]);
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(err.contains("below 8E"), "{err}");
+    assert!(std::fs::read(&hdr).unwrap() == before);
 }
 
 /// A header file holds keyslots, which allow guessing the passphrase offline: `header format`

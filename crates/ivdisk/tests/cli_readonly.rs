@@ -509,3 +509,46 @@ fn a_served_image_or_snapshot_is_not_removed_under_its_reader() {
     let err = fails(&["info", p(&image)]);
     assert!(err.contains("does not exist"), "{err}");
 }
+
+/// A shrink or a rollback of an image another open reads is refused, naming the reader's
+/// process, and the reader goes on reading the data: its size is fixed at its open, and it
+/// read the shrunk-away part as zeros (or both states of a rollback mixed) without an error,
+/// so an export in progress wrote a wrong file and succeeded. Once the reader stops, both go.
+#[test]
+fn a_served_image_is_not_shrunk_or_rolled_back_under_its_reader() {
+    let f = Fixture::new();
+    let disk = raw_disk();
+    let image = import(&f, "disk", &disk);
+    let at = format!("{}@before", p(&image));
+    ok(&["snap", "create", &at]);
+    let smaller = 4 * OBJECT; // half of it and a bit
+    let half = smaller.to_string();
+    let shrink = [
+        "resize",
+        p(&image),
+        "--size",
+        &half,
+        "--allow-shrink",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    let server = Server::start(&f, &image, &["--read-only"]);
+    let pid = server.child.id();
+    for (what, args) in [
+        ("resize", &shrink[..]),
+        ("rollback", &["snap", "rollback", &at][..]),
+    ] {
+        let err = fails(args);
+        assert!(
+            err.contains(&format!("open read-only by process {pid}")),
+            "{what}: {err}"
+        );
+    }
+    assert_eq!(json(&["info", p(&image)])["size"], disk.len() as u64);
+    assert_same(&read_served(&f, &server, "head.raw"), &disk, "served image");
+    server.stop();
+    ok(&shrink);
+    assert_eq!(json(&["info", p(&image)])["size"], smaller);
+    ok(&["snap", "rollback", &at]);
+    assert_eq!(json(&["info", p(&image)])["size"], disk.len() as u64);
+}
