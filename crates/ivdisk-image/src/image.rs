@@ -1026,12 +1026,11 @@ impl Image {
             // its file and succeeded; a read-only server's clients copied them).
             readers_held = match inner.uri.get() {
                 Some(uri) => {
-                    crate::readers::hold_off_readers(
+                    crate::readers::hold_off_head_readers(
                         uri,
                         inner.store.as_ref(),
                         &inner.header_object,
                         &inner.name,
-                        None,
                     )
                     .await?
                 }

@@ -226,7 +226,28 @@ pub(crate) async fn hold_off_readers(
                 .map_err(refused(shown))
         }
         ImageUri::Rados { .. } => {
-            hold_off_watchers(store, header_object, shown, snapshot).await?;
+            hold_off_watchers(store, header_object, shown, snapshot, false).await?;
+            Ok(Some(RemovalGuard::Recorded))
+        }
+        ImageUri::Memory { .. } => Ok(None),
+    }
+}
+
+/// Hold off the readers of the image's head (not those of its snapshots, whose data stays)
+/// while it changes in a way they cannot follow: a shrink, a rollback. Refused while one reads
+/// it; [`end_hold`] when done.
+pub(crate) async fn hold_off_head_readers(
+    uri: &ImageUri,
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    shown: &str,
+) -> Result<Option<RemovalGuard>, ImageError> {
+    match uri {
+        ImageUri::Local { dir } => reader_marks::hold_off_readers(dir, Some(ReadTarget::Head))
+            .map(|hold| Some(RemovalGuard::Local(hold)))
+            .map_err(refused(shown)),
+        ImageUri::Rados { .. } => {
+            hold_off_watchers(store, header_object, shown, None, true).await?;
             Ok(Some(RemovalGuard::Recorded))
         }
         ImageUri::Memory { .. } => Ok(None),
@@ -254,6 +275,7 @@ async fn hold_off_watchers(
     header_object: &ObjectName,
     shown: &str,
     snapshot: Option<SnapId>,
+    head_only: bool,
 ) -> Result<(), ImageError> {
     let Some(holder) = crate::writer_lock::holder(store, header_object)
         .await
@@ -279,7 +301,10 @@ async fn hold_off_watchers(
         .notify(header_object, NOTIFY_TIMEOUT)
         .await
         .map_err(ImageError::store(shown));
-    let readers = answers.map(|answers| readers_of(&answers, snapshot));
+    let readers = answers.map(|answers| match head_only {
+        true => readers_of_head(&answers),
+        false => readers_of(&answers, snapshot),
+    });
     match readers {
         Ok(readers) if readers.is_empty() => Ok(()),
         refusal => {
@@ -302,13 +327,24 @@ async fn hold_off_watchers(
 /// anything), described for a message; watchers that did not answer count too.
 fn readers_of(answers: &ivdisk_store::NotifyReplies, snapshot: Option<SnapId>) -> Vec<String> {
     let removing = target_word(snapshot);
+    readers_reading(answers, |target| snapshot.is_none() || target == removing)
+}
+
+/// [`readers_of`] the head alone.
+fn readers_of_head(answers: &ivdisk_store::NotifyReplies) -> Vec<String> {
+    readers_reading(answers, |target| target == target_word(None))
+}
+
+fn readers_reading(
+    answers: &ivdisk_store::NotifyReplies,
+    reads: impl Fn(&str) -> bool,
+) -> Vec<String> {
     let mut readers: Vec<String> = answers
         .replies
         .iter()
         .filter_map(|(client, reply)| {
             let (target, pid, host) = parse_reply(reply)?;
-            (snapshot.is_none() || target == removing)
-                .then(|| format!("process {pid} on host {host} ({client})"))
+            reads(&target).then(|| format!("process {pid} on host {host} ({client})"))
         })
         .collect();
     readers.extend(answers.unanswered.iter().map(|client| {

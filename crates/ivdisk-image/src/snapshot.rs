@@ -629,7 +629,7 @@ impl Image {
             // read objects of both states mixed, and the size it opened with, without an
             // error. Held to the end.
             let readers_held =
-                crate::readers::hold_off_readers(uri, store.as_ref(), header_object, image, None)
+                crate::readers::hold_off_head_readers(uri, store.as_ref(), header_object, image)
                     .await?;
             let op = WriteOp::new()
                 .step(WriteStep::AssertExists)

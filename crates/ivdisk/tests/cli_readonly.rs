@@ -513,7 +513,8 @@ fn a_served_image_or_snapshot_is_not_removed_under_its_reader() {
 /// A shrink or a rollback of an image another open reads is refused, naming the reader's
 /// process, and the reader goes on reading the data: its size is fixed at its open, and it
 /// read the shrunk-away part as zeros (or both states of a rollback mixed) without an error,
-/// so an export in progress wrote a wrong file and succeeded. Once the reader stops, both go.
+/// so an export in progress wrote a wrong file and succeeded. Once the reader stops, both go;
+/// a reader of a snapshot does not hold them up.
 #[test]
 fn a_served_image_is_not_shrunk_or_rolled_back_under_its_reader() {
     let f = Fixture::new();
@@ -547,8 +548,16 @@ fn a_served_image_is_not_shrunk_or_rolled_back_under_its_reader() {
     assert_eq!(json(&["info", p(&image)])["size"], disk.len() as u64);
     assert_same(&read_served(&f, &server, "head.raw"), &disk, "served image");
     server.stop();
+    // A reader of a snapshot is in no one's way: its data stays.
+    let snapshot_server = Server::start(&f, Path::new(&at), &[]);
     ok(&shrink);
     assert_eq!(json(&["info", p(&image)])["size"], smaller);
     ok(&["snap", "rollback", &at]);
     assert_eq!(json(&["info", p(&image)])["size"], disk.len() as u64);
+    assert_same(
+        &read_served(&f, &snapshot_server, "before.raw"),
+        &disk,
+        "served snapshot",
+    );
+    snapshot_server.stop();
 }
