@@ -282,14 +282,21 @@ fn list_suites(json: bool) {
 /// ([`report_failure`]) unless the command printed its own.
 static JSON_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static STDOUT_WRITTEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Standard output carries data ([`stdout_carries_data`]).
+static STDOUT_DATA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Say why the command failed: on stderr, and with `--json` also as `{"ok":false,"error":...}`
 /// on stdout when nothing was printed there, so scripts always read one JSON object.
 pub(crate) fn report_failure(e: &anyhow::Error) {
     use std::sync::atomic::Ordering;
     let text = error_text(e);
-    if JSON_REQUESTED.load(Ordering::Relaxed) && !STDOUT_WRITTEN.load(Ordering::Relaxed) {
-        outln!("{}", serde_json::json!({"ok": false, "error": text}));
+    if JSON_REQUESTED.load(Ordering::Relaxed) {
+        let object = serde_json::json!({"ok": false, "error": text});
+        if STDOUT_DATA.load(Ordering::Relaxed) {
+            note!("{object}");
+        } else if !STDOUT_WRITTEN.load(Ordering::Relaxed) {
+            outln!("{object}");
+        }
     }
     note!("ivdisk: {text}");
 }
@@ -299,6 +306,7 @@ pub(crate) fn report_failure(e: &anyhow::Error) {
 /// with the message.
 pub(crate) fn stdout_carries_data() {
     STDOUT_WRITTEN.store(true, std::sync::atomic::Ordering::Relaxed);
+    STDOUT_DATA.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// [`outln!`]'s work.
@@ -411,12 +419,17 @@ fn main() -> ExitCode {
                     || "invalid command line".to_owned(),
                     |kind| format!("invalid command line: {kind}"),
                 );
-                let text = e
-                    .render()
-                    .to_string()
-                    .lines()
-                    .find_map(|l| l.strip_prefix("error: ").map(str::to_owned))
-                    .unwrap_or(text);
+                // The error line and what it lists below it (the arguments missing, say),
+                // without the usage that follows.
+                let rendered = e.render().to_string();
+                let mut lines = rendered.lines().skip_while(|l| !l.starts_with("error: "));
+                let text = match lines.next() {
+                    Some(first) => std::iter::once(first.trim_start_matches("error: "))
+                        .chain(lines.take_while(|l| !l.trim().is_empty()).map(str::trim))
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                    None => text,
+                };
                 outln!("{}", serde_json::json!({"ok": false, "error": text}));
             }
             e.exit()

@@ -175,6 +175,13 @@ fn a_layout_that_does_not_fit_the_suite_is_refused_before_anything_is_made() {
         let error = report["error"].as_str().unwrap();
         assert!(error.contains(bad[0]), "{bad:?}: {error}");
     }
+    // A missing argument: the JSON error names it (it kept only clap's first line, "the
+    // following required arguments were not provided:").
+    let out = ivdisk(&["create", p(&image), "--json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let error = report["error"].as_str().unwrap();
+    assert!(error.contains("--size"), "{error}");
     // --help with --json is not an error: no JSON object.
     let out = ivdisk(&["create", "--help", "--json"]);
     assert_eq!(out.status.code(), Some(0));

@@ -1534,3 +1534,36 @@ fn export_over_its_own_source_is_refused() {
         "{inside:?} changed"
     );
 }
+
+/// `export IMAGE - --json` that fails: its stdout carries the disk's bytes, so the JSON error
+/// goes to standard error (as the help says); it was printed nowhere.
+#[test]
+fn an_export_to_stdout_that_fails_reports_json_on_stderr() {
+    let f = Fixture::new();
+    let image = f.path("img");
+    let mut args = vec!["create", p(&image), "--size", "1M", "--passphrase-file"];
+    args.push(p(&f.pw));
+    args.extend(FAST);
+    ok_bytes(&args);
+    let wrong = f.file("wrong", b"not it\n");
+    let out = common::ivdisk(&[
+        "export",
+        p(&image),
+        "-",
+        "--passphrase-file",
+        p(&wrong),
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "nothing but data on stdout");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let report: Value = err
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON object on stderr: {err}"));
+    assert_eq!(report["ok"], false, "{report}");
+    assert!(
+        report["error"].as_str().unwrap().contains("passphrase"),
+        "{report}"
+    );
+}
