@@ -605,3 +605,56 @@ fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
     );
     drop(last);
 }
+
+/// On RADOS too, a shrink or a rollback of an image that a read-only open reads is refused,
+/// naming the reader's process, while a reader of a snapshot does not hold them up; once the
+/// head's reader stops, both go and readers open again at once (the record that held them
+/// off is removed).
+#[test]
+fn a_head_reader_holds_off_shrinks_and_rollbacks() {
+    let Some(pool) = pool() else {
+        return;
+    };
+    let f = Fixture::new();
+    let name = format!("shrink-readers-{}", std::process::id());
+    let image = format!("rados://{pool}/{name}");
+    let _cleanup = create(&f, &image);
+    let kept = format!("{image}@kept");
+    ok(&["snap", "create", &kept]);
+    let shrink = [
+        "resize",
+        &image,
+        "--size",
+        "4M",
+        "--allow-shrink",
+        "--passphrase-file",
+        p(&f.pw),
+    ];
+    let head = serve(&f, &image, "head.sock", &["--read-only"]);
+    let pid = head.0.id();
+    for (what, args) in [
+        ("resize", &shrink[..]),
+        ("rollback", &["snap", "rollback", &kept][..]),
+    ] {
+        let refused = fails(args);
+        assert!(
+            refused.contains(&format!("open read-only by process {pid} on host")),
+            "{what}: {refused}"
+        );
+    }
+    assert_eq!(json(&["info", &image])["size"], 8u64 << 20);
+    let mut head = head;
+    signal(&head.0, "-TERM");
+    assert!(head.0.wait().unwrap().success());
+    let snapshot = serve(&f, &kept, "kept.sock", &[]);
+    ok(&shrink);
+    assert_eq!(json(&["info", &image])["size"], 4u64 << 20);
+    ok(&["snap", "rollback", &kept]);
+    assert_eq!(json(&["info", &image])["size"], 8u64 << 20);
+    // The head opens for reading again at once. Stopped as users stop them, the readers
+    // unregister their watches (the cleanup's delete then goes at once).
+    for mut reader in [serve(&f, &image, "again.sock", &["--read-only"]), snapshot] {
+        signal(&reader.0, "-TERM");
+        assert!(reader.0.wait().unwrap().success());
+    }
+}
