@@ -65,7 +65,7 @@ pub struct SnapshotInfo {
     pub uid: Option<String>,
 }
 
-/// Check a snapshot name: 1 to 128 printable ASCII bytes without `/` or `@`.
+/// Check a snapshot name: 1 to 128 printable ASCII bytes without spaces, `/` or `@`.
 pub(crate) fn check_name(image: &str, name: &str) -> Result<(), ImageError> {
     let ok = !name.is_empty()
         && name.len() <= MAX_SNAPSHOT_NAME
@@ -78,7 +78,7 @@ pub(crate) fn check_name(image: &str, name: &str) -> Result<(), ImageError> {
         Err(ImageError::InvalidParameter {
             image: image.to_owned(),
             reason: format!(
-                "snapshot name `{}` is not 1 to {MAX_SNAPSHOT_NAME} printable ASCII characters without '/' or '@'",
+                "snapshot name `{}` is not 1 to {MAX_SNAPSHOT_NAME} printable ASCII characters without spaces, '/' or '@'",
                 name.escape_debug()
             ),
         })
@@ -784,4 +784,25 @@ async fn remove_record(
     store.flush().await.map_err(ImageError::store(image))?;
     tracing::info!(image, snapshot = name, id = snap.id, "removed snapshot");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The refusal says what a name may hold: a space was refused by a message that allowed
+    /// "printable ASCII", which a space is.
+    #[test]
+    fn a_refused_snapshot_name_is_told_what_names_hold() {
+        for bad in ["", "a b", "a/b", "a@b", "é", "tab\there"] {
+            let Err(ImageError::InvalidParameter { reason, .. }) = check_name("img", bad) else {
+                panic!("{bad:?} was taken");
+            };
+            assert!(reason.contains("without spaces, '/' or '@'"), "{reason}");
+        }
+        let longest = "x".repeat(MAX_SNAPSHOT_NAME);
+        for good in ["monday", "before-upgrade_2.1", "a:b+c", longest.as_str()] {
+            check_name("img", good).unwrap();
+        }
+    }
 }

@@ -56,7 +56,7 @@ impl ImageUri {
             };
             if !valid(pool) || !valid(image) {
                 return Err(bad(
-                    "pool and image names must be non-empty printable ASCII without '/' or '@'",
+                    "pool and image names must be non-empty printable ASCII without spaces, '/' or '@'",
                 ));
             }
             let mut uri = ImageUri::Rados {
