@@ -1026,11 +1026,12 @@ impl Image {
             // its file and succeeded; a read-only server's clients copied them).
             readers_held = match inner.uri.get() {
                 Some(uri) => {
-                    crate::readers::hold_off_head_readers(
+                    crate::readers::hold_off_readers(
                         uri,
                         inner.store.as_ref(),
                         &inner.header_object,
                         &inner.name,
+                        crate::readers::HeldOff::Head,
                     )
                     .await?
                 }
@@ -1148,9 +1149,14 @@ impl Image {
             });
         }
         // Held to the end: no reader opens it meanwhile.
-        let readers_held_off =
-            crate::readers::hold_off_readers(uri, store.as_ref(), &header_object, &image, None)
-                .await;
+        let readers_held_off = crate::readers::hold_off_readers(
+            uri,
+            store.as_ref(),
+            &header_object,
+            &image,
+            crate::readers::HeldOff::Everything,
+        )
+        .await;
         let _readers_held_off = match readers_held_off {
             Ok(hold) => hold,
             Err(e) => {

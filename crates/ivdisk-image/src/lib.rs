@@ -59,7 +59,7 @@ pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
 pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
-pub use uri::{at_snapshot, shell_word, ImageUri, LOCAL_IMAGE_NAME};
+pub use uri::{at_snapshot, shell_quoted, shell_word, ImageUri, LOCAL_IMAGE_NAME};
 pub use write_payload::{PayloadPlacement, WritePayload};
 pub use writer_lock::{DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, WRITER_LOCK};
 

@@ -209,45 +209,51 @@ async fn removal_under_way(
         .map(|_| what.to_owned()))
 }
 
-/// Hold off the readers of the image at `snapshot` (`None`: of the image and all its
-/// snapshots) while it is removed; refused while one reads it. The caller holds the writer
-/// lock, so the store is open for writing.
+/// Whose readers a change holds off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeldOff {
+    /// Every reader, of the head and of every snapshot: the image is deleted.
+    Everything,
+    /// The head's readers: it changes in a way they cannot follow (a shrink, a rollback);
+    /// a snapshot's data stays.
+    Head,
+    /// That snapshot's readers: it is removed.
+    Snapshot(SnapId),
+}
+
+impl HeldOff {
+    /// The snapshot the removal record names (`None`: the head).
+    fn snapshot(self) -> Option<SnapId> {
+        match self {
+            HeldOff::Snapshot(id) => Some(id),
+            HeldOff::Everything | HeldOff::Head => None,
+        }
+    }
+}
+
+/// Hold off the readers `what` names while the image changes under them; refused while one
+/// reads. The caller holds the writer lock, so the store is open for writing. Unless the
+/// header goes too, [`end_hold`] when done.
 pub(crate) async fn hold_off_readers(
     uri: &ImageUri,
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     shown: &str,
-    snapshot: Option<SnapId>,
+    what: HeldOff,
 ) -> Result<Option<RemovalGuard>, ImageError> {
     match uri {
         ImageUri::Local { dir } => {
-            reader_marks::hold_off_readers(dir, snapshot.map(ReadTarget::Snapshot))
+            let target = match what {
+                HeldOff::Everything => None,
+                HeldOff::Head => Some(ReadTarget::Head),
+                HeldOff::Snapshot(id) => Some(ReadTarget::Snapshot(id)),
+            };
+            reader_marks::hold_off_readers(dir, target)
                 .map(|hold| Some(RemovalGuard::Local(hold)))
                 .map_err(refused(shown))
         }
         ImageUri::Rados { .. } => {
-            hold_off_watchers(store, header_object, shown, snapshot, false).await?;
-            Ok(Some(RemovalGuard::Recorded))
-        }
-        ImageUri::Memory { .. } => Ok(None),
-    }
-}
-
-/// Hold off the readers of the image's head (not those of its snapshots, whose data stays)
-/// while it changes in a way they cannot follow: a shrink, a rollback. Refused while one reads
-/// it; [`end_hold`] when done.
-pub(crate) async fn hold_off_head_readers(
-    uri: &ImageUri,
-    store: &dyn ObjectStore,
-    header_object: &ObjectName,
-    shown: &str,
-) -> Result<Option<RemovalGuard>, ImageError> {
-    match uri {
-        ImageUri::Local { dir } => reader_marks::hold_off_readers(dir, Some(ReadTarget::Head))
-            .map(|hold| Some(RemovalGuard::Local(hold)))
-            .map_err(refused(shown)),
-        ImageUri::Rados { .. } => {
-            hold_off_watchers(store, header_object, shown, None, true).await?;
+            hold_off_watchers(store, header_object, shown, what).await?;
             Ok(Some(RemovalGuard::Recorded))
         }
         ImageUri::Memory { .. } => Ok(None),
@@ -274,8 +280,7 @@ async fn hold_off_watchers(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     shown: &str,
-    snapshot: Option<SnapId>,
-    head_only: bool,
+    what: HeldOff,
 ) -> Result<(), ImageError> {
     let Some(holder) = crate::writer_lock::holder(store, header_object)
         .await
@@ -288,7 +293,7 @@ async fn hold_off_watchers(
                 .into(),
         });
     };
-    let removing = target_word(snapshot);
+    let removing = target_word(what.snapshot());
     let record = format!("{} {removing}", holder.cookie).into_bytes();
     let op = WriteOp::new()
         .step(WriteStep::AssertExists)
@@ -301,10 +306,7 @@ async fn hold_off_watchers(
         .notify(header_object, NOTIFY_TIMEOUT)
         .await
         .map_err(ImageError::store(shown));
-    let readers = answers.map(|answers| match head_only {
-        true => readers_of_head(&answers),
-        false => readers_of(&answers, snapshot),
-    });
+    let readers = answers.map(|answers| readers_of(&answers, what));
     match readers {
         Ok(readers) if readers.is_empty() => Ok(()),
         refusal => {
@@ -323,22 +325,13 @@ async fn hold_off_watchers(
     }
 }
 
-/// The readers among the watchers' answers that read what goes (`snapshot`, or for `None`
-/// anything), described for a message; watchers that did not answer count too.
-fn readers_of(answers: &ivdisk_store::NotifyReplies, snapshot: Option<SnapId>) -> Vec<String> {
-    let removing = target_word(snapshot);
-    readers_reading(answers, |target| snapshot.is_none() || target == removing)
-}
-
-/// [`readers_of`] the head alone.
-fn readers_of_head(answers: &ivdisk_store::NotifyReplies) -> Vec<String> {
-    readers_reading(answers, |target| target == target_word(None))
-}
-
-fn readers_reading(
-    answers: &ivdisk_store::NotifyReplies,
-    reads: impl Fn(&str) -> bool,
-) -> Vec<String> {
+/// The readers among the watchers' answers that `what` holds off, described for a message;
+/// watchers that did not answer count too.
+fn readers_of(answers: &ivdisk_store::NotifyReplies, what: HeldOff) -> Vec<String> {
+    let reads = |target: &str| match what {
+        HeldOff::Everything => true,
+        HeldOff::Head | HeldOff::Snapshot(_) => target == target_word(what.snapshot()),
+    };
     let mut readers: Vec<String> = answers
         .replies
         .iter()
@@ -379,13 +372,17 @@ mod tests {
             ],
             unanswered: vec!["client.4".into()],
         };
-        let of_snap_3 = readers_of(&answers, Some(3));
+        let of_snap_3 = readers_of(&answers, HeldOff::Snapshot(3));
         assert_eq!(of_snap_3.len(), 2, "{of_snap_3:?}");
         assert!(of_snap_3[0].ends_with("(client.2)"), "{of_snap_3:?}");
         assert!(of_snap_3[1].starts_with("client.4,"), "{of_snap_3:?}");
-        assert_eq!(readers_of(&answers, Some(9)).len(), 1);
+        assert_eq!(readers_of(&answers, HeldOff::Snapshot(9)).len(), 1);
         // Deleting the image: every reader counts.
-        assert_eq!(readers_of(&answers, None).len(), 3);
-        assert!(readers_of(&NotifyReplies::default(), None).is_empty());
+        assert_eq!(readers_of(&answers, HeldOff::Everything).len(), 3);
+        assert!(readers_of(&NotifyReplies::default(), HeldOff::Everything).is_empty());
+        // A shrink or a rollback: the head's readers and the silent.
+        let of_head = readers_of(&answers, HeldOff::Head);
+        assert_eq!(of_head.len(), 2, "{of_head:?}");
+        assert!(of_head[0].ends_with("(client.1)"), "{of_head:?}");
     }
 }

@@ -629,7 +629,13 @@ impl Image {
             // read objects of both states mixed, and the size it opened with, without an
             // error. Held to the end.
             let readers_held =
-                crate::readers::hold_off_head_readers(uri, store.as_ref(), header_object, image)
+                crate::readers::hold_off_readers(
+                    uri,
+                    store.as_ref(),
+                    header_object,
+                    image,
+                    crate::readers::HeldOff::Head,
+                )
                     .await?;
             let op = WriteOp::new()
                 .step(WriteStep::AssertExists)
@@ -745,8 +751,8 @@ async fn remove_record(
     let _readers_held_off = match uri {
         Some(uri) => {
             let shown = crate::uri::at_snapshot(image, name);
-            crate::readers::hold_off_readers(uri, store, header_object, &shown, Some(snap.id))
-                .await?
+            let what = crate::readers::HeldOff::Snapshot(snap.id);
+            crate::readers::hold_off_readers(uri, store, header_object, &shown, what).await?
         }
         None => None,
     };

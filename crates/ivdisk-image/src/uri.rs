@@ -346,7 +346,13 @@ pub fn shell_word(text: &str) -> std::borrow::Cow<'_, str> {
     if !text.is_empty() && text.chars().all(plain) {
         return std::borrow::Cow::Borrowed(text);
     }
-    std::borrow::Cow::Owned(format!("'{}'", text.replace('\'', "'\\''")))
+    std::borrow::Cow::Owned(shell_quoted(text))
+}
+
+/// `text` single-quoted for a shell whatever it holds, each `'` in it closed, escaped and
+/// reopened ([`shell_word`] quotes only where needed).
+pub fn shell_quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "'\\''"))
 }
 
 /// One memory store per process: `mem:` images live as long as the process. Each opener gets

@@ -32,7 +32,7 @@ const UNIT_BYTES: u32 = 64 * 1024;
 /// each connection that stopped reading its replies kept its 256 MiB (about 230 MB resident
 /// each, measured), and 256 connections could ask for 64 GiB. Clients that do not read then
 /// stall the others once they hold it all, which memory running out would not spare either.
-pub(crate) const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
+const SERVER_BUDGET_UNITS: u32 = 4 * BUDGET_UNITS;
 
 /// The server's budget ([`SERVER_BUDGET_UNITS`]), shared by its connections, and how many of
 /// them wait for it now. A connection whose transfer stalls (a write's payload that stops
@@ -738,7 +738,6 @@ async fn write_replies<W: AsyncWrite + Unpin>(
         if is_stall(&e) {
             let _ = failed.send(true);
         }
-        queue.close();
         return Err(e);
     }
     tracing::trace!(peer, "all replies sent");

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use ivdisk_image::{shell_word, Image, ImageError, ImageUri, OpenOptions};
+use ivdisk_image::{shell_quoted, shell_word, Image, ImageError, ImageUri, OpenOptions};
 use ivdisk_nbd::{
     serve_with_tls, BlockDevice, Export, ListenAddress, Listener, ServeStats, TlsCredentials,
     TlsKind,
@@ -118,11 +118,11 @@ fn attach_hints(
     let qemu = match qemu_object(tls) {
         Some(object) => format!(
             "-object {object} -drive {}",
-            quoted(&qemu_drive(address, export, read_only, tls))
+            shell_quoted(&qemu_drive(address, export, read_only, tls))
         ),
         None => format!(
             "-drive {}",
-            quoted(&qemu_drive(address, export, read_only, tls))
+            shell_quoted(&qemu_drive(address, export, read_only, tls))
         ),
     };
     let nbd_client = if tls.is_some() {
@@ -169,13 +169,13 @@ fn attach_hints(
         None => {
             format!(
                 "  mkdir -p /tmp/disk && nbdfuse /tmp/disk {} &   # file /tmp/disk/nbd\n",
-                quoted(&uri)
+                shell_quoted(&uri)
             )
         }
         Some(TlsKind::X509) => format!(
             "  mkdir -p /tmp/disk && nbdfuse /tmp/disk {} &   # file /tmp/disk/nbd; the \
              client's files in ~/.pki/libnbd (root: /etc/pki/libnbd)\n",
-            quoted(uri.split('?').next().unwrap_or(&uri))
+            shell_quoted(uri.split('?').next().unwrap_or(&uri))
         ),
         Some(TlsKind::Psk) => String::new(),
     };
@@ -183,14 +183,8 @@ fn attach_hints(
         "{creds}Attach it{ro} with:\n  nbdinfo {}\n{nbdfuse}  \
          qemu-system-x86_64 ... {qemu}\n{nbd_client}\
          Stop with Ctrl-C or SIGTERM.",
-        quoted(&uri)
+        shell_quoted(&uri)
     )
-}
-
-/// `text` single-quoted for a shell, always (URIs and qemu options hold `?`, `&` and `,`; the
-/// hints quote them alike so they read alike), each `'` in it closed, escaped and reopened.
-fn quoted(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "'\\''"))
 }
 
 /// qemu's `-drive` option for the export, raw (the export is the plaintext disk), on virtio:
