@@ -117,12 +117,12 @@ enum Command {
     /// Grow an image, or shrink it with --allow-shrink (opens it for writing: needs the
     /// passphrase and the writer lock).
     #[command(
-        after_help = "Example:\n  ivdisk resize disk.ivd --size 20G\n  ivdisk resize disk.ivd --size 5G --allow-shrink --passphrase-file pw.txt"
+        after_help = "Example:\n  ivdisk resize disk.ivd --size 20G\n  ivdisk resize disk.ivd --size 5G --allow-shrink --passphrase-file pw.txt\n\nA shrink is refused while another command reads the image (`ivdisk serve --read-only`, an export, a verify; readers of its snapshots do not count), naming that process: it would read the shrunk-away part as zeros."
     )]
     Resize(images::ResizeArgs),
     /// Delete an image: its data objects, then its header (asks first unless --yes).
     #[command(
-        after_help = "Example:\n  ivdisk delete disk.ivd\n  ivdisk delete rados://rbd/vm1 --yes\n\nRefused while the image has snapshots, while a writer holds it, and (local images) while another command reads it (`ivdisk serve --read-only`, an export, a verify), naming that process."
+        after_help = "Example:\n  ivdisk delete disk.ivd\n  ivdisk delete rados://rbd/vm1 --yes\n\nRefused while the image has snapshots, while a writer holds it, and while another command reads it or one of its snapshots (`ivdisk serve --read-only`, an export, a verify), naming that process (and its host, on RADOS)."
     )]
     Delete(images::DeleteArgs),
     /// The image's writer lock (one writer per image): show it, or break a dead writer's.

@@ -28,12 +28,12 @@ pub enum SnapCommand {
     Ls(ListArgs),
     /// Remove a snapshot; the data only it kept is freed.
     #[command(
-        after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server removes it (through its control socket). Refused (local images) while another command reads the snapshot (`ivdisk serve IMAGE@SNAP`, an export, a backup), naming that process."
+        after_help = "Example:\n  ivdisk snap rm disk.ivd@before-upgrade\n\nWhile `ivdisk serve` on this machine holds the image open for writing, the server removes it (through its control socket). Refused while another command reads the snapshot (`ivdisk serve IMAGE@SNAP`, an export, a backup), naming that process (and its host, on RADOS)."
     )]
     Rm(SnapArgs),
     /// Put IMAGE back to a snapshot (its data and its size); later snapshots stay.
     #[command(
-        after_help = "Example:\n  ivdisk snap rollback disk.ivd@before-upgrade\n\nEverything written since the snapshot is lost unless another snapshot keeps it. The image must not be open for writing. An image restored from backups takes no further incremental restores after a rollback (restore a full backup)."
+        after_help = "Example:\n  ivdisk snap rollback disk.ivd@before-upgrade\n\nEverything written since the snapshot is lost unless another snapshot keeps it. The image must not be open for writing, and no other command may be reading it (`ivdisk serve --read-only`, an export, a verify of the image itself; readers of its snapshots do not count): the rollback is refused, naming that process. An image restored from backups takes no further incremental restores after a rollback (restore a full backup)."
     )]
     Rollback(SnapArgs),
 }
