@@ -285,6 +285,11 @@ static STDOUT_WRITTEN: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 /// Standard output carries data ([`stdout_carries_data`]).
 static STDOUT_DATA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Whether the command line asked for JSON output.
+pub(crate) fn json_requested() -> bool {
+    JSON_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Say why the command failed: on stderr, and with `--json` also as `{"ok":false,"error":...}`
 /// on stdout when nothing was printed there, so scripts always read one JSON object.
 pub(crate) fn report_failure(e: &anyhow::Error) {

@@ -304,7 +304,9 @@ pub fn new_secret(key_file: &Option<PathBuf>) -> Result<Zeroizing<Vec<u8>>> {
 
 /// A spinner on a terminal while a KDF runs (seconds by design); nothing when piped.
 pub fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
-    if !std::io::stderr().is_terminal() {
+    // With --json no progress is drawn, as the commands' bars are not: a script that runs the
+    // command on a terminal reads one JSON object, without a spinner's lines around it.
+    if !std::io::stderr().is_terminal() || crate::json_requested() {
         return work();
     }
     let spinner = indicatif::ProgressBar::new_spinner();

@@ -857,6 +857,33 @@ fn a_secret_from_standard_input_is_not_read_from_a_terminal() {
     assert!(!image.exists());
 }
 
+/// With `--json` on a terminal, the unlock spinner is not drawn either: `script` gives the
+/// command a terminal for both its outputs, and what it shows must be the one JSON object
+/// (the spinner's frames came before it).
+#[test]
+fn json_on_a_terminal_draws_no_spinner() {
+    let f = Fixture::new();
+    let image = f.path("image");
+    f.create(&image, "8M", &[]);
+    let command = format!(
+        "{} export {} {} --passphrase-file {} --json",
+        env!("CARGO_BIN_EXE_ivdisk"),
+        p(&image),
+        p(&f.path("out.raw")),
+        p(&f.pw)
+    );
+    let out = std::process::Command::new("timeout")
+        .args(["20", "script", "-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let object: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {text:?}"));
+    assert_eq!(object["size"], 8u64 << 20, "{text}");
+}
+
 /// The command a message suggests (the text between backticks that starts with `start`),
 /// run by `sh` as a user who pasted it would, with `ivdisk` standing for the built binary.
 fn run_suggested(message: &str, start: &str, extra: &str) -> std::process::Output {
