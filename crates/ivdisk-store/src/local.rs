@@ -269,6 +269,33 @@ fn start_reading(file: &File, offset: u64, len: u64) {
     advise(file, offset, len, rustix::fs::Advice::WillNeed);
 }
 
+/// Read an extent's bytes from its segment. A segment that ends before the extent does was
+/// cut short or replaced behind the store's back (the store never shortens a segment that
+/// extents point into): that is damage, said as such with the sizes, where the bare
+/// `UnexpectedEof` read as "failed to fill whole buffer".
+fn read_segment_at(
+    file: &File,
+    offset: u64,
+    buf: &mut [u8],
+    path: impl Fn() -> PathBuf,
+) -> Result<(), StoreError> {
+    file.read_exact_at(buf, offset).map_err(|e| {
+        if e.kind() != std::io::ErrorKind::UnexpectedEof {
+            return StoreError::from_io(format!("reading {}", path().display()), e);
+        }
+        let held = file
+            .metadata()
+            .map_or_else(|_| "fewer".to_owned(), |m| m.len().to_string());
+        StoreError::Corrupt(format!(
+            "segment file {} ends before an extent in it: the extent is bytes {offset}..{} and \
+             the file holds {held} bytes (it was cut short or replaced); restore the image from \
+             a backup",
+            path().display(),
+            offset + buf.len() as u64,
+        ))
+    })
+}
+
 /// Fill `buf` from `file` at `offset` if the page cache holds all of it (`preadv2` with
 /// `RWF_NOWAIT`); false when a read would wait for the disk (then `buf` holds anything and
 /// the caller reads it the usual way, which also reports any error). A file system that
@@ -1474,10 +1501,7 @@ impl Segments for FileSegments {
         if buf.is_empty() {
             return Ok(());
         }
-        file.read_exact_at(buf, offset)
-            .map_err(StoreError::io_with(|| {
-                format!("reading {}", segment_path(&self.dir, segment).display())
-            }))
+        read_segment_at(file, offset, buf, || segment_path(&self.dir, segment))
     }
 
     fn read_cached(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<bool, StoreError> {
@@ -2314,10 +2338,7 @@ impl Segments for ReadOnlySegments {
 
     fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         self.with_file(segment, |file| {
-            file.read_exact_at(buf, offset)
-                .map_err(StoreError::io_with(|| {
-                    format!("reading {}", segment_path(&self.dir, segment).display())
-                }))
+            read_segment_at(file, offset, buf, || segment_path(&self.dir, segment))
         })
     }
 

@@ -1290,3 +1290,53 @@ async fn full_disk_small_writes_fail_themselves() {
         );
     }
 }
+
+/// A segment file cut short behind the store's back (a bad copy, a truncate) is damage said
+/// as such: the read of an extent past its end names the file and the sizes (it read "failed
+/// to fill whole buffer"), on read-write and read-only opens, and the extents before the cut
+/// still read.
+#[tokio::test]
+async fn a_segment_cut_short_is_named_as_damage() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let len = 1 << 20;
+    {
+        let store = LocalStore::open_with(&path, &CREATE).unwrap();
+        for (i, object) in ["whole", "cut"].into_iter().enumerate() {
+            let op = WriteOp::new().step(WriteStep::Write {
+                offset: 0,
+                data: pattern(i as u64, len),
+            });
+            store.write_op(&name(object), op).await.unwrap();
+        }
+        store.flush().await.unwrap();
+    }
+    let segment = path.join("data").join("seg-00000001");
+    let cut_to = std::fs::metadata(&segment).unwrap().len() - len as u64 / 2;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .unwrap()
+        .set_len(cut_to)
+        .unwrap();
+    for read_only in [false, true] {
+        let store = if read_only {
+            LocalStore::open_read_only(&path).unwrap()
+        } else {
+            LocalStore::open(&path).unwrap()
+        };
+        assert_eq!(
+            store.read(&name("whole"), 0, len as u64).await.unwrap(),
+            pattern(0, len),
+            "read-only {read_only}"
+        );
+        let err = store.read(&name("cut"), 0, len as u64).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, StoreError::Corrupt(_))
+                && text.contains("seg-00000001")
+                && text.contains(&format!("holds {cut_to} bytes")),
+            "read-only {read_only}: {text}"
+        );
+    }
+}

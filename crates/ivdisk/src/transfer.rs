@@ -11,6 +11,7 @@
 //! in the output file; verify reads only allocated objects
 //! (a missing object holds nothing to authenticate).
 
+use ivdisk_store::StoreError;
 use std::fs::File;
 use std::io::{IsTerminal, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
@@ -873,6 +874,8 @@ struct Report {
     sector_size: u64,
     sectors_checked: u64,
     bad_lbas: Vec<u64>,
+    /// Sectors the store could not read (its damage), with what it said.
+    unreadable: Vec<(u64, String)>,
     authenticated: bool,
     suite: String,
 }
@@ -894,13 +897,19 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
     };
     let ss = report.sector_size;
     let offsets: Vec<u64> = report.bad_lbas.iter().map(|l| l * ss).collect();
-    let ok = report.bad_lbas.is_empty();
+    let ok = report.bad_lbas.is_empty() && report.unreadable.is_empty();
     if json {
+        let unreadable: Vec<_> = report
+            .unreadable
+            .iter()
+            .map(|(lba, reason)| json!({"lba": lba, "offset": lba * ss, "reason": reason}))
+            .collect();
         outln!(
             "{}",
             json!({"image": uri.to_string(), "snapshot": snapshot, "sector_size": ss,
                    "sectors_checked": report.sectors_checked, "bad_lbas": report.bad_lbas,
-                   "bad_offsets": offsets, "ok": ok, "authenticated": report.authenticated})
+                   "bad_offsets": offsets, "unreadable": unreadable, "ok": ok,
+                   "authenticated": report.authenticated})
         );
     } else if ok {
         outln!(
@@ -914,14 +923,28 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
             }
         );
     } else {
-        outln!(
-            "image {shown}: {} of {} sector(s) of {ss} bytes failed authentication (changed, \
-             moved or damaged in the store); they read as errors, the rest is intact:",
-            report.bad_lbas.len(),
-            report.sectors_checked
-        );
-        for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
-            outln!("  LBA {lba} (byte offset {offset})");
+        if !report.bad_lbas.is_empty() {
+            outln!(
+                "image {shown}: {} of {} sector(s) of {ss} bytes failed authentication \
+                 (changed, moved or damaged in the store); they read as errors, the rest is \
+                 intact:",
+                report.bad_lbas.len(),
+                report.sectors_checked
+            );
+            for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
+                outln!("  LBA {lba} (byte offset {offset})");
+            }
+        }
+        if !report.unreadable.is_empty() {
+            outln!(
+                "image {shown}: {} of {} sector(s) of {ss} bytes cannot be read: the store is \
+                 damaged there; they read as errors:",
+                report.unreadable.len(),
+                report.sectors_checked
+            );
+            for (lba, reason) in &report.unreadable {
+                outln!("  LBA {lba} (byte offset {}): {reason}", lba * ss);
+            }
         }
     }
     if !report.authenticated {
@@ -937,6 +960,30 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// The sectors of the chunk of `n` bytes at `offset` read one by one: those that fail
+/// authentication, and those the store cannot read because it is damaged (with its reason).
+/// Any other error (the store gone, a cluster down) ends the verify as before.
+async fn sector_by_sector(
+    image: &Image,
+    offset: u64,
+    n: u64,
+) -> Result<(Vec<u64>, Vec<(u64, String)>)> {
+    let ss = image.sector_size() as u64;
+    let (mut bad, mut unreadable) = (Vec::new(), Vec::new());
+    for at in (offset..offset + n).step_by(ss as usize) {
+        match image.read_reply(at, ss as usize).await {
+            Ok(_) => {}
+            Err(ImageError::Integrity { lbas, .. }) => bad.extend(lbas),
+            Err(ImageError::Store {
+                source: StoreError::Corrupt(reason),
+                ..
+            }) => unreadable.push((at / ss, reason)),
+            Err(e) => return Err(flat(e)),
+        }
+    }
+    Ok((bad, unreadable))
 }
 
 fn exit_with(code: i32, e: &anyhow::Error) -> ! {
@@ -975,21 +1022,32 @@ fn check(
                 // As the NBD server reads: an `unaligned` run stays in its slots, where it
                 // was decrypted; nothing here needs its plaintext in one piece.
                 match image.read_reply(offset, n as usize).await {
-                    Ok(_) => Ok((n, Vec::new())),
+                    Ok(_) => Ok((n, Vec::new(), Vec::new())),
                     // The other sectors of the chunk were read and authenticated.
-                    Err(ImageError::Integrity { lbas, .. }) => Ok((n, lbas)),
+                    Err(ImageError::Integrity { lbas, .. }) => Ok((n, lbas, Vec::new())),
+                    // Damage in the store (a segment cut short, say) is what verify is run to
+                    // find: the chunk is read again sector by sector, so that the report
+                    // names exactly what cannot be read and the pass goes on.
+                    Err(ImageError::Store {
+                        source: StoreError::Corrupt(_),
+                        ..
+                    }) => sector_by_sector(&image, offset, n)
+                        .await
+                        .map(|(bad, lost)| (n, bad, lost)),
                     Err(e) => Err(flat(e)),
                 }
             })
         })
         .buffer_unordered(IN_FLIGHT);
         let mut bad = Vec::new();
+        let mut unreadable = Vec::new();
         let mut error = None;
         while let Some(done) = reads.next().await {
             match done.context("a verify task failed").and_then(|r| r) {
-                Ok((n, lbas)) => {
+                Ok((n, lbas, lost)) => {
                     bar.inc(n);
                     bad.extend(lbas);
+                    unreadable.extend(lost);
                 }
                 Err(e) => {
                     stop.store(true, Ordering::Relaxed);
@@ -999,17 +1057,19 @@ fn check(
         }
         match error {
             Some(e) => Err(e),
-            None => Ok(bad),
+            None => Ok((bad, unreadable)),
         }
     });
     bar.finish_and_clear();
-    let mut bad_lbas = scanned?;
+    let (mut bad_lbas, mut unreadable) = scanned?;
     bad_lbas.sort_unstable();
     bad_lbas.dedup();
+    unreadable.sort_unstable();
     Ok(Report {
         sector_size: ss,
         sectors_checked: allocated / ss,
         bad_lbas,
+        unreadable,
         authenticated: image.suite().is_authenticated(),
         suite: image.suite().name().to_owned(),
     })

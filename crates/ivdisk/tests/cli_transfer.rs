@@ -277,6 +277,50 @@ fn import_into_other_formats_and_an_empty_file() {
     assert!(fails(&["info", p(&none)]).contains("does not exist"));
 }
 
+/// A segment file cut short (damage in the store, not tampering) does not end the verify with
+/// a bare read error: the sectors that cannot be read are listed as such, with the store's
+/// reason, the rest is checked, and the exit code is 1.
+#[test]
+fn verify_lists_the_sectors_a_damaged_store_cannot_read() {
+    let f = Fixture::new();
+    let (image, _) = f.import("disk", &raw_disk(5));
+    let segment = image.join("data").join("seg-00000001");
+    let len = std::fs::metadata(&segment).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .unwrap()
+        .set_len(len - 32 * 1024)
+        .unwrap();
+    let (out, _) = exits(
+        1,
+        &["verify", p(&image), "--passphrase-file", p(&f.pw), "--json"],
+    );
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["ok"], false, "{out}");
+    assert_eq!(report["bad_lbas"], serde_json::json!([]), "{out}");
+    let unreadable = report["unreadable"].as_array().unwrap();
+    // 32 KiB cut: at least the 8 sectors it held, and not every one of the 52 checked.
+    assert!(
+        (8..52).contains(&unreadable.len()),
+        "{} unreadable: {out}",
+        unreadable.len()
+    );
+    for sector in unreadable {
+        assert!(
+            sector["reason"].as_str().unwrap().contains("seg-00000001"),
+            "{out}"
+        );
+        assert_eq!(sector["offset"], sector["lba"].as_u64().unwrap() * SECTOR);
+    }
+    let (text, _) = exits(1, &["verify", p(&image), "--passphrase-file", p(&f.pw)]);
+    assert!(
+        text.contains(&format!("{} of 52 sector(s)", unreadable.len()))
+            && text.contains("cannot be read"),
+        "{text}"
+    );
+}
+
 #[test]
 fn verify_names_exactly_the_tampered_sectors() {
     let f = Fixture::new();
