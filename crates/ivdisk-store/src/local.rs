@@ -2161,7 +2161,7 @@ delegate_object_store!(LocalStore);
 
 /// The metadata of a read-only store. SQLite needs care here (its "read-only WAL databases"):
 ///
-/// - Without a `meta.sqlite-wal` (or with an empty one), as after a clean stop, the database
+/// - Without a `meta.sqlite-wal` (or with one of no commit), as after a clean stop, the database
 ///   file holds every commit. A plain read-only connection would still create the `-wal` and
 ///   `-shm` files (and fails where it cannot), so the file is opened `immutable=1`: no locks,
 ///   no side files.
@@ -2188,6 +2188,19 @@ struct PrivateView {
     db: Option<FileStamp>,
     /// The log, for the last way (`None`: opened immutable, without a log).
     log: Option<FileStamp>,
+}
+
+/// Bytes of a SQLite log's header: a log no longer than that holds no commit.
+const WAL_HEADER_BYTES: u64 = 32;
+
+/// The log, if it holds at least part of a commit (it is longer than its header). A log of its
+/// header alone counts as none: a writer killed right after it opened the store leaves one
+/// beside an index it had not written yet (zeros), and SQLite, asked to read through such an
+/// index that no writer holds (the second way below), failed every read after 10 s of
+/// retries with "locking protocol": no read-only command worked until a writer opened the
+/// store again. The database file holds every commit then, as without a log.
+fn log_with_frames(path: &Path) -> Option<FileStamp> {
+    FileStamp::of(path).filter(|l| l.size > WAL_HEADER_BYTES)
 }
 
 /// What changes when a file is written or replaced. Not ctime: SQLite running as root
@@ -2260,7 +2273,7 @@ impl ReadOnlyMeta {
 
 impl MetaSource for ReadOnlyMeta {
     fn connect(&mut self) -> Result<Connection, StoreError> {
-        let log = FileStamp::of(&self.side_file("-wal")).filter(|l| l.size > 0);
+        let log = log_with_frames(&self.side_file("-wal"));
         let db = FileStamp::of(&self.path);
         if log.is_some() && self.side_file("-shm").exists() {
             self.private = None;
@@ -2281,7 +2294,7 @@ impl MetaSource for ReadOnlyMeta {
         let Some(view) = &self.private else {
             return false;
         };
-        let log = FileStamp::of(&self.side_file("-wal")).filter(|l| l.size > 0);
+        let log = log_with_frames(&self.side_file("-wal"));
         FileStamp::of(&self.path) != view.db
             || match view.log {
                 None => log.is_some(),

@@ -634,29 +634,60 @@ async fn after_an_unclean_stop() {
     }
 
     // A copy without SQLite's index of the log (`-shm`): read from the log alone.
-    let copy = tmp.path().join("copy");
-    std::fs::create_dir_all(copy.join("data")).unwrap();
-    for entry in std::fs::read_dir(&path).unwrap() {
-        let entry = entry.unwrap();
-        let name = entry.file_name();
-        if entry.file_type().unwrap().is_file() && name != "meta.sqlite-shm" {
-            std::fs::copy(entry.path(), copy.join(&name)).unwrap();
-        }
-    }
-    for entry in std::fs::read_dir(path.join("data")).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), copy.join("data").join(entry.file_name())).unwrap();
-    }
+    let copy = copy_without_index(&path, &tmp.path().join("copy"));
     let copy_before = dir_state(&copy);
     let store = LocalStore::open_read_only(&copy).unwrap();
     assert_eq!(read_gens(&store).await, gens);
     drop(store);
     assert_unchanged(&copy_before, &dir_state(&copy));
 
+    // An index of zeros beside a log of commits (a writer killed as it built the index): no
+    // writer holds it, and SQLite reads the log's commits into an index of its own.
+    let zeroed = copy_without_index(&path, &tmp.path().join("zeroed"));
+    let index_len = std::fs::metadata(path.join("meta.sqlite-shm"))
+        .unwrap()
+        .len();
+    std::fs::write(
+        zeroed.join("meta.sqlite-shm"),
+        vec![0u8; index_len as usize],
+    )
+    .unwrap();
+    let store = LocalStore::open_read_only(&zeroed).unwrap();
+    assert_eq!(read_gens(&store).await, gens);
+    drop(store);
+    let log_header = std::fs::read(path.join("meta.sqlite-wal")).unwrap()[..32].to_vec();
+
     assert_unchanged(&before, &dir_state(&path));
     // Recovery keeps exactly the committed state the read-only opens saw.
     let store = LocalStore::open(&path).unwrap();
     assert_eq!(read_gens(&store).await, gens);
+    drop(store);
+
+    // Killed right after it opened, a writer leaves a log of its header alone (no commit in
+    // it) beside an index of zeros. Read through that index, SQLite failed every read with
+    // "locking protocol" after 10 s (no read-only command worked until a writer opened the
+    // store again); the database file holds every commit.
+    std::fs::write(path.join("meta.sqlite-wal"), &log_header).unwrap();
+    std::fs::write(path.join("meta.sqlite-shm"), vec![0u8; index_len as usize]).unwrap();
+    let store = LocalStore::open_read_only(&path).unwrap();
+    assert_eq!(read_gens(&store).await, gens);
+}
+
+/// A copy of the store at `from` in `to` without SQLite's index of the log (`-shm`).
+fn copy_without_index(from: &Path, to: &Path) -> PathBuf {
+    std::fs::create_dir_all(to.join("data")).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if entry.file_type().unwrap().is_file() && name != "meta.sqlite-shm" {
+            std::fs::copy(entry.path(), to.join(&name)).unwrap();
+        }
+    }
+    for entry in std::fs::read_dir(from.join("data")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join("data").join(entry.file_name())).unwrap();
+    }
+    to.to_path_buf()
 }
 
 #[tokio::test]
