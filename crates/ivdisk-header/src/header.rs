@@ -1087,7 +1087,23 @@ impl Header {
                 saved.metadata_end()
             )));
         }
-        if let Ok(current) = Header::read(io) {
+        let current = Header::read(io);
+        if let (Err(_), false) = (&current, force) {
+            // Both copies damaged (the usual reason to restore): the UUID fields often survive
+            // the damage of the JSON. One that names another volume means the backup is not of
+            // this one, and its keyslots would bury this volume's key for good.
+            let names = uuids_in_place(io);
+            if !names.is_empty() && !names.iter().any(|n| n == saved.uuid()) {
+                return Err(HeaderError::Backup(format!(
+                    "it belongs to volume {}, and the damaged header in place still names \
+                     volume {}: this backup is not of this volume; pass --force to replace it \
+                     anyway",
+                    saved.uuid(),
+                    names.join(" and ")
+                )));
+            }
+        }
+        if let Ok(current) = current {
             if !force && current.uuid() != saved.uuid() {
                 return Err(HeaderError::Backup(format!(
                     "it belongs to volume {} but this one is {}; pass --force to replace it",
@@ -1207,6 +1223,33 @@ fn wipe(io: &mut dyn HeaderIo, offset: u64, len: u64) -> Result<(), HeaderError>
         .map_err(|source| HeaderError::Write { offset, source })?;
     io.sync()
         .map_err(|source| HeaderError::Write { offset, source })
+}
+
+/// The UUIDs that the binary headers in `io` name (the primary's, and any LUKS2 secondary's at
+/// the offsets it may have), however damaged the rest: magic right and the field printable.
+fn uuids_in_place(io: &dyn HeaderIo) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    let offsets = std::iter::once((0, binary::MAGIC_PRIMARY)).chain(
+        binary::HEADER_SIZES
+            .iter()
+            .map(|&offset| (offset, binary::MAGIC_SECONDARY)),
+    );
+    for (offset, magic) in offsets {
+        let mut head = [0u8; 208];
+        if io.read_at(offset, &mut head).is_err() || head[..6] != magic {
+            continue;
+        }
+        let field = &head[168..208];
+        let len = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+        let name = &field[..len];
+        if !name.is_empty() && name.iter().all(|b| b.is_ascii_graphic()) {
+            let name = String::from_utf8_lossy(name).into_owned();
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    names
 }
 
 #[cfg(test)]

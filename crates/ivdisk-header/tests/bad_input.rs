@@ -397,6 +397,37 @@ fn both_copies_damaged() {
     assert_contains(&text, "both LUKS2 headers are damaged");
 }
 
+/// A restore onto a header whose two copies are damaged but whose UUID fields still name the
+/// volume: a backup of another volume is refused without `force` and nothing is written (it
+/// went through, and its keyslots buried this volume's key); this volume's own backup, or
+/// another one with `force`, is restored.
+#[test]
+fn a_restore_over_both_damaged_copies_checks_the_uuid_they_still_name() {
+    let (mut io, here, _) = formatted();
+    let (other, there, _) = formatted();
+    assert_ne!(here.uuid(), there.uuid());
+    let mut own_backup = MemoryHeaderIo::default();
+    here.backup(&io, &mut own_backup).unwrap();
+    for offset in [0, HDR] {
+        io.0[offset + 4096] = b'}'; // each copy's JSON: checksum mismatch
+    }
+    expect_both_damaged(&io);
+    let damaged = io.0.clone();
+    let err = Header::restore(&mut io, &other, false).unwrap_err();
+    assert_contains(&err.to_string(), "not of this volume");
+    assert_contains(&err.to_string(), here.uuid());
+    assert_eq!(io.0, damaged, "a refused restore wrote");
+    assert_eq!(
+        Header::restore(&mut io.clone(), &other, true)
+            .unwrap()
+            .uuid(),
+        there.uuid()
+    );
+    let restored = Header::restore(&mut io, &own_backup, false).unwrap();
+    assert_eq!(restored.uuid(), here.uuid());
+    assert!(restored.warning().is_none());
+}
+
 #[test]
 fn checksum_mismatch_in_both_copies() {
     let (mut io, _, _) = formatted();
