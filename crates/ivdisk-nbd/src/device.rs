@@ -153,7 +153,8 @@ pub trait BlockDevice: Send + Sync + 'static {
     }
 
     /// Whether write-zeroes of this kind is about as fast as a discard (answers NBD's
-    /// `FAST_ZERO` flag: if not, the client prefers to write zeros itself).
+    /// `FAST_ZERO` flag: if not, the client prefers to write zeros itself). For whole blocks
+    /// of [`BlockDevice::preferred_block_size`]: the server answers "not fast" for the others.
     fn fast_zero(&self, may_unmap: bool) -> bool {
         let _ = may_unmap;
         false

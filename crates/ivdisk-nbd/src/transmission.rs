@@ -947,11 +947,28 @@ impl Context {
                 self.check_writable()?;
                 self.check_range(request)?;
                 let may_unmap = request.flags & CMD_FLAG_NO_HOLE == 0;
-                if request.flags & CMD_FLAG_FAST_ZERO != 0 && !device.fast_zero(may_unmap) {
-                    return Err(refuse(
-                        DeviceErrorKind::NotSupported,
-                        "zeroing without unmapping encrypts and writes every sector: not fast",
-                    ));
+                if request.flags & CMD_FLAG_FAST_ZERO != 0 {
+                    if !device.fast_zero(may_unmap) {
+                        return Err(refuse(
+                            DeviceErrorKind::NotSupported,
+                            "zeroing without unmapping encrypts and writes every sector: not \
+                             fast",
+                        ));
+                    }
+                    // The part of a block a request covers is zeroed by a read-modify-write,
+                    // which costs what a write costs (proto.md lets the answer depend on the
+                    // alignment).
+                    let block = u64::from(device.preferred_block_size()).max(1);
+                    let end = request.offset + u64::from(request.length);
+                    if !request.offset.is_multiple_of(block)
+                        || (!end.is_multiple_of(block) && end != device.size())
+                    {
+                        return Err(refuse(
+                            DeviceErrorKind::NotSupported,
+                            "zeroing part of a sector reads, encrypts and writes that sector: \
+                             not fast",
+                        ));
+                    }
                 }
                 device
                     .write_zeroes(request.offset, request.length as u64, may_unmap)

@@ -1865,3 +1865,41 @@ async fn a_client_that_reads_no_replies_in_the_way_of_others_is_cut_off() {
     let stats = server.stop().await;
     assert_eq!(stats.stalled, 1, "{stats:?}");
 }
+
+/// A fast write-zeroes (`NBD_CMD_FLAG_FAST_ZERO`) over part of a sector is refused with
+/// ENOTSUP and changes nothing: that part is read, decrypted, encrypted and written as any
+/// write is, not fast (it was done and answered as fast). Whole sectors are fast.
+#[tokio::test]
+async fn a_fast_zero_of_part_of_a_sector_is_not_fast() {
+    let uri = ImageUri::parse("mem:protocol-fast-zero").unwrap();
+    let options = CreateOptions {
+        pbkdf: PbkdfRequest::fast_for_tests(PbkdfKind::Pbkdf2),
+        ..CreateOptions::new(16 << 20)
+    };
+    let image = Arc::new(Image::create(&uri, &options, b"pw").await.unwrap());
+    assert_eq!(image.sector_size(), 4096);
+    image.write(0, &[0x55u8; 8192]).await.unwrap();
+    let server = Server::start(image.clone()).await;
+    let mut client = Client::attach(&server, true).await;
+    for (cookie, offset, len) in [(1, 100, 1000), (2, 0, 1000), (3, 100, 8092)] {
+        client
+            .send(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, cookie, offset, len)
+            .await;
+        assert_eq!(
+            client.status().await,
+            (cookie, Errno::NotSup as u32),
+            "{offset}+{len}"
+        );
+    }
+    let mut back = vec![0u8; 8192];
+    image.read(0, &mut back).await.unwrap();
+    assert!(back.iter().all(|&b| b == 0x55), "a refused zero wrote");
+    client
+        .send(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 4, 4096, 4096)
+        .await;
+    assert_eq!(client.status().await, (4, 0));
+    image.read(0, &mut back).await.unwrap();
+    assert!(back[..4096].iter().all(|&b| b == 0x55));
+    assert!(back[4096..].iter().all(|&b| b == 0));
+    server.stop().await;
+}
