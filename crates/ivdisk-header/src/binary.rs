@@ -263,6 +263,22 @@ fn is_unsupported(e: &HeaderError) -> bool {
     )
 }
 
+/// Whether `metadata` fits the JSON area of a header of `binary`'s size (with its NUL).
+pub fn check_fits(binary: &BinaryHeader, metadata: &Metadata) -> Result<(), HeaderError> {
+    fits(binary, &metadata.to_json())
+}
+
+fn fits(binary: &BinaryHeader, json: &[u8]) -> Result<(), HeaderError> {
+    let area = (binary.hdr_size as usize).saturating_sub(BINARY_HEADER_LEN);
+    if json.len() >= area {
+        return Err(HeaderError::InvalidParameter(format!(
+            "the LUKS2 metadata ({} bytes) does not fit its {area}-byte JSON area",
+            json.len(),
+        )));
+    }
+    Ok(())
+}
+
 /// Serialize one copy: binary header + JSON area, checksummed.
 pub fn encode_copy(
     binary: &BinaryHeader,
@@ -271,13 +287,7 @@ pub fn encode_copy(
 ) -> Result<Vec<u8>, HeaderError> {
     let hdr_size = binary.hdr_size as usize;
     let json = metadata.to_json();
-    if json.len() >= hdr_size - BINARY_HEADER_LEN {
-        return Err(HeaderError::InvalidParameter(format!(
-            "the LUKS2 metadata ({} bytes) does not fit its {}-byte JSON area",
-            json.len(),
-            hdr_size - BINARY_HEADER_LEN
-        )));
-    }
+    fits(binary, &json)?;
     let mut out = vec![0u8; hdr_size];
     out[..6].copy_from_slice(if offset == 0 {
         &MAGIC_PRIMARY

@@ -821,6 +821,21 @@ impl Header {
         }
     }
 
+    /// Write `metadata` in place of this header's, which takes it only once it is written: a
+    /// failed write leaves `self` as the device still has it.
+    fn write_changed(
+        &mut self,
+        io: &mut dyn HeaderIo,
+        metadata: Metadata,
+    ) -> Result<(), HeaderError> {
+        let before = std::mem::replace(self.luks2_mut()?.1, metadata);
+        let written = self.write(io);
+        if written.is_err() {
+            *self.luks2_mut()?.1 = before;
+        }
+        written
+    }
+
     fn write(&mut self, io: &mut dyn HeaderIo) -> Result<(), HeaderError> {
         let secondary_first = self.secondary_first;
         let (binary, metadata) = self.luks2_mut()?;
@@ -930,35 +945,31 @@ impl Header {
         let (digest_id, _) = metadata
             .segment_digest()
             .ok_or_else(|| HeaderError::Metadata("the header has no segment digest".into()))?;
-        let (area, kdf) = write_material(
-            io,
-            binary,
-            metadata,
-            volume_key,
-            new_passphrase,
-            pbkdf_request,
-        )?;
-        let pbkdf_name = kdf.kind.clone();
-        metadata.keyslots.insert(
+        let sealed = seal_material(binary, metadata, volume_key, new_passphrase, pbkdf_request)?;
+        let pbkdf_name = sealed.kdf.kind.clone();
+        // The new metadata is made and checked (it fits the JSON area) before anything is
+        // written: a refusal then changes nothing, on the device or in `self`.
+        let mut changed = metadata.clone();
+        changed.keyslots.insert(
             slot,
             Keyslot {
                 kind: "luks2".into(),
                 key_size: volume_key.len() as u32,
                 af: sealed_af(),
-                area,
-                kdf,
+                area: sealed.area.clone(),
+                kdf: sealed.kdf.clone(),
                 priority: None,
                 extra: Map::new(),
             },
         );
-        let digest = metadata.digests.get_mut(&digest_id).expect("found above");
+        let digest = changed.digests.get_mut(&digest_id).expect("found above");
         digest.keyslots.push(slot.to_string());
         digest
             .keyslots
             .sort_by_key(|s| s.parse::<u32>().unwrap_or(u32::MAX));
-        // The material is already synced (write_material), so a crash before this header write
-        // leaves the old header, which does not point at it.
-        self.write(io)?;
+        binary::check_fits(binary, &changed)?;
+        sealed.store(io)?;
+        self.write_changed(io, changed)?;
         tracing::info!(keyslot = slot, kdf = %pbkdf_name, "keyslot added");
         Ok(slot)
     }
@@ -1023,22 +1034,25 @@ impl Header {
         let slot = unlocked.keyslot;
         let (binary, metadata) = self.luks2_mut()?;
         let old = metadata.keyslots.get(&slot).expect("unlocked").clone();
-        let (area, kdf) = write_material(
-            io,
+        let sealed = seal_material(
             binary,
             metadata,
             &unlocked.volume_key,
             new_passphrase,
             pbkdf_request,
         )?;
-        let entry = metadata.keyslots.get_mut(&slot).expect("unlocked");
-        entry.area = area;
-        entry.kdf = kdf;
+        // Made and checked before anything is written, as in `add_keyslot`.
+        let mut changed = metadata.clone();
+        let entry = changed.keyslots.get_mut(&slot).expect("unlocked");
+        entry.area = sealed.area.clone();
+        entry.kdf = sealed.kdf.clone();
         // The split the new material was made with: a slot cryptsetup made may say another
         // hash (its PBKDF's: `luksFormat --hash sha512`, sha1 after a LUKS1 conversion), and
         // kept, it made the new passphrase open nothing, while the old area was wiped.
         entry.af = sealed_af();
-        self.write(io)?;
+        binary::check_fits(binary, &changed)?;
+        sealed.store(io)?;
+        self.write_changed(io, changed)?;
         wipe(io, old.area.offset, old.area.size)?;
         tracing::info!(keyslot = slot, "passphrase changed");
         Ok(slot)
@@ -1166,14 +1180,31 @@ impl Header {
 
 /// Seal `volume_key` for `passphrase` into a newly allocated keyslot area and write it, synced,
 /// before any header points at it. Returns the keyslot's `area` and `kdf`.
-fn write_material(
-    io: &mut dyn HeaderIo,
+/// A new keyslot's material, sealed but not written yet, and what the header says of it.
+struct SealedMaterial {
+    bytes: zeroize::Zeroizing<Vec<u8>>,
+    area: Area,
+    kdf: Kdf,
+}
+
+impl SealedMaterial {
+    /// Write the material to its area and sync it: before the header that points at it, so a
+    /// crash in between leaves the old header, which does not.
+    fn store(&self, io: &mut dyn HeaderIo) -> Result<(), HeaderError> {
+        let offset = self.area.offset;
+        io.write_at(offset, &self.bytes)
+            .and_then(|_| io.sync())
+            .map_err(|source| HeaderError::Write { offset, source })
+    }
+}
+
+fn seal_material(
     binary: &BinaryHeader,
     metadata: &Metadata,
     volume_key: &VolumeKey,
     passphrase: &[u8],
     pbkdf_request: &PbkdfRequest,
-) -> Result<(Area, Kdf), HeaderError> {
+) -> Result<SealedMaterial, HeaderError> {
     let area_len = keyslot::area_len(volume_key.len() as u32);
     let offset = Header::allocate_area(binary, metadata, area_len)?;
     // cryptsetup's keyslot cipher: aes-xts-plain64 with a 512-bit key.
@@ -1181,16 +1212,13 @@ fn write_material(
     let pbkdf = pbkdf_request.calibrate(area_cipher.key_size as usize)?;
     let mut salt = [0u8; 32];
     crate::random_bytes(&mut salt)?;
-    let material = keyslot::seal(
+    let bytes = keyslot::seal(
         volume_key.as_bytes(),
         passphrase,
         &pbkdf,
         &salt,
         area_cipher,
     )?;
-    io.write_at(offset, &material)
-        .and_then(|_| io.sync())
-        .map_err(|source| HeaderError::Write { offset, source })?;
     let area = Area {
         kind: "raw".into(),
         offset,
@@ -1199,7 +1227,11 @@ fn write_material(
         key_size: area_cipher.key_size,
         extra: Map::new(),
     };
-    Ok((area, Kdf::new(&pbkdf, &salt)))
+    Ok(SealedMaterial {
+        bytes,
+        area,
+        kdf: Kdf::new(&pbkdf, &salt),
+    })
 }
 
 fn copy_region(from: &dyn HeaderIo, to: &mut dyn HeaderIo, len: u64) -> Result<(), HeaderError> {

@@ -428,6 +428,42 @@ fn a_restore_over_both_damaged_copies_checks_the_uuid_they_still_name() {
     assert!(restored.warning().is_none());
 }
 
+/// Adding a keyslot when the metadata would no longer fit its JSON area is refused before
+/// anything is written (the add wrote the new keyslot's 252 KiB of material first and then said
+/// "nothing was changed"), and the header in memory is still the device's (a change works).
+#[test]
+fn a_keyslot_that_does_not_fit_the_json_area_writes_nothing() {
+    let (mut io, _, key) = formatted();
+    // A token that leaves the JSON area about 300 bytes short of another keyslot (~600).
+    let room = HDR - 4096 - primary_copy(&io).1.to_json().len();
+    rewrite_metadata(&mut io, |m| {
+        let blob = "A".repeat(room - 300 - 40);
+        m.tokens.insert(
+            0,
+            serde_json::json!({"type": "big", "keyslots": [], "blob": blob}),
+        );
+    });
+    let mut header = Header::read(&io).unwrap();
+    let before = io.0.clone();
+    let err = header
+        .add_keyslot(&mut io, &key, b"second", None, &fast())
+        .unwrap_err();
+    assert_contains(&err.to_string(), "does not fit its");
+    assert!(io.0 == before, "a refused add wrote");
+    // The header in memory is the one on the device: a change that fits goes through.
+    header
+        .change_passphrase(&mut io, PASSPHRASE, b"second", None, &fast())
+        .unwrap();
+    assert_eq!(
+        Header::read(&io)
+            .unwrap()
+            .unlock(&io, b"second")
+            .unwrap()
+            .keyslot,
+        0
+    );
+}
+
 #[test]
 fn checksum_mismatch_in_both_copies() {
     let (mut io, _, _) = formatted();
