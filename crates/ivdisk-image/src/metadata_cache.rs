@@ -37,6 +37,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use crossbeam_utils::CachePadded;
 use ivdisk_store::WriteStep;
+use smallvec::SmallVec;
 
 /// Bytes of an object's metadata region per cache block, for stores that state no write
 /// unit; the others' blocks are their unit (`ObjectStore::write_unit`: BlueStore's allocation
@@ -489,7 +490,9 @@ impl MetadataCache {
     ) -> Option<(Range<usize>, Loads)> {
         let region_start = self.region_offset;
         let region_end = self.region_offset + self.region_len as u64;
-        let mut changes: Vec<Change> = Vec::new();
+        // Inline: a write has one or two metadata steps, and an allocation per IO showed in
+        // the profile of 64 KiB writes.
+        let mut changes: SmallVec<[Change; 2]> = SmallVec::new();
         let mut rewritable = true;
         let mut only_writes = true;
         for step in steps.iter() {
@@ -584,8 +587,8 @@ impl MetadataCache {
             for b in self.blocks_of(&range) {
                 let block = self.block_range(b);
                 let whole = range.start <= block.start && block.end <= range.end;
-                let known = matches!(shard.blocks.get(&(object, b)), Some(Block::Known(_)));
-                if !whole && !known {
+                // A whole block needs no lookup: the write replaces it.
+                if !whole && !matches!(shard.blocks.get(&(object, b)), Some(Block::Known(_))) {
                     missing = Some(match missing {
                         Some(m) => m.start.min(b)..m.end.max(b + 1),
                         None => b..b + 1,
