@@ -262,10 +262,13 @@ pub enum ImageError {
     #[error("image {image}: a rollback of it to snapshot {snapshot} did not finish, so it holds objects of two states and is not opened; run `ivdisk snap rollback {}` again to finish it", crate::uri::shell_word(&crate::uri::at_snapshot(image, snapshot)))]
     RollbackUnfinished { image: String, snapshot: String },
 
-    /// The command that created the image to fill it (`what`: "an import of FILE") stopped
-    /// before it finished (killed, or the machine stopped) and could not delete it: the image
-    /// holds part of the data, zeros for the rest, so it is not opened.
-    #[error("image {image}: {what} into it did not finish (the command was killed or the machine stopped), so it holds only part of the data and is not opened; delete it with `ivdisk delete {} --yes` and run the command again", crate::uri::shell_word(image))]
+    /// The command that created the image to fill it (`what`: "an import of FILE") has not
+    /// finished: it still runs, or it stopped (killed, or the machine stopped) and could not
+    /// delete the image. The image holds part of the data, zeros for the rest, so it is not
+    /// opened. Which of the two is told by the writer lock (the running command holds it),
+    /// which this check does not read: the message says how to tell (it said "killed" and
+    /// "delete it" to a user whose import was still running).
+    #[error("image {image}: {what} into it has not finished, so it holds only part of the data and is not opened; if that command is still running (`ivdisk lock status {0}` names its process), wait for it; if it was killed or the machine stopped, delete the image with `ivdisk delete {0} --yes` and run the command again", crate::uri::shell_word(image))]
     FillUnfinished { image: String, what: String },
 }
 

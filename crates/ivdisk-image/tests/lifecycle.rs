@@ -264,7 +264,21 @@ async fn fill(backend: Backend) {
             .map(drop),
     ] {
         match result {
-            Err(ImageError::FillUnfinished { what: named, .. }) => assert_eq!(named, what),
+            Err(e @ ImageError::FillUnfinished { .. }) => {
+                let ImageError::FillUnfinished { what: named, .. } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(named, what);
+                // The check cannot tell a killed command from one still running (its writer
+                // lock tells): the message says how to tell, and what to do in each case.
+                let text = e.to_string();
+                assert!(
+                    text.contains("if that command is still running (`ivdisk lock status")
+                        && text.contains("wait for it")
+                        && text.contains("ivdisk delete"),
+                    "{text}"
+                );
+            }
             other => panic!("{other:?}"),
         }
     }
