@@ -20,6 +20,7 @@
 
 use std::fs::File;
 use std::io::Read;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -482,9 +483,13 @@ fn open_rbd(rt: &Runtime, uri: &RbdUri, passphrase: &PassphraseArgs) -> Result<S
 
 /// Whether SRC and DST name the same image or file.
 fn same_image(src: &Spec, dst: &ImageUri) -> bool {
-    let same_path = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
+    // Device and inode too: a bind mount of SRC is another path to the same directory.
+    let same_path = |a: &Path, b: &Path| match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) if x.dev() == y.dev() && x.ino() == y.ino() => true,
+        _ => match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => a == b,
+        },
     };
     match (src, dst) {
         (

@@ -569,10 +569,26 @@ fn a_wrong_passphrase_or_the_same_image_creates_nothing() {
     assert!(err.contains("no keyslot matches"), "{err}");
     assert!(!dst.exists());
 
-    // SRC == DST, also under another spelling of the path: refused, the image unchanged.
+    // SRC == DST, also under another spelling of the path, and through a bind mount of it
+    // (only the reader guard kept --force from deleting SRC there): refused, the image
+    // unchanged.
     let id = info(&src)["image_id"].clone();
     let other_spelling = format!("{}/./src.ivd", f.dir.path().display());
-    for same in [p(&src).to_owned(), other_spelling] {
+    let bind = f.path("bind");
+    std::fs::create_dir(&bind).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["--bind", p(&src), p(&bind)])
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount --bind (the tests run as root)");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(bind.clone());
+    for same in [p(&src).to_owned(), other_spelling, p(&bind).to_owned()] {
         let err = fails(&[
             "convert",
             p(&src),
