@@ -133,7 +133,7 @@ enum Command {
     Passphrase(passphrases::PassphraseCommand),
     /// Create an image from a raw disk file, copying its bytes in (all-zero sectors skipped).
     #[command(after_help = format!(
-        "Example:\n  ivdisk import disk.raw disk.ivd\n  ivdisk import vm.raw 'rados://rbd/vm1?id=admin' --cipher aes-xts-random --layout omap --passphrase-file pw.txt --json\n\nThe image is FILE's size rounded up to the sector size. If the copy fails, the half-made image is deleted (with the local store directory, if the import made it); so does Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed terminal); only an import killed outright (SIGKILL, a crash) leaves it behind, marked unfinished: every open refuses it until it is deleted (`ivdisk delete IMAGE --yes`).\n\n{}\n{}",
+        "Example:\n  ivdisk import disk.raw disk.ivd\n  ivdisk import vm.raw 'rados://rbd/vm1?id=admin' --cipher aes-xts-random --layout omap --passphrase-file pw.txt --json\n\nThe image is FILE's size rounded up to the sector size. If the copy fails, the half-made image is deleted (with the local store directory, if the import made it; an empty directory given as IMAGE is left empty); so does Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed terminal); only an import killed outright (SIGKILL, a crash) leaves it behind, marked unfinished: every open refuses it until it is deleted (`ivdisk delete IMAGE --yes`).\n\n{}\n{}",
         suites_help(),
         images::layouts_help()
     ))]

@@ -347,11 +347,29 @@ struct NewImage<'a> {
 /// a command that creates an image there and fails removes it again ([`remove_made_dir`]), so
 /// a failed import leaves nothing behind.
 pub(crate) fn store_dir_to_make(uri: &ImageUri) -> Option<PathBuf> {
-    match uri {
-        ImageUri::Local { dir } if std::fs::symlink_metadata(dir).is_err() => Some(dir.clone()),
-        _ => None,
+    let ImageUri::Local { dir } = uri else {
+        return None;
+    };
+    if std::fs::symlink_metadata(dir).is_err() {
+        return Some(dir.clone());
     }
+    // An empty directory given as the image's place is the user's: a failed command leaves it
+    // as it was, empty (it left the half-made store's files there, having said the image was
+    // deleted).
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none());
+    let real_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+    if !(empty && real_dir) {
+        return None;
+    }
+    GIVEN_EMPTY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(dir.clone());
+    Some(dir.clone())
 }
+
+/// The directories [`store_dir_to_make`] found existing and empty: emptied again, not removed.
+static GIVEN_EMPTY: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
 /// `e` (what made `what` fail) after deleting the half-made image `uri`, which must be closed
 /// (the delete takes its writer lock): a half-made image must not pass for a copy. `made_dir`:
@@ -408,6 +426,33 @@ pub(crate) fn remove_made_dir(made_dir: Option<&Path>) -> String {
     let Some(dir) = made_dir.filter(|d| std::fs::symlink_metadata(d).is_ok()) else {
         return String::new();
     };
+    let given = GIVEN_EMPTY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|d| d == dir);
+    if given {
+        let emptied = std::fs::read_dir(dir).and_then(|entries| {
+            entries.into_iter().try_for_each(|entry| {
+                let entry = entry?;
+                if entry.file_type()?.is_dir() {
+                    std::fs::remove_dir_all(entry.path())
+                } else {
+                    std::fs::remove_file(entry.path())
+                }
+            })
+        });
+        return match emptied {
+            Ok(()) => format!(
+                ", and the directory {} left empty, as it was",
+                dir.display()
+            ),
+            Err(r) => format!(
+                ", but emptying the directory {} again failed ({r}); it was empty before",
+                dir.display()
+            ),
+        };
+    }
     match std::fs::remove_dir_all(dir) {
         Ok(()) => format!(", and the directory {} made for it removed", dir.display()),
         Err(r) => format!(

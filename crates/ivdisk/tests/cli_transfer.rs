@@ -1085,13 +1085,20 @@ fn commands_that_fail_on_a_full_disk_leave_nothing_behind() {
         );
     }
 
-    // A directory the user made stays (without an image in it).
+    // An empty directory the user made stays, empty: the half-made store's files (its lock,
+    // database, segments) were left in it.
     std::fs::remove_file(&filler).unwrap();
     std::fs::create_dir(&target).unwrap();
     let err = fails(&commands[0]);
     assert!(err.contains("was deleted"), "{err}");
     assert!(!err.contains("made for it"), "{err}");
+    assert!(err.contains("left empty, as it was"), "{err}");
     assert!(target.is_dir(), "the user's directory was removed: {err}");
+    assert!(
+        everything_in(&target).is_empty(),
+        "left {:?} behind: {err}",
+        everything_in(&target)
+    );
     let gone = fails(&["info", t]);
     assert!(gone.contains("does not exist"), "{gone}");
 }
