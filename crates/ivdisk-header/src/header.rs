@@ -822,7 +822,8 @@ impl Header {
     }
 
     /// Write `metadata` in place of this header's, which takes it only once it is written: a
-    /// failed write leaves `self` as the device still has it.
+    /// write that fails leaves `self` with the metadata it had (a torn write may have left one
+    /// copy on the device new; the next read of the device chooses, as cryptsetup does).
     fn write_changed(
         &mut self,
         io: &mut dyn HeaderIo,

@@ -971,10 +971,14 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         if !report.bad_lbas.is_empty() {
             outln!(
                 "image {shown}: {} of {} sector(s) of {ss} bytes failed authentication \
-                 (changed, moved or damaged in the store); they read as errors, the rest is \
-                 intact:",
+                 (changed, moved or damaged in the store); they read as errors{}:",
                 report.bad_lbas.len(),
-                report.sectors_checked
+                report.sectors_checked,
+                if report.unreadable.is_empty() {
+                    ", the rest is intact"
+                } else {
+                    ""
+                }
             );
             for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
                 outln!("  LBA {lba} (byte offset {offset})");

@@ -1328,11 +1328,11 @@ fn an_import_or_convert_killed_leaves_an_image_no_open_takes_for_complete() {
                 // Killed while it created the image: its directory made, no header yet.
                 continue;
             }
-            assert!(err.contains("did not finish"), "{command}: {err}");
+            assert!(err.contains("has not finished"), "{command}: {err}");
             // `info` shows it too, and says the same.
             let unfinished = info(&image)["unfinished"].as_str().unwrap_or("").to_owned();
             assert!(
-                unfinished.contains("did not finish"),
+                unfinished.contains("has not finished"),
                 "{command}: {unfinished}"
             );
             assert!(
