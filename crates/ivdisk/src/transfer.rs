@@ -463,6 +463,35 @@ pub(crate) fn remove_made_dir(made_dir: Option<&Path>) -> String {
     }
 }
 
+/// Remove the partial files that exports to `file` killed outright (SIGKILL, a crash) left
+/// beside it: hidden, each of the image's size, and no later export removed them. A file whose
+/// export still runs is locked by it (`flock`, also across NFS) and stays.
+fn remove_abandoned_exports(file: &Path) {
+    let name = file.file_name().unwrap_or_default().to_string_lossy();
+    let prefix = format!(".{name}.ivdisk-export-");
+    let ours = format!("{prefix}{}", std::process::id());
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let found = entry.file_name().to_string_lossy().into_owned();
+        let pid = found.strip_prefix(&prefix);
+        if found == ours || pid.is_none_or(|p| p.parse::<u32>().is_err()) {
+            continue;
+        }
+        let Ok(partial) = File::open(entry.path()) else {
+            continue;
+        };
+        if partial.try_lock().is_ok() && std::fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(file = %entry.path().display(), "removed the partial file of an export that was killed");
+        }
+    }
+}
+
 /// Copy `len` bytes of `file` into `image` from offset 0; returns the bytes written (the
 /// chunks that were not all zeros). On an error, the chunks still in flight finish first, so
 /// nothing writes to the image any more when it returns.
@@ -620,6 +649,9 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         args.file
             .with_file_name(format!(".{name}.ivdisk-export-{}", std::process::id()))
     };
+    if !to_stdout {
+        remove_abandoned_exports(&args.file);
+    }
     // A signal stops the copy between pieces, and the partial file is removed.
     *ABANDONABLE_EXPORT.lock().unwrap_or_else(|e| e.into_inner()) =
         Some((!to_stdout).then(|| target.clone()));
@@ -639,6 +671,9 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             .mode(0o600)
             .open(&target)
             .with_context(|| format!("cannot create {}", target.display()))?;
+        // Held while the export runs: a later export to the same name tells this file, still
+        // being written, from one a killed export left (`remove_abandoned_exports`).
+        let _ = file.try_lock();
         // Every byte not written below stays a hole: the file reads as zeros there.
         if let Err(e) = file.set_len(size) {
             // An empty file must not pass for an export either.

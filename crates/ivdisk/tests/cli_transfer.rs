@@ -277,6 +277,30 @@ fn import_into_other_formats_and_an_empty_file() {
     assert!(fails(&["info", p(&none)]).contains("does not exist"));
 }
 
+/// An export killed outright (SIGKILL) leaves its hidden partial file of the image's size
+/// beside the one it was to write; the next export to that name removes it. One whose export
+/// still runs (it holds its lock) stays.
+#[test]
+fn an_export_removes_the_partial_files_of_killed_exports() {
+    let f = Fixture::new();
+    let disk = raw_disk(9);
+    let (image, _) = f.import("disk", &disk);
+    let out = f.path("out.raw");
+    let abandoned = f.file(".out.raw.ivdisk-export-4000000", &[1u8; 4096]);
+    let running = f.file(".out.raw.ivdisk-export-4000001", &[2u8; 4096]);
+    let held = std::fs::File::open(&running).unwrap();
+    held.try_lock().unwrap();
+    let other = f.file(".other.raw.ivdisk-export-4000002", &[3u8; 4096]);
+    ok_bytes(&["export", p(&image), p(&out), "--passphrase-file", p(&f.pw)]);
+    assert_eq!(std::fs::read(&out).unwrap()[..disk.len()], disk[..]);
+    assert!(!abandoned.exists(), "a killed export's partial file stayed");
+    assert!(
+        running.exists(),
+        "a running export's partial file was removed"
+    );
+    assert!(other.exists(), "another name's partial file was removed");
+}
+
 /// A segment file cut short (damage in the store, not tampering) does not end the verify with
 /// a bare read error: the sectors that cannot be read are listed as such, with the store's
 /// reason, the rest is checked, and the exit code is 1.
