@@ -260,6 +260,7 @@ fn is_unsupported(e: &HeaderError) -> bool {
             | HeaderError::UnsupportedKdf(_)
             | HeaderError::UnsupportedHash(_)
             | HeaderError::UnsupportedCipher(..)
+            | HeaderError::UnmetRequirements(_)
     )
 }
 

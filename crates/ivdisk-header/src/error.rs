@@ -108,6 +108,12 @@ pub enum HeaderError {
     #[error("{0}")]
     InvalidParameter(String),
 
+    /// The LUKS2 header carries mandatory requirements other than ivdisk's own (for example
+    /// those of a cryptsetup reencryption that has not finished): ivdisk neither reads the
+    /// data behind it nor changes it.
+    #[error("{}", unmet_requirements(.0))]
+    UnmetRequirements(Vec<String>),
+
     #[error(
         "this is a LUKS1 header; ivdisk opens LUKS1 volumes but changes keyslots only in LUKS2"
     )]
@@ -121,6 +127,28 @@ pub enum HeaderError {
 
     #[error("the system random source failed: {0}")]
     Random(String),
+}
+
+/// What a header's foreign requirements mean and what to do about them.
+fn unmet_requirements(requirements: &[String]) -> String {
+    let list = requirements.join(", ");
+    if requirements
+        .iter()
+        .any(|r| r.starts_with("online-reencrypt"))
+    {
+        format!(
+            "a cryptsetup reencryption of this LUKS volume has started and not finished \
+             (requirement {list}): part of its sectors may be under the new key and part under \
+             the old; finish it with cryptsetup first (`cryptsetup reencrypt --resume-only \
+             DEVICE`, or for a file `cryptsetup reencrypt --resume-only \
+             --force-offline-reencrypt FILE`)"
+        )
+    } else {
+        format!(
+            "the LUKS volume carries requirements ivdisk does not know ({list}); finish or undo \
+             what set them with the tool that set them first"
+        )
+    }
 }
 
 fn unusable_note(unusable: usize) -> String {

@@ -552,11 +552,7 @@ impl Header {
     pub fn open_data(&self, volume_key: &VolumeKey) -> Result<DataSegment, HeaderError> {
         let foreign = self.foreign_requirements();
         if !foreign.is_empty() {
-            return Err(HeaderError::InvalidParameter(format!(
-                "the volume carries requirements ivdisk does not know ({}); finish that \
-                 operation with cryptsetup first",
-                foreign.join(", ")
-            )));
+            return Err(HeaderError::UnmetRequirements(foreign));
         }
         let info = self.segment()?;
         let suite = info.suite()?;
@@ -809,11 +805,7 @@ impl Header {
     fn luks2_mut(&mut self) -> Result<(&mut BinaryHeader, &mut Metadata), HeaderError> {
         let foreign = self.foreign_requirements();
         if !foreign.is_empty() {
-            return Err(HeaderError::InvalidParameter(format!(
-                "the header carries requirements ivdisk does not know ({}); change it with the \
-                 tool that set them",
-                foreign.join(", ")
-            )));
+            return Err(HeaderError::UnmetRequirements(foreign));
         }
         match &mut self.format {
             Format::Luks1(_) => Err(HeaderError::Luks1ReadOnly),

@@ -343,12 +343,12 @@ impl Metadata {
         serde_json::from_value(value).map_err(|e| match requirements.is_empty() {
             true => HeaderError::Metadata(e.to_string()),
             // What cryptsetup writes while an operation runs (a reencryption's `linear`
-            // segment, say) need not follow the plain layout: the requirement says why.
-            false => HeaderError::Metadata(format!(
-                "{e}; the volume carries requirements ({}), for example of a cryptsetup \
-                 reencryption in progress: finish that operation with cryptsetup first",
-                requirements.join(", ")
-            )),
+            // segment, say) need not follow the plain layout: the requirement says why, and
+            // what the parser missed would only mislead.
+            false => {
+                tracing::debug!(error = %e, "LUKS2 metadata with requirements does not parse");
+                HeaderError::UnmetRequirements(requirements)
+            }
         })
     }
 
@@ -570,7 +570,9 @@ mod tests {
                       "requirements":{"mandatory":["online-reencrypt-v2"]}}}"#;
         let err = Metadata::parse(json).unwrap_err().to_string();
         assert!(
-            err.contains("online-reencrypt-v2") && err.contains("finish that operation"),
+            err.contains("online-reencrypt-v2")
+                && err.contains("cryptsetup reencrypt --resume-only")
+                && !err.contains("missing field"),
             "{err}"
         );
         let plain = br#"{"keyslots":{},"tokens":{},"digests":{},

@@ -26,7 +26,7 @@ pub(crate) mod file;
 pub(crate) mod rbd;
 
 use ivdisk_crypto::{ImageId, Suite, VolumeKey};
-use ivdisk_header::{DataSegment, Header, SegmentInfo};
+use ivdisk_header::{DataSegment, Header, HeaderError, SegmentInfo};
 
 use crate::{ImageError, ImageInfo, LayoutKind};
 
@@ -59,14 +59,9 @@ pub(crate) fn check_segment(image: &str, header: &Header) -> Result<SegmentInfo,
     }
     let foreign = header.foreign_requirements();
     if !foreign.is_empty() {
-        return Err(invalid(
-            image,
-            format!(
-                "the LUKS volume carries requirements ivdisk does not know ({}); finish that \
-                 operation with cryptsetup first",
-                foreign.join(", ")
-            ),
-        ));
+        return Err(ImageError::header(image)(HeaderError::UnmetRequirements(
+            foreign,
+        )));
     }
     let info = header.segment().map_err(ImageError::header(image))?;
     if info.cipher != FOREIGN_CIPHER {

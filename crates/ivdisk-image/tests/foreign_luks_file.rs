@@ -696,6 +696,43 @@ async fn other_ciphers_are_refused_clearly() {
     assert!(fs::read(&path).unwrap() == before, "the file changed");
 }
 
+/// A reencryption cryptsetup started and did not finish leaves a header whose segments are
+/// not a plain volume's: the refusal says what it is and how to finish it (not which JSON
+/// field the parser missed), changes nothing, and the command it names makes the file open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_cryptsetup_reencryption_is_named_with_the_command_that_finishes_it() {
+    let scratch = Scratch::new();
+    let path = scratch.luks_format("vol.img", Kind::Luks2 { sector: 4096 }, 4 * MIB, &[]);
+    let mut init = vec!["reencrypt", "--init-only", "--batch-mode", "--key-file"];
+    init.push(scratch.key());
+    init.extend(FAST_PBKDF);
+    init.push(s(&path));
+    run_ok("cryptsetup", &init);
+    let uri = scratch.uri(&path);
+    let before = fs::read(&path).unwrap();
+    for options in [OpenOptions::default(), OpenOptions::read_only()] {
+        let text = Image::open(&uri, PASS, &options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("reencryption")
+                && text.contains("online-reencrypt")
+                && text.contains("--resume-only --force-offline-reencrypt")
+                && !text.contains("missing field"),
+            "{text}"
+        );
+    }
+    let info = Image::info(&uri).await.unwrap_err().to_string();
+    assert!(info.contains("--resume-only"), "{info}");
+    assert!(fs::read(&path).unwrap() == before, "the file changed");
+    // The advice as given.
+    let mut finish = vec!["reencrypt", "--resume-only", "--force-offline-reencrypt"];
+    finish.extend(["--batch-mode", "--key-file", scratch.key(), s(&path)]);
+    run_ok("cryptsetup", &finish);
+    open_rw(&uri).await.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_regular_file_without_luks_magic_is_named_in_the_error() {
     let scratch = Scratch::new();
