@@ -232,7 +232,11 @@ pub struct KeyslotInfo {
     pub key_size: u32,
     pub area_offset: u64,
     pub area_size: u64,
+    /// LUKS2's keyslot priority: 0 ignore (tried only when named), 1 normal, 2 prefer.
     pub priority: Option<u32>,
+    /// The keyslot holds a key that opens no data segment (`cryptsetup luksAddKey --unbound`):
+    /// its passphrase unlocks nothing of the volume.
+    pub unbound: bool,
 }
 
 /// A volume key recovered from a keyslot.
@@ -620,6 +624,7 @@ impl Header {
                         area_offset: k.material_sector as u64 * 512,
                         area_size: keyslot::material_len(h.key_bytes),
                         priority: None,
+                        unbound: false,
                     })
                 })
                 .collect(),
@@ -645,6 +650,7 @@ impl Header {
                     area_offset: k.area.offset,
                     area_size: k.area.size,
                     priority: k.priority,
+                    unbound: !metadata.keyslot_opens_segment(id),
                 })
                 .collect(),
         }
@@ -1148,7 +1154,8 @@ impl Header {
             .map(|k| {
                 json!({"id": k.id, "kdf": k.kdf, "kdf_params": k.kdf_params,
                        "key_size": k.key_size, "area_offset": k.area_offset,
-                       "area_size": k.area_size, "priority": k.priority})
+                       "area_size": k.area_size, "priority": k.priority,
+                       "unbound": k.unbound})
             })
             .collect();
         let image = self.image_params().ok().flatten().map(|p| {

@@ -871,6 +871,21 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
     Ok(())
 }
 
+/// What `header dump` adds after a keyslot's line, as `cryptsetup luksDump` marks it: a
+/// priority other than normal, a key that opens no data segment.
+fn keyslot_notes(k: &ivdisk_header::KeyslotInfo) -> String {
+    let mut notes = String::new();
+    match k.priority {
+        Some(0) => notes.push_str(", priority ignore (passphrases are not tried on it; cryptsetup tries it only with --key-slot)"),
+        Some(2) => notes.push_str(", priority prefer (tried first)"),
+        _ => {}
+    }
+    if k.unbound {
+        notes.push_str(", unbound (its key opens no data segment)");
+    }
+    notes
+}
+
 fn print_dump(header: &Header) {
     outln!("LUKS header version {}", header.version());
     outln!("UUID:      {}", header.uuid());
@@ -912,13 +927,14 @@ fn print_dump(header: &Header) {
     outln!("Keyslots:");
     for k in header.keyslots() {
         outln!(
-            "  {:>2}: {} ({}), {}-bit key, area {}+{}",
+            "  {:>2}: {} ({}), {}-bit key, area {}+{}{}",
             k.id,
             k.kdf,
             k.kdf_params,
             k.key_size * 8,
             k.area_offset,
-            k.area_size
+            k.area_size,
+            keyslot_notes(&k)
         );
     }
     // Every token, ivdisk's own (`Image:` above) and other tools' (systemd's TPM2 or FIDO2

@@ -1019,6 +1019,96 @@ fn header_dump_lists_tokens_as_luksdump_does() {
     );
 }
 
+/// `header dump` marks what `cryptsetup luksDump` marks of a keyslot: a priority other than
+/// normal (`cryptsetup config --priority`) and a key that opens no data segment
+/// (`luksAddKey --unbound`); a normal keyslot gets neither mark.
+#[test]
+fn header_dump_marks_keyslot_priorities_and_unbound_keys() {
+    let f = Fixture::new();
+    let first = f.file("first.key", b"cryptsetup's passphrase");
+    let second = f.file("second.key", b"another one");
+    let volume = cryptsetup_luks2_file(&f, &first);
+    let pbkdf = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+    let steps: [&[&str]; 4] = [
+        &[
+            "luksAddKey",
+            "--batch-mode",
+            "--key-file",
+            p(&first),
+            p(&volume),
+            p(&second),
+        ],
+        &[
+            "config",
+            "--key-slot",
+            "0",
+            "--priority",
+            "prefer",
+            p(&volume),
+        ],
+        &[
+            "config",
+            "--key-slot",
+            "1",
+            "--priority",
+            "ignore",
+            p(&volume),
+        ],
+        &[
+            "luksAddKey",
+            "--batch-mode",
+            "--unbound",
+            "--key-size",
+            "256",
+            p(&volume),
+            p(&second),
+        ],
+    ];
+    for step in steps {
+        let mut args = step.to_vec();
+        if args[0] == "luksAddKey" {
+            args.extend(pbkdf);
+        }
+        let out = cryptsetup(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let ours = ok(&["header", "dump", p(&volume)]);
+    let line = |slot: &str| {
+        ours.lines()
+            .find(|l| l.trim_start().starts_with(&format!("{slot}: ")))
+            .unwrap_or_else(|| panic!("no keyslot {slot}: {ours}"))
+            .to_owned()
+    };
+    assert!(line("0").contains("priority prefer"), "{ours}");
+    assert!(line("1").contains("priority ignore"), "{ours}");
+    assert!(line("2").contains("unbound"), "{ours}");
+    for (slot, not) in [("0", "unbound"), ("1", "unbound"), ("2", "priority")] {
+        assert!(!line(slot).contains(not), "{ours}");
+    }
+    let dump = json(&["header", "dump", p(&volume)]);
+    let slots = dump["keyslots"].as_array().unwrap();
+    let fields: Vec<(u64, Value, bool)> = slots
+        .iter()
+        .map(|k| {
+            let id = k["id"].as_u64().unwrap();
+            (id, k["priority"].clone(), k["unbound"].as_bool().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            (0, Value::from(2), false),
+            (1, Value::from(0), false),
+            (2, Value::Null, true)
+        ],
+        "{dump}"
+    );
+}
+
 /// Commands that create an image and fail on a full file system say so, with what to do, and
 /// leave nothing behind: not the half-made image, and not the local store directory they
 /// made for it. A directory that was there before stays.
