@@ -327,6 +327,27 @@ fn lock_header_file(path: &Path) -> Result<Option<File>> {
     }
 }
 
+/// Refuse a keyslot change of a regular file that ends inside its header's region (a copy cut
+/// short, a truncation): the change would write keyslot material past its end, growing a
+/// damaged file into one that looks whole up to there (cryptsetup refuses such a file too).
+fn refuse_cut_short(path: &Path, header: &Header, device: &File) -> Result<()> {
+    let Ok(meta) = device.metadata() else {
+        return Ok(()); // The change's own IO says what is wrong.
+    };
+    let needed = header.metadata_end();
+    if meta.is_file() && meta.len() < needed {
+        bail!(
+            "{} ends at byte {}, inside its LUKS header, which ends at byte {needed}: the file \
+             was cut short (a copy that stopped, a truncation), and a keyslot change would \
+             write past its end; nothing was changed: restore the file, or its header from a \
+             backup (`ivdisk header restore`)",
+            path.display(),
+            meta.len()
+        );
+    }
+    Ok(())
+}
+
 impl HeaderFile {
     pub fn open(path: &Path) -> Result<HeaderFile> {
         let (header, device) = read_header(path)?;
@@ -367,6 +388,7 @@ impl HeaderFile {
     pub fn lock(&mut self) -> Result<bool> {
         let lock = lock_header_file(&self.path)?;
         let (header, device) = read_header(&self.path)?;
+        refuse_cut_short(&self.path, &header, &device)?;
         let probe = header_probe(&device)
             .with_context(|| format!("reading the header of {}", self.path.display()))?;
         let changed = probe != self.probe;

@@ -604,3 +604,42 @@ fn header_format_keeps_header_files_private_and_follows_links() {
     test.push(p(&one));
     ok(&test);
 }
+
+/// A header file cut short inside its keyslots area (a copy that stopped part-way) is refused
+/// by every keyslot change, which would write past its end and grow it into a file that looks
+/// whole; the file stays as it was, byte for byte and in length.
+#[test]
+fn a_keyslot_change_of_a_file_cut_short_is_refused_and_grows_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = key(dir.path(), "first.key", b"first");
+    let second = key(dir.path(), "second.key", b"second");
+    let header = dir.path().join("disk.hdr");
+    format_header(&header, &first);
+    let mut add = vec!["key", "add", p(&header), "--key-file", p(&first)];
+    add.extend(["--new-key-file", p(&second)]);
+    add.extend(FAST);
+    ok(&add);
+    // Keyslot 1's material lies past 1 MiB: a cut there keeps keyslot 0 whole.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&header)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let before = std::fs::read(&header).unwrap();
+    let mut change = vec!["key", "change", p(&header), "--key-file", p(&first)];
+    change.extend(["--new-key-file", p(&second)]);
+    change.extend(FAST);
+    let remove = vec!["key", "remove", p(&header), "--key-file", p(&second)];
+    for args in [&add, &change, &remove] {
+        let err = fails(args);
+        assert!(
+            err.contains("cut short") && err.contains("nothing was changed"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            std::fs::read(&header).unwrap() == before,
+            "{args:?} changed the file"
+        );
+    }
+}
