@@ -566,9 +566,11 @@ pub struct ExportArgs {
     #[arg(help = IMAGE_HELP)]
     image: String,
     /// The raw (plaintext) file to write, the image's size, with holes where the image has
-    /// none of its data; "-" writes to standard output (every byte, zeros included).
+    /// none of its data; "-" writes to standard output (every byte, zeros included). A new
+    /// file is readable by its owner only (mode 600).
     file: PathBuf,
-    /// Overwrite FILE if it exists.
+    /// Overwrite FILE if it exists (the export replaces it once complete, with its
+    /// permissions and, as far as allowed, its owner).
     #[arg(long)]
     force: bool,
     #[command(flatten)]
@@ -591,7 +593,8 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
     let shown = image_at(&uri, snapshot.as_deref());
     let to_stdout = args.file == Path::new("-");
-    let mut replacing = false;
+    // The file --force replaces: its permissions and owner, which the export takes over.
+    let mut replacing: Option<std::fs::Metadata> = None;
     if to_stdout {
         if std::io::stdout().is_terminal() {
             bail!(
@@ -635,7 +638,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 }
             }
         }
-        replacing = true;
+        replacing = Some(meta);
     }
     if to_stdout {
         crate::stdout_carries_data();
@@ -670,7 +673,17 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
             // The plaintext of an encrypted disk: its owner's only, as cryptsetup's backups.
             .mode(0o600)
             .open(&target)
-            .with_context(|| format!("cannot create {}", target.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot create {} (an export is written under that hidden name beside {} \
+                     and named when complete, so its directory must be writable)",
+                    target.display(),
+                    args.file.display()
+                )
+            })?;
+        if let Some(old) = &replacing {
+            keep_permissions(&file, old);
+        }
         // Held while the export runs: a later export to the same name tells this file, still
         // being written, from one a killed export left (`remove_abandoned_exports`).
         let _ = file.try_lock();
@@ -717,7 +730,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 // that could not be named is plaintext under a hidden name nobody looks for.
                 let _ = std::fs::remove_file(&target);
                 let what = if complete { "complete" } else { "incomplete" };
-                return Err(e.context(if replacing {
+                return Err(e.context(if replacing.is_some() {
                     format!(
                         "exporting image {shown} failed; {} was left as it was (the {what} \
                          export was removed)",
@@ -768,6 +781,19 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         outln!("{report}");
     }
     Ok(())
+}
+
+/// Give a new export the permissions and owner of the file it is to replace, as an overwrite
+/// in place would have kept them (the user chose them; a new file gets 0600). The owner only
+/// as far as the system lets this process (root, or a group it is in); the rest stays.
+fn keep_permissions(file: &std::fs::File, old: &std::fs::Metadata) {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let _ = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid()))
+        .or_else(|_| std::os::unix::fs::fchown(file, None, Some(old.gid())));
+    let mode = old.mode() & 0o7777;
+    if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(mode)) {
+        tracing::warn!(error = %e, mode = format!("{mode:o}"), "the export keeps mode 600");
+    }
 }
 
 /// Give the complete, synced export `target` its name `file` (over a file of that name only

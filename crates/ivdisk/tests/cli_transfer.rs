@@ -4,7 +4,7 @@
 //! the store can: through the store API on the image's objects, while no ivdisk process has
 //! the store open. cryptsetup judges what `ivdisk passphrase` does to its LUKS2 files.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -177,10 +177,14 @@ fn import_then_export_gives_the_same_bytes_with_holes() {
     let err = fails(&["export", p(&image), p(&out), "--passphrase-file", p(&f.pw)]);
     assert!(err.contains("exists") && err.contains("--force"), "{err}");
     std::fs::write(&out, b"old").unwrap();
+    // The file replaced keeps the permissions its user gave it (a new export gets 0600).
+    assert_eq!(mode(&out_new_mode(&f, &image)), 0o600);
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o640)).unwrap();
     let report = json(&export_over(&image, &out, &f.pw));
     assert_eq!(report["size"], rounded);
     assert_eq!(report["sparse"], true);
     assert!(std::fs::read(&out).unwrap() == exported);
+    assert_eq!(mode(&out), 0o640, "--force changed the file's permissions");
 
     // An existing image is left alone by import.
     let raw = f.path("disk.raw");
@@ -1297,6 +1301,18 @@ fn export_onto_a_file_system_without_hard_links() {
         std::fs::read(&out).unwrap() == content,
         "the export differs"
     );
+}
+
+/// A file's permission bits.
+fn mode(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+/// A new export of `image` (no file there before).
+fn out_new_mode(f: &Fixture, image: &Path) -> PathBuf {
+    let out = f.path("fresh-export.raw");
+    ok(&["export", p(image), p(&out), "--passphrase-file", p(&f.pw)]);
+    out
 }
 
 fn export_over<'a>(image: &'a Path, file: &'a Path, pw: &'a Path) -> [&'a str; 6] {
