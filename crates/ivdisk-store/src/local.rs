@@ -1723,9 +1723,99 @@ impl Segments for FileSegments {
     }
 }
 
-/// The exclusive hold on a store directory, released when the store is closed.
+/// Refuse a directory whose data segments are there but whose metadata database is not (it
+/// was removed, or lost with a partial copy): taken for no store at all, it was reported as an
+/// image that does not exist, and a store created there cut the old segments to nothing.
+fn refuse_segments_without_database(dir: &Path) -> Result<(), StoreError> {
+    let data = dir.join("data");
+    let Ok(entries) = std::fs::read_dir(&data) else {
+        return Ok(());
+    };
+    let (files, bytes) = entries
+        .flatten()
+        .filter(|e| e.file_name().as_bytes().starts_with(b"seg-"))
+        .fold((0u64, 0u64), |(files, bytes), e| {
+            (files + 1, bytes + e.metadata().map_or(0, |m| m.len()))
+        });
+    if files == 0 {
+        return Ok(());
+    }
+    Err(StoreError::Corrupt(format!(
+        "{} holds {files} data segment file(s) ({bytes} bytes) in {} but no metadata database \
+         ({}): it was removed or lost, and without it the data cannot be found; restore the \
+         directory, or its meta.sqlite, from a backup (to start over, remove the directory \
+         first)",
+        dir.display(),
+        data.display(),
+        dir.join("meta.sqlite").display()
+    )))
+}
+
+/// The exclusive hold on a store directory, released when the store is closed: the flock of
+/// `LOCK`, and one of the directory itself. A `LOCK` file removed while its writer runs (taken
+/// for a stale one) is made anew by the next opener, which would then get its flock and write
+/// beside the first: the directory's own flock, which no removal of a file in it drops, keeps
+/// that second writer out. (Where a directory cannot be flocked, NFS say, `LOCK` alone.)
 struct DirectoryLock {
     _lock: HeldFlock,
+    _dir: Option<HeldFlock>,
+}
+
+/// The process that holds a flock on the file `meta` describes, as `/proc/locks` shows it.
+fn flock_holder(meta: &std::fs::Metadata) -> Result<Option<u32>, StoreError> {
+    let file = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(meta.dev()),
+        libc::minor(meta.dev()),
+        meta.ino()
+    );
+    let locks =
+        std::fs::read_to_string("/proc/locks").map_err(StoreError::io("reading /proc/locks"))?;
+    // "1: FLOCK  ADVISORY  WRITE 19203 fe:00:10289510 0 EOF"
+    Ok(locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str()))
+            .then(|| fields.get(4)?.parse().ok())
+            .flatten()
+    }))
+}
+
+/// Take the directory's own flock (see [`DirectoryLock`]) once `LOCK`'s is held.
+fn lock_directory_itself(dir: &Path) -> Result<Option<HeldFlock>, StoreError> {
+    let file = match File::open(dir) {
+        Ok(file) => file,
+        Err(e) => {
+            return Err(StoreError::io(format!(
+                "opening directory {}",
+                dir.display()
+            ))(e))
+        }
+    };
+    let ours = std::process::id();
+    let holder = |file: &File| {
+        file.metadata()
+            .ok()
+            .and_then(|m| flock_holder(&m).ok().flatten())
+    };
+    match lock_exclusive(file, |file| holder(file) == Some(ours)) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, FlockRefused::HeldHere)) => Err(StoreError::AlreadyOpen {
+            path: dir.display().to_string(),
+            pid: ours.to_string(),
+        }),
+        Err((file, FlockRefused::HeldElsewhere)) => Err(StoreError::AlreadyOpen {
+            path: dir.display().to_string(),
+            pid: format!(
+                "{} (its {} file was removed while it ran)",
+                holder(&file).map_or_else(|| "unknown".to_owned(), |pid| pid.to_string()),
+                dir.join("LOCK").display()
+            ),
+        }),
+        Err((_, FlockRefused::Io(e))) => {
+            tracing::debug!(dir = %dir.display(), error = %e, "the directory cannot be flocked");
+            Ok(None)
+        }
+    }
 }
 
 fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
@@ -1778,7 +1868,11 @@ fn lock_directory(dir: &Path) -> Result<DirectoryLock, StoreError> {
     // Overwrite, then cut: a second opener reading concurrently never sees an empty file.
     let _ = lock.file().write_all_at(ours.as_bytes(), 0);
     let _ = lock.file().set_len(ours.len() as u64);
-    Ok(DirectoryLock { _lock: lock })
+    let dir_lock = lock_directory_itself(dir)?;
+    Ok(DirectoryLock {
+        _lock: lock,
+        _dir: dir_lock,
+    })
 }
 
 /// What opening a store found and repaired after an unclean stop.
@@ -1850,6 +1944,7 @@ impl LocalStore {
         let meta = dir.join("meta.sqlite");
         let creating = !meta.exists();
         if creating {
+            refuse_segments_without_database(dir)?;
             if !options.create {
                 return Err(StoreError::Io {
                     context: format!("{} holds no ivdisk store", dir.display()),
@@ -1865,6 +1960,9 @@ impl LocalStore {
         // been killed) while this one waited for it, and an open that took itself for the
         // creator skipped the reclaim that process's unclean stop needs.
         let creating = !meta.exists();
+        if creating {
+            refuse_segments_without_database(dir)?;
+        }
         // Read-only stores of this directory in this process let go of their connections
         // until ours has created SQLite's shared-memory index (see `pause_readers`).
         let opening = opening_lock();
@@ -2001,10 +2099,11 @@ impl LocalStore {
         let id = match std::fs::metadata(&meta) {
             Ok(m) => (m.dev(), m.ino()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                refuse_segments_without_database(dir)?;
                 return Err(StoreError::Io {
                     context: format!("{} holds no ivdisk store", dir.display()),
                     source: e,
-                })
+                });
             }
             Err(e) => return Err(StoreError::io(format!("reading {}", meta.display()))(e)),
         };
@@ -2062,31 +2161,27 @@ impl LocalStore {
     }
 
     /// The process that has the store in `dir` open for writing (it holds the flock of
-    /// `dir/LOCK`, as `/proc/locks` shows), or `None`: then no lock a client of the store
+    /// `dir/LOCK`, and of `dir` itself, as `/proc/locks` shows), or `None`: then no lock a client of the store
     /// holds can be renewed, and the next writer takes such locks over. Looking takes no lock,
     /// so it never gets in the way of a writer opening the store meanwhile.
     pub fn writing_process(dir: impl AsRef<Path>) -> Result<Option<u32>, StoreError> {
-        let lock = dir.as_ref().join("LOCK");
-        let meta = match std::fs::metadata(&lock) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        let dir = dir.as_ref();
+        let lock = dir.join("LOCK");
+        match std::fs::metadata(&lock) {
+            Ok(meta) => {
+                if let Some(pid) = flock_holder(&meta)? {
+                    return Ok(Some(pid));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(StoreError::io(format!("reading {}", lock.display()))(e)),
-        };
-        let file = format!(
-            "{:02x}:{:02x}:{}",
-            libc::major(meta.dev()),
-            libc::minor(meta.dev()),
-            meta.ino()
-        );
-        let locks = std::fs::read_to_string("/proc/locks")
-            .map_err(StoreError::io("reading /proc/locks"))?;
-        // "1: FLOCK  ADVISORY  WRITE 19203 fe:00:10289510 0 EOF"
-        Ok(locks.lines().find_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str()))
-                .then(|| fields.get(4)?.parse().ok())
-                .flatten()
-        }))
+        }
+        // A writer whose `LOCK` file was removed still holds the directory's flock.
+        match std::fs::metadata(dir) {
+            Ok(meta) => flock_holder(&meta),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(format!("reading {}", dir.display()))(e)),
+        }
     }
 
     /// Whether this store was opened read-only.

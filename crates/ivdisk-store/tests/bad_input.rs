@@ -426,6 +426,20 @@ async fn second_opener_process_gets_already_open() {
         ),
         "another process must get AlreadyOpen naming us"
     );
+    // Its LOCK file removed (taken for a stale one), the store is still ours: the next opener
+    // would make a new LOCK and get its flock; the directory's own keeps it out.
+    std::fs::remove_file(path.join("LOCK")).unwrap();
+    let (code, line) = run_opener(&path);
+    assert_eq!(code, 10, "a second writer got the store: {line}");
+    assert!(
+        line.starts_with(&format!("OPENER already-open pid={} (", std::process::id())),
+        "{line}"
+    );
+    assert_eq!(
+        LocalStore::writing_process(&path).unwrap(),
+        Some(std::process::id())
+    );
+    store.write(&name("o"), 4, b"!").await.unwrap();
 
     drop(store);
     let (code, line) = run_opener(&path);
@@ -436,7 +450,7 @@ async fn second_opener_process_gets_already_open() {
     );
     // The child closed it too, and nothing was lost.
     let store = LocalStore::open(&path).unwrap();
-    assert_eq!(store.read(&name("o"), 0, 10).await.unwrap(), b"held");
+    assert_eq!(store.read(&name("o"), 0, 10).await.unwrap(), b"held!");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1339,4 +1353,50 @@ async fn a_segment_cut_short_is_named_as_damage() {
             "read-only {read_only}: {text}"
         );
     }
+}
+
+/// A store whose metadata database was removed while its data segments stayed is named as
+/// damaged by every open, and a create over it is refused: it was taken for no store at all
+/// ("does not exist"), and a store created there cut the old segments to nothing.
+#[tokio::test]
+async fn segments_without_their_database_are_damage_not_an_empty_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = LocalStore::open_with(&path, &CREATE).unwrap();
+    store
+        .write(&name("o"), 0, &vec![7u8; 256 << 10])
+        .await
+        .unwrap();
+    store.flush().await.unwrap();
+    drop(store);
+    for file in ["meta.sqlite", "meta.sqlite-wal", "meta.sqlite-shm"] {
+        let _ = std::fs::remove_file(path.join(file));
+    }
+    let segments = || {
+        std::fs::read_dir(path.join("data"))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .collect::<Vec<_>>()
+    };
+    let before = segments();
+    assert!(before.iter().sum::<u64>() >= 256 << 10, "{before:?}");
+    let opens = [
+        LocalStore::open_with(&path, &LocalStoreOptions { create: false }).map(drop),
+        LocalStore::open_with(&path, &CREATE).map(drop),
+        LocalStore::open_read_only(&path).map(drop),
+    ];
+    for open in opens {
+        match open {
+            Err(e @ StoreError::Corrupt(_)) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("no metadata database") && text.contains("meta.sqlite"),
+                    "{text}"
+                );
+            }
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+    }
+    assert_eq!(segments(), before, "the segments changed");
+    assert!(!path.join("meta.sqlite").exists(), "a database was made");
 }
