@@ -396,6 +396,27 @@ fn locker_json(locker: &Locker) -> Value {
 /// store, whose one writing process is known) and text.
 fn lock_report(uri: &ImageUri, holder: Option<&Locker>) -> Result<(Value, String)> {
     let Some(holder) = holder else {
+        // No current lock record, yet a local store's writer may still have it open: one
+        // that stopped renewing its lock (paused, hung) keeps every other writer out for as
+        // long as it runs, which "none" would hide.
+        if let ImageUri::Local { dir } = uri {
+            if let Ok(Some(pid)) = ivdisk_store::LocalStore::writing_process(dir) {
+                let description = format!(
+                    "process {pid} has the store open for writing but holds no current lock \
+                     record: it is starting, or it stopped renewing its lock (paused, hung, \
+                     overloaded); other writers are refused while it runs"
+                );
+                let json = json!({
+                    "client": Value::Null,
+                    "address": Value::Null,
+                    "description": description,
+                    "expires_in_secs": 0,
+                    "writing_process": pid,
+                    "holder_gone": false,
+                });
+                return Ok((json, description));
+            }
+        }
         return Ok((Value::Null, "none".to_owned()));
     };
     let mut json = locker_json(holder);
@@ -816,9 +837,10 @@ pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
             let uri = parse_uri(&image)?;
             let holder = rt.block_on(Image::lock_holder(&uri)).map_err(flat)?;
             let (lock, described) = lock_report(&uri, holder.as_ref())?;
-            let text = match &holder {
-                None => format!("image {uri}: no writer lock held"),
-                Some(_) => format!("image {uri}: writer lock held by {described}"),
+            let text = match (&holder, lock.is_null()) {
+                (None, true) => format!("image {uri}: no writer lock held"),
+                (None, false) => format!("image {uri}: {described}"),
+                (Some(_), _) => format!("image {uri}: writer lock held by {described}"),
             };
             print(json, json!({"image": uri.to_string(), "lock": lock}), text);
         }

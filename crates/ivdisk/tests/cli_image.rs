@@ -520,6 +520,34 @@ fn lock_status_and_break_without_a_holder() {
     assert!(fails(&["lock", "status", p(&f.path("absent"))]).contains("does not exist"));
 }
 
+/// A writer that has the store open but no current lock record (one that stopped renewing
+/// it: paused with SIGSTOP, hung) still keeps every other writer out: `lock status` and `info`
+/// name it instead of saying that no lock is held. Here this test process is that writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_without_a_current_lock_record_is_still_named() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "64M", &[]);
+    let store = ivdisk_store::LocalStore::open(&image).unwrap();
+    let ours = std::process::id();
+    let status = json(&["lock", "status", p(&image)]);
+    assert_eq!(status["lock"]["writing_process"], ours, "{status}");
+    assert_eq!(status["lock"]["holder_gone"], false, "{status}");
+    let said = ok(&["lock", "status", p(&image)]);
+    assert!(
+        said.contains(&format!("process {ours} has the store open for writing"))
+            && !said.contains("no writer lock held"),
+        "{said}"
+    );
+    let info = ok(&["info", p(&image)]);
+    assert!(
+        info.contains(&format!("process {ours} has the store open")),
+        "{info}"
+    );
+    drop(store);
+    assert_eq!(json(&["lock", "status", p(&image)])["lock"], Value::Null);
+}
+
 /// Not a test of its own (hence ignored): run by `a_dead_writers_lock_is_shown_and_broken`
 /// with `DIE_HOLDING_LOCK` set, it opens that image for writing and exits without closing it,
 /// as a writer that is killed.
