@@ -604,21 +604,7 @@ impl Image {
             // A rollback to another snapshot stopped part-way is finished first: this one
             // would visit only the objects its own sizes cover, and leave the other's past
             // them (a later grow showed that snapshot's data where zeros belong).
-            let unfinished = store
-                .read_op(
-                    header_object,
-                    ReadOp::new().step(ReadStep::OmapGetByKeys(vec![ROLLING_BACK_KEY.to_vec()])),
-                )
-                .await
-                .map_err(ImageError::store(image))?
-                .into_iter()
-                .find_map(|r| match r {
-                    ReadResult::Omap { pairs, .. } => pairs
-                        .iter()
-                        .next()
-                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
-                    _ => None,
-                });
+            let unfinished = rolling_back_to(store.as_ref(), header_object, image).await?;
             if let Some(other) = unfinished.filter(|other| other != name) {
                 return Err(ImageError::RollbackUnfinished {
                     image: image.clone(),
@@ -733,6 +719,29 @@ impl Image {
 
 /// Remove snapshot `name`: its record, then its store snapshot. Refused while another open
 /// reads it, where the store at `uri` keeps readers' marks (`readers.rs`).
+/// The snapshot a rollback stopped part-way was putting the image back to, if one did.
+async fn rolling_back_to(
+    store: &dyn ObjectStore,
+    header_object: &ObjectName,
+    image: &str,
+) -> Result<Option<String>, ImageError> {
+    Ok(store
+        .read_op(
+            header_object,
+            ReadOp::new().step(ReadStep::OmapGetByKeys(vec![ROLLING_BACK_KEY.to_vec()])),
+        )
+        .await
+        .map_err(ImageError::store(image))?
+        .into_iter()
+        .find_map(|r| match r {
+            ReadResult::Omap { pairs, .. } => pairs
+                .iter()
+                .next()
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
+            _ => None,
+        }))
+}
+
 async fn remove_record(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
@@ -747,6 +756,18 @@ async fn remove_record(
             image: image.to_owned(),
             snapshot: name.to_owned(),
         })?;
+    // The snapshot an unfinished rollback puts the image back to is the only way to finish
+    // it: removed, the image (objects of two states, refused by every open) was lost for good.
+    if rolling_back_to(store, header_object, image)
+        .await?
+        .as_deref()
+        == Some(name)
+    {
+        return Err(ImageError::RollbackUnfinished {
+            image: image.to_owned(),
+            snapshot: name.to_owned(),
+        });
+    }
     // Held to the end: no reader opens it meanwhile.
     let _readers_held_off = match uri {
         Some(uri) => {

@@ -438,8 +438,8 @@ async fn a_snapshot_table_longer_than_one_listing_is_read_whole() {
 }
 
 /// A rollback stopped part-way (here: its task panics at the first progress report, after 64
-/// objects, as a kill would stop it) leaves an image no open accepts, and the rollback run
-/// again finishes it. Objects of both states opened without a word.
+/// objects, as a kill would stop it) leaves an image no open accepts, whose snapshot it goes
+/// back to cannot be removed, and the rollback run again finishes it. Objects of both states opened without a word.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_rollback_leaves_no_image_that_opens() {
     for backend in [Backend::Local, Backend::Memory] {
@@ -470,6 +470,12 @@ async fn an_interrupted_rollback_leaves_no_image_that_opens() {
         // Nor is it rolled back to another snapshot before this one is finished (that one
         // visits only the objects its own sizes cover).
         match Image::rollback_snapshot(&uri, "t", |_, _| {}).await {
+            Err(ImageError::RollbackUnfinished { snapshot, .. }) => assert_eq!(snapshot, "s"),
+            other => panic!("{backend:?}: expected RollbackUnfinished, got {other:?}"),
+        }
+        // Nor is the snapshot it goes back to removed: the only way to finish it (removed, it
+        // left an image every open refused, for good).
+        match Image::remove_snapshot(&uri, "s").await {
             Err(ImageError::RollbackUnfinished { snapshot, .. }) => assert_eq!(snapshot, "s"),
             other => panic!("{backend:?}: expected RollbackUnfinished, got {other:?}"),
         }
