@@ -71,8 +71,9 @@ pub enum StoreError {
     NoSuchSnapshot(SnapId),
 
     #[error(
-        "no space left on the device ({context}): the operation was not applied; free space and \
-         retry (the store stays consistent)"
+        "no space left on the device ({context}): this operation on one object was not applied \
+         (others, such as the parts of a large write in other objects, may have been); free \
+         space and retry (the store stays consistent)"
     )]
     NoSpace { context: String },
 
