@@ -165,14 +165,23 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 );
                 bar
             };
-            let snap = rt
-                .block_on(Image::rollback_snapshot(&uri, &name, |done, all| {
-                    bar.set_length(all);
-                    bar.set_position(done);
-                }))
-                .map_err(flat);
+            let rollback = Image::rollback_snapshot(&uri, &name, |done, all| {
+                bar.set_length(all);
+                bar.set_position(done);
+            });
+            let snap = rt.block_on(unless_interrupted(rollback));
             bar.finish_and_clear();
-            let snap = snap?;
+            let Some(snap) = snap? else {
+                let at = uri.at_snapshot(&name);
+                let again = ivdisk_image::shell_word(&at);
+                bail!(
+                    "{}: the rollback of image {uri} to snapshot {name} stopped part-way; until \
+                     it is finished every open refuses the image (its objects are of two \
+                     states): run `ivdisk snap rollback {again}` again to finish it",
+                    crate::transfer::interrupted_error()
+                );
+            };
+            let snap = snap.map_err(flat)?;
             if args.json {
                 outln!(
                     "{}",
@@ -188,6 +197,24 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `work` to its end, or `None` when a SIGINT, SIGTERM, SIGHUP or SIGQUIT comes first (the
+/// work is dropped where it was): a rollback that died of the signal said nothing, and left
+/// the user to find out from the next command that it had not finished.
+async fn unless_interrupted<T>(work: impl std::future::Future<Output = T>) -> Result<Option<T>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut hangup = signal(SignalKind::hangup())?;
+    let mut quit = signal(SignalKind::quit())?;
+    Ok(tokio::select! {
+        done = work => Some(done),
+        _ = interrupt.recv() => None,
+        _ = terminate.recv() => None,
+        _ = hangup.recv() => None,
+        _ = quit.recv() => None,
+    })
 }
 
 /// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS` (UTC), without a date crate.

@@ -999,3 +999,60 @@ fn create_over_a_luks_file_suggests_no_delete() {
         "the volume is untouched"
     );
 }
+
+/// A rollback stopped by SIGTERM says so, with the command that finishes it, and exits 1
+/// (it died of the signal without a word before); the image is refused until then, and the
+/// rollback run again finishes it.
+#[test]
+fn a_rollback_stopped_by_a_signal_says_how_to_finish_it() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    // 16384 objects of 4 KiB: a rollback visits each, long enough to be caught running.
+    let raw = f.file("disk.raw", &common::random(64 << 20, 5));
+    let mut args = vec!["import", p(&raw), p(&image), "--object-size", "4K"];
+    args.extend(["--passphrase-file", p(&f.pw)]);
+    args.extend(FAST);
+    ok(&args);
+    let at = format!("{}@s", p(&image));
+    ok(&["snap", "create", &at]);
+    let mut rollback = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["snap", "rollback", &at])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Signalled once the rollback is recorded as under way (its objects are changing).
+    let started = std::time::Instant::now();
+    while info(&image)["unfinished"].is_null() {
+        assert!(
+            rollback.try_wait().unwrap().is_none(),
+            "the rollback ended before it was seen running"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(60));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let sent = Command::new("kill")
+        .args(["-TERM", &rollback.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = rollback.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("interrupted")
+            && stderr.contains("stopped part-way")
+            && stderr.contains(&format!("ivdisk snap rollback {at}")),
+        "{stderr}"
+    );
+    let err = fails(&[
+        "export",
+        p(&image),
+        p(&f.path("out.raw")),
+        "--passphrase-file",
+        p(&f.pw),
+    ]);
+    assert!(err.contains("did not finish"), "{err}");
+    ok(&["snap", "rollback", &at]);
+    assert!(info(&image)["unfinished"].is_null());
+}
