@@ -172,6 +172,17 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             let snap = rt.block_on(unless_interrupted(rollback));
             bar.finish_and_clear();
             let Some(snap) = snap? else {
+                // Stopped before the rollback was recorded, it changed nothing.
+                let recorded = rt
+                    .block_on(Image::info(&uri))
+                    .map_or(true, |info| info.unfinished.is_some());
+                if !recorded {
+                    bail!(
+                        "{}: the rollback of image {uri} to snapshot {name} was stopped before it \
+                         changed anything; the image is as it was",
+                        crate::transfer::interrupted_error()
+                    );
+                }
                 let at = uri.at_snapshot(&name);
                 let again = ivdisk_image::shell_word(&at);
                 bail!(
