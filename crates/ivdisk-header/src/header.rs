@@ -1178,8 +1178,6 @@ impl Header {
     }
 }
 
-/// Seal `volume_key` for `passphrase` into a newly allocated keyslot area and write it, synced,
-/// before any header points at it. Returns the keyslot's `area` and `kdf`.
 /// A new keyslot's material, sealed but not written yet, and what the header says of it.
 struct SealedMaterial {
     bytes: zeroize::Zeroizing<Vec<u8>>,
@@ -1198,6 +1196,8 @@ impl SealedMaterial {
     }
 }
 
+/// Seal `volume_key` for `passphrase` for a newly allocated keyslot area; nothing is written
+/// ([`SealedMaterial::store`] writes it, before any header points at it).
 fn seal_material(
     binary: &BinaryHeader,
     metadata: &Metadata,

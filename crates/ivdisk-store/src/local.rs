@@ -33,7 +33,7 @@ use crate::engine::{
     Request, SegmentMark, Segments, WalFile,
 };
 use crate::free_space::FreeSpace;
-use crate::process_flock::{lock_exclusive, FlockRefused, HeldFlock};
+use crate::process_flock::{exclusive_holder, lock_exclusive, FlockRefused, HeldFlock};
 use crate::StoreError;
 
 /// A data segment is closed and a new one started past this size.
@@ -1757,40 +1757,23 @@ fn refuse_segments_without_database(dir: &Path) -> Result<(), StoreError> {
 /// beside the first: the directory's own flock, which no removal of a file in it drops, keeps
 /// that second writer out. (Where a directory cannot be flocked, NFS say, `LOCK` alone.)
 struct DirectoryLock {
-    _lock: HeldFlock,
+    // Released first (fields drop in order): an opener that gets `LOCK` then finds the
+    // directory free, instead of taking the moment between for a removed `LOCK`.
     _dir: Option<HeldFlock>,
+    _lock: HeldFlock,
 }
 
-/// The process that holds a flock on the file `meta` describes, as `/proc/locks` shows it.
+/// [`exclusive_holder`], an error reading `/proc/locks` named.
 fn flock_holder(meta: &std::fs::Metadata) -> Result<Option<u32>, StoreError> {
-    let file = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(meta.dev()),
-        libc::minor(meta.dev()),
-        meta.ino()
-    );
-    let locks =
-        std::fs::read_to_string("/proc/locks").map_err(StoreError::io("reading /proc/locks"))?;
-    // "1: FLOCK  ADVISORY  WRITE 19203 fe:00:10289510 0 EOF"
-    Ok(locks.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file.as_str()))
-            .then(|| fields.get(4)?.parse().ok())
-            .flatten()
-    }))
+    exclusive_holder(meta).map_err(StoreError::io("reading /proc/locks"))
 }
 
 /// Take the directory's own flock (see [`DirectoryLock`]) once `LOCK`'s is held.
 fn lock_directory_itself(dir: &Path) -> Result<Option<HeldFlock>, StoreError> {
-    let file = match File::open(dir) {
-        Ok(file) => file,
-        Err(e) => {
-            return Err(StoreError::io(format!(
-                "opening directory {}",
-                dir.display()
-            ))(e))
-        }
-    };
+    let file = File::open(dir).map_err(StoreError::io(format!(
+        "opening directory {}",
+        dir.display()
+    )))?;
     let ours = std::process::id();
     let holder = |file: &File| {
         file.metadata()
@@ -2161,8 +2144,8 @@ impl LocalStore {
     }
 
     /// The process that has the store in `dir` open for writing (it holds the flock of
-    /// `dir/LOCK`, and of `dir` itself, as `/proc/locks` shows), or `None`: then no lock a client of the store
-    /// holds can be renewed, and the next writer takes such locks over. Looking takes no lock,
+    /// `dir/LOCK`, and of `dir` itself, as `/proc/locks` shows), or `None`: then no lock a
+    /// client of the store holds can be renewed, and the next writer takes such locks over. Looking takes no lock,
     /// so it never gets in the way of a writer opening the store meanwhile.
     pub fn writing_process(dir: impl AsRef<Path>) -> Result<Option<u32>, StoreError> {
         let dir = dir.as_ref();

@@ -47,6 +47,27 @@ impl Drop for HeldFlock {
     }
 }
 
+/// The process that took the exclusive `flock` held on the file (or directory) `meta`
+/// describes, as `/proc/locks` shows it; `None` if no such lock is held.
+pub fn exclusive_holder(meta: &std::fs::Metadata) -> std::io::Result<Option<u32>> {
+    let file = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(meta.dev()),
+        libc::minor(meta.dev()),
+        meta.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks")?;
+    // "1: FLOCK  ADVISORY  WRITE 19203 fe:00:10289510 0 EOF"
+    Ok(locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(1) == Some(&"FLOCK")
+            && fields.get(3) == Some(&"WRITE")
+            && fields.get(5) == Some(&file.as_str()))
+        .then(|| fields.get(4)?.parse().ok())
+        .flatten()
+    }))
+}
+
 /// Why [`lock_exclusive`] did not take the lock.
 #[derive(Debug)]
 pub enum FlockRefused {

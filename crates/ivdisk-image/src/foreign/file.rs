@@ -11,7 +11,7 @@
 
 use std::fs::{File, OpenOptions as FsOpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -362,20 +362,9 @@ impl LuksFileStore {
     /// The process that took the flock held on the file, from /proc/locks (best effort).
     fn flock_holder_pid(&self) -> Option<u32> {
         let meta = std::fs::metadata(&self.path).ok()?;
-        let dev = meta.dev();
-        let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-        let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-        let wanted = format!("{major:02x}:{minor:02x}:{}", meta.ino());
-        let locks = std::fs::read_to_string("/proc/locks").ok()?;
-        locks.lines().find_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            // "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"
-            let pid = fields.get(4)?.parse().ok()?;
-            (fields.get(1) == Some(&"FLOCK")
-                && fields.get(3) == Some(&"WRITE")
-                && fields.get(5) == Some(&wanted.as_str()))
-            .then_some(pid)
-        })
+        ivdisk_store::process_flock::exclusive_holder(&meta)
+            .ok()
+            .flatten()
     }
 }
 
