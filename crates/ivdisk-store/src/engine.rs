@@ -815,6 +815,9 @@ pub(crate) struct Engine {
     /// SQLite's automatic checkpoints are off because the file system is short of what one
     /// needs (`hold_checkpoints_while_short`): the setting to restore.
     autocheckpoint_held: Option<i64>,
+    /// The open transaction holds a write-back alone (`write_back_in_own_commit`): its
+    /// failed commit loses no operation.
+    writing_back_alone: bool,
     /// The last `checkpoint_debt` measured at a commit, and when (`commit_checkpoint_debt`).
     debt_seen: (u64, Instant),
     /// Where the appends end and the store's version, as the last successful commit stored
@@ -1034,6 +1037,7 @@ impl Engine {
             // compaction, may hold a large log and free pages.
             compaction: Compaction::new(true),
             autocheckpoint_held: None,
+            writing_back_alone: false,
             debt_seen: (0, Instant::now()),
             append_stored: None,
         })
@@ -1109,6 +1113,7 @@ impl Engine {
             snap_ids_issued: Default::default(),
             compaction: Compaction::new(false),
             autocheckpoint_held: None,
+            writing_back_alone: false,
             debt_seen: (0, Instant::now()),
             append_stored: None,
         };
@@ -2362,6 +2367,9 @@ impl Engine {
                 e.write(object, op, head, None)
             });
         }
+        if op.steps.iter().any(changes_whole_node_omap) {
+            self.write_back_in_own_commit()?;
+        }
         self.check_commit_room(object, op)?;
         self.begin()?;
         let head = self.head(object)?;
@@ -2398,6 +2406,48 @@ impl Engine {
                 Err(e)
             }
         }
+    }
+
+    /// Before an operation that reads or rewrites a node's omap in SQL as a whole: write
+    /// every held omap and extent change back in a commit of its own, after one of the
+    /// operations acknowledged so far.
+    ///
+    /// Why: the write-back rewrites a page of the tables for every few changes held, and
+    /// after random writes those lie all over them: on a file system that random 4 KiB writes
+    /// through `ivdisk serve` had filled, the write-back of a discard's object removal needed
+    /// more than the room kept for a commit (`CommitRoom`), and inside the operation's
+    /// transaction its failed commit took every operation acknowledged since the last flush
+    /// with it (and the image layer then refused all IO until the image was opened again).
+    /// Alone, a write-back whose commit fails loses nothing: its changes are still in their
+    /// pending rows and are held again. Only the operation that needed it is refused.
+    fn write_back_in_own_commit(&mut self) -> Result<(), StoreError> {
+        if !(self.omap.get_mut().pending() || self.extents.get_mut().pending()) {
+            return Ok(());
+        }
+        if self.in_txn && self.txn_ops > 0 {
+            self.try_commit(false)?;
+        }
+        self.begin()?;
+        if let Err(e) = self
+            .write_back_omap()
+            .and_then(|()| self.write_back_extents())
+        {
+            self.lose_transaction(&e);
+            return Err(e);
+        }
+        self.writing_back_alone = true;
+        let committed = self.try_commit(false);
+        self.writing_back_alone = false;
+        committed.map_err(|e| match e {
+            StoreError::NoSpace { context } => StoreError::NoSpace {
+                context: format!(
+                    "writing back the metadata changes the store holds in memory, which \
+                     removing an object, clearing its omap or rolling it back needs first: \
+                     {context}"
+                ),
+            },
+            e => e,
+        })
     }
 
     /// An error inside the open transaction that cannot be undone alone: roll back every
@@ -2451,6 +2501,9 @@ impl Engine {
         omap_whole: bool,
         body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        if omap_whole {
+            self.write_back_in_own_commit()?;
+        }
         self.begin()?;
         // A rollback to the savepoint forgets the cached heads: the rows must hold them first.
         // Failing half-way, some are stored and the rest only cached: the whole transaction
@@ -2783,6 +2836,12 @@ impl Engine {
     }
 
     fn commit(&mut self, durable: bool) {
+        // A failure is handled in `try_commit` (and reported by the next flush).
+        let _ = self.try_commit(durable);
+    }
+
+    /// `commit`, with its error, for a caller that acts on it.
+    fn try_commit(&mut self, durable: bool) -> Result<(), StoreError> {
         // Whether the transaction's operations are in the database (a failure after its
         // COMMIT loses none of them).
         let mut committed = !self.in_txn;
@@ -2791,7 +2850,7 @@ impl Engine {
         // A compaction's commit holds write-backs only: if it fails, the held changes come
         // back from their pending rows and no acknowledged operation is lost, so the next
         // flush has nothing to report and the image layer's caches nothing to forget.
-        let only_write_back = self.compaction.draining && ops == 0;
+        let only_write_back = (self.compaction.draining || self.writing_back_alone) && ops == 0;
         let mut data_synced = Duration::ZERO;
         let mut row_bytes = 0;
         let result = (|| -> Result<(), StoreError> {
@@ -2899,7 +2958,9 @@ impl Engine {
             } else if !only_write_back {
                 self.note_lost(&e);
             }
+            return Err(e);
         }
+        Ok(())
     }
 
     /// The dead ranges freed so far, merged and widened over partial blocks whose other
@@ -3742,16 +3803,7 @@ impl Engine {
         mut head: Option<Node>,
         appended: Option<Vec<Vec<Piece>>>,
     ) -> Result<WriteOutcome, StoreError> {
-        let whole_node_omap = |step: &WriteStep| {
-            matches!(
-                step,
-                WriteStep::OmapRemoveRange { .. }
-                    | WriteStep::OmapClear
-                    | WriteStep::Remove
-                    | WriteStep::Rollback(_)
-            )
-        };
-        if op.steps.iter().any(whole_node_omap) {
+        if op.steps.iter().any(changes_whole_node_omap) {
             self.write_back_omap()?;
         }
         let seq = op.snap_context.as_ref().map_or(0, |c| c.seq);
@@ -4846,6 +4898,18 @@ fn blob_at<'row>(row: &'row rusqlite::Row<'_>, column: usize) -> rusqlite::Resul
     value.as_blob().map_err(|e| {
         rusqlite::Error::FromSqlConversionFailure(column, value.data_type(), Box::new(e))
     })
+}
+
+/// Whether a step reads or rewrites its node's omap in SQL as a whole, which needs every
+/// held omap change written back first (see omap_overlay.rs).
+fn changes_whole_node_omap(step: &WriteStep) -> bool {
+    matches!(
+        step,
+        WriteStep::OmapRemoveRange { .. }
+            | WriteStep::OmapClear
+            | WriteStep::Remove
+            | WriteStep::Rollback(_)
+    )
 }
 
 #[cfg(test)]

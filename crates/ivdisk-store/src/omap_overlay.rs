@@ -19,7 +19,9 @@
 //! back writes nothing new. Steps that read or rewrite a node's omap in SQL as a whole (range
 //! removal, clear, object removal, rollback, snapshot removal) first write every held change
 //! back and delete every row (`Engine::write_back_omap`), so that a replay can never bring
-//! back a value such a step removed; a snapshot's clone copies its head's held changes.
+//! back a value such a step removed; they do it in a commit of their own
+//! (`Engine::write_back_in_own_commit`), which on a full disk may fail without losing an
+//! acknowledged operation. A snapshot's clone copies its head's held changes.
 //!
 //! The engine holds changed rows of its `extents` table the same way, in a second overlay
 //! (the same machinery, `Overlay`, over other key and value types: `OverlayKey`,
