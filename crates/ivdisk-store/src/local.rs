@@ -423,6 +423,18 @@ fn segment_path(dir: &Path, n: u32) -> PathBuf {
     dir.join(format!("seg-{n:08}"))
 }
 
+/// Segment `n` of the data directory `dir` is not there, though an extent points into it:
+/// deleted or moved behind the store's back (the store removes only segments nothing
+/// references).
+fn missing_segment(dir: &Path, n: u32) -> StoreError {
+    StoreError::Corrupt(format!(
+        "segment file {} is missing, and data of the store is in it (it was deleted or moved \
+         behind the store's back): put it back if it was moved, or restore the image from a \
+         backup",
+        segment_path(dir, n).display()
+    ))
+}
+
 /// After an unclean stop, make the state this open found durable before anything acts on it:
 /// the segments, then the metadata log. A process killed between a group commit and the
 /// durable commit after it leaves commits in the page cache, unsynced (and so does a run whose
@@ -488,6 +500,15 @@ impl FileSegments {
             })
             .collect();
         numbers.sort();
+        // The segment the last commit appended to must be there: opened with `create`, a
+        // deleted one came back empty, the store's data in it read as cut short, and the
+        // appends after went on behind a hole.
+        if let Some((segment, offset)) = Engine::stored_append_end(db)? {
+            let segment = u32::try_from(segment).unwrap_or(u32::MAX);
+            if offset > 0 && !numbers.contains(&segment) {
+                return Err(missing_segment(&dir, segment));
+            }
+        }
         if numbers.is_empty() {
             numbers.push(1);
         }
@@ -1400,9 +1421,10 @@ impl FileSegments {
         offset: u64,
         buf: &'b mut [u8],
     ) -> Result<(&File, &'b mut [u8]), StoreError> {
-        let file = self.files.get(&segment).ok_or_else(|| {
-            StoreError::Corrupt(format!("an extent points into missing segment {segment}"))
-        })?;
+        let file = self
+            .files
+            .get(&segment)
+            .ok_or_else(|| missing_segment(&self.dir, segment))?;
         let tail_at = self.len - self.tail.len() as u64;
         let end = offset + buf.len() as u64;
         if segment != self.active || end <= tail_at {
@@ -2406,9 +2428,7 @@ impl ReadOnlySegments {
                 match File::open(&path) {
                     Ok(file) => e.insert(file),
                     Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-                        return Err(StoreError::Corrupt(format!(
-                            "an extent points into missing segment {segment}"
-                        )))
+                        return Err(missing_segment(&self.dir, segment))
                     }
                     Err(err) => {
                         return Err(StoreError::io(format!("opening {}", path.display()))(err))

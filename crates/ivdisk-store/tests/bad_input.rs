@@ -1355,6 +1355,49 @@ async fn a_segment_cut_short_is_named_as_damage() {
     }
 }
 
+/// A segment file deleted behind the store's back is damage named with its path and what to
+/// do: it read as "an extent points into missing segment 1", naming neither, and a writer's
+/// open made the last one again, empty.
+#[tokio::test]
+async fn a_missing_segment_is_named_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    {
+        let store = LocalStore::open_with(&path, &CREATE).unwrap();
+        store
+            .write(&name("o"), 0, &pattern(1, 256 << 10))
+            .await
+            .unwrap();
+        store.flush().await.unwrap();
+    }
+    let segment = path.join("data").join("seg-00000001");
+    std::fs::remove_file(&segment).unwrap();
+    for read_only in [false, true] {
+        let opened = if read_only {
+            LocalStore::open_read_only(&path)
+        } else {
+            LocalStore::open(&path)
+        };
+        let err = match opened {
+            Ok(store) => store.read(&name("o"), 0, 4096).await.unwrap_err(),
+            Err(e) => e,
+        };
+        let text = err.to_string();
+        assert!(
+            matches!(err, StoreError::Corrupt(_))
+                && text.contains(&format!("{} is missing", segment.display()))
+                && text.contains("restore the image from a backup"),
+            "read-only {read_only}: {text}"
+        );
+        // A writer's open made it again, empty: the data in it then read as cut short, and
+        // appends went on behind a hole.
+        assert!(
+            !segment.exists(),
+            "read-only {read_only}: the open made the segment again"
+        );
+    }
+}
+
 /// A store whose metadata database was removed while its data segments stayed is named as
 /// damaged by every open, and a create over it is refused: it was taken for no store at all
 /// ("does not exist"), and a store created there cut the old segments to nothing.
