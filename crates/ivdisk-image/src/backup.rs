@@ -891,6 +891,18 @@ async fn write_file(
     progress: impl FnMut(BackupProgress),
 ) -> Result<BackupSummary, ImageError> {
     let partial = partial_path(path);
+    // What backups to the same file killed outright left: each of up to the image's size.
+    if let (Some(dir), Some(name)) = (path.parent(), path.file_name()) {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        let prefix = format!("{}.partial.", name.to_string_lossy());
+        for removed in crate::remove_abandoned_partials(dir, &prefix) {
+            tracing::info!(file = %removed.display(), "removed the partial file of a backup that was killed");
+        }
+    }
     // The header's keyslots are in it: material for guessing a passphrase offline.
     // Created here, never reused: the 0600 applies, and a second backup to the same file in
     // this process is refused rather than written into the first one's.
@@ -904,6 +916,9 @@ async fn write_file(
             "creating it (it must not exist: another backup to the same file runs in this \
              process, or one that was killed left it; remove it if none runs)",
         ))?;
+    // Held while the backup runs: a later backup to the same file tells this one, still
+    // being written, from one a killed backup left.
+    crate::mark_partial_in_progress(&file);
     let written = write_backup(
         source,
         options,

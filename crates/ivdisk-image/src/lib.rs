@@ -35,6 +35,7 @@ mod layout;
 mod metadata_cache;
 mod object_map;
 mod on_store;
+mod partial_file;
 mod range_lock;
 mod read_reply;
 mod readers;
@@ -57,6 +58,7 @@ pub use image::{
 pub use keyslots::HeaderChange;
 pub use layout::{LayoutKind, ObjectGeometry};
 pub use metadata_cache::DEFAULT_METADATA_CACHE_BYTES;
+pub use partial_file::{mark_partial_in_progress, remove_abandoned_partials};
 pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{at_snapshot, shell_quoted, shell_word, ImageUri, LOCAL_IMAGE_NAME};

@@ -22,7 +22,7 @@ pub fn backup_help() -> &'static str {
      No passphrase is needed: the file holds the image's header (its keyslots) and the \
      ciphertext and per-sector metadata of the sectors ever written, nothing decrypted; holes \
      and unwritten sectors take no space. It is written to FILE.partial.PID and renamed when \
-     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial.PID), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
+     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial.PID; one that a backup killed outright left is removed by the next backup to FILE), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
      The head is read under the writer lock (refused while the image is served for writing); \
      a snapshot (IMAGE@SNAP) is read without it, with the size it had. With --since OLDER, only \
      the objects that changed between snapshot OLDER and SNAP go in (an incremental backup, \

@@ -465,30 +465,16 @@ pub(crate) fn remove_made_dir(made_dir: Option<&Path>) -> String {
 
 /// Remove the partial files that exports to `file` killed outright (SIGKILL, a crash) left
 /// beside it: hidden, each of the image's size, and no later export removed them. A file whose
-/// export still runs is locked by it (`flock`, also across NFS) and stays.
+/// export still runs is locked by it and stays (`ivdisk_image::remove_abandoned_partials`).
 fn remove_abandoned_exports(file: &Path) {
     let name = file.file_name().unwrap_or_default().to_string_lossy();
-    let prefix = format!(".{name}.ivdisk-export-");
-    let ours = format!("{prefix}{}", std::process::id());
     let dir = match file.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let found = entry.file_name().to_string_lossy().into_owned();
-        let pid = found.strip_prefix(&prefix);
-        if found == ours || pid.is_none_or(|p| p.parse::<u32>().is_err()) {
-            continue;
-        }
-        let Ok(partial) = File::open(entry.path()) else {
-            continue;
-        };
-        if partial.try_lock().is_ok() && std::fs::remove_file(entry.path()).is_ok() {
-            tracing::info!(file = %entry.path().display(), "removed the partial file of an export that was killed");
-        }
+    for removed in ivdisk_image::remove_abandoned_partials(dir, &format!(".{name}.ivdisk-export-"))
+    {
+        tracing::info!(file = %removed.display(), "removed the partial file of an export that was killed");
     }
 }
 
@@ -686,7 +672,7 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
         }
         // Held while the export runs: a later export to the same name tells this file, still
         // being written, from one a killed export left (`remove_abandoned_exports`).
-        let _ = file.try_lock();
+        ivdisk_image::mark_partial_in_progress(&file);
         // Every byte not written below stays a hole: the file reads as zeros there.
         if let Err(e) = file.set_len(size) {
             // An empty file must not pass for an export either.

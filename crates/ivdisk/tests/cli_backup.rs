@@ -221,6 +221,35 @@ fn help_shows_examples() {
     }
 }
 
+/// A backup killed outright (SIGKILL, a crash) leaves its FILE.partial.PID behind, up to the
+/// image's size; the next backup to FILE removes it. One whose backup still runs (it holds
+/// its lock) stays, and so does another file's.
+#[test]
+fn a_backup_removes_the_partial_files_of_killed_backups() {
+    let fx = Fixture::new();
+    let image = fx.imported("small.ivd", &random(1 << 20, 5), "aegis128l-random");
+    let file = fx.path("small.ivdbak");
+    let partial = |name: &str, pid: u32| {
+        let path = fx.path(&format!("{name}.partial.{pid}"));
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        path
+    };
+    // Process ids no process has (above the kernel's largest, 4194304).
+    let abandoned = partial("small.ivdbak", 4_194_400);
+    let running = partial("small.ivdbak", 4_194_401);
+    let held = std::fs::File::open(&running).unwrap();
+    held.try_lock().unwrap();
+    let other = partial("other.ivdbak", 4_194_402);
+    ok(&["backup", p(&image), p(&file)]);
+    assert!(file.exists());
+    assert!(!abandoned.exists(), "a killed backup's partial file stayed");
+    assert!(
+        running.exists(),
+        "a running backup's partial file was removed"
+    );
+    assert!(other.exists(), "another file's partial file was removed");
+}
+
 /// Ctrl-C (SIGINT) or SIGTERM amid a backup: it stops, and its FILE.partial is removed, as
 /// after a failed backup (killed outright, the process left it behind); no FILE either.
 /// The signal comes at a few moments; whichever the backup had reached, the file is either
