@@ -57,6 +57,12 @@ pub(crate) trait Segments: Send {
     fn prefetch(&self, _segment: u32, _offset: u64, _len: u64) {}
     /// Make every append so far durable.
     fn sync(&mut self) -> Result<(), StoreError>;
+    /// At a durable commit: the store's files are still where they were opened. Deleted
+    /// under a running store (`rm -r` of its directory's content), they go on taking writes
+    /// and syncs that nothing will ever read, and every flush said they were durable.
+    fn check_in_place(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// A commit of the metadata follows: make sure it has room on the file system, where the
     /// segments keep some for it (local.rs, `CommitRoom`). `checkpoint_debt`: bytes the
     /// database file must still grow by to take in what its log holds (`checkpoint_debt`).
@@ -2908,6 +2914,7 @@ impl Engine {
             }
             if durable {
                 self.segments.sync()?;
+                self.segments.check_in_place()?;
                 let frees = self.widened_frees()?;
                 self.last_durable = Instant::now();
                 self.start_wal_sync(frees);
@@ -2946,15 +2953,17 @@ impl Engine {
             }
             self.in_txn = false;
             if committed {
-                // Only making it durable failed (syncing the log, punching dead ranges).
-                self.note_flush_error(
-                    &e,
-                    format!(
+                // Only making it durable failed (syncing the log, punching dead ranges), or
+                // the store's files are gone (`check_in_place`, which says what that means).
+                let what = match &e {
+                    StoreError::Corrupt(_) => e.to_string(),
+                    _ => format!(
                         "a durable commit failed after its transaction was committed: what was \
                          written since the previous flush is in the store but may not survive \
                          a power cut: {e}"
                     ),
-                );
+                };
+                self.note_flush_error(&e, what);
             } else if !only_write_back {
                 self.note_lost(&e);
             }

@@ -249,6 +249,9 @@ struct FileSegments {
     last_block_write: Option<Instant>,
     /// Room kept on the file system for the metadata's commits.
     room: CommitRoom,
+    /// The data directory and the metadata database as opened (device, inode): a durable
+    /// commit checks they are still there (`Segments::check_in_place`).
+    opened_as: Vec<(PathBuf, (u64, u64))>,
 }
 
 /// Start writeback of `[offset, offset + len)` of `file` without waiting for it
@@ -564,7 +567,14 @@ impl FileSegments {
             unsynced_ahead: 0,
             last_reuse: Instant::now(),
             last_block_write: None,
+            opened_as: Vec::new(),
         };
+        let database = segments.dir.parent().map(|store| store.join("meta.sqlite"));
+        for path in std::iter::once(segments.dir.clone()).chain(database) {
+            if let Ok(meta) = std::fs::metadata(&path) {
+                segments.opened_as.push((path, (meta.dev(), meta.ino())));
+            }
+        }
         if reclaim {
             segments.start_reclaim(db)?;
         }
@@ -1580,6 +1590,27 @@ impl Segments for FileSegments {
 
     fn committed(&mut self) {
         self.reused.clear();
+    }
+
+    fn check_in_place(&self) -> Result<(), StoreError> {
+        let gone = |path: &Path| {
+            StoreError::Corrupt(format!(
+                "{} was deleted or replaced while the store was open: what was written since \
+                 went into files no longer in the store's directory, and is lost when this \
+                 process stops; stop writing, and restore the image from a backup",
+                path.display()
+            ))
+        };
+        for (path, opened) in &self.opened_as {
+            let now = std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
+            if now != Some(*opened) {
+                return Err(gone(path));
+            }
+        }
+        match self.files[&self.active].metadata() {
+            Ok(meta) if meta.nlink() == 0 => Err(gone(&segment_path(&self.dir, self.active))),
+            _ => Ok(()),
+        }
     }
 
     fn punch(&mut self, segment: u32, offset: u64, len: u64) -> Result<(), StoreError> {

@@ -1398,6 +1398,35 @@ async fn a_missing_segment_is_named_with_what_to_do() {
     }
 }
 
+/// The store's database or data directory deleted under an open store: the writes after go
+/// into files nothing will read again, and every flush said they were durable. Now flushes
+/// fail, naming what is gone.
+#[tokio::test]
+async fn flushes_fail_once_the_store_files_are_deleted_under_it() {
+    for gone in ["meta.sqlite", "data"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let store = LocalStore::open_with(&path, &CREATE).unwrap();
+        store.write(&name("o"), 0, &pattern(1, 8192)).await.unwrap();
+        store.flush().await.unwrap();
+        let removed = path.join(gone);
+        match gone {
+            "data" => std::fs::remove_dir_all(&removed).unwrap(),
+            _ => std::fs::remove_file(&removed).unwrap(),
+        }
+        store.write(&name("o"), 0, &pattern(2, 8192)).await.unwrap();
+        let err = store.flush().await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("{} was deleted or replaced", removed.display())),
+            "{gone}: {text}"
+        );
+        // And every flush after.
+        let again = store.flush().await.unwrap_err().to_string();
+        assert!(again.contains("was deleted or replaced"), "{gone}: {again}");
+    }
+}
+
 /// A store whose metadata database was removed while its data segments stayed is named as
 /// damaged by every open, and a create over it is refused: it was taken for no store at all
 /// ("does not exist"), and a store created there cut the old segments to nothing.
