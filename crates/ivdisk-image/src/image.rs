@@ -21,7 +21,8 @@ use crate::object_map::ObjectMap;
 use crate::range_lock::RangeLocks;
 use crate::snapshot::{SnapshotInfo, SnapshotTable};
 use crate::writer_lock::{
-    self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, WRITER_LOCK,
+    self, HolderRecord, WriterLock, DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, LOCK_STALL_WAIT,
+    WRITER_LOCK,
 };
 use crate::{ImageError, ImageUri};
 
@@ -96,6 +97,10 @@ pub struct OpenOptions {
     /// lock is held, so small reads fetch the data alone and small writes on RADOS send whole
     /// metadata blocks (see `metadata_cache.rs`). 0 turns the cache off.
     pub metadata_cache_bytes: usize,
+    /// How long a write waits while the writer lock is not renewed in time (the store did not
+    /// answer: an OSD stalled or restarted) before it fails ([`LOCK_STALL_WAIT`]; zero: at
+    /// once, as before writes waited).
+    pub stalled_write_wait: Duration,
 }
 
 impl Default for OpenOptions {
@@ -105,6 +110,7 @@ impl Default for OpenOptions {
             lock_duration: DEFAULT_LOCK_DURATION,
             snapshot: None,
             metadata_cache_bytes: DEFAULT_METADATA_CACHE_BYTES,
+            stalled_write_wait: LOCK_STALL_WAIT,
         }
     }
 }
@@ -732,7 +738,11 @@ impl Image {
                     options.lock_duration,
                     HolderRecord::Keep,
                 )
-                .await?,
+                .await
+                .map(|mut lock| {
+                    lock.set_stall_wait(options.stalled_write_wait);
+                    lock
+                })?,
             )
         };
         // Read again under the lock: another writer may have resized before we held it.
@@ -919,6 +929,21 @@ impl Image {
             released.map_err(ImageError::store(&name))?;
         }
         flushed
+    }
+
+    /// Why writes are refused, for an image open for writing whose writer lock was lost
+    /// (broken, fenced, taken by another writer) or is not renewed in time, asking the store
+    /// whether the lock is still this writer's; `None` while it is held, and for read-only
+    /// opens.
+    pub async fn writer_lock_lost(&self) -> Option<String> {
+        let confirm = {
+            let lock = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+            lock.as_ref()?.confirm_held()
+        };
+        match confirm {
+            Err(why) => Some(why),
+            Ok(confirm) => confirm.await,
+        }
     }
 
     /// The image as addressed when opened.
@@ -1565,6 +1590,43 @@ impl Inner {
             tracing::error!("{error}");
         }
         Err(error)
+    }
+
+    /// [`Inner::check_writable`] for a write about to start: while writes are refused only
+    /// until the writer lock is renewed (the store did not answer a renewal in time), it
+    /// waits for that, up to `OpenOptions::stalled_write_wait`, as librbd holds writes
+    /// while it cannot renew its lock. A lock lost for good, or a wait that long, fails it.
+    pub(crate) async fn wait_writable(&self) -> Result<(), ImageError> {
+        let started = std::time::Instant::now();
+        loop {
+            let refused = match self.check_writable() {
+                Err(e @ ImageError::LockLost { .. }) => e,
+                other => return other,
+            };
+            let stalled = self
+                .lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .and_then(WriterLock::stalled);
+            let Some((changed, wait)) = stalled else {
+                return Err(refused);
+            };
+            if started.elapsed() >= wait {
+                return Err(refused);
+            }
+            let notified = changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            // Registered before the state is looked at again, so no change is missed.
+            notified.as_mut().enable();
+            if self.writes_allowed.load(Ordering::Acquire) {
+                continue;
+            }
+            // No timer here (the crate does not pick the runtime): the renewal thread tells
+            // of every renewal that fails (a third of the lock's life apart, or the store's
+            // timeout for one that hangs), and the bound is checked at each.
+            notified.await;
+        }
     }
 
     pub(crate) fn check_writable(&self) -> Result<(), ImageError> {

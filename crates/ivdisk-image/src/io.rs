@@ -1238,7 +1238,7 @@ impl Image {
         len: u64,
     ) -> Result<Option<WriteHold<'_>>, ImageError> {
         let inner = &self.inner;
-        inner.check_writable()?;
+        inner.wait_writable().await?;
         inner.check_range(offset, len)?;
         if len == 0 {
             return Ok(None);

@@ -63,7 +63,7 @@ pub use read_reply::ReadReply;
 pub use snapshot::{SnapshotInfo, MAX_SNAPSHOT_NAME};
 pub use uri::{at_snapshot, shell_quoted, shell_word, ImageUri, LOCAL_IMAGE_NAME};
 pub use write_payload::{PayloadPlacement, WritePayload};
-pub use writer_lock::{DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, WRITER_LOCK};
+pub use writer_lock::{DEFAULT_LOCK_DURATION, LOCK_HELD_MARGIN, LOCK_STALL_WAIT, WRITER_LOCK};
 
 /// The `tracing` target of the log line naming sectors that failed authentication on a read
 /// (level ERROR). A server's log is where those go; a command that reports them in its own

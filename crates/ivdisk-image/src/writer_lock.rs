@@ -19,6 +19,12 @@ use crate::ImageError;
 /// [`crate::Image::refuse_if_write_locked`] leaves a lock with less than this left to the
 /// open: the clocks of this host and of the OSDs, which decide expiry, may differ by a little.
 pub const LOCK_HELD_MARGIN: Duration = Duration::from_secs(2);
+/// How long a write waits while writes are refused only until the writer lock is renewed
+/// (the store did not answer a renewal in time: an OSD stalled or restarted), before it fails
+/// with the reason. librbd holds writes while it cannot renew its lock; a client then sees a
+/// slow write rather than an I/O error (fio stopped, a guest's file system went read-only,
+/// after a single OSD stalled for 16 s).
+pub const LOCK_STALL_WAIT: Duration = Duration::from_secs(300);
 /// The lock's name on the header object.
 pub const WRITER_LOCK: &str = "ivdisk_writer";
 /// How long a lock lives without renewal; renewed every third of it.
@@ -155,6 +161,22 @@ pub(crate) struct WriterLock {
     /// True while held and not lost: what every write checks, one atomic load (the two
     /// mutexes behind `lost` cost a write of 64 KiB a few percent with two threads).
     healthy: Arc<AtomicBool>,
+    /// True while writes are refused only until a renewal succeeds ([`Refusal::Stalled`]):
+    /// writes then wait ([`WriterLock::stalled`]).
+    stalled: Arc<AtomicBool>,
+    /// Told whenever the refusal changes, and when the renewals stop.
+    changed: Arc<tokio::sync::Notify>,
+    /// How long a write waits while [`WriterLock::stalled`] ([`LOCK_STALL_WAIT`] unless
+    /// set: `OpenOptions::stalled_write_wait`).
+    stall_wait: Duration,
+}
+
+/// Why the renewal thread refuses writes.
+pub(crate) enum Refusal {
+    /// Until a renewal succeeds again: the store did not answer one in time.
+    Stalled(String),
+    /// For good: the lock is lost.
+    Lost(String),
 }
 
 impl std::fmt::Debug for WriterLock {
@@ -195,8 +217,9 @@ const RENEWAL_POLL: Duration = Duration::from_millis(50);
 /// A failed renewal does not give the lock up at once: a store that is away for a while (an
 /// OSD down, a full pool) comes back, and the image with it. Writes go on while the lock may
 /// still be held (less than two thirds of `duration` since the last renewal was sent, which
-/// the store received later), are refused after that (`set_refused(Some(why))`), and resume
-/// once a renewal succeeds again (`set_refused(None)`): a lock that expired meanwhile is taken
+/// the store received later), are refused after that (`set_refused(Some(Refusal::Stalled))`:
+/// writes then wait, up to [`LOCK_STALL_WAIT`]), and resume once a renewal succeeds again
+/// (`set_refused(None)`): a lock that expired meanwhile is taken
 /// again if nobody else took it, and kept only if nobody else held it meanwhile either (the
 /// holder record still names `request.cookie`; a writer that took it, wrote and closed would
 /// otherwise be overwritten from a stale metadata cache and a client's stale view). It is lost
@@ -207,7 +230,7 @@ fn renew_until_stopped(
     image: &str,
     record: HolderRecord,
     stopped: mpsc::Receiver<()>,
-    mut set_refused: impl FnMut(Option<String>),
+    mut set_refused: impl FnMut(Option<Refusal>),
 ) {
     let duration = request.duration.unwrap_or(DEFAULT_LOCK_DURATION);
     // When the lock was last sent and found held: it was taken (or renewed) before this
@@ -275,11 +298,11 @@ fn renew_until_stopped(
                          is renewed"
                     );
                     refused = true;
-                    set_refused(Some(format!(
+                    set_refused(Some(Refusal::Stalled(format!(
                         "not renewed since {:.0?} ago: the store has not answered the renewal; \
                          writes resume once it is",
                         last_sent_ok.elapsed()
-                    )));
+                    ))));
                 }
                 std::thread::sleep(RENEWAL_POLL.min(duration / 10));
             }
@@ -304,7 +327,7 @@ fn renew_until_stopped(
                          another writer held it meanwhile; reopen the image"
                     );
                     tracing::error!(image, "{why}; refusing further writes");
-                    set_refused(Some(why));
+                    set_refused(Some(Refusal::Lost(why)));
                     return;
                 }
                 // Not known yet: still refused, asked again at the next renewal.
@@ -327,11 +350,11 @@ fn renew_until_stopped(
                     set_refused(None);
                 } else if !in_time && !refused {
                     refused = true;
-                    set_refused(Some(format!(
+                    set_refused(Some(Refusal::Stalled(format!(
                         "the last renewal of the writer lock took {:.0?}; writes resume once one \
                          comes back in time",
                         sent.elapsed()
-                    )));
+                    ))));
                 }
             }
             Err(
@@ -340,7 +363,7 @@ fn renew_until_stopped(
                 | StoreError::Fenced { .. }),
             ) => {
                 tracing::error!(image, error = %e, "the writer lock was lost; refusing further writes");
-                set_refused(Some(format!("{e}; reopen the image")));
+                set_refused(Some(Refusal::Lost(format!("{e}; reopen the image"))));
                 return;
             }
             Err(e) if Instant::now() >= last_sent_ok + duration * 2 / 3 => {
@@ -349,10 +372,10 @@ fn renew_until_stopped(
                     tracing::error!(image, error = %e, "renewing the writer lock failed; writes are refused until it is renewed");
                     refused = true;
                 }
-                set_refused(Some(format!(
+                set_refused(Some(Refusal::Stalled(format!(
                     "not renewed since {:.0?} ago: {e}; writes resume once it is",
                     last_sent_ok.elapsed()
-                )));
+                ))));
             }
             Err(e) => {
                 // Again by the time writes would have to stop without a renewal, so that a
@@ -682,12 +705,16 @@ impl WriterLock {
         Self::renew_if_late(store.as_ref(), &object, image, &request, &mut sent).await?;
         let lost = Arc::new(Mutex::new(None));
         let healthy = Arc::new(AtomicBool::new(true));
+        let stalled = Arc::new(AtomicBool::new(false));
+        let changed = Arc::new(tokio::sync::Notify::new());
         let (stop, stopped) = mpsc::channel::<()>();
         let renewer = {
             let store = store.clone();
             let object = object.clone();
             let lost = lost.clone();
             let healthy = healthy.clone();
+            let stalled = stalled.clone();
+            let changed = changed.clone();
             let request = LockRequest {
                 renew: true,
                 ..request
@@ -697,10 +724,18 @@ impl WriterLock {
                 .name("ivdisk-lock-renew".into())
                 .spawn(move || {
                     let lock = (&*store, &object, request, sent);
-                    let set_refused = |why: Option<String>| {
+                    let set_refused = |refusal: Option<Refusal>| {
                         // `Some`: writes refused, and why; `None`: held again.
-                        *lost.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
-                        healthy.store(why.is_none(), Ordering::Release);
+                        let (why, until_renewed) = match refusal {
+                            None => (None, false),
+                            Some(Refusal::Stalled(why)) => (Some(why), true),
+                            Some(Refusal::Lost(why)) => (Some(why), false),
+                        };
+                        let held = why.is_none();
+                        *lost.lock().unwrap_or_else(|e| e.into_inner()) = why;
+                        stalled.store(until_renewed, Ordering::Release);
+                        healthy.store(held, Ordering::Release);
+                        changed.notify_waiters();
                     };
                     let renewing = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         renew_until_stopped(lock, &name, record, stopped, set_refused)
@@ -709,10 +744,10 @@ impl WriterLock {
                     // take it: writes must stop (they went on unchecked when this panicked).
                     if renewing.is_err() {
                         tracing::error!(image = %name, "the writer lock's renewal failed; refusing further writes");
-                        set_refused(Some(
+                        set_refused(Some(Refusal::Lost(
                             "the writer lock's renewal failed (see the log); reopen the image"
                                 .into(),
-                        ));
+                        )));
                     }
                 })
                 .map_err(|e| ImageError::Store {
@@ -733,7 +768,41 @@ impl WriterLock {
             renewer: Some(renewer),
             lost,
             healthy,
+            stalled,
+            changed,
+            stall_wait: LOCK_STALL_WAIT,
         })
+    }
+
+    /// Why this lock no longer covers writes, if it does not: lost as the renewals saw it, or
+    /// no longer this writer's in the store though the renewals have not seen that yet (a
+    /// break, a fencing, a successor; they look every third of its life). A store that does
+    /// not answer counts as still held.
+    pub(crate) fn confirm_held(
+        &self,
+    ) -> Result<impl std::future::Future<Output = Option<String>> + Send + 'static, String> {
+        if let Some(why) = self.lost() {
+            return Err(why);
+        }
+        let (store, object, cookie) =
+            (self.store.clone(), self.object.clone(), self.cookie.clone());
+        Ok(async move {
+            let lockers = match store.list_lockers(&object, WRITER_LOCK).await {
+                Ok(lockers) => lockers,
+                // A fenced client reads nothing either.
+                Err(e @ StoreError::Fenced { .. }) => return Some(e.to_string()),
+                Err(_) => return None,
+            };
+            let ours = lockers
+                .iter()
+                .any(|l| l.cookie == cookie && l.client == store.client_id());
+            (!ours).then(|| "it is no longer this writer's: broken, or taken by another".into())
+        })
+    }
+
+    /// How long writes wait while the lock is not renewed in time (see [`LOCK_STALL_WAIT`]).
+    pub(crate) fn set_stall_wait(&mut self, wait: Duration) {
+        self.stall_wait = wait;
     }
 
     /// A flag that stays true while the lock is held and not lost ([`WriterLock::lost`] says
@@ -747,11 +816,21 @@ impl WriterLock {
         self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// While writes are refused only until a renewal succeeds: what tells when that changes
+    /// (the lock renewed, lost for good, or no longer renewed).
+    /// Also how long a write may wait for it.
+    pub(crate) fn stalled(&self) -> Option<(Arc<tokio::sync::Notify>, Duration)> {
+        (self.stalled.load(Ordering::Acquire) && self.renewer.is_some())
+            .then(|| (self.changed.clone(), self.stall_wait))
+    }
+
     fn stop_renewing(&mut self) {
         drop(self.stop.take());
         if let Some(thread) = self.renewer.take() {
             let _ = thread.join();
         }
+        // Writes waiting for a renewal wait no more.
+        self.changed.notify_waiters();
     }
 
     /// Stop renewing and remove the locked object itself, then release the lock (on RADOS it

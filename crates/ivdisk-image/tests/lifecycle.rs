@@ -501,6 +501,8 @@ async fn the_writer_lock_is_renewed_while_the_image_is_open() {
         .unwrap();
     let options = OpenOptions {
         lock_duration: Duration::from_secs(3),
+        // Refused at once while the lock is not renewed (these tests look for that).
+        stalled_write_wait: Duration::ZERO,
         ..OpenOptions::default()
     };
     let writer = Image::open(&uri, PASS, &options).await.unwrap();
@@ -555,6 +557,8 @@ async fn writer_with_short_lock(prefix: &str) -> (ImageUri, Image) {
         .unwrap();
     let options = OpenOptions {
         lock_duration: SHORT_LOCK,
+        // Refused at once while the lock is not renewed (these tests look for that).
+        stalled_write_wait: Duration::ZERO,
         ..OpenOptions::default()
     };
     let writer = Image::open(&uri, PASS, &options).await.unwrap();
@@ -1103,9 +1107,19 @@ async fn wait_for_writes_back(writer: &Image, deadline: Duration) -> Duration {
 }
 
 /// The image "away" on an [`AwayForLocks`] over `memory`, open for writing with a short lock
-/// and written once.
+/// and written once; writes are refused at once while the lock is not renewed (these tests
+/// look for that).
 async fn away_store_and_writer(
     memory: &ivdisk_store::MemoryStore,
+) -> (std::sync::Arc<AwayForLocks>, Image) {
+    away_store_and_writer_waiting(memory, Duration::ZERO).await
+}
+
+/// [`away_store_and_writer`], with writes waiting up to `stalled_write_wait` while the lock is
+/// not renewed.
+async fn away_store_and_writer_waiting(
+    memory: &ivdisk_store::MemoryStore,
+    stalled_write_wait: Duration,
 ) -> (std::sync::Arc<AwayForLocks>, Image) {
     let store = std::sync::Arc::new(AwayForLocks {
         inner: memory.another_client(),
@@ -1126,6 +1140,7 @@ async fn away_store_and_writer(
         .unwrap();
     let short = OpenOptions {
         lock_duration: SHORT_LOCK,
+        stalled_write_wait,
         ..OpenOptions::default()
     };
     let writer = Image::open_on(store.clone(), "away", PASS, &short)
@@ -1133,6 +1148,60 @@ async fn away_store_and_writer(
         .unwrap();
     writer.write(0, b"before").await.unwrap();
     (store, writer)
+}
+
+/// Renewals that fail for a while (an OSD of the header's placement group stalled for 16 s):
+/// writes wait, as librbd holds them while it cannot renew its lock, and go through once a
+/// renewal succeeds again. They failed with EIO, and fio and guests' file systems stopped on
+/// it. If another writer takes the lock meanwhile, the waiting writes fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_wait_while_the_store_is_away_and_go_through_once_the_lock_is_renewed() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let memory = ivdisk_store::MemoryStore::new().unwrap();
+    let (store, writer) = away_store_and_writer_waiting(&memory, Duration::from_secs(60)).await;
+
+    store.away.store(true, SeqCst);
+    // Past two thirds of the lock's life without a renewal: writes are held from now on.
+    tokio::time::sleep(SHORT_LOCK).await;
+    let waiting = tokio::spawn({
+        let writer = writer.clone();
+        async move { writer.write(8192, b"held").await }
+    });
+    tokio::time::sleep(SHORT_LOCK).await;
+    assert!(
+        !waiting.is_finished(),
+        "the write did not wait for the lock"
+    );
+    store.away.store(false, SeqCst);
+    tokio::time::timeout(SHORT_LOCK * 3, waiting)
+        .await
+        .expect("the write went on once the lock was renewed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(read(&writer, 8192, 4).await, b"held");
+
+    // Away again, and another client takes the lock once it has expired: the write waiting
+    // meanwhile fails, and wrote nothing.
+    store.away.store(true, SeqCst);
+    tokio::time::sleep(SHORT_LOCK).await;
+    let waiting = tokio::spawn({
+        let writer = writer.clone();
+        async move { writer.write(8192, b"late").await }
+    });
+    let other = std::sync::Arc::new(memory.another_client());
+    let second = open_once_expired(&other).await;
+    store.away.store(false, SeqCst);
+    let refused = tokio::time::timeout(SHORT_LOCK * 3, waiting)
+        .await
+        .expect("the waiting write was answered once the lock was lost")
+        .unwrap();
+    assert!(
+        matches!(refused, Err(ImageError::LockLost { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(read(&second, 8192, 4).await, b"held");
+    writer.close().await.unwrap();
+    second.close().await.unwrap();
 }
 
 /// A renewal call that hangs (an OSD that does not answer; RADOS gives up after 60 s, twice
@@ -1182,6 +1251,8 @@ async fn an_open_that_outlives_its_lock_fails_and_gives_it_back() {
     *store.slow_fence.lock().unwrap() = Some(SHORT_LOCK + SHORT_LOCK / 5);
     let short = OpenOptions {
         lock_duration: SHORT_LOCK,
+        // Refused at once while the lock is not renewed (these tests look for that).
+        stalled_write_wait: Duration::ZERO,
         ..OpenOptions::default()
     };
     let err = Image::open_on(store.clone(), "away", PASS, &short)

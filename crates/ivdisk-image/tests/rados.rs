@@ -144,6 +144,8 @@ async fn writer_lock_between_two_rados_clients() {
     assert_eq!(Image::lock_holder(&uri).await.unwrap(), None);
     let short = OpenOptions {
         lock_duration: Duration::from_secs(3),
+        // Refused at once while the lock is not renewed (these tests look for that).
+        stalled_write_wait: Duration::ZERO,
         ..OpenOptions::default()
     };
     let second = Image::open(&uri, PASS, &short).await.unwrap();

@@ -571,8 +571,19 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         control.stop(rt);
     }
     // Whatever happened to the server, the image is flushed and its lock released.
-    let closed = rt.block_on(image.close());
-    finish(&args, served, closed.map_err(|e| anyhow!("{e}")))
+    let lock_lost = rt.block_on(image.writer_lock_lost());
+    let closed = rt.block_on(image.close()).map_err(|e| anyhow!("{e}"));
+    // A writer fenced (`ivdisk lock break`, a successor) or cut off stops with an error: its
+    // clients' writes were refused from then on, which a clean stop would hide.
+    let closed = closed.and_then(|()| match lock_lost {
+        Some(why) => Err(anyhow!(
+            "image {uri}: closed, but its writer lock was lost while it was served ({why}): \
+             the clients' writes were refused from then on (they saw I/O errors); what they \
+             wrote before is in the image"
+        )),
+        None => Ok(()),
+    });
+    finish(&args, served, closed)
 }
 
 /// Say that the export is ready: `ready` completed with where and how to reach it, as one

@@ -477,9 +477,10 @@ fn a_broken_lock_fences_its_writer_before_the_next_one_writes() {
             "{what}: {read}"
         );
     }
-    // The fenced server stops cleanly: its lock was not its own to release any more.
+    // The fenced server stops with an error (exit 1): its clients' writes were refused since
+    // the break, which a clean stop ("flushed and closed", exit 0) hid.
     signal(&first.0, "-TERM");
-    assert!(first.0.wait().unwrap().success());
+    assert_eq!(first.0.wait().unwrap().code(), Some(1));
 
     // The text form says what it did, and how to lift the blocklisting.
     let text = ok(&["lock", "break", &image, "--yes"]);
@@ -585,8 +586,9 @@ fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
             "{command}: {read}"
         );
     }
+    // Fenced, it stops with an error: its clients' writes were refused since.
     signal(&paused.0, "-TERM");
-    assert!(paused.0.wait().unwrap().success());
+    assert_eq!(paused.0.wait().unwrap().code(), Some(1));
 
     // Killed: the same, and what it acknowledged stays.
     let killed_at = holder_at();
