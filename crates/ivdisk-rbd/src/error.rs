@@ -91,6 +91,19 @@ pub enum RbdError {
         source: HeaderError,
     },
 
+    /// Another client holds the image's exclusive lock and keeps it (it took it in exclusive
+    /// mode, as `ivdisk serve` and `rbd-nbd --exclusive` do).
+    #[error(
+        "rbd image {image} has another writer, which holds its exclusive lock and keeps it \
+         ({source}): stop that one first (`rbd status {image}` lists the clients that have it \
+         open), or open this one read-only (`serve --read-only`)"
+    )]
+    OtherWriter {
+        image: String,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// librbd refused a write with EROFS on an image opened read-write: not this handle's
     /// mode, the cluster's doing.
     #[error(
@@ -157,7 +170,8 @@ impl RbdError {
             | RbdError::EncryptionLoad { source, .. }
             | RbdError::NoSpace { source, .. }
             | RbdError::Io { source, .. }
-            | RbdError::Close { source, .. } => source.raw_os_error(),
+            | RbdError::Close { source, .. }
+            | RbdError::OtherWriter { source, .. } => source.raw_os_error(),
             RbdError::WriteRefused { .. } => Some(libc::EROFS),
             _ => None,
         }

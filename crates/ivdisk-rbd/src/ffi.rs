@@ -47,6 +47,8 @@ mod sys {
     pub const RBD_WRITE_ZEROES_FLAG_THICK_PROVISION: c_int = 1;
     // rbd_encryption_algorithm_t (ignored when loading; the header names the cipher)
     pub const RBD_ENCRYPTION_ALGORITHM_AES256: c_int = 1;
+    /// `rbd_lock_mode_t`.
+    pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
 
     /// `rbd_encryption_luks1_format_options_t` and `rbd_encryption_luks2_format_options_t`:
     /// in Pacific the two are the same layout, and `rbd_encryption_load` takes them too
@@ -73,6 +75,7 @@ mod sys {
             snap_name: *const c_char,
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
+        pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
         pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
         pub fn rbd_encryption_load(
             image: rbd_image_t,
@@ -188,6 +191,15 @@ impl ImageHandle {
             }
         })?;
         Ok(ImageHandle { raw })
+    }
+
+    /// Take librbd's exclusive lock in exclusive mode and keep it until the close (blocking:
+    /// asks a holder in librbd's cooperative mode to give it up). Another client that asks
+    /// for it then gets EROFS, where in the cooperative mode two writers took it in turn.
+    pub fn lock_exclusive(&self) -> Result<(), Errno> {
+        // SAFETY: open handle; the mode is `RBD_LOCK_MODE_EXCLUSIVE` of librbd.h's enum.
+        Errno::check(unsafe { sys::rbd_lock_acquire(self.raw, sys::RBD_LOCK_MODE_EXCLUSIVE) })?;
+        Ok(())
     }
 
     /// The size librbd reports: after an encryption load, the plaintext size (the LUKS header

@@ -117,6 +117,7 @@ impl RbdImage {
             snapshot,
             read_only,
             encryption,
+            exclusive,
         } = options;
         let image = image_spec(config, &name, snapshot.as_deref());
         // `io` bound before `handle`, so that a future dropped at an await below drops the
@@ -180,6 +181,34 @@ impl RbdImage {
                 ),
             });
         }
+        let handle = match exclusive && !read_only && snapshot.is_none() {
+            true => {
+                let thread_io = io.clone();
+                let (handle, locked, _thread_io) = blocking(&image, move || {
+                    let r = handle.lock_exclusive();
+                    (handle, r, thread_io)
+                })
+                .await?;
+                match locked {
+                    Ok(()) => {}
+                    // The image has no exclusive-lock feature: nothing keeps writers apart.
+                    Err(Errno(libc::EINVAL | libc::EOPNOTSUPP)) => tracing::warn!(
+                        %image,
+                        "the image has no exclusive-lock feature (`rbd feature enable {image} \
+                         exclusive-lock`): librbd cannot keep a second writer out"
+                    ),
+                    Err(e) => {
+                        close_quietly(&image, handle, io).await;
+                        return Err(RbdError::OtherWriter {
+                            image,
+                            source: e.io_error(),
+                        });
+                    }
+                }
+                handle
+            }
+            false => handle,
+        };
         tracing::debug!(%image, size, ?encryption, read_only, "opened rbd image");
         Ok(RbdImage {
             handle,

@@ -164,6 +164,11 @@ pub struct RbdOpenOptions {
     /// Open read-only (`rbd_open_read_only`: no watch, no exclusive lock; writes refused).
     pub read_only: bool,
     pub encryption: Encryption,
+    /// For a read-write open: take librbd's exclusive lock at once and keep it until the
+    /// close, as `rbd-nbd --exclusive` does, so that a second such writer is refused
+    /// ([`crate::RbdError::OtherWriter`]). Without it librbd passes the lock between writers
+    /// on demand, and two servers of one image both wrote.
+    pub exclusive: bool,
 }
 
 impl RbdOpenOptions {
@@ -174,6 +179,7 @@ impl RbdOpenOptions {
             snapshot: None,
             read_only: false,
             encryption: Encryption::Auto { passphrase: None },
+            exclusive: false,
         }
     }
 }

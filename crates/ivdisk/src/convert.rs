@@ -442,6 +442,7 @@ fn open_rbd(rt: &Runtime, uri: &RbdUri, passphrase: &PassphraseArgs) -> Result<S
             snapshot: uri.snapshot.clone(),
             read_only: true,
             encryption,
+            exclusive: false,
         };
         with_spinner("opening (a LUKS unlock takes seconds by design)", || {
             rt.block_on(RbdImage::open(&uri.config, options))

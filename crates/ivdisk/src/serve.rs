@@ -772,6 +772,7 @@ fn open_rbd(args: &ServeArgs, uri: &RbdUri, rt: &Runtime) -> Result<RbdImage> {
             snapshot: uri.snapshot.clone(),
             read_only: args.read_only,
             encryption,
+            exclusive: true,
         };
         with_spinner("opening (a LUKS unlock takes seconds by design)", || {
             rt.block_on(RbdImage::open(&uri.config, options))

@@ -152,7 +152,12 @@ impl Rbd {
     }
 
     fn serve_command(&self, extra: &[&str]) -> (Command, PathBuf) {
-        let socket = self.f.path("nbd.sock");
+        self.serve_command_at("nbd.sock", extra)
+    }
+
+    /// `serve_command` on the socket `name` in the fixture's directory.
+    fn serve_command_at(&self, name: &str, extra: &[&str]) -> (Command, PathBuf) {
+        let socket = self.f.path(name);
         let mut command = Command::new(env!("CARGO_BIN_EXE_ivdisk"));
         command
             .args(["serve", &self.uri(), "--socket", p(&socket), "--json"])
@@ -409,4 +414,60 @@ fn serve_rbd_plain_image_asks_no_passphrase() {
         "a write to a read-only export went through: {said}"
     );
     server.stop();
+}
+
+/// A second writable `serve` of one rbd:// image is refused, naming what to do: librbd's
+/// cooperative exclusive lock let two servers of one image take it in turn, and both wrote
+/// (a guest's file system on it would be corrupted). A read-only one beside it is fine.
+#[test]
+fn a_second_writer_of_an_rbd_image_is_refused() {
+    let Some(rbd) = Rbd::create("twice", None) else {
+        return;
+    };
+    let first = rbd.serve(&[]);
+    let (mut second, _) = rbd.serve_command_at("second.sock", &[]);
+    let stderr_path = rbd.f.path("second.stderr");
+    let mut second = second
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + READY_LIMIT;
+    let status = loop {
+        if let Some(status) = second.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = second.kill();
+            let _ = second.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = fs::read_to_string(&stderr_path).unwrap_or_default();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(1),
+        "the second writer was not refused: {stderr}"
+    );
+    assert!(
+        stderr.contains("has another writer") && stderr.contains("--read-only"),
+        "{stderr}"
+    );
+    let (mut reader, _) = rbd.serve_command_at("reader.sock", &["--read-only"]);
+    let mut reader = reader.stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(reader.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("\"read_only\":true"), "the reader: {line}");
+    let _ = reader.kill();
+    let _ = reader.wait();
+    // The first still writes.
+    let wrote = tool(
+        "qemu-io",
+        &["-f", "raw", first.uri(), "-c", "write -P 0x5a 0 64k"],
+    );
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+    first.stop();
 }
