@@ -930,7 +930,8 @@ impl Header {
         let slot = match slot {
             Some(s) if s >= MAX_KEYSLOTS => {
                 return Err(HeaderError::InvalidParameter(format!(
-                    "keyslot {s} is out of range (0..{MAX_KEYSLOTS})"
+                    "keyslot {s} is out of range (keyslots are 0 to {})",
+                    MAX_KEYSLOTS - 1
                 )))
             }
             Some(s) if metadata.keyslots.contains_key(&s) => {

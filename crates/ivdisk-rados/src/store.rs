@@ -280,9 +280,15 @@ impl RadosStore {
             libc::ETIMEDOUT => StoreError::Io {
                 context: format!(
                     "RADOS {what} `{object}` in pool `{}`: the OSDs did not answer within the \
-                     operation timeout (is an OSD down? `ceph -s`); a write was applied \
-                     entirely or not at all, read the object to find out",
-                    self.pool
+                     operation timeout (is an OSD down? `ceph -s`){}",
+                    self.pool,
+                    // Only a change leaves something to find out.
+                    match what {
+                        "reading" | "reading locks of" | "watching" => "",
+                        _ =>
+                            "; the change was applied entirely or not at all: read the object \
+                              to find out which",
+                    }
                 ),
                 source: e.io_error(),
             },

@@ -81,7 +81,7 @@ pub struct ServeArgs {
 
 pub fn after_help() -> String {
     String::from(
-        "Runs in the foreground until SIGINT (Ctrl-C) or SIGTERM, then finishes the requests in \
+        "Runs in the foreground until SIGINT (Ctrl-C), SIGTERM or SIGQUIT, then finishes the requests in \
          flight, flushes, releases the writer lock and exits 0. Clients: qemu, qemu-img, nbdinfo, \
          nbdcopy, nbdfuse, fio (--ioengine=nbd), the kernel's nbd-client. Several clients may \
          attach at once (they share one open image, so a flush by one covers all).\n\nWithout \
@@ -379,6 +379,9 @@ struct Endpoint {
     tls: Option<TlsCredentials>,
     interrupt: tokio::signal::unix::Signal,
     terminate: tokio::signal::unix::Signal,
+    /// SIGQUIT stops the server as SIGTERM does: by default it killed it unflushed (and
+    /// `import`, `export` and the other long commands take it as an interrupt too).
+    quit: tokio::signal::unix::Signal,
     hangup: tokio::signal::unix::Signal,
 }
 
@@ -390,6 +393,9 @@ impl Endpoint {
         use futures_util::FutureExt;
         if self.interrupt.recv().now_or_never().is_some() {
             return Some("SIGINT");
+        }
+        if self.quit.recv().now_or_never().is_some() {
+            return Some("SIGQUIT");
         }
         self.terminate.recv().now_or_never().map(|_| "SIGTERM")
     }
@@ -418,6 +424,7 @@ fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Endpoint> {
         tls,
         interrupt: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
         terminate: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
+        quit: signal(SignalKind::quit()).context("installing SIGQUIT handler")?,
         hangup: signal(SignalKind::hangup()).context("installing SIGHUP handler")?,
     })
 }
@@ -673,6 +680,7 @@ fn serve_until_signal(
         tls,
         mut interrupt,
         mut terminate,
+        mut quit,
         hangup,
     } = endpoint;
     tracing::info!(
@@ -687,6 +695,7 @@ fn serve_until_signal(
             let name = tokio::select! {
                 _ = interrupt.recv() => "SIGINT",
                 _ = terminate.recv() => "SIGTERM",
+                _ = quit.recv() => "SIGQUIT",
             };
             tracing::info!(
                 signal = name,
@@ -699,9 +708,11 @@ fn serve_until_signal(
             );
             // A request stuck on an unreachable store must not make the server unkillable.
             tokio::spawn(async move {
-                // The shell's convention: 128 + the signal's number (SIGINT 2, SIGTERM 15).
+                // The shell's convention: 128 + the signal's number (SIGINT 2, SIGQUIT 3,
+                // SIGTERM 15).
                 let code = tokio::select! {
                     _ = interrupt.recv() => 130,
+                    _ = quit.recv() => 131,
                     _ = terminate.recv() => 143,
                 };
                 note!("ivdisk: second signal: exiting without flushing; {killed}");

@@ -2408,6 +2408,27 @@ fn sigterm_while_fio_writes_exits_0_and_leaves_a_readable_unlocked_image() {
     server.stop();
 }
 
+/// SIGQUIT stops the server as SIGTERM does (flushed, lock released, exit 0): by default it
+/// killed it unflushed, where the other long commands take it as an interrupt.
+#[test]
+fn sigquit_stops_the_server_as_sigterm_does() {
+    let f = Fixture::new();
+    let image = f.create("disk", "64M", &[]);
+    let mut server = f.serve(&image, &[]);
+    f.qemu_io(&server.uri, &["write -P 0x6b 0 1M"]).ok();
+    server.signal(libc::SIGQUIT);
+    let status = server
+        .wait_exit(STOP_LIMIT)
+        .unwrap_or_else(|| panic!("no exit after SIGQUIT: {}", server.stderr()));
+    let stderr = server.stderr();
+    assert!(status.success(), "exit {status} after SIGQUIT: {stderr}");
+    assert!(stderr.contains("SIGQUIT: finishing requests"), "{stderr}");
+    assert_lock_free(&server.ivdisk, &server.image);
+    let server = f.serve(&image, &["--read-only"]);
+    f.qemu_io_ro(&server.uri, &["read -P 0x6b 0 1M"]).ok();
+    server.stop();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 9. Several clients at once
 
