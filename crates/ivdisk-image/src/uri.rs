@@ -250,6 +250,18 @@ impl ImageUri {
                         .into(),
                 })
             }
+            ImageUri::Local { dir } if not_a_store_or_file(dir).is_some() => {
+                Err(ImageError::InvalidUri {
+                    uri: image,
+                    reason: format!(
+                        "it is {}: ivdisk opens local images (directories) and LUKS files, not \
+                         devices; for a LUKS device, `cryptsetup open` it and read \
+                         /dev/mapper/NAME as a raw disk (`ivdisk import`, or `ivdisk convert \
+                         --source-format raw`), or copy it into a file first",
+                        not_a_store_or_file(dir).unwrap_or_default()
+                    ),
+                })
+            }
             ImageUri::Local { dir } => open_local(dir, create, read_only).map_err(|e| match e {
                 ivdisk_store::StoreError::Io { source, .. }
                     if !create && source.kind() == std::io::ErrorKind::NotFound =>
@@ -431,6 +443,22 @@ fn open_local(
     let key = std::fs::canonicalize(dir).unwrap_or(key);
     open.entry(key).or_default().push(Arc::downgrade(&store));
     Ok(store)
+}
+
+/// What a local image's path is when it is neither a directory (a store) nor a regular
+/// file (a LUKS file), nor absent: a block device, say, which read as "reading
+/// /dev/loop1/meta.sqlite: Not a directory".
+fn not_a_store_or_file(path: &std::path::Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::metadata(path).ok()?.file_type();
+    match () {
+        _ if kind.is_dir() || kind.is_file() => None,
+        _ if kind.is_block_device() => Some("a block device"),
+        _ if kind.is_char_device() => Some("a character device"),
+        _ if kind.is_fifo() => Some("a named pipe"),
+        _ if kind.is_socket() => Some("a socket"),
+        _ => Some("neither a directory nor a file"),
+    }
 }
 
 #[cfg(test)]

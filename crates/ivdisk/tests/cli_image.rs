@@ -506,6 +506,24 @@ fn commands_name_a_missing_image_or_snapshot_before_asking_for_a_passphrase() {
     assert!(!socket.exists(), "nothing bound for a missing image");
 }
 
+/// A device given as an image (a LUKS volume on a loop device, say) is named as such, with
+/// what to do instead: it read as "reading /dev/loop1/meta.sqlite: Not a directory".
+#[test]
+fn a_device_given_as_an_image_is_named_as_one() {
+    let f = Fixture::new();
+    for args in [
+        vec!["info", "/dev/null"],
+        vec!["serve", "/dev/null", "--socket", p(&f.path("x.sock"))],
+        vec!["export", "/dev/null", p(&f.path("out.raw"))],
+    ] {
+        let err = fails(&args);
+        assert!(
+            err.contains("is a character device") && !err.contains("meta.sqlite"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn lock_status_and_break_without_a_holder() {
     let f = Fixture::new();
