@@ -51,6 +51,13 @@ pub enum RadosError {
     },
 
     #[error(
+        "client.{client} has no keyring: no file the config's `keyring` setting names exists \
+         ({searched}); give one with keyring=PATH in the address, or fix `keyring` in the \
+         config"
+    )]
+    NoKeyring { client: String, searched: String },
+
+    #[error(
         "Ceph pool `{pool}` does not exist; create it (`ceph osd pool create {pool}`) or \
          name another"
     )]

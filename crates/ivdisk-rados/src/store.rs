@@ -196,7 +196,16 @@ impl RadosStore {
                     .unwrap_or_else(|| "none configured".into()),
                 timeout: config.connect_timeout,
             },
-            libc::EACCES | libc::EPERM | libc::ENOENT => RadosError::AuthFailed {
+            // librados found no keyring for the client: no cluster was asked anything.
+            libc::ENOENT => RadosError::NoKeyring {
+                client: client_id.clone(),
+                searched: cluster
+                    .get_conf("keyring")
+                    .ok()
+                    .filter(|k| !k.is_empty())
+                    .unwrap_or_else(|| "none".into()),
+            },
+            libc::EACCES | libc::EPERM => RadosError::AuthFailed {
                 client: client_id.clone(),
                 source: e.io_error(),
             },

@@ -133,6 +133,42 @@ async fn wrong_key_is_refused_clearly() {
     );
 }
 
+/// A keyring file the config names that does not exist is named, with what to do: it read as
+/// "the Ceph cluster refused client.admin: No such file or directory", although no cluster
+/// was asked.
+#[tokio::test]
+async fn a_missing_keyring_named_by_the_config_is_named() {
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let base = common::config();
+    let text = std::fs::read_to_string(base.conf.as_ref().unwrap()).unwrap();
+    let missing = dir.path().join("absent.keyring");
+    let conf: String = text
+        .lines()
+        .map(|line| match line.trim_start().starts_with("keyring") {
+            true => format!("keyring = {}\n", missing.display()),
+            false => format!("{line}\n"),
+        })
+        .collect();
+    let conf_path = dir.path().join("ceph.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let config = RadosConfig {
+        conf: Some(conf_path),
+        connect_timeout: Duration::from_secs(10),
+        ..base
+    };
+    let e = RadosStore::open(&config).await.err().expect("no keyring");
+    assert!(matches!(e, RadosError::NoKeyring { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains(&missing.display().to_string()) && text.contains("keyring=PATH"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn unknown_client_is_refused_clearly() {
     if let Some(reason) = common::skip_reason() {
