@@ -294,8 +294,8 @@ fn renew_until_stopped(
                 if !refused && Instant::now() >= deadline {
                     tracing::error!(
                         image,
-                        "renewing the writer lock has not answered; writes are refused until it \
-                         is renewed"
+                        "renewing the writer lock has not answered; writes wait until it is \
+                         renewed (and fail after the open's stalled_write_wait)"
                     );
                     refused = true;
                     set_refused(Some(Refusal::Stalled(format!(
@@ -369,7 +369,7 @@ fn renew_until_stopped(
             Err(e) if Instant::now() >= last_sent_ok + duration * 2 / 3 => {
                 next = Instant::now() + duration / 3;
                 if !refused {
-                    tracing::error!(image, error = %e, "renewing the writer lock failed; writes are refused until it is renewed");
+                    tracing::error!(image, error = %e, "renewing the writer lock failed; writes wait until it is renewed (and fail after the open's stalled_write_wait)");
                     refused = true;
                 }
                 set_refused(Some(Refusal::Stalled(format!(
