@@ -172,7 +172,7 @@ enum Command {
     /// first), or apply an incremental one onto the image restored from its base.
     #[command(after_help = backup::restore_help())]
     Restore(backup::RestoreArgs),
-    /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM; rbd:// images
+    /// Export an image over NBD (Unix socket or TCP) until SIGINT/SIGTERM/SIGQUIT; rbd:// images
     /// through librbd.
     #[command(after_help = serve::after_help())]
     Serve(serve::ServeArgs),
