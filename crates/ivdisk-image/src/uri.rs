@@ -233,6 +233,21 @@ impl ImageUri {
         read_only: bool,
     ) -> Result<Arc<dyn ObjectStore>, ImageError> {
         let image = self.to_string();
+        let local_kind = match self {
+            ImageUri::Local { dir } => not_a_store_or_file(dir),
+            _ => None,
+        };
+        if let Some(kind) = local_kind {
+            return Err(ImageError::InvalidUri {
+                uri: image,
+                reason: format!(
+                    "it is {kind}: ivdisk opens local images (directories) and LUKS files, not \
+                     devices; for a LUKS device, `cryptsetup open` it and read \
+                     /dev/mapper/NAME as a raw disk (`ivdisk import`, or `ivdisk convert \
+                     --source-format raw`), or copy it into a file first"
+                ),
+            });
+        }
         match self {
             // `DIR@SNAP` names snapshot SNAP of DIR unless DIR@SNAP exists, so a new store
             // directory named so would shadow a snapshot, or be shadowed by one later.
@@ -248,18 +263,6 @@ impl ImageUri {
                     reason: "a new local image's directory name must not contain '@' \
                              (IMAGE@SNAP names a snapshot of IMAGE)"
                         .into(),
-                })
-            }
-            ImageUri::Local { dir } if not_a_store_or_file(dir).is_some() => {
-                Err(ImageError::InvalidUri {
-                    uri: image,
-                    reason: format!(
-                        "it is {}: ivdisk opens local images (directories) and LUKS files, not \
-                         devices; for a LUKS device, `cryptsetup open` it and read \
-                         /dev/mapper/NAME as a raw disk (`ivdisk import`, or `ivdisk convert \
-                         --source-format raw`), or copy it into a file first",
-                        not_a_store_or_file(dir).unwrap_or_default()
-                    ),
                 })
             }
             ImageUri::Local { dir } => open_local(dir, create, read_only).map_err(|e| match e {

@@ -2374,7 +2374,9 @@ impl Engine {
             });
         }
         if op.steps.iter().any(changes_whole_node_omap) {
-            self.write_back_in_own_commit()?;
+            // Its extents change through the overlay (`extents_direct` is off): only the
+            // omap's held changes must be in SQL first.
+            self.write_back_in_own_commit(false)?;
         }
         self.check_commit_room(object, op)?;
         self.begin()?;
@@ -2415,7 +2417,8 @@ impl Engine {
     }
 
     /// Before an operation that reads or rewrites a node's omap in SQL as a whole: write
-    /// every held omap and extent change back in a commit of its own, after one of the
+    /// every held omap change back (and, with `extents_too`, for steps that change extents
+    /// in SQL directly, every held extent change) in a commit of its own, after one of the
     /// operations acknowledged so far.
     ///
     /// Why: the write-back rewrites a page of the tables for every few changes held, and
@@ -2426,18 +2429,21 @@ impl Engine {
     /// with it (and the image layer then refused all IO until the image was opened again).
     /// Alone, a write-back whose commit fails loses nothing: its changes are still in their
     /// pending rows and are held again. Only the operation that needed it is refused.
-    fn write_back_in_own_commit(&mut self) -> Result<(), StoreError> {
-        if !(self.omap.get_mut().pending() || self.extents.get_mut().pending()) {
+    fn write_back_in_own_commit(&mut self, extents_too: bool) -> Result<(), StoreError> {
+        if !(self.omap.get_mut().pending() || extents_too && self.extents.get_mut().pending()) {
             return Ok(());
         }
         if self.in_txn && self.txn_ops > 0 {
             self.try_commit(false)?;
         }
         self.begin()?;
-        if let Err(e) = self
-            .write_back_omap()
-            .and_then(|()| self.write_back_extents())
-        {
+        let written_back = match extents_too {
+            true => self
+                .write_back_omap()
+                .and_then(|()| self.write_back_extents()),
+            false => self.write_back_omap(),
+        };
+        if let Err(e) = written_back {
             self.lose_transaction(&e);
             return Err(e);
         }
@@ -2508,7 +2514,7 @@ impl Engine {
         body: impl FnOnce(&mut Self) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         if omap_whole {
-            self.write_back_in_own_commit()?;
+            self.write_back_in_own_commit(true)?;
         }
         self.begin()?;
         // A rollback to the savepoint forgets the cached heads: the rows must hold them first.
