@@ -1761,7 +1761,10 @@ async fn writes_stalled_in_the_way_of_others_are_cut_off() {
     assert_eq!(&device.bytes.lock().unwrap()[..8192], &data[..]);
 
     // In the way: a client with a 4 KiB read gets its answer, the stalled ones are closed.
+    // The server takes each connection's header when it gets to it: the pause gives it time
+    // to take all 32 before the read comes, so the read usually waits behind them.
     let mut stalled = stall_the_budget(&server).await;
+    tokio::time::sleep(stall / 5).await;
     let mut victim = Client::attach(&server, true).await;
     victim.send(CMD_READ, 0, 7, 0, 4096).await;
     let answered = tokio::time::timeout(Duration::from_secs(30), victim.reply(0))
@@ -1775,7 +1778,10 @@ async fn writes_stalled_in_the_way_of_others_are_cut_off() {
     paused.send(CMD_READ, 0, 2, 0, 4096).await;
     assert!(matches!(paused.reply(0).await.0, Chunk::Structured { .. }));
     // As many stalled connections were closed as the others needed (at least one), and no
-    // more: the rest are in no one's way now.
+    // more: the rest are in no one's way now. Had the server taken the read before the 32nd
+    // write's header, that write waits now: it is the one a stalled connection gives way to,
+    // within the stall time.
+    tokio::time::sleep(3 * stall).await;
     let stats = server.stop().await;
     assert!((1..32).contains(&stats.stalled), "{stats:?}");
     assert_eq!(stats.protocol_errors, 0, "{stats:?}");
