@@ -1061,6 +1061,8 @@ impl Engine {
             ];
             let highest = named.into_iter().flatten().fold(highest, i64::max);
             engine.next_node_id.set(highest + 1);
+            // After the ids: the pending rows still name those nodes.
+            engine.forget_removed_nodes()?;
             Ok(engine)
         })
     }
@@ -1356,6 +1358,32 @@ impl Engine {
         let generation = Self::omap_generation(&self.db)?;
         // Rows up to `used` that are gone were written back: SQLite has their changes.
         self.omap_rows_seen = Some((generation, used));
+        Ok(())
+    }
+
+    /// Drop the replayed omap changes of nodes that are gone: an object's removal drops its
+    /// node's held changes without writing them back (see omap_overlay.rs), and pending
+    /// rows older than it replay them. Written back, they would stay in `omap` for ever
+    /// under an id no node has (never seen: ids are never given twice).
+    fn forget_removed_nodes(&mut self) -> Result<(), StoreError> {
+        let nodes = self.omap.get_mut().held_nodes();
+        if nodes.is_empty() {
+            return Ok(());
+        }
+        let mut exists = self
+            .db
+            .prepare_cached("SELECT 1 FROM nodes WHERE id = ?1")?;
+        let mut gone = Vec::new();
+        for node in nodes {
+            if exists.query_row([node], |_| Ok(())).optional()?.is_none() {
+                gone.push(node);
+            }
+        }
+        drop(exists);
+        let omap = self.omap.get_mut();
+        for node in gone {
+            omap.drop_node(node);
+        }
         Ok(())
     }
 
@@ -2375,7 +2403,8 @@ impl Engine {
         }
         if op.steps.iter().any(changes_whole_node_omap) {
             // Its extents change through the overlay (`extents_direct` is off): only the
-            // omap's held changes must be in SQL first.
+            // omap's held changes must be in SQL first. Not for an object's removal (see
+            // omap_overlay.rs).
             self.write_back_in_own_commit(false)?;
         }
         self.check_commit_room(object, op)?;
@@ -2428,7 +2457,8 @@ impl Engine {
     /// transaction its failed commit took every operation acknowledged since the last flush
     /// with it (and the image layer then refused all IO until the image was opened again).
     /// Alone, a write-back whose commit fails loses nothing: its changes are still in their
-    /// pending rows and are held again. Only the operation that needed it is refused.
+    /// pending rows and are held again. Only the operation that needed it is refused. (An
+    /// object's removal no longer needs one: see omap_overlay.rs.)
     fn write_back_in_own_commit(&mut self, extents_too: bool) -> Result<(), StoreError> {
         if !(self.omap.get_mut().pending() || extents_too && self.extents.get_mut().pending()) {
             return Ok(());
@@ -2454,7 +2484,7 @@ impl Engine {
             StoreError::NoSpace { context } => StoreError::NoSpace {
                 context: format!(
                     "writing back the metadata changes the store holds in memory, which \
-                     removing an object, clearing its omap or rolling it back needs first: \
+                     clearing an object's omap or rolling it back needs first: \
                      {context}"
                 ),
             },
@@ -2495,7 +2525,10 @@ impl Engine {
             self.extents.get_mut().clear();
             self.note_lost(&e);
         }
-        if let Err(e) = self.replay_omap_pending() {
+        if let Err(e) = self
+            .replay_omap_pending()
+            .and_then(|()| self.forget_removed_nodes())
+        {
             // Reads would see SQLite's older values of keys changed before the loss: refuse
             // everything until the store is opened again, as after a failed commit.
             tracing::error!("could not read back the omap changes not yet written back: {e}");
@@ -3800,7 +3833,7 @@ impl Engine {
 
     fn delete_node(&mut self, node: i64) -> Result<(), StoreError> {
         self.dirty_heads.borrow_mut().remove(&node);
-        self.omap.borrow_mut().forget_in_operation(node, None);
+        self.omap.borrow_mut().drop_node(node);
         self.cut_extents(node, 0, u64::MAX >> 1)?;
         self.db
             .execute("DELETE FROM omap WHERE node = ?1", [node])?;
@@ -4918,12 +4951,11 @@ fn blob_at<'row>(row: &'row rusqlite::Row<'_>, column: usize) -> rusqlite::Resul
 /// Whether a step reads or rewrites its node's omap in SQL as a whole, which needs every
 /// held omap change written back first (see omap_overlay.rs).
 fn changes_whole_node_omap(step: &WriteStep) -> bool {
+    // Not `Remove`: the node goes with its omap, and its held changes are dropped (see
+    // omap_overlay.rs).
     matches!(
         step,
-        WriteStep::OmapRemoveRange { .. }
-            | WriteStep::OmapClear
-            | WriteStep::Remove
-            | WriteStep::Rollback(_)
+        WriteStep::OmapRemoveRange { .. } | WriteStep::OmapClear | WriteStep::Rollback(_)
     )
 }
 
@@ -5414,6 +5446,84 @@ mod tests {
             engine.write_back_extents().unwrap();
             engine.commit(false);
             assert!(read(&mut engine, whole(Some(snap))) == data(1), "{case}");
+        }
+    }
+
+    /// An object's removal writes nothing back: its node's held omap changes are dropped
+    /// (the whole write-back after random small writes needed more room than a full disk
+    /// had, and a guest's trim was refused there). Pending rows older than the removal still
+    /// hold its changes: replayed after a crash or a lost transaction, they are dropped too,
+    /// so the object made again under the same name has none of them, and nothing of the
+    /// removed node is ever written to `omap`.
+    #[test]
+    fn a_removal_drops_its_held_omap_changes_and_replays_do_not_bring_them_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.sqlite");
+        let (a, b) = (ObjectName::new("a").unwrap(), ObjectName::new("b").unwrap());
+        let kv = |k: &str, v: &str| (k.as_bytes().to_vec(), v.as_bytes().to_vec());
+        for lose in [false, true] {
+            std::fs::remove_file(&path).ok();
+            let mut engine = engine_on_file(&path);
+            // b's change and a's in one row; a's written back to `omap` in part.
+            engine
+                .apply_write(&a, &WriteOp::new().omap_set(vec![kv("k1", "a1")]))
+                .unwrap();
+            engine.write_back_omap().unwrap();
+            engine
+                .apply_write(&a, &WriteOp::new().omap_set(vec![kv("k2", "a2")]))
+                .unwrap();
+            engine
+                .apply_write(&b, &WriteOp::new().omap_set(vec![kv("k1", "b1")]))
+                .unwrap();
+            engine.commit(false);
+            let a_id = engine.head(&a).unwrap().unwrap().id;
+            let generation = Engine::omap_generation(&engine.db).unwrap();
+            engine
+                .apply_write(&a, &WriteOp::new().step(WriteStep::Remove))
+                .unwrap();
+            engine.commit(false);
+            assert_eq!(
+                Engine::omap_generation(&engine.db).unwrap(),
+                generation,
+                "the removal wrote the held changes back"
+            );
+            assert!(rows(&engine, "omap_pending") > 0, "b's change is pending");
+            assert!(!engine.omap.get_mut().holds_node(a_id));
+            if lose {
+                // The next transaction is lost: the pending rows are replayed.
+                engine
+                    .apply_write(&b, &WriteOp::new().omap_set(vec![kv("k9", "lost")]))
+                    .unwrap();
+                engine.lose_transaction(&StoreError::Database("lost for the test".into()));
+            } else {
+                // A crash: the next open replays the pending rows.
+                drop(engine);
+                engine = engine_on_file(&path);
+            }
+            let case = format!("lost {lose}");
+            assert!(
+                !engine.omap.get_mut().holds_node(a_id),
+                "{case}: the removed node's changes are held again"
+            );
+            assert_eq!(omap_of(&mut engine, &b), vec![kv("k1", "b1")], "{case}");
+            engine
+                .apply_write(&a, &WriteOp::new().omap_set(vec![kv("k3", "new")]))
+                .unwrap();
+            assert!(engine.head(&a).unwrap().unwrap().id > a_id, "{case}");
+            assert_eq!(omap_of(&mut engine, &a), vec![kv("k3", "new")], "{case}");
+            engine.write_back_omap().unwrap();
+            engine.commit(false);
+            let left: i64 = engine
+                .db
+                .query_row("SELECT count(*) FROM omap WHERE node = ?1", [a_id], |r| {
+                    r.get(0)
+                })
+                .unwrap();
+            assert_eq!(
+                left, 0,
+                "{case}: the removed node's values were written back"
+            );
+            assert_eq!(omap_of(&mut engine, &b), vec![kv("k1", "b1")], "{case}");
         }
     }
 

@@ -17,11 +17,17 @@
 //!
 //! The rows are replayed at the next open, oldest first; replaying a change already written
 //! back writes nothing new. Steps that read or rewrite a node's omap in SQL as a whole (range
-//! removal, clear, object removal, rollback, snapshot removal) first write every held change
-//! back and delete every row (`Engine::write_back_omap`), so that a replay can never bring
-//! back a value such a step removed; they do it in a commit of their own
-//! (`Engine::write_back_in_own_commit`), which on a full disk may fail without losing an
-//! acknowledged operation. A snapshot's clone copies its head's held changes.
+//! removal, clear, rollback, snapshot removal) first write every held change back and delete
+//! every row (`Engine::write_back_omap`), so that a replay can never bring back a value such a
+//! step removed; they do it in a commit of their own (`Engine::write_back_in_own_commit`),
+//! which on a full disk may fail without losing an acknowledged operation. An object's
+//! removal does not: the node goes with its rows, its held changes are dropped
+//! (`Overlay::drop_node`), and a replay drops what older rows still hold of a node that is
+//! gone (`Engine::forget_removed_nodes`). Node ids are never given twice, so no later node
+//! can take those changes for its own. Why: the whole write-back, after random small writes,
+//! rewrote pages all over both tables and needed more room than a full disk had, so a guest's
+//! trim, the way it frees space, was refused there. A snapshot's clone copies its head's held
+//! changes.
 //!
 //! The engine holds changed rows of its `extents` table the same way, in a second overlay
 //! (the same machinery, `Overlay`, over other key and value types: `OverlayKey`,
@@ -277,6 +283,33 @@ impl<K: OverlayKey, V: OverlayValue> Overlay<K, V> {
             *n != node
                 || range.is_some_and(|(start, end)| key.borrowed() < start || key.borrowed() >= end)
         });
+    }
+
+    /// A step of the operation being applied removed `node`, with its rows in SQLite: its
+    /// changes go, the operation's and the held ones, and none is written back. Rows that
+    /// still hold some of them replay them after a crash or a lost transaction; the engine
+    /// then drops the changes of nodes that are gone (`Engine::forget_removed_nodes`).
+    pub(crate) fn drop_node(&mut self, node: i64) {
+        self.forget_in_operation(node, None);
+        let keys: Vec<(i64, K)> = self
+            .node_range(node, Bound::Unbounded)
+            .map(|(key, _)| key.clone())
+            .collect();
+        self.take_keys(keys);
+    }
+
+    /// The nodes some change is held of, in order (one descent each).
+    pub(crate) fn held_nodes(&self) -> Vec<i64> {
+        let mut nodes = Vec::new();
+        let mut from = Bound::Unbounded;
+        while let Some(((node, _), _)) = self.held.range((from, Bound::Unbounded)).next() {
+            nodes.push(*node);
+            match node.checked_add(1) {
+                Some(next) => from = Bound::Included((next, K::MIN)),
+                None => break,
+            }
+        }
+        nodes
     }
 
     /// `to` became a copy of `from` (a snapshot's clone): the held changes of `from` become
