@@ -100,6 +100,13 @@ pub enum HeaderError {
     VolumeKeyMismatch,
 
     #[error(
+        "the volume key given is {given} bytes long, and this volume's key is {expected} bytes \
+         (wrong volume key file? it holds the raw key, as `cryptsetup luksDump \
+         --dump-volume-key --volume-key-file FILE` writes it)"
+    )]
+    VolumeKeyLength { given: usize, expected: usize },
+
+    #[error(
         "keyslot {0} is the last one: removing it makes the image unopenable forever; pass \
          --force if that is what you want"
     )]

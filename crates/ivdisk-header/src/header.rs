@@ -794,6 +794,22 @@ impl Header {
 
     /// Check a volume key (a recovery key file) against the digest.
     pub fn unlock_with_volume_key(&self, key: &[u8]) -> Result<VolumeKey, HeaderError> {
+        // The length first: a file of the wrong size (a passphrase file given for a key
+        // file, say) is named as such, not as a key that merely differs.
+        let expected = match &self.format {
+            Format::Luks1(h) => Some(h.key_bytes as usize),
+            Format::Luks2 { .. } => self
+                .keyslots()
+                .iter()
+                .find(|k| !k.unbound)
+                .map(|k| k.key_size as usize),
+        };
+        if let Some(expected) = expected.filter(|&expected| expected != key.len()) {
+            return Err(HeaderError::VolumeKeyLength {
+                given: key.len(),
+                expected,
+            });
+        }
         let matches = match &self.format {
             Format::Luks1(h) => h.digest_matches(key)?,
             Format::Luks2 { metadata, .. } => match metadata.segment_digest() {

@@ -1074,6 +1074,7 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
                                 HeaderError::WrongPassphrase { .. }
                                     | HeaderError::KeyslotMismatch { .. }
                                     | HeaderError::VolumeKeyMismatch
+                                    | HeaderError::VolumeKeyLength { .. }
                             )
                         )
                     });

@@ -245,6 +245,23 @@ fn volume_key_file_recovers_access() {
         "--json",
     ]);
     assert!(out.contains(r#""ok":false"#), "{out}");
+    // A file of another length (a passphrase file given for the key, say) is named as such:
+    // it once read as a key that merely differs.
+    let long_vk = key(dir.path(), "long_vk", &[0x11; 32]);
+    let err = fails(&["key", "test", p(&hdr), "--volume-key-file", p(&long_vk)]);
+    assert!(
+        err.contains("is 32 bytes long, and this volume's key is 16 bytes"),
+        "{err}"
+    );
+    let (out, _) = exits_1(&[
+        "key",
+        "test",
+        p(&hdr),
+        "--volume-key-file",
+        p(&long_vk),
+        "--json",
+    ]);
+    assert!(out.contains(r#""ok":false"#), "{out}");
     // A failure that is no answer (no such file) is an error object, not a mismatch.
     let (out, _) = exits_1(&[
         "key",
