@@ -382,6 +382,74 @@ fn a_local_image_on_a_read_only_directory_is_read_exported_verified_and_served_r
     assert_same(&std::fs::read(&out).unwrap(), &disk, "export after");
 }
 
+/// A cryptsetup LUKS file on a read-only directory: `serve` without `--read-only` says to use
+/// it, as for a local store (it said only "Read-only file system"), and `serve --read-only`
+/// serves it.
+#[test]
+fn a_luks_file_on_a_read_only_directory_is_served_read_only() {
+    let f = Fixture::new();
+    let dir = f.path("luks");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("luks.img");
+    std::fs::File::create(&file)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    // The passphrase of `f.pw` without its newline, which `--passphrase-file` leaves out.
+    let key = f.file("luks.key", b"correct horse");
+    let formatted = tool(
+        "cryptsetup",
+        &[
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file",
+            p(&key),
+            p(&file),
+        ],
+    );
+    assert!(
+        formatted.status.success(),
+        "cryptsetup luksFormat: {}",
+        String::from_utf8_lossy(&formatted.stderr)
+    );
+    let view = ReadOnlyDir::new(&dir, &f.path("luks-ro"));
+    let on_view = view.path.join("luks.img");
+    let err = fails(&[
+        "serve",
+        p(&on_view),
+        "--socket",
+        p(&f.path("luks-refused.sock")),
+        "--passphrase-file",
+        p(&f.pw),
+    ]);
+    assert!(err.contains("cannot be opened for writing"), "{err}");
+    assert!(err.contains("--read-only"), "{err}");
+    let server = Server::start(&f, &on_view, &["--read-only"]);
+    assert_eq!(server.ready["read_only"], true, "{}", server.ready);
+    let info = tool("nbdinfo", &["--size", server.uri()]);
+    assert!(
+        info.status.success(),
+        "nbdinfo: {}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    let size: u64 = String::from_utf8_lossy(&info.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        size,
+        16 << 20,
+        "served size: the file less LUKS2's 16 MiB header"
+    );
+    server.stop();
+}
+
 #[test]
 fn reading_commands_work_beside_a_running_server() {
     let f = Fixture::new();

@@ -130,7 +130,22 @@ pub(crate) async fn open_file(
         .read(true)
         .write(!options.read_only)
         .open(path)
-        .map_err(io_error(image, format!("opening {}", path.display())))?;
+        .map_err(|e| match e.kind() {
+            // A read-only mount, no permission, an immutable file: said as for a local store,
+            // with the read-only open that works (it read as a bare "Read-only file system").
+            io::ErrorKind::ReadOnlyFilesystem | io::ErrorKind::PermissionDenied
+                if !options.read_only =>
+            {
+                ImageError::Store {
+                    image: image.to_owned(),
+                    source: StoreError::NotWritable {
+                        path: path.display().to_string(),
+                        reason: format!("opening it for writing: {e}"),
+                    },
+                }
+            }
+            _ => io_error(image, format!("opening {}", path.display()))(e),
+        })?;
     let header = read_header(image, path, &file)?;
     let segment = check_segment(image, &header)?;
     let size = data_size(image, &segment, file_len(image, path, &file)?)?;
