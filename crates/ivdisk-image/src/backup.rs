@@ -911,11 +911,17 @@ async fn write_file(
         .create_new(true)
         .mode(0o600)
         .open(&partial)
-        .map_err(file_io(
-            &partial,
-            "creating it (it must not exist: another backup to the same file runs in this \
-             process, or one that was killed left it; remove it if none runs)",
-        ))?;
+        .map_err(|e| {
+            // The hint only where it applies: a missing or read-only directory got it too.
+            let context = match e.kind() {
+                std::io::ErrorKind::AlreadyExists => {
+                    "creating it (it must not exist: another backup to the same file runs in \
+                     this process, or one that was killed left it; remove it if none runs)"
+                }
+                _ => "creating it",
+            };
+            file_io(&partial, context)(e)
+        })?;
     // Held while the backup runs: a later backup to the same file tells this one, still
     // being written, from one a killed backup left.
     crate::mark_partial_in_progress(&file);

@@ -15,14 +15,14 @@ use ivdisk_image::{
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
-use crate::images::{flat, human_size, parse_image_at, parse_uri};
+use crate::images::{flat, human_size, image_at, parse_image_at, parse_uri};
 
 pub fn backup_help() -> &'static str {
     "Examples:\n  ivdisk backup disk.ivd disk.ivdbak\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin'\n  ivdisk backup 'rados://rbd/vm1@nightly?id=admin' vm1-nightly.ivdbak --json\n  ivdisk backup 'rados://rbd/vm1@tuesday?id=admin' vm1-mon-tue.ivdbak --since nightly\n\n\
      No passphrase is needed: the file holds the image's header (its keyslots) and the \
      ciphertext and per-sector metadata of the sectors ever written, nothing decrypted; holes \
      and unwritten sectors take no space. It is written to FILE.partial.PID and renamed when \
-     complete (a failure, Ctrl-C or SIGTERM removes FILE.partial.PID; one that a backup killed outright left is removed by the next backup to FILE), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
+     complete (a failure, Ctrl-C, SIGTERM, SIGHUP or SIGQUIT removes FILE.partial.PID; one that a backup killed outright left is removed by the next backup to FILE), and ends with a SHA-256 of its content (shown, and checked by `ivdisk restore`).\n\n\
      The head is read under the writer lock (refused while the image is served for writing); \
      a snapshot (IMAGE@SNAP) is read without it, with the size it had. With --since OLDER, only \
      the objects that changed between snapshot OLDER and SNAP go in (an incremental backup, \
@@ -173,13 +173,21 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
             args.since.as_deref().unwrap_or_default()
         );
     }
+    // Written over a file of its own store (`--force`), a backup destroyed the image (and,
+    // once the store was opened again, the backup itself), and said it had made one.
+    crate::transfer::refuse_target_in_image(
+        &uri,
+        &image_at(&uri, snapshot.as_deref()),
+        &args.file,
+        "a backup written there would destroy the image it backs up",
+    )?;
     let options = BackupOptions {
         snapshot,
         since: args.since.clone(),
         overwrite: args.force,
     };
     let mut bar = Bar::new(args.json);
-    // SIGINT or SIGTERM stops the backup (its future is dropped at an await: the writer lock
+    // SIGINT, SIGTERM, SIGHUP or SIGQUIT stops the backup (its future is dropped at an await: the writer lock
     // of a head backup is released as it drops) and its FILE.partial.PID is removed, as after a
     // failed backup; killed outright, the process left it behind. Once FILE.partial.PID has been
     // renamed to FILE the backup is made: then it finishes.
@@ -191,6 +199,10 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
             use tokio::signal::unix::{signal, SignalKind};
             let mut interrupt = signal(SignalKind::interrupt())?;
             let mut terminate = signal(SignalKind::terminate())?;
+            // As the other copying commands: a closed terminal (SIGHUP) killed a backup
+            // outright, and SIGQUIT was not heard.
+            let mut hangup = signal(SignalKind::hangup())?;
+            let mut quit = signal(SignalKind::quit())?;
             let mut backup =
                 std::pin::pin!(Image::backup(&uri, &options, &args.file, |p| bar.update(p)));
             tokio::select! {
@@ -198,6 +210,8 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
                 result = &mut backup => return Ok(Some(result)),
                 _ = interrupt.recv() => {}
                 _ = terminate.recv() => {}
+                _ = hangup.recv() => {}
+                _ = quit.recv() => {}
             }
             // (The backup is not running meanwhile: it waits at an await.)
             if identity(&args.file) != file_before {
@@ -205,13 +219,13 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
             }
             Ok::<_, std::io::Error>(None)
         })
-        .context("installing the SIGINT and SIGTERM handlers")?;
+        .context("installing the signal handlers")?;
     bar.bar.finish_and_clear();
     let Some(result) = finished else {
         let partial = ivdisk_image::partial_path(&args.file);
         let _ = std::fs::remove_file(&partial);
         anyhow::bail!(
-            "interrupted (SIGINT or SIGTERM): no backup was made, and {} was removed",
+            "interrupted (a signal): no backup was made, and {} was removed",
             partial.display()
         );
     };

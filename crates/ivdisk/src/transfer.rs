@@ -575,6 +575,48 @@ enum Sink {
     Stdout(std::io::BufWriter<std::io::Stdout>),
 }
 
+/// Refuse `target` (a file a command writes) where it is local image `uri` itself (a LUKS
+/// file) or inside its store directory: writing there destroys the image. `why` says what
+/// the command would write over it.
+pub(crate) fn refuse_target_in_image(
+    uri: &ImageUri,
+    shown: &str,
+    target: &Path,
+    why: &str,
+) -> Result<()> {
+    let ImageUri::Local { dir } = uri else {
+        return Ok(());
+    };
+    let Ok(source) = std::fs::canonicalize(dir) else {
+        return Ok(());
+    };
+    // A target not made yet is placed by its directory (commands write beside it first).
+    let output = std::fs::canonicalize(target).or_else(|e| {
+        let parent = match target.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        match (std::fs::canonicalize(parent), target.file_name()) {
+            (Ok(parent), Some(name)) => Ok(parent.join(name)),
+            _ => Err(e),
+        }
+    });
+    if let Ok(output) = output {
+        if output.starts_with(&source) {
+            bail!(
+                "{} is image {shown} itself{}: {why}; name a file outside it",
+                target.display(),
+                if output == source {
+                    ""
+                } else {
+                    " (a file of its store)"
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
     let shown = image_at(&uri, snapshot.as_deref());
@@ -602,29 +644,18 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                 args.file.display()
             );
         }
-        // Over its own source, a LUKS file (or a file of the local store) would be replaced by
-        // the plaintext: the keyslots and the ciphertext gone, the data unencrypted on disk.
-        if let ImageUri::Local { dir } = &uri {
-            let (source, output) = (
-                std::fs::canonicalize(dir),
-                std::fs::canonicalize(&args.file),
-            );
-            if let (Ok(source), Ok(output)) = (source, output) {
-                if output.starts_with(&source) {
-                    bail!(
-                        "{} is image {shown} itself{}: export writes the plaintext, which would \
-                         replace the encrypted data; name another file",
-                        args.file.display(),
-                        if output == source {
-                            ""
-                        } else {
-                            " (a file of its store)"
-                        }
-                    );
-                }
-            }
-        }
         replacing = Some(meta);
+    }
+    if !to_stdout {
+        // Over its own source, a LUKS file (or a file of the local store) would be replaced
+        // by the plaintext: the keyslots and the ciphertext gone, the data unencrypted on
+        // disk.
+        refuse_target_in_image(
+            &uri,
+            &shown,
+            &args.file,
+            "export writes the plaintext, which would replace the encrypted data",
+        )?;
     }
     if to_stdout {
         crate::stdout_carries_data();

@@ -250,7 +250,35 @@ fn a_backup_removes_the_partial_files_of_killed_backups() {
     assert!(other.exists(), "another file's partial file was removed");
 }
 
-/// Ctrl-C (SIGINT) or SIGTERM amid a backup: it stops, and its FILE.partial is removed, as
+/// A backup file named inside the image's own store is refused, also with `--force`, and the
+/// image is untouched: over `meta.sqlite` a backup destroyed the image, said it had made a
+/// backup, and the next open of the store wrecked that backup too.
+#[test]
+fn a_backup_into_its_own_store_is_refused() {
+    let fx = Fixture::new();
+    let disk = random(1 << 20, 7);
+    let image = fx.imported("own.ivd", &disk, "aegis128l-random");
+    ok(&["snap", "create", &format!("{}@s", p(&image))]);
+    for (target, force) in [
+        (image.join("meta.sqlite"), true),
+        (image.join("data").join("seg-00000001"), true),
+        (image.join("new.ivdbak"), false),
+    ] {
+        for source in [p(&image).to_owned(), format!("{}@s", p(&image))] {
+            let mut args = vec!["backup", source.as_str(), p(&target)];
+            if force {
+                args.push("--force");
+            }
+            let err = fails(&args);
+            assert!(err.contains("a file of its store"), "{err}");
+        }
+    }
+    assert!(!image.join("new.ivdbak").exists());
+    assert_eq!(fx.exported(p(&image), "own.raw"), disk);
+}
+
+/// Ctrl-C (SIGINT), SIGTERM, SIGHUP (a closed terminal) or SIGQUIT amid a backup: it stops,
+/// and its FILE.partial is removed, as
 /// after a failed backup (killed outright, the process left it behind); no FILE either.
 /// The signal comes at a few moments; whichever the backup had reached, the file is either
 /// complete (restore checks its digest) or absent.
@@ -261,7 +289,7 @@ fn a_signal_amid_a_backup_leaves_no_partial_file() {
     let image = fx.imported("big.ivd", &disk, "aegis128l-random");
     let mut interrupted = 0;
     for (round, delay_ms) in [100u64, 200, 350, 600, 1000].into_iter().enumerate() {
-        let signal = ["-INT", "-TERM"][round % 2];
+        let signal = ["-INT", "-TERM", "-HUP", "-QUIT"][round % 4];
         let file = fx.path(&format!("big-{round}.ivdbak"));
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_ivdisk"))
             .args(["backup", p(&image), p(&file)])
@@ -275,11 +303,16 @@ fn a_signal_amid_a_backup_leaves_no_partial_file() {
             .status();
         let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        let partial = ivdisk_image::partial_path(&file);
+        // FILE.partial.PID, of the child's process id.
+        let prefix = format!("big-{round}.ivdbak.partial.");
+        let partials: Vec<_> = std::fs::read_dir(fx.path(""))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with(&prefix))
+            .collect();
         assert!(
-            !partial.exists(),
-            "round {round}: {} left; {err}",
-            partial.display()
+            partials.is_empty(),
+            "round {round} ({signal}): {partials:?} left; {err}"
         );
         if out.status.success() {
             // (Also when the signal came after the file was renamed into place: it is made.)
