@@ -2059,79 +2059,99 @@ async fn restore_full(
     let store = target.store;
     check_empty_target(&target, &checked.image_id).await?;
     let mut created = Vec::new();
-    let target_ref = &target;
-    let written = replay(
-        target_ref,
-        path,
-        checked,
-        &mut progress,
-        |record| async move {
-            let Record::Data { index, state, .. } = record else {
-                unreachable!("a full backup holds data objects only");
-            };
-            let bytes = state.held_bytes();
-            let object = match target_ref.data_object(index) {
-                Ok(o) => o,
-                Err(e) => return (None, bytes, Err(e)),
-            };
-            let mut op = WriteOp::new().step(WriteStep::CreateExclusive);
-            state.write_steps(&mut op);
-            match store.write_op(&object, op).await {
-                Ok(_) => (Some(object), bytes, Ok(())),
-                // Someone else's object (another restore racing this one): not ours to remove.
-                Err(e @ StoreError::Exists { .. }) => {
-                    (None, bytes, Err(ImageError::store(image)(e)))
-                }
-                // Maybe applied (a timeout): removed in the cleanup if it is there.
-                Err(e) => (Some(object), bytes, Err(ImageError::store(image)(e))),
-            }
-        },
-        0,
-        &mut created,
-    )
-    .await;
-    let header = async {
-        written?;
-        // The data durable first: a flush that failed after the header was written removed
-        // the data and left the header, an image that opened and read zeros.
-        store.flush().await.map_err(ImageError::store(image))?;
-        // The header object last: only now does an image exist. (Backups made before the
-        // writer's records were left out may carry them: dropped here.)
-        let mut header_state = checked.header.clone();
-        header_state.omap.retain(|(k, _)| carried(k));
-        let mut op = WriteOp::new().step(WriteStep::CreateExclusive);
-        header_state.write_steps(&mut op);
-        let state = RestoredState {
-            image_id: checked.description.image_id.clone(),
-            snapshot_id: checked.description.snapshot_id,
-            snapshot: checked.description.snapshot.clone(),
-            applying: None,
-            snapshot_uid: checked.description.snapshot_uid.clone(),
-        };
-        op.steps.push(WriteStep::OmapSet(
-            vec![(
+    // The header object first, marked as being filled (`FILLING_KEY`, as an import's): every
+    // open refuses the image until the mark goes, and a restore killed part-way leaves an
+    // image `ivdisk delete` removes. With the header written last, a killed restore left
+    // data objects no command could see or remove (hundreds of megabytes), and a second try
+    // was refused over them. (Backups made before the writer's records were left out may
+    // carry them: dropped here.)
+    let mut header_state = checked.header.clone();
+    header_state.omap.retain(|(k, _)| carried(k));
+    let mut op = WriteOp::new().step(WriteStep::CreateExclusive);
+    header_state.write_steps(&mut op);
+    let state = RestoredState {
+        image_id: checked.description.image_id.clone(),
+        snapshot_id: checked.description.snapshot_id,
+        snapshot: checked.description.snapshot.clone(),
+        applying: None,
+        snapshot_uid: checked.description.snapshot_uid.clone(),
+    };
+    op.steps.push(WriteStep::OmapSet(
+        vec![
+            (
                 BACKUP_STATE_KEY.to_vec(),
                 serde_json::to_vec(&state).expect("serializes"),
-            )]
-            .into(),
-        ));
-        match store.write_op(&target.header_object, op).await {
-            Ok(_) => {}
-            Err(StoreError::Exists { .. }) => {
-                return Err(ImageError::Exists {
-                    image: image.to_owned(),
-                })
-            }
-            Err(e) => {
-                created.push(target.header_object.clone());
-                return Err(ImageError::store(image)(e));
-            }
+            ),
+            (
+                FILLING_KEY.to_vec(),
+                format!("a restore of {}", path.display()).into_bytes(),
+            ),
+        ]
+        .into(),
+    ));
+    let header = match store.write_op(&target.header_object, op).await {
+        Ok(_) => {
+            created.push(target.header_object.clone());
+            Ok(())
         }
-        // Removed with the data if this fails: first, so no image is left without its data.
-        store.flush().await.map_err(|e| {
-            created.insert(0, target.header_object.clone());
-            ImageError::store(image)(e)
-        })
+        Err(StoreError::Exists { .. }) => {
+            return Err(ImageError::Exists {
+                image: image.to_owned(),
+            })
+        }
+        Err(e) => {
+            // Maybe applied (a timeout): removed in the cleanup if it is there.
+            created.push(target.header_object.clone());
+            Err(ImageError::store(image)(e))
+        }
+    };
+    let target_ref = &target;
+    let header = async {
+        header?;
+        // The mark durable before any data: on RADOS nothing orders writes to two objects.
+        store.flush().await.map_err(ImageError::store(image))?;
+        replay(
+            target_ref,
+            path,
+            checked,
+            &mut progress,
+            |record| async move {
+                let Record::Data { index, state, .. } = record else {
+                    unreachable!("a full backup holds data objects only");
+                };
+                let bytes = state.held_bytes();
+                let object = match target_ref.data_object(index) {
+                    Ok(o) => o,
+                    Err(e) => return (None, bytes, Err(e)),
+                };
+                let mut op = WriteOp::new().step(WriteStep::CreateExclusive);
+                state.write_steps(&mut op);
+                match store.write_op(&object, op).await {
+                    Ok(_) => (Some(object), bytes, Ok(())),
+                    // Someone else's object (another restore racing this one): not ours to
+                    // remove.
+                    Err(e @ StoreError::Exists { .. }) => {
+                        (None, bytes, Err(ImageError::store(image)(e)))
+                    }
+                    // Maybe applied (a timeout): removed in the cleanup if it is there.
+                    Err(e) => (Some(object), bytes, Err(ImageError::store(image)(e))),
+                }
+            },
+            0,
+            &mut created,
+        )
+        .await?;
+        // The data durable first, then the mark removed, durably: only now does the image
+        // open.
+        store.flush().await.map_err(ImageError::store(image))?;
+        let op = WriteOp::new()
+            .step(WriteStep::AssertExists)
+            .step(WriteStep::OmapRemoveKeys(vec![FILLING_KEY.to_vec()]));
+        store
+            .write_op(&target.header_object, op)
+            .await
+            .map_err(ImageError::store(image))?;
+        store.flush().await.map_err(ImageError::store(image))
     }
     .await;
     if let Err(e) = header {

@@ -250,6 +250,52 @@ fn a_backup_removes_the_partial_files_of_killed_backups() {
     assert!(other.exists(), "another file's partial file was removed");
 }
 
+/// A full restore killed outright (SIGKILL) while it writes leaves an image that says it is
+/// unfinished, which `ivdisk delete` removes; the restore then runs again. It wrote the
+/// header last, so a killed one left hundreds of megabytes of data objects that no command
+/// saw or removed, and the next restore was refused over them.
+#[test]
+fn a_restore_killed_part_way_is_deleted_and_run_again() {
+    use std::os::unix::fs::MetadataExt;
+    let fx = Fixture::new();
+    let disk = random(128 << 20, 41);
+    let image = fx.imported("big.ivd", &disk, "aegis128l-random");
+    let file = fx.path("big.ivdbak");
+    ok(&["backup", p(&image), p(&file)]);
+    let target = fx.path("restored.ivd");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["restore", p(&file), p(&target)])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once its data objects are being written (the whole file is checked first).
+    let segment = target.join("data").join("seg-00000001");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !std::fs::metadata(&segment).is_ok_and(|m| m.blocks() * 512 > 8 << 20) {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the restore ended ({status}) before it was killed");
+        }
+        assert!(std::time::Instant::now() < deadline, "no data written");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = fx.path("unfinished.raw");
+    let err = fails(&[
+        "export",
+        p(&target),
+        p(&out),
+        "--passphrase-file",
+        p(&fx.pw),
+    ]);
+    assert!(err.contains("has not finished"), "{err}");
+    assert!(err.contains("ivdisk delete"), "{err}");
+    ok(&["delete", p(&target), "--yes"]);
+    ok(&["restore", p(&file), p(&target)]);
+    assert!(fx.exported(p(&target), "restored.raw") == disk);
+}
+
 /// A backup file named inside the image's own store is refused, also with `--force`, and the
 /// image is untouched: over `meta.sqlite` a backup destroyed the image, said it had made a
 /// backup, and the next open of the store wrecked that backup too.
