@@ -264,6 +264,12 @@ fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
 
 pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
+    crate::transfer::check_source_kind(
+        &args.file,
+        false,
+        "restore reads a backup file (made by `ivdisk backup`) twice: checked whole, then \
+         written",
+    )?;
     let mut bar = Bar::new(args.json);
     // A failed full restore removes what it wrote; a local store directory made for it goes too.
     let made_dir = crate::transfer::store_dir_to_make(&uri);

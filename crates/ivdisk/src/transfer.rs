@@ -148,6 +148,25 @@ pub struct ImportArgs {
     json: bool,
 }
 
+/// Refuse, before opening it, a source `path` that is not a regular file (nor, with
+/// `devices`, a block device); `what` says what the command reads. Opening a FIFO waits for
+/// a writer: a restore or import given one hung there, deaf to Ctrl-C. A path that cannot
+/// be looked at is left to the open, which names the error.
+pub(crate) fn check_source_kind(path: &Path, devices: bool, what: &str) -> Result<()> {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(());
+    };
+    let kind = meta.file_type();
+    if kind.is_file() || devices && kind.is_block_device() {
+        return Ok(());
+    }
+    bail!(
+        "{} is not a regular file{}: {what}",
+        path.display(),
+        if devices { " or block device" } else { "" }
+    )
+}
+
 /// The size of a regular file or block device (whose metadata says 0).
 pub(crate) fn source_len(path: &Path, file: &mut File) -> Result<u64> {
     let meta = file
@@ -235,6 +254,11 @@ pub(crate) fn interrupted_error() -> anyhow::Error {
 
 pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     let uri = parse_uri(&args.image)?;
+    check_source_kind(
+        &args.file,
+        true,
+        "import reads a raw disk image whose size is known",
+    )?;
     let mut file = File::open(&args.file)
         .with_context(|| format!("cannot open {} for reading", args.file.display()))?;
     let bytes = source_len(&args.file, &mut file)?;

@@ -296,6 +296,56 @@ fn a_restore_killed_part_way_is_deleted_and_run_again() {
     assert!(fx.exported(p(&target), "restored.raw") == disk);
 }
 
+/// A FIFO given as the backup file of `restore`, or as the raw disk of `import`, is refused
+/// at once and nothing is created: opening it waited for a writer, for ever and deaf to
+/// Ctrl-C (and `restore` had made the target's directory first).
+#[test]
+fn a_fifo_is_refused_as_a_source() {
+    let fx = Fixture::new();
+    let fifo = fx.path("pipe");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let target = fx.path("from-fifo.ivd");
+    for args in [
+        vec!["restore", p(&fifo), p(&target)],
+        vec![
+            "import",
+            p(&fifo),
+            p(&target),
+            "--passphrase-file",
+            p(&fx.pw),
+        ],
+    ] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("{args:?} waited on the FIFO");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("is not a regular file"), "{args:?}: {err}");
+        assert!(!target.exists(), "{args:?} created the target");
+    }
+}
+
 /// A backup file named inside the image's own store is refused, also with `--force`, and the
 /// image is untouched: over `meta.sqlite` a backup destroyed the image, said it had made a
 /// backup, and the next open of the store wrecked that backup too.
