@@ -258,6 +258,17 @@ fn backup_error(e: ImageError, uri: &ImageUri) -> anyhow::Error {
             ivdisk_image::shell_word(&uri.at_snapshot("NAME")),
             ivdisk_image::shell_word(&uri.at_snapshot("NAME"))
         ),
+        // Its own hint ("open it read-only") does not apply: the head is read under the
+        // writer lock.
+        ImageError::Store {
+            image,
+            source: ivdisk_store::StoreError::NotWritable { path, reason },
+        } => anyhow::anyhow!(
+            "image {image}: the store at {path} cannot be opened for writing ({reason}), and a \
+             backup of the head takes the image's writer lock; back up one of its snapshots \
+             (`ivdisk backup {} FILE`, read without the lock), or make the store writable",
+            ivdisk_image::shell_word(&uri.at_snapshot("NAME"))
+        ),
         e => flat(e),
     }
 }

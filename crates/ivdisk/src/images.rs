@@ -810,7 +810,18 @@ pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
         objects.set(total);
     }));
     bar.finish_and_clear();
-    deleted.map_err(flat)?;
+    deleted.map_err(|e| match e {
+        // Its own hint ("open it read-only") does not apply to a deletion.
+        ImageError::Store {
+            image,
+            source: StoreError::NotWritable { path, reason },
+        } => anyhow::anyhow!(
+            "image {image}: the store at {path} cannot be opened for writing ({reason}); \
+             deleting the image writes to it: make it writable (a read-write mount, its \
+             permissions), then delete again. Nothing was deleted"
+        ),
+        e => flat(e),
+    })?;
     let mut text = format!(
         "deleted image {uri} ({} data object(s) removed)",
         objects.get()

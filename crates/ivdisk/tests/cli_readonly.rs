@@ -322,6 +322,14 @@ fn a_local_image_on_a_read_only_directory_is_read_exported_verified_and_served_r
     ]);
     assert!(err.contains("--read-only"), "{err}");
     assert!(err.contains("cannot be opened for writing"), "{err}");
+    // A backup of the head (under the writer lock) and a delete: refused, with what works
+    // (their hint was serve's "open it read-only").
+    let err = fails(&["backup", p(ro), p(&f.path("head.ivdbak"))]);
+    assert!(err.contains("back up one of its snapshots"), "{err}");
+    assert!(!err.contains("--read-only"), "{err}");
+    let err = fails(&["delete", p(ro), "--yes"]);
+    assert!(err.contains("make it writable"), "{err}");
+    assert!(!err.contains("--read-only"), "{err}");
 
     // serve --read-only, read back by qemu-img.
     let server = Server::start(&f, ro, &["--read-only"]);
