@@ -507,16 +507,20 @@ pub(crate) async fn refuse_unfinished_restore(
     header_object: &ObjectName,
     image: &str,
 ) -> Result<(), ImageError> {
-    refuse_unfinished(store, header_object, image, false).await
+    refuse_unfinished(store, header_object, image, false, true).await
 }
 
 /// [`refuse_unfinished_restore`]; `filling`: the image is being filled by this process (just
-/// created by `Image::create_to_fill`), so its `FILLING_KEY` is expected.
+/// created by `Image::create_to_fill`), so its `FILLING_KEY` is expected. `head`: what is
+/// opened is the head; a snapshot is refused only while the image is deleted or filled, as a
+/// rollback or an increment left unfinished changed the head alone (an unfinished rollback
+/// refused even an export of a snapshot, the way to rescue its data).
 pub(crate) async fn refuse_unfinished(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     image: &str,
     filling: bool,
+    head: bool,
 ) -> Result<(), ImageError> {
     let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
         BACKUP_STATE_KEY.to_vec(),
@@ -541,6 +545,9 @@ pub(crate) async fn refuse_unfinished(
             image: image.to_owned(),
             what: String::from_utf8_lossy(what).into_owned(),
         });
+    }
+    if !head {
+        return Ok(());
     }
     if let Some((_, snapshot)) = pairs.iter().find(|(k, _)| *k == ROLLING_BACK_KEY) {
         return Err(ImageError::RollbackUnfinished {

@@ -709,7 +709,9 @@ impl Image {
         options: &OpenOptions,
         filling: bool,
     ) -> Result<Image, ImageError> {
-        crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling).await?;
+        let head = options.snapshot.is_none();
+        crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling, head)
+            .await?;
         let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         let snapshot = match &options.snapshot {
             None => None,
@@ -756,8 +758,14 @@ impl Image {
                 check_same_image(&image, header, &again, &volume_key)?;
                 // Markers checked before the lock: a delete, rollback or restore that
                 // started since (or a dead holder's, taken over) is seen now.
-                crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling)
-                    .await?;
+                crate::backup::refuse_unfinished(
+                    store.as_ref(),
+                    &header_object,
+                    &image,
+                    filling,
+                    head,
+                )
+                .await?;
                 again
             }
             None => header.clone(),
@@ -1468,7 +1476,9 @@ impl Inner {
                 image: self.name.clone(),
             });
         }
-        crate::backup::refuse_unfinished_restore(store, &self.header_object, &self.name).await?;
+        let head = self.snapshot.is_none();
+        crate::backup::refuse_unfinished(store, &self.header_object, &self.name, false, head)
+            .await?;
         let table = SnapshotTable::read(store, &self.header_object, &self.name).await?;
         if let Some((name, id)) = &self.snapshot {
             if table.find(name).map(|s| s.id) != Some(*id) {

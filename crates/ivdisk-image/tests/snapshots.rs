@@ -467,6 +467,18 @@ async fn an_interrupted_rollback_leaves_no_image_that_opens() {
                 Ok(_) => panic!("{backend:?}: a half-rolled-back image opened"),
             }
         }
+        // Its snapshots open (read-only, as ever): the rollback changed the head alone, and
+        // reading a snapshot is how a user rescues data (an export of one was refused).
+        for (snapshot, expected) in [("s", &old), ("t", &pattern(2, size as usize))] {
+            let at = Image::open(&uri, PASS, &at_snapshot(snapshot))
+                .await
+                .unwrap_or_else(|e| panic!("{backend:?}: snapshot {snapshot}: {e}"));
+            assert!(
+                read_all(&at).await == *expected,
+                "{backend:?}: snapshot {snapshot} read"
+            );
+            at.close().await.unwrap();
+        }
         // Nor is it rolled back to another snapshot before this one is finished (that one
         // visits only the objects its own sizes cover).
         match Image::rollback_snapshot(&uri, "t", |_, _| {}).await {
