@@ -1367,19 +1367,28 @@ impl Engine {
     /// under an id no node has (never seen: ids are never given twice).
     fn forget_removed_nodes(&mut self) -> Result<(), StoreError> {
         let nodes = self.omap.get_mut().held_nodes();
-        if nodes.is_empty() {
+        let (Some(&first), Some(&last)) = (nodes.first(), nodes.last()) else {
             return Ok(());
-        }
-        let mut exists = self
+        };
+        // One pass over the ids in that range, merged with the held nodes (both ascending):
+        // a lookup per node took a descent each, and a crashed store may hold changes of
+        // tens of thousands of nodes.
+        let mut stmt = self
             .db
-            .prepare_cached("SELECT 1 FROM nodes WHERE id = ?1")?;
+            .prepare_cached("SELECT id FROM nodes WHERE id BETWEEN ?1 AND ?2 ORDER BY id")?;
+        let mut existing = stmt.query_map([first, last], |r| r.get::<_, i64>(0))?;
+        let mut next = existing.next().transpose()?;
         let mut gone = Vec::new();
         for node in nodes {
-            if exists.query_row([node], |_| Ok(())).optional()?.is_none() {
+            while next.is_some_and(|id| id < node) {
+                next = existing.next().transpose()?;
+            }
+            if next != Some(node) {
                 gone.push(node);
             }
         }
-        drop(exists);
+        drop(existing);
+        drop(stmt);
         let omap = self.omap.get_mut();
         for node in gone {
             omap.drop_node(node);
