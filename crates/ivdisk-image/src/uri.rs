@@ -129,6 +129,14 @@ impl ImageUri {
         if path.is_empty() {
             return Err(bad("the path is empty"));
         }
+        if text == "-" {
+            // Standard input or output to other commands (`export IMAGE -`): here it made a
+            // store directory named `-`.
+            return Err(bad(
+                "`-` stands for standard input or output elsewhere, and an image is a directory \
+                 or file; for one at a path of that name, write ./-",
+            ));
+        }
         if let Some((scheme, _)) = path.split_once("://") {
             if scheme == "rbd" {
                 return Err(bad(
@@ -587,6 +595,7 @@ mod tests {
             "file:",
             "rados:rbd/vm1",
             "rbd:/rbd/vm1",
+            "-",
         ] {
             let err = ImageUri::parse(bad).unwrap_err();
             assert!(
@@ -594,6 +603,10 @@ mod tests {
                 "{bad:?} gave {err}"
             );
         }
+        // A store directory named `-` was made for `ivdisk import disk.raw -`.
+        let err = ImageUri::parse("-").unwrap_err().to_string();
+        assert!(err.contains("write ./-"), "{err}");
+        assert_eq!(ImageUri::parse("./-").unwrap().to_string(), "./-");
         let err = ImageUri::parse("rados:rbd/vm1").unwrap_err().to_string();
         assert!(err.contains("did you mean rados://rbd/vm1?"), "{err}");
     }
