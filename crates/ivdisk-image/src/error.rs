@@ -316,6 +316,21 @@ impl ImageError {
 /// What to do about an image that does not exist: create it, unless its name is one `create`
 /// refuses (an `@` in it: `IMAGE@SNAP` names a snapshot, with one `@`).
 fn create_hint(image: &str) -> String {
+    // A local store directory left without an image (a delete, or one stopped after the
+    // header went: its store files stay) said only "create it", and `delete` "does not
+    // exist": what is there, and how to remove it, are said instead.
+    let path = image.strip_prefix("file:").unwrap_or(image);
+    if !image.contains("://")
+        && !image.starts_with("mem:")
+        && std::path::Path::new(path).join("meta.sqlite").is_file()
+    {
+        return format!(
+            "its local store directory holds no image: one was deleted there, or a delete or \
+             create was stopped; `ivdisk create {0} --size SIZE` makes one in it, or remove \
+             the directory with `rm -r {0}`",
+            crate::uri::shell_word(image)
+        );
+    }
     let name = image.split('?').next().unwrap_or(image);
     match name.rsplit('/').next().unwrap_or(name).contains('@') {
         true => "no image name holds an '@': IMAGE@SNAP names snapshot SNAP of IMAGE, and \

@@ -449,7 +449,12 @@ fn delete_asks_for_yes_then_removes_the_image() {
     let err = fails(&["info", p(&image)]);
     assert!(err.contains("does not exist"), "{err}");
     assert!(err.contains("ivdisk create"), "{err}");
+    // The store directory stays: what it is, and how to remove it, are said.
+    assert!(err.contains("holds no image"), "{err}");
+    assert!(err.contains("rm -r"), "{err}");
     assert!(fails(&["delete", p(&image), "--yes"]).contains("does not exist"));
+    let err = fails(&["info", p(&f.path("never-made"))]);
+    assert!(!err.contains("holds no image"), "{err}");
 
     // The directory can hold a new image afterwards.
     let again = f.create(&image, "32M", &[]);
