@@ -111,6 +111,13 @@ pub(crate) const FILLING_KEY: &[u8] = b"ivdisk.filling";
 /// leaves objects of two states, which no open accepts until a rollback finishes.
 pub(crate) const ROLLING_BACK_KEY: &[u8] = b"ivdisk.rolling_back";
 
+/// Header omap key set by `Image::resize` (to the new size, in decimal) before a shrink
+/// discards the first object past the new end, removed with the header's size write at its
+/// end: a shrink killed part-way left the old size over objects partly discarded, an image
+/// every command took for whole (an export and a verify passed, reading zeros there). No
+/// open accepts it until a resize to that size finishes it.
+pub(crate) const SHRINKING_KEY: &[u8] = b"ivdisk.shrinking";
+
 /// Granularity of the sparse copy: blocks of an object that are all zeros are left out.
 const BLOCK: usize = 4096;
 /// Object reads or writes in flight.
@@ -481,7 +488,8 @@ fn carried(key: &[u8]) -> bool {
         || key == REMOVING_KEY
         || key == DELETING_KEY
         || key == FILLING_KEY
-        || key == ROLLING_BACK_KEY)
+        || key == ROLLING_BACK_KEY
+        || key == SHRINKING_KEY)
 }
 
 /// What a restore leaves recorded in the header object (`BACKUP_STATE_KEY`).
@@ -507,26 +515,29 @@ pub(crate) async fn refuse_unfinished_restore(
     header_object: &ObjectName,
     image: &str,
 ) -> Result<(), ImageError> {
-    refuse_unfinished(store, header_object, image, false, true).await
+    refuse_unfinished(store, header_object, image, false, true, false).await
 }
 
 /// [`refuse_unfinished_restore`]; `filling`: the image is being filled by this process (just
 /// created by `Image::create_to_fill`), so its `FILLING_KEY` is expected. `head`: what is
 /// opened is the head; a snapshot is refused only while the image is deleted or filled, as a
 /// rollback or an increment left unfinished changed the head alone (an unfinished rollback
-/// refused even an export of a snapshot, the way to rescue its data).
+/// refused even an export of a snapshot, the way to rescue its data). `finishing_shrink`: the
+/// open is a resize's, which finishes a shrink left unfinished (`SHRINKING_KEY`).
 pub(crate) async fn refuse_unfinished(
     store: &dyn ObjectStore,
     header_object: &ObjectName,
     image: &str,
     filling: bool,
     head: bool,
+    finishing_shrink: bool,
 ) -> Result<(), ImageError> {
     let op = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
         BACKUP_STATE_KEY.to_vec(),
         DELETING_KEY.to_vec(),
         ROLLING_BACK_KEY.to_vec(),
         FILLING_KEY.to_vec(),
+        SHRINKING_KEY.to_vec(),
     ]));
     let Ok(results) = store.read_op(header_object, op).await else {
         return Ok(());
@@ -548,6 +559,14 @@ pub(crate) async fn refuse_unfinished(
     }
     if !head {
         return Ok(());
+    }
+    if let Some((_, size)) = pairs.iter().find(|(k, _)| *k == SHRINKING_KEY) {
+        if !finishing_shrink {
+            return Err(ImageError::ShrinkUnfinished {
+                image: image.to_owned(),
+                size: String::from_utf8_lossy(size).into_owned(),
+            });
+        }
     }
     if let Some((_, snapshot)) = pairs.iter().find(|(k, _)| *k == ROLLING_BACK_KEY) {
         return Err(ImageError::RollbackUnfinished {

@@ -270,6 +270,11 @@ pub enum ImageError {
     /// "delete it" to a user whose import was still running).
     #[error("image {image}: {what} into it has not finished, so it holds only part of the data and is not opened; if that command is still running (`ivdisk lock status {0}` names its process), wait for it; if it was killed or the machine stopped, delete the image with `ivdisk delete {0} --yes` and run the command again", crate::uri::shell_word(image))]
     FillUnfinished { image: String, what: String },
+
+    /// A shrink (`resize --allow-shrink`) stopped part-way: the header still has the old size
+    /// over objects past the new end that are partly discarded.
+    #[error("image {image}: a shrink of it to {size} bytes did not finish: part of the data past that end is discarded while the header still has the old size, so it is not opened; run `ivdisk resize {} --size {size} --allow-shrink` again to finish it", crate::uri::shell_word(image))]
+    ShrinkUnfinished { image: String, size: String },
 }
 
 impl ImageError {

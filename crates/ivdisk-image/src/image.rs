@@ -101,6 +101,9 @@ pub struct OpenOptions {
     /// answer: an OSD stalled or restarted) before it fails ([`LOCK_STALL_WAIT`]; zero: at
     /// once, as before writes waited).
     pub stalled_write_wait: Duration,
+    /// Open an image whose shrink did not finish (refused otherwise, with
+    /// [`ImageError::ShrinkUnfinished`]), to finish it with [`Image::resize`] to that size.
+    pub finishing_shrink: bool,
 }
 
 impl Default for OpenOptions {
@@ -111,6 +114,7 @@ impl Default for OpenOptions {
             snapshot: None,
             metadata_cache_bytes: DEFAULT_METADATA_CACHE_BYTES,
             stalled_write_wait: LOCK_STALL_WAIT,
+            finishing_shrink: false,
         }
     }
 }
@@ -710,8 +714,16 @@ impl Image {
         filling: bool,
     ) -> Result<Image, ImageError> {
         let head = options.snapshot.is_none();
-        crate::backup::refuse_unfinished(store.as_ref(), &header_object, &image, filling, head)
-            .await?;
+        let finishing = options.finishing_shrink;
+        crate::backup::refuse_unfinished(
+            store.as_ref(),
+            &header_object,
+            &image,
+            filling,
+            head,
+            finishing,
+        )
+        .await?;
         let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         let snapshot = match &options.snapshot {
             None => None,
@@ -764,6 +776,7 @@ impl Image {
                     &image,
                     filling,
                     head,
+                    finishing,
                 )
                 .await?;
                 again
@@ -1035,6 +1048,24 @@ impl Image {
             return Err(invalid(&inner.name, too_large(new_size)));
         }
         let _change = inner.header_change.lock().await;
+        // A shrink left unfinished is finished by a resize to its size, and only by one: a
+        // resize to another size would leave what it discarded past its own end.
+        let mark = ReadOp::new().step(ReadStep::OmapGetByKeys(vec![
+            crate::backup::SHRINKING_KEY.to_vec()
+        ]));
+        if let Ok(results) = inner.store.read_op(&inner.header_object, mark).await {
+            if let Some(ReadResult::Omap { pairs, .. }) = results.into_iter().next() {
+                if let Some((_, size)) = pairs.first() {
+                    let size = String::from_utf8_lossy(size).into_owned();
+                    if size != new_size.to_string() {
+                        return Err(ImageError::ShrinkUnfinished {
+                            image: inner.name.clone(),
+                            size,
+                        });
+                    }
+                }
+            }
+        }
         let old = self.size();
         // Until the header says `new_size`, a shrink that fails (or is dropped) puts the old
         // size back: the header still has it, and a retry must see a shrink to make, and
@@ -1070,6 +1101,22 @@ impl Image {
                 }
                 None => None,
             };
+            // Recorded before the first discard, durably: a shrink killed part-way left the
+            // old size over partly discarded objects, which every open took for whole.
+            let op = WriteOp::new().step(WriteStep::AssertExists).omap_set(vec![(
+                crate::backup::SHRINKING_KEY.to_vec(),
+                new_size.to_string().into_bytes(),
+            )]);
+            let marked = async {
+                inner.store.write_op(&inner.header_object, op).await?;
+                inner.store.flush().await
+            }
+            .await;
+            if let Err(e) = marked {
+                crate::readers::end_hold(inner.store.as_ref(), &inner.header_object, readers_held)
+                    .await;
+                return Err(ImageError::store(&inner.name)(e));
+            }
             // Stop IO past the new end first, then free what lies there.
             inner.size.store(new_size, Ordering::Release);
             restore.armed = true;
@@ -1095,6 +1142,11 @@ impl Image {
             .set_data_size(&mut region, Some(new_size))
             .map_err(ImageError::header(&inner.name))?;
         let op = region.write_op().expect("a resize changes the header");
+        // The shrink's mark goes with the new size (none there: a no-op).
+        let mut steps = op.steps[1..].to_vec();
+        steps.push(WriteStep::OmapRemoveKeys(vec![
+            crate::backup::SHRINKING_KEY.to_vec(),
+        ]));
         // Stored while the header's bytes are those read, whatever the object's version: a
         // lock renewal (RADOS), a nonce reservation or a keyslot change's record moves it
         // without changing them, and the resize failed with a bare version mismatch.
@@ -1104,7 +1156,7 @@ impl Image {
             &inner.name,
             &made_from,
             region.version(),
-            &op.steps[1..],
+            &steps,
         )
         .await?;
         restore.armed = false;
@@ -1477,8 +1529,15 @@ impl Inner {
             });
         }
         let head = self.snapshot.is_none();
-        crate::backup::refuse_unfinished(store, &self.header_object, &self.name, false, head)
-            .await?;
+        crate::backup::refuse_unfinished(
+            store,
+            &self.header_object,
+            &self.name,
+            false,
+            head,
+            false,
+        )
+        .await?;
         let table = SnapshotTable::read(store, &self.header_object, &self.name).await?;
         if let Some((name, id)) = &self.snapshot {
             if table.find(name).map(|s| s.id) != Some(*id) {

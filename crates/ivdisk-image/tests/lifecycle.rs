@@ -1805,3 +1805,66 @@ async fn a_resize_goes_in_when_only_the_header_objects_version_moved() {
         .unwrap();
     assert_eq!(again.size(), 2 * MIB);
 }
+
+/// A shrink stopped part-way (here a store failure at its second discard; a kill stops it
+/// there too) leaves an image no open accepts, naming the resize that finishes it; a resize
+/// to another size is refused, and the resize to that size finishes it. Such an image kept
+/// its old size over partly discarded objects, and opened, exported and verified as whole,
+/// reading zeros there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shrink_stopped_part_way_is_refused_until_a_resize_finishes_it() {
+    let store = std::sync::Arc::new(common::FailingStore::new());
+    let size = 8 * OBJECT_SIZE;
+    let image = Image::create_on(store.clone(), "img", &opts(size), PASS)
+        .await
+        .unwrap();
+    let data = Rng::new(5).bytes(size as usize);
+    image.write(0, &data).await.unwrap();
+    image.flush().await.unwrap();
+    // Write 1 marks the shrink, 2 discards the last object, 3 fails.
+    store.fail_nth_write(3);
+    let failed = image.resize(2 * OBJECT_SIZE, true).await;
+    store.arm(false);
+    assert!(failed.is_err(), "the shrink went through: {failed:?}");
+    drop(image.close().await);
+    let new_size = (2 * OBJECT_SIZE).to_string();
+    for options in [OpenOptions::default(), OpenOptions::read_only()] {
+        match Image::open_on(store.clone(), "img", PASS, &options).await {
+            Err(e @ ImageError::ShrinkUnfinished { .. }) => {
+                assert!(e.to_string().contains("--allow-shrink"), "{e}");
+                let ImageError::ShrinkUnfinished { size, .. } = e else {
+                    unreachable!()
+                };
+                assert_eq!(size, new_size);
+            }
+            Err(e) => panic!("expected ShrinkUnfinished, got {e}"),
+            Ok(_) => panic!("a half-shrunk image opened"),
+        }
+    }
+    let finishing = OpenOptions {
+        finishing_shrink: true,
+        ..OpenOptions::default()
+    };
+    let image = Image::open_on(store.clone(), "img", PASS, &finishing)
+        .await
+        .unwrap();
+    match image.resize(4 * OBJECT_SIZE, true).await {
+        Err(ImageError::ShrinkUnfinished { size, .. }) => assert_eq!(size, new_size),
+        other => panic!("a resize to another size: {other:?}"),
+    }
+    image.resize(2 * OBJECT_SIZE, true).await.unwrap();
+    image.close().await.unwrap();
+    let image = Image::open_on(store.clone(), "img", PASS, &OpenOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(image.size(), 2 * OBJECT_SIZE);
+    let mut kept = vec![0u8; (2 * OBJECT_SIZE) as usize];
+    image.read(0, &mut kept).await.unwrap();
+    assert!(kept == data[..kept.len()], "the data before the new end");
+    // Grown again: zeros past the old cut, nothing of what was discarded.
+    image.resize(size, false).await.unwrap();
+    let mut past = vec![0xaau8; (size - 2 * OBJECT_SIZE) as usize];
+    image.read(2 * OBJECT_SIZE, &mut past).await.unwrap();
+    assert!(past.iter().all(|&b| b == 0), "discarded data came back");
+    image.close().await.unwrap();
+}

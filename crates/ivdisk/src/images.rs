@@ -744,7 +744,14 @@ pub fn resize(args: ResizeArgs, rt: &Runtime) -> Result<()> {
     let passphrase = args.passphrase.existing()?;
     let image = with_spinner(
         "unlocking (the key derivation takes seconds by design)",
-        || rt.block_on(Image::open(&uri, &passphrase, &OpenOptions::default())),
+        || {
+            // A shrink left unfinished opens for this resize, which finishes it.
+            let options = OpenOptions {
+                finishing_shrink: true,
+                ..OpenOptions::default()
+            };
+            rt.block_on(Image::open(&uri, &passphrase, &options))
+        },
     )
     .map_err(|e| {
         let hint = match &e {
