@@ -713,17 +713,18 @@ impl Image {
         options: &OpenOptions,
         filling: bool,
     ) -> Result<Image, ImageError> {
-        let head = options.snapshot.is_none();
-        let finishing = options.finishing_shrink;
-        crate::backup::refuse_unfinished(
-            store.as_ref(),
-            &header_object,
-            &image,
-            filling,
-            head,
-            finishing,
-        )
-        .await?;
+        // A snapshot is refused only for markers of the whole image (see `refuse_unfinished`).
+        let refuse_unfinished = || {
+            crate::backup::refuse_unfinished(
+                store.as_ref(),
+                &header_object,
+                &image,
+                filling,
+                options.snapshot.is_none(),
+                options.finishing_shrink,
+            )
+        };
+        refuse_unfinished().await?;
         let table = SnapshotTable::read(store.as_ref(), &header_object, &image).await?;
         let snapshot = match &options.snapshot {
             None => None,
@@ -770,15 +771,7 @@ impl Image {
                 check_same_image(&image, header, &again, &volume_key)?;
                 // Markers checked before the lock: a delete, rollback or restore that
                 // started since (or a dead holder's, taken over) is seen now.
-                crate::backup::refuse_unfinished(
-                    store.as_ref(),
-                    &header_object,
-                    &image,
-                    filling,
-                    head,
-                    finishing,
-                )
-                .await?;
+                refuse_unfinished().await?;
                 again
             }
             None => header.clone(),
