@@ -2181,50 +2181,67 @@ async fn restore_full(
     }
     .await;
     if let Err(e) = header {
-        // The header first, and the data only once it is gone: removed together, a header
-        // whose removal failed (its write timed out and landed) stayed without its data, an
-        // image that opened and read zeros.
+        // The data first, and the header only once all of it is gone: the header, marked
+        // unfinished, is refused by every open, and `ivdisk delete` removes the image with
+        // it. Removed first, a header left data objects behind whenever the store failed
+        // the cleanup too (OSDs down), which no command saw or removed, and a second
+        // restore was refused over them.
         let header_object = &target.header_object;
-        if created.contains(header_object) {
-            created.retain(|o| o != header_object);
-            let gone = match store.remove(header_object).await {
-                Ok(_) | Err(StoreError::NotFound { .. }) => true,
+        let had_header = created.contains(header_object);
+        created.retain(|o| o != header_object);
+        let all_removed = remove_objects(store.as_ref(), &created).await;
+        if had_header {
+            if !all_removed {
+                tracing::warn!(
+                    image,
+                    "some data objects of the failed restore could not be removed: its header \
+                     is kept, marked unfinished; delete the image (`ivdisk delete`) once the \
+                     store works, to remove both"
+                );
+                return Err(e);
+            }
+            match store.remove(header_object).await {
+                Ok(_) | Err(StoreError::NotFound { .. }) => {}
                 // Gone anyway (the removal went through and its answer was lost)?
-                Err(removal) => match store.stat(header_object).await {
-                    Ok(None) => true,
-                    _ => {
+                Err(removal) => {
+                    if !matches!(store.stat(header_object).await, Ok(None)) {
                         tracing::warn!(
                             image,
                             error = %removal,
-                            "the failed restore's header could not be removed: its data \
-                             is kept; delete the image (`ivdisk delete`) to remove both"
+                            "the failed restore's header could not be removed (it is marked \
+                             unfinished: no open accepts it); delete the image (`ivdisk \
+                             delete`) to remove it"
                         );
-                        false
                     }
-                },
-            };
-            if !gone {
-                return Err(e);
+                }
             }
+            drop(store.flush().await);
         }
-        remove_objects(store.as_ref(), &created).await;
         return Err(e);
     }
     Ok(())
 }
 
-/// Remove what a failed restore wrote (best effort: failures are logged).
-async fn remove_objects(store: &dyn ObjectStore, objects: &[ObjectName]) {
+/// Remove what a failed restore wrote (best effort: failures are logged); whether every one
+/// is gone.
+async fn remove_objects(store: &dyn ObjectStore, objects: &[ObjectName]) -> bool {
     let mut removals = stream::iter(objects)
         .map(|o| async move {
             match store.remove(o).await {
-                Ok(_) | Err(StoreError::NotFound { .. }) => {}
-                Err(e) => tracing::warn!(object = %o, error = %e, "removing an object of a failed restore"),
+                Ok(_) | Err(StoreError::NotFound { .. }) => true,
+                Err(e) => {
+                    tracing::warn!(object = %o, error = %e, "removing an object of a failed restore");
+                    false
+                }
             }
         })
         .buffer_unordered(IN_FLIGHT);
-    while removals.next().await.is_some() {}
+    let mut all = true;
+    while let Some(removed) = removals.next().await {
+        all &= removed;
+    }
     drop(store.flush().await);
+    all
 }
 
 /// The object's current state and version at the head of the target (`None`: absent).

@@ -637,6 +637,36 @@ async fn a_failed_restore_never_leaves_a_header_without_its_data() {
     }
 }
 
+/// A restore whose store fails part-way and stays down through its cleanup (OSDs down) keeps
+/// its header, marked unfinished, once data objects it wrote cannot be removed: every open
+/// refuses the image, and `ivdisk delete` removes it with its data. The header went first, and
+/// the data objects left were seen and removed by no command.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_whose_cleanup_fails_keeps_its_header_marked() {
+    let dir = tmp();
+    let (file, _) = sample_backup(dir.path()).await;
+    let store = Arc::new(FailingStore::new());
+    // The header, two data objects, then the third and every data object's write after
+    // fails (the first of them applied, its answer lost); the header's object stays up.
+    let header = ObjectName::new(header_object_name("dst")).unwrap();
+    store.spare_object(header.clone());
+    store.fail_from_nth_write(4);
+    store.apply_before_failing_once();
+    match Image::restore_backup_on(&file, store.clone(), "dst", |_| {}).await {
+        Err(ImageError::Store { .. }) => {}
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    store.arm(false);
+    let left = objects(store.as_ref()).await;
+    assert!(left.contains(&header), "the header went: {left:?}");
+    assert!(left.len() > 1, "no data object was left: {left:?}");
+    match Image::open_on(store.clone(), "dst", PASS, &OpenOptions::read_only()).await {
+        Err(ImageError::FillUnfinished { .. }) => {}
+        Err(e) => panic!("expected FillUnfinished, got {e}"),
+        Ok(_) => panic!("the image of a failed restore opened"),
+    }
+}
+
 /// Image "src" of two objects on a fresh memory store, its first block `byte`s, open.
 async fn two_object_image(byte: u8) -> (Arc<dyn ObjectStore>, Image) {
     let source = memory();

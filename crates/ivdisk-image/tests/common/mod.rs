@@ -1025,6 +1025,10 @@ pub struct FailingStore {
     /// and how many more fail now.
     reads_failing_after: std::sync::atomic::AtomicUsize,
     reads_failing: std::sync::atomic::AtomicUsize,
+    /// Every write from the `fail_at`-th on fails, not that one alone.
+    failing_on: std::sync::atomic::AtomicBool,
+    /// Writes of this object never fail (on an OSD that stays up).
+    spared: std::sync::Mutex<Option<ObjectName>>,
 }
 
 impl FailingStore {
@@ -1038,6 +1042,8 @@ impl FailingStore {
             applied_first: 0.into(),
             reads_failing_after: 0.into(),
             reads_failing: 0.into(),
+            failing_on: false.into(),
+            spared: std::sync::Mutex::new(None),
         }
     }
 
@@ -1075,6 +1081,19 @@ impl FailingStore {
         self.arm(true);
     }
 
+    /// From now on, the `n`-th write operation (counting from 1) and every one after fail
+    /// (a store that goes down and stays down).
+    pub fn fail_from_nth_write(&self, n: usize) {
+        self.failing_on
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.fail_nth_write(n);
+    }
+
+    /// Writes of `object` never fail from now on.
+    pub fn spare_object(&self, object: ObjectName) {
+        *self.spared.lock().unwrap() = Some(object);
+    }
+
     pub fn arm(&self, armed: bool) {
         self.armed.store(armed, std::sync::atomic::Ordering::SeqCst);
     }
@@ -1082,9 +1101,11 @@ impl FailingStore {
     fn fails(&self, object: &ObjectName) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         let n = self.writes.fetch_add(1, SeqCst) + 1;
-        self.armed.load(SeqCst)
+        self.spared.lock().unwrap().as_ref() != Some(object)
+            && self.armed.load(SeqCst)
             && (self.victim.lock().unwrap().as_ref() == Some(object)
-                || n == self.fail_at.load(SeqCst))
+                || n == self.fail_at.load(SeqCst)
+                || self.failing_on.load(SeqCst) && n >= self.fail_at.load(SeqCst))
     }
 }
 
