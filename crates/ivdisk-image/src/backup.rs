@@ -2132,8 +2132,23 @@ async fn restore_full(
         }
     };
     let target_ref = &target;
+    // Held from the header's creation to the end: `lock status` names the restore's process,
+    // and `delete` (which the unfinished image's message suggests once that process is gone)
+    // is refused while it runs. Without it, a delete removed the image under a running
+    // restore, which then failed saying only that its header did not exist.
+    let mut lock = None;
     let header = async {
         header?;
+        lock = Some(
+            WriterLock::acquire(
+                store.clone(),
+                target.header_object.clone(),
+                image,
+                DEFAULT_LOCK_DURATION,
+                HolderRecord::Keep,
+            )
+            .await?,
+        );
         // The mark durable before any data: on RADOS nothing orders writes to two objects.
         store.flush().await.map_err(ImageError::store(image))?;
         replay(
@@ -2180,6 +2195,12 @@ async fn restore_full(
         store.flush().await.map_err(ImageError::store(image))
     }
     .await;
+    // Released before a cleanup removes the header: best effort (it expires otherwise).
+    if let Some(lock) = lock {
+        if let Err(e) = lock.release().await {
+            tracing::warn!(image, error = %e, "releasing the restore's writer lock");
+        }
+    }
     if let Err(e) = header {
         // The data first, and the header only once all of it is gone: the header, marked
         // unfinished, is refused by every open, and `ivdisk delete` removes the image with

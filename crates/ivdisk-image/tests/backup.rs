@@ -637,6 +637,46 @@ async fn a_failed_restore_never_leaves_a_header_without_its_data() {
     }
 }
 
+/// A full restore holds the image's writer lock while it writes: `lock status` names its
+/// process, and a `delete` (which the unfinished image's message suggests once that process
+/// is gone) is refused meanwhile. A delete removed the image under a running restore.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_holds_the_writer_lock_while_it_writes() {
+    let dir = tmp();
+    let (file, _) = sample_backup(dir.path()).await;
+    let store = memory();
+    let header = ObjectName::new(header_object_name("dst")).unwrap();
+    let seen = std::sync::Mutex::new(None);
+    Image::restore_backup_on(&file, store.clone(), "dst", |p| {
+        // After the last data object, before the mark goes.
+        if p.phase == BackupPhase::Writing && p.done == p.total {
+            let lockers =
+                futures_executor::block_on(store.list_lockers(&header, ivdisk_image::WRITER_LOCK));
+            *seen.lock().unwrap() = Some(lockers);
+        }
+    })
+    .await
+    .unwrap();
+    let lockers = seen
+        .into_inner()
+        .unwrap()
+        .expect("no progress at the end")
+        .unwrap();
+    assert_eq!(lockers.len(), 1, "{lockers:?}");
+    assert!(
+        lockers[0]
+            .description
+            .contains(&format!("pid {}", std::process::id())),
+        "{lockers:?}"
+    );
+    // Released at the end.
+    let after = store
+        .list_lockers(&header, ivdisk_image::WRITER_LOCK)
+        .await
+        .unwrap();
+    assert!(after.is_empty(), "{after:?}");
+}
+
 /// A restore whose store fails part-way and stays down through its cleanup (OSDs down) keeps
 /// its header, marked unfinished, once data objects it wrote cannot be removed: every open
 /// refuses the image, and `ivdisk delete` removes it with its data. The header went first, and
@@ -1105,16 +1145,13 @@ async fn a_restore_carries_no_record_of_the_sources_writer() {
         .await
         .unwrap();
     let restored = ObjectName::new(header_object_name("dst")).unwrap();
-    let keys: Vec<Vec<u8>> = target
-        .omap_all(&restored)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
+    // (The restore, a writer itself, leaves its own `ivdisk.last_writer` cookie.)
+    let pairs = target.omap_all(&restored).await.unwrap();
     for record in records {
         assert!(
-            !keys.iter().any(|k| k == record),
+            !pairs
+                .iter()
+                .any(|(k, v)| k == record && v.starts_with(b"client.4242")),
             "{} carried",
             String::from_utf8_lossy(record)
         );
