@@ -2294,7 +2294,19 @@ async fn apply_increment(
         image: image.clone(),
         reason,
     };
-    let (header, _) = read_header(store.as_ref(), &target.header_object, &image).await?;
+    // No image there: what to restore first, not "create it" (an empty image takes no
+    // increment).
+    let (header, _) = match read_header(store.as_ref(), &target.header_object, &image).await {
+        Err(ImageError::NotFound { .. }) => {
+            return Err(mismatch(format!(
+                "there is no image here; an increment applies onto the image restored from a \
+                 backup of snapshot `{}` (restore that full backup, and the increments up to \
+                 it, first)",
+                base.snapshot
+            )))
+        }
+        other => other?,
+    };
     let parsed = parse_header(&image, &header)?;
     if parsed.params.image_id != checked.image_id {
         return Err(mismatch(format!(

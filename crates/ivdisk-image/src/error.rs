@@ -148,9 +148,16 @@ pub enum ImageError {
     #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first; nothing was changed", readers.join("; "))]
     WatchedByReaders { image: String, readers: Vec<String> },
 
-    /// An open to read refused: another process is removing the image or the snapshot.
+    /// An open to read refused: another process, holding the writer lock, removes the image
+    /// or the snapshot, or changes the head in a way readers cannot follow (a shrink, a
+    /// rollback). The message said "removed" after a shrink or rollback was killed, with
+    /// nothing to do about it.
     #[error(
-        "image {image} is being removed by another process (`ivdisk delete` or `ivdisk snap rm`)"
+        "image {image} is being removed or changed under its readers by another process \
+         (`ivdisk delete` or `snap rm`, `resize --allow-shrink` or `snap rollback`); wait for it \
+         to finish. If that process was killed, its writer lock expires within 30 s \
+         (`ivdisk lock status` shows when), and the image then opens or says what is left to \
+         finish"
     )]
     RemovalUnderway { image: String },
 

@@ -882,11 +882,16 @@ async fn increments_apply_onto_a_restored_base_only() {
         inc.file_bytes
     );
 
-    // An increment does not restore on its own.
+    // An increment does not restore on its own: the refusal says what to restore first (it
+    // said to create the image).
     let empty = memory();
     match Image::restore_backup_on(&inc_file, empty.clone(), "dst", |_| {}).await {
-        Err(ImageError::NotFound { .. }) => {}
-        other => panic!("expected NotFound, got {other:?}"),
+        Err(e @ ImageError::IncrementalMismatch { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("restore that full backup"), "{text}");
+            assert!(!text.contains("ivdisk create"), "{text}");
+        }
+        other => panic!("expected IncrementalMismatch, got {other:?}"),
     }
     assert!(objects(empty.as_ref()).await.is_empty());
 

@@ -113,7 +113,7 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
             }
         }
         SnapCommand::Ls(args) => {
-            let uri = ImageUri::parse(&args.image).map_err(flat)?;
+            let uri = crate::images::parse_uri(&args.image)?;
             let snaps = rt.block_on(Image::snapshots(&uri)).map_err(flat)?;
             if args.json {
                 outln!(

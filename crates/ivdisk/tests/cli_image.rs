@@ -740,6 +740,9 @@ fn image_addresses_are_checked() {
     // A local name with two '@' is offered no `create` it would refuse.
     let err = fails(&["snap", "ls", "/nonexistent/disk.ivd@a"]);
     assert!(!err.contains("ivdisk create"), "{err}");
+    // A RADOS snapshot where an image goes is named as one (it read as a bad image name).
+    let err = fails(&["snap", "ls", "rados://rbd/vm@a?conf=/nonexistent/ceph.conf"]);
+    assert!(err.contains("this command takes an image"), "{err}");
     // `file:PATH` is the same image as `PATH`.
     let f = Fixture::new();
     let image = f.path("disk");
