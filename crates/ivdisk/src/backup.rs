@@ -33,8 +33,10 @@ pub fn restore_help() -> &'static str {
     "Examples:\n  ivdisk restore disk.ivdbak copy.ivd\n  ivdisk restore vm1-nightly.ivdbak 'rados://rbd/vm1-copy?id=admin' --json\n  ivdisk restore vm1-mon-tue.ivdbak 'rados://rbd/vm1-copy?id=admin'   # the increment, after the full backup\n\n\
      The whole file is checked first (its SHA-256, every record's checksum, its structure): a \
      truncated or changed file is refused before anything is created. A full backup creates \
-     IMAGE (which must not exist), writing its header last, and removes everything it wrote if \
-     it fails. The image opens with the passphrases it had when it was backed up, and keeps \
+     IMAGE (which must not exist): its header first, marked unfinished (every open refuses \
+     it, and `ivdisk delete` removes a restore killed outright), under the image's writer lock \
+     (`ivdisk lock status` names the restore), then the data; it removes everything it wrote \
+     if it fails. The image opens with the passphrases it had when it was backed up, and keeps \
      its image id, so a store can hold one restore of an image. An incremental backup updates \
      an image restored from the backup of its --since snapshot, and is refused anywhere else \
      (another image, another snapshot, or an image written since its restore where the \
@@ -284,8 +286,9 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
     let mut bar = Bar::new(args.json);
     // A failed full restore removes what it wrote; a local store directory made for it goes too.
     let made_dir = crate::transfer::store_dir_to_make(&uri);
-    // SIGINT, SIGTERM or SIGHUP stops it between records, and it cleans up as after a failure (killed
-    // outright, a full restore left data objects without a header, which no command removes).
+    // SIGINT, SIGTERM, SIGHUP or SIGQUIT stops it between records, and it cleans up as after a
+    // failure (killed outright, a full restore leaves its image marked unfinished, which
+    // `ivdisk delete` removes).
     crate::transfer::stop_copies_on_signals(rt)?;
     let result = rt.block_on(Image::restore_backup_until(
         &args.file,
