@@ -186,24 +186,24 @@ impl RadosStore {
             set(option, widened.to_string())?;
         }
         let started = std::time::Instant::now();
+        // A setting as librados has it, for a message (`none` where it is unset or empty).
+        let conf_or = |name: &str, none: &str| {
+            cluster
+                .get_conf(name)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| none.into())
+        };
         cluster.connect().map_err(|e| match e.0 {
             libc::ETIMEDOUT | libc::ECONNREFUSED | libc::EHOSTUNREACH => RadosError::Unreachable {
                 client: client_id.clone(),
-                monitors: cluster
-                    .get_conf("mon_host")
-                    .ok()
-                    .filter(|m| !m.is_empty())
-                    .unwrap_or_else(|| "none configured".into()),
+                monitors: conf_or("mon_host", "none configured"),
                 timeout: config.connect_timeout,
             },
             // librados found no keyring for the client: no cluster was asked anything.
             libc::ENOENT => RadosError::NoKeyring {
                 client: client_id.clone(),
-                searched: cluster
-                    .get_conf("keyring")
-                    .ok()
-                    .filter(|k| !k.is_empty())
-                    .unwrap_or_else(|| "none".into()),
+                searched: conf_or("keyring", "none"),
             },
             libc::EACCES | libc::EPERM => RadosError::AuthFailed {
                 client: client_id.clone(),

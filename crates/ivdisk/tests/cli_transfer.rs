@@ -6,7 +6,7 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
 use ivdisk_image::{Image, ImageUri, OpenOptions};
 use ivdisk_store::{ObjectName, ObjectStoreExt, OmapPairs, WriteOp};
@@ -15,7 +15,8 @@ use serde_json::Value;
 mod common;
 
 use common::{
-    exits, fails, ivdisk, json, ok, ok_bytes, p, random, Fixture, DIE_HOLDING_LOCK, FAST,
+    cryptsetup, exits, fails, ivdisk, json, ok, ok_bytes, p, random, Fixture, DIE_HOLDING_LOCK,
+    FAST,
 };
 
 /// 16 sectors of 4096 bytes per object: small images still span many objects.
@@ -838,39 +839,10 @@ fn restore_is_refused_while_a_writer_holds_the_image() {
     );
 }
 
-fn cryptsetup(args: &[&str]) -> Output {
-    Command::new("cryptsetup")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("cryptsetup must be installed (apt-get install cryptsetup-bin)")
-}
-
 /// A 24 MiB LUKS2 file made by `cryptsetup luksFormat`, its keyslot 0 opened by `key`.
 fn cryptsetup_luks2_file(f: &Fixture, key: &Path) -> PathBuf {
     let volume = f.path("vol.luks");
-    std::fs::File::create(&volume)
-        .unwrap()
-        .set_len(24 << 20)
-        .unwrap();
-    let out = cryptsetup(&[
-        "luksFormat",
-        "--batch-mode",
-        "--type",
-        "luks2",
-        "--pbkdf",
-        "pbkdf2",
-        "--pbkdf-force-iterations",
-        "1000",
-        "--key-file",
-        p(key),
-        p(&volume),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::cryptsetup_luks2_file(&volume, key);
     volume
 }
 

@@ -146,3 +146,39 @@ pub fn raw_nbd_attach(socket: &Path) -> std::os::unix::net::UnixStream {
         }
     }
 }
+
+/// `cryptsetup ARGS`, standard input closed.
+pub fn cryptsetup(args: &[&str]) -> Output {
+    Command::new("cryptsetup")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("cryptsetup must be installed (apt-get install cryptsetup-bin)")
+}
+
+/// A new 24 MiB LUKS2 file at `path` made by `cryptsetup luksFormat` (8 MiB of data after
+/// its 16 MiB header), its keyslot 0 opened by `key` (the file's bytes, newline and all).
+pub fn cryptsetup_luks2_file(path: &Path, key: &Path) {
+    std::fs::File::create(path)
+        .unwrap()
+        .set_len(24 << 20)
+        .unwrap();
+    let out = cryptsetup(&[
+        "luksFormat",
+        "--batch-mode",
+        "--type",
+        "luks2",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        p(key),
+        p(path),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
