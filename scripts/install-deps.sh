@@ -19,9 +19,11 @@
 # left out with IVDISK_NO_CEPH=1 (which also skips the RADOS tests);
 # e2fsprogs (mkfs.ext4): the full-disk tests fill small ext4 file systems on loop devices
 # (ivdisk-store's small_fs.rs; Debian has it in the base system, listed for slimmer images);
-# exfatprogs, exfat-fuse: export onto a file system without hard links (tests/cli_transfer.rs).
+# exfatprogs, exfat-fuse: export onto a file system without hard links (tests/cli_transfer.rs);
+# gdb: a test binary killed by a signal gets every thread's backtrace printed from its core
+# (scripts/test-all.sh), so that a rare crash in CI can be told apart without a rerun.
 set -euo pipefail
-IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio librados-dev librbd-dev e2fsprogs exfatprogs exfat-fuse)
+IVDISK_PACKAGES=(openssl libssl-dev pkg-config gcc make cryptsetup-bin qemu-utils libnbd-bin fio librados-dev librbd-dev e2fsprogs exfatprogs exfat-fuse gdb)
 # nbdfuse comes with libnbd-bin on Debian 12 (where the nbdfuse package is only a name
 # libnbd-bin provides, which dpkg never lists as installed) and is a package of its own later.
 command -v nbdfuse >/dev/null || IVDISK_PACKAGES+=(nbdfuse)

@@ -276,6 +276,31 @@ test_executables() {
     sed -n 's/.*"manifest_path":"\([^"]*\)\/Cargo.toml","target":{"kind":\["\([a-z-]*\)"\].*"executable":"\([^"]*\)".*/\1\t\3\t\2/p'
 }
 
+# print_core_backtraces PACKAGE_DIR EXECUTABLE: after a test binary died of a signal, every
+# thread's backtrace from the core it left in its directory (core_pattern "core", the kernel's
+# default), then the core is removed (hundreds of MB). A crash that comes once in many runs
+# (librbd's threads, say) is then told apart from the log of the run it came in.
+print_core_backtraces() {
+  local dir=$1 exe=$2 core pattern
+  pattern=$(cat /proc/sys/kernel/core_pattern 2>/dev/null || true)
+  echo
+  echo "test-all.sh: $exe died of a signal; its core, if the kernel wrote one:"
+  if [[ $pattern != core* ]]; then
+    echo "  no core here: kernel.core_pattern is '$pattern', not a file in the working directory"
+    return 0
+  fi
+  command -v gdb >/dev/null || {
+    echo "  no gdb to read one (scripts/install-deps.sh installs it)"
+    return 0
+  }
+  for core in "$dir"/core "$dir"/core.[0-9]*; do
+    [[ -f $core ]] || continue
+    gdb -batch -nx -ex 'info threads' -ex 'thread apply all bt 30' "$exe" "$core" 2>&1 |
+      grep -v '^\[New LWP' | head -n 2000
+    rm -f "$core"
+  done
+}
+
 # run_test_binary "PACKAGE_DIR<TAB>EXECUTABLE<TAB>KIND": one test binary as `cargo test` runs it
 # (in its package's directory), its output in $IVDISK_TEST_LOGS; a failure is noted there too.
 run_test_binary() {
@@ -284,8 +309,9 @@ run_test_binary() {
   name=${dir##*/}/${exe##*/}
   log=$IVDISK_TEST_LOGS/${name//\//_}.log
   start=$SECONDS
-  (cd "$dir" && CARGO_MANIFEST_DIR=$dir "$exe") >"$log" 2>&1 || rc=$?
+  (cd "$dir" && ulimit -c unlimited 2>/dev/null; CARGO_MANIFEST_DIR=$dir "$exe") >"$log" 2>&1 || rc=$?
   if ((rc)); then
+    ((rc > 128)) && print_core_backtraces "$dir" "$exe" >>"$log" 2>&1
     printf '%s\n' "$log" >>"$IVDISK_TEST_LOGS/FAILED"
     printf '  FAILED %-52s %4ds (exit %d)\n' "$name" $((SECONDS - start)) "$rc"
     return 1

@@ -17,6 +17,10 @@
 //! completion until librbd has let go of the caller's buffer, so the write payload too lives
 //! exactly as long as librbd may touch it.
 //!
+//! A handle counts its requests in flight, and its close waits until every one has run its
+//! callback before `rbd_close`: librbd's users (qemu drains first) close idle images, and a
+//! close racing completions that still run in librbd's threads is a path nobody else takes.
+//!
 //! Calls librbd only offers synchronously (open, encryption load, close) are plain blocking
 //! functions here; the image module runs them on a helper thread.
 
@@ -26,6 +30,8 @@ use std::ffi::{c_int, c_void, CStr, CString};
 use std::fmt;
 use std::io;
 use std::ptr;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Duration;
 
 use futures_channel::oneshot;
 
@@ -159,6 +165,7 @@ pub fn c_string(s: &str) -> Result<CString, Errno> {
 /// opened on (ivdisk-rados' `RawIoContext`) until the handle is closed.
 pub struct ImageHandle {
     raw: sys::rbd_image_t,
+    in_flight: Arc<InFlight>,
 }
 
 // SAFETY: librbd image handles may be used from any thread: the asynchronous IO calls and
@@ -190,7 +197,10 @@ impl ImageHandle {
                 sys::rbd_open(io, name.as_ptr(), &mut raw, snap)
             }
         })?;
-        Ok(ImageHandle { raw })
+        Ok(ImageHandle {
+            raw,
+            in_flight: Arc::default(),
+        })
     }
 
     /// Take librbd's exclusive lock in exclusive mode and keep it until the close (blocking:
@@ -240,6 +250,7 @@ impl ImageHandle {
     /// Close the image (blocking: flushes librbd's cache, waits for requests in flight,
     /// releases the exclusive lock and the watch).
     pub fn close(mut self) -> Result<(), Errno> {
+        self.in_flight.wait_until_none();
         let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
         // SAFETY: an open handle, closed exactly once (`Drop` skips the NULL left behind).
         Errno::check(unsafe { sys::rbd_close(raw) })?;
@@ -252,7 +263,7 @@ impl ImageHandle {
         // Zeroed, so that the buffer is initialized whatever librbd fills in.
         let mut buf = vec![0u8; len];
         let (image, ptr) = (self.raw, buf.as_mut_ptr());
-        submit(buf, move |c| {
+        submit(&self.in_flight, buf, move |c| {
             // SAFETY: open handle and fresh completion; `ptr` points at `len` writable bytes
             // of the payload's heap buffer, which the payload (owned by the callback until
             // librbd completes) keeps in place: moving a Vec does not move its heap block.
@@ -263,7 +274,7 @@ impl ImageHandle {
     /// Write `data` (owned by the request until librbd completes it) at `offset`.
     pub fn aio_write(&self, offset: u64, data: Vec<u8>) -> Result<Pending<Vec<u8>>, Errno> {
         let (image, ptr, len) = (self.raw, data.as_ptr(), data.len());
-        submit(data, move |c| {
+        submit(&self.in_flight, data, move |c| {
             // SAFETY: as in `aio_read`: `ptr`/`len` describe the payload's heap buffer, alive
             // and unmoved until the callback; librbd's zero-copy path completes only after it
             // released the buffer.
@@ -275,7 +286,7 @@ impl ImageHandle {
     /// module for when that matters).
     pub fn aio_discard(&self, offset: u64, len: u64) -> Result<Pending<()>, Errno> {
         let image = self.raw;
-        submit((), move |c| {
+        submit(&self.in_flight, (), move |c| {
             // SAFETY: open handle and fresh completion; no buffers involved.
             unsafe { sys::rbd_aio_discard(image, offset, len, c) }
         })
@@ -296,7 +307,7 @@ impl ImageHandle {
         } else {
             0
         };
-        submit((), move |c| {
+        submit(&self.in_flight, (), move |c| {
             // SAFETY: open handle and fresh completion; a flag librbd knows, no op flags.
             unsafe { sys::rbd_aio_write_zeroes(image, offset, len, c, flags, 0) }
         })
@@ -305,7 +316,7 @@ impl ImageHandle {
     /// Make every completed write durable (flushes librbd's writeback cache).
     pub fn aio_flush(&self) -> Result<Pending<()>, Errno> {
         let image = self.raw;
-        submit((), move |c| {
+        submit(&self.in_flight, (), move |c| {
             // SAFETY: open handle and fresh completion.
             unsafe { sys::rbd_aio_flush(image, c) }
         })
@@ -317,9 +328,9 @@ impl Drop for ImageHandle {
         if self.raw.is_null() {
             return;
         }
-        // SAFETY: an open handle nobody else uses any more (we are dropping the only owner);
-        // closed exactly once. librbd waits for requests in flight, whose payloads are
-        // owned by their callbacks, not by this handle.
+        self.in_flight.wait_until_none();
+        // SAFETY: an open handle nobody else uses any more (we are dropping the only owner),
+        // with no request of ours in flight; closed exactly once.
         let r = unsafe { sys::rbd_close(self.raw) };
         if r < 0 {
             tracing::warn!(error = %Errno(-r), "closing an rbd image failed");
@@ -340,23 +351,73 @@ pub struct Done<T> {
 /// A submitted request; resolves when librbd completes it.
 pub type Pending<T> = oneshot::Receiver<Done<T>>;
 
-struct Inflight<T> {
+struct Submitted<T> {
     payload: T,
     done: oneshot::Sender<Done<T>>,
+    /// The handle's count, told once the payload has been handed over or dropped.
+    in_flight: Arc<InFlight>,
+}
+
+/// How many requests of a handle are submitted and have not yet run their callback.
+#[derive(Default)]
+struct InFlight {
+    count: Mutex<usize>,
+    none_left: Condvar,
+}
+
+impl InFlight {
+    fn started(&self) {
+        *self.count.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+    }
+
+    fn finished(&self) {
+        let mut count = self.count.lock().unwrap_or_else(PoisonError::into_inner);
+        *count -= 1;
+        if *count == 0 {
+            self.none_left.notify_all();
+        }
+    }
+
+    /// Block until no request is in flight. A request that never completes (a cluster gone
+    /// for good) would hold `rbd_close` up as long, so this waits as long too, saying so.
+    fn wait_until_none(&self) {
+        const SAY_AFTER: Duration = Duration::from_secs(10);
+        let mut count = self.count.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut said = false;
+        while *count > 0 {
+            let (next, timeout) = self
+                .none_left
+                .wait_timeout(count, SAY_AFTER)
+                .unwrap_or_else(PoisonError::into_inner);
+            count = next;
+            if timeout.timed_out() && *count > 0 && !said {
+                said = true;
+                tracing::warn!(
+                    requests = *count,
+                    "closing an rbd image waits for its requests in flight to complete"
+                );
+            }
+        }
+    }
 }
 
 extern "C" fn on_complete<T: Send + 'static>(c: sys::rbd_completion_t, arg: *mut c_void) {
-    // SAFETY: `arg` is the `Box<Inflight<T>>` leaked by `submit` for this completion, and
+    // SAFETY: `arg` is the `Box<Submitted<T>>` leaked by `submit` for this completion, and
     // librbd calls the callback exactly once, so the box is reclaimed exactly once.
-    let inflight = unsafe { Box::from_raw(arg.cast::<Inflight<T>>()) };
+    let submitted = unsafe { Box::from_raw(arg.cast::<Submitted<T>>()) };
     // SAFETY: `c` is the completion this callback belongs to, valid during the callback.
     let rval = unsafe { sys::rbd_aio_get_return_value(c) };
     // SAFETY: drops our reference (as qemu's rbd driver does in its callback); librbd holds
     // its own until the callback returns.
     unsafe { sys::rbd_aio_release(c) };
-    let Inflight { payload, done } = *inflight;
+    let Submitted {
+        payload,
+        done,
+        in_flight,
+    } = *submitted;
     // A dropped receiver gets the payload dropped here, after librbd is done with it.
     let _ = done.send(Done { payload, rval });
+    in_flight.finished();
 }
 
 /// Leak `payload` into a new completion's callback argument and run `start` (which must
@@ -364,19 +425,26 @@ extern "C" fn on_complete<T: Send + 'static>(c: sys::rbd_completion_t, arg: *mut
 /// taken before). On a submission error the callback never runs, so the payload is reclaimed
 /// here.
 fn submit<T: Send + 'static>(
+    in_flight: &Arc<InFlight>,
     payload: T,
     start: impl FnOnce(sys::rbd_completion_t) -> c_int,
 ) -> Result<Pending<T>, Errno> {
     let (done, pending) = oneshot::channel();
-    let inflight = Box::into_raw(Box::new(Inflight { payload, done }));
+    in_flight.started();
+    let submitted = Box::into_raw(Box::new(Submitted {
+        payload,
+        done,
+        in_flight: in_flight.clone(),
+    }));
     let mut c = ptr::null_mut();
     // SAFETY: valid out-pointer; the callback is the monomorphized `on_complete::<T>`
     // matching the argument's type.
     let r =
-        unsafe { sys::rbd_aio_create_completion(inflight.cast(), Some(on_complete::<T>), &mut c) };
+        unsafe { sys::rbd_aio_create_completion(submitted.cast(), Some(on_complete::<T>), &mut c) };
     if r < 0 {
         // SAFETY: no completion exists, so nobody else will reclaim the box.
-        drop(unsafe { Box::from_raw(inflight) });
+        drop(unsafe { Box::from_raw(submitted) });
+        in_flight.finished();
         return Err(Errno(-r));
     }
     let r = start(c);
@@ -385,9 +453,44 @@ fn submit<T: Send + 'static>(
         // completion and reclaim the box here, exactly once.
         unsafe {
             sys::rbd_aio_release(c);
-            drop(Box::from_raw(inflight));
+            drop(Box::from_raw(submitted));
         }
+        in_flight.finished();
         return Err(Errno(-r));
     }
     Ok(pending)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::thread;
+
+    /// The close's wait returns only once the last request in flight has finished, and at
+    /// once when none is.
+    #[test]
+    fn the_close_waits_for_every_request_in_flight() {
+        let in_flight = Arc::new(InFlight::default());
+        in_flight.wait_until_none();
+        in_flight.started();
+        in_flight.started();
+        let all_finished = Arc::new(AtomicBool::new(false));
+        let completions = {
+            let (in_flight, all_finished) = (in_flight.clone(), all_finished.clone());
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(50));
+                in_flight.finished();
+                thread::sleep(Duration::from_millis(50));
+                all_finished.store(true, Ordering::SeqCst);
+                in_flight.finished();
+            })
+        };
+        in_flight.wait_until_none();
+        assert!(
+            all_finished.load(Ordering::SeqCst),
+            "returned with one in flight"
+        );
+        completions.join().unwrap();
+    }
 }
