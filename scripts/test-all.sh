@@ -309,7 +309,7 @@ run_test_binary() {
   name=${dir##*/}/${exe##*/}
   log=$IVDISK_TEST_LOGS/${name//\//_}.log
   start=$SECONDS
-  (cd "$dir" && ulimit -c unlimited 2>/dev/null; CARGO_MANIFEST_DIR=$dir "$exe") >"$log" 2>&1 || rc=$?
+  (cd "$dir" || exit; ulimit -c unlimited 2>/dev/null; CARGO_MANIFEST_DIR=$dir "$exe") >"$log" 2>&1 || rc=$?
   if ((rc)); then
     ((rc > 128)) && print_core_backtraces "$dir" "$exe" >>"$log" 2>&1
     printf '%s\n' "$log" >>"$IVDISK_TEST_LOGS/FAILED"
