@@ -15,7 +15,7 @@ use ivdisk_image::{
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
-use crate::images::{flat, human_size, image_at, parse_image_at, parse_uri};
+use crate::images::{exact_size, flat, human_size, image_at, parse_image_at, parse_uri};
 
 pub fn backup_help() -> &'static str {
     "Examples:\n  ivdisk backup disk.ivd disk.ivdbak\n  ivdisk snap create 'rados://rbd/vm1@nightly?id=admin'\n  ivdisk backup 'rados://rbd/vm1@nightly?id=admin' vm1-nightly.ivdbak --json\n  ivdisk backup 'rados://rbd/vm1@tuesday?id=admin' vm1-mon-tue.ivdbak --since nightly\n\n\
@@ -152,7 +152,7 @@ fn what(s: &BackupSummary) -> String {
         ),
         None => format!(
             "{source} ({}, {} object(s) with data)",
-            human_size(d.size),
+            exact_size(d.size),
             s.objects
         ),
     }

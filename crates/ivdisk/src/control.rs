@@ -435,6 +435,29 @@ pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option
     )
 }
 
+/// Remove the control socket a server of image `image_id` at `uri` left behind when it was
+/// killed (nobody listens on it): after `ivdisk delete` no server of that image comes to
+/// replace it, and such files would pile up in the runtime directory.
+pub fn remove_stale(image_id: &ImageId, uri: &ImageUri) {
+    let Some(location) = location(uri) else {
+        return;
+    };
+    let name = socket_name(image_id, &location);
+    for path in runtime_dirs()
+        .into_iter()
+        .filter(|dir| is_private(dir))
+        .map(|dir| dir.join(&name))
+    {
+        let refused = matches!(
+            UnixStream::connect(&path),
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused
+        );
+        if refused && std::fs::remove_file(&path).is_ok() {
+            tracing::debug!(path = %path.display(), "removed a dead server's control socket");
+        }
+    }
+}
+
 /// Send one request line on `stream` and read the answer line, waiting at most `limit`.
 fn exchange(stream: &mut UnixStream, request: &Value, limit: Duration) -> Result<Value> {
     stream.set_read_timeout(Some(limit))?;

@@ -39,7 +39,7 @@ use serde_json::json;
 use tokio::runtime::Runtime;
 use zeroize::Zeroizing;
 
-use crate::images::{flat, human_size, parse_image_at, parse_uri, FormatArgs};
+use crate::images::{exact_size, flat, human_size, parse_image_at, parse_uri, FormatArgs};
 use crate::secrets::{prompt_twice, with_spinner, NewPassphraseArgs, PassphraseArgs};
 use crate::transfer::{
     chunk_size, delete_half_made, interrupted, interrupted_error, progress, source_len,
@@ -1016,7 +1016,7 @@ fn convert_open(
             "converted {} into image {dst} ({}, {}, layout {}) in {seconds:.1} s: {} written, {} \
              of holes and zeros skipped; verified: every byte reads back as in the source",
             source.describe(),
-            human_size(size),
+            exact_size(size),
             options.suite,
             options.layout.map_or("?", |l| l.name()),
             human_size(copied.written),

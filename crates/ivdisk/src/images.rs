@@ -360,11 +360,13 @@ pub(crate) fn info_at(rt: &Runtime, uri: &ImageUri, snapshot: Option<&str>) -> R
     Ok(info)
 }
 
-/// 1073741824 → "1 GiB", 1536 → "1.5 KiB".
+const SIZE_UNITS: [&str; 7] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+
+/// An amount, rounded: 1073741824 → "1 GiB", 1536 → "1.5 KiB" (for what is measured, such
+/// as disk usage or bytes copied; sizes a user gives are written with [`exact_size`]).
 pub fn human_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
     let mut unit = 0;
-    while unit + 1 < UNITS.len() && bytes >= 1 << (10 * (unit + 1)) {
+    while unit + 1 < SIZE_UNITS.len() && bytes >= 1 << (10 * (unit + 1)) {
         unit += 1;
     }
     if unit == 0 {
@@ -372,15 +374,25 @@ pub fn human_size(bytes: u64) -> String {
     }
     let scale = 1u64 << (10 * unit);
     if bytes.is_multiple_of(scale) {
-        format!("{} {}", bytes / scale, UNITS[unit])
+        format!("{} {}", bytes / scale, SIZE_UNITS[unit])
     } else {
         let text = format!("{:.2}", bytes as f64 / scale as f64);
         format!(
             "{} {}",
             text.trim_end_matches('0').trim_end_matches('.'),
-            UNITS[unit]
+            SIZE_UNITS[unit]
         )
     }
+}
+
+/// A size as given, in the largest binary unit that holds it whole: 12289 KiB stays
+/// "12289 KiB" (rounded, "12 MiB" would hide the odd KiB), 7 << 60 is "7 EiB".
+pub fn exact_size(bytes: u64) -> String {
+    let unit = (1..SIZE_UNITS.len())
+        .rev()
+        .find(|&unit| bytes != 0 && bytes.is_multiple_of(1 << (10 * unit)))
+        .unwrap_or(0);
+    format!("{} {}", bytes >> (10 * unit), SIZE_UNITS[unit])
 }
 
 fn locker_json(locker: &Locker) -> Value {
@@ -557,11 +569,11 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
         info_json(&uri, &info),
         format!(
             "created image {uri}: {}, cipher {}, layout {}, {}-byte sectors, {} objects, keyslot {}{fleeting}",
-            human_size(info.size),
+            exact_size(info.size),
             info.suite,
             info.layout,
             info.sector_size,
-            human_size(info.object_size),
+            exact_size(info.object_size),
             info.keyslots
                 .iter()
                 .map(u32::to_string)
@@ -737,8 +749,8 @@ pub fn resize(args: ResizeArgs, rt: &Runtime) -> Result<()> {
         bail!(
             "image {uri}: shrinking from {} to {} destroys the data past the new end; pass \
              --allow-shrink to do it",
-            human_size(before.size),
-            human_size(args.size)
+            exact_size(before.size),
+            exact_size(args.size)
         );
     }
     let passphrase = args.passphrase.existing()?;
@@ -771,8 +783,8 @@ pub fn resize(args: ResizeArgs, rt: &Runtime) -> Result<()> {
         json!({"image": uri.to_string(), "old_size": old, "size": args.size}),
         format!(
             "resized image {uri} from {} to {}",
-            human_size(old),
-            human_size(args.size)
+            exact_size(old),
+            exact_size(args.size)
         ),
     );
     Ok(())
@@ -788,7 +800,7 @@ pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
     let info = info_of(rt, &uri)?;
     let question = format!(
         "Delete image {uri} ({}, {})? All of its data is destroyed",
-        human_size(info.size),
+        exact_size(info.size),
         info.suite
     );
     let refusal = format!(
@@ -829,6 +841,7 @@ pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
         ),
         e => flat(e),
     })?;
+    crate::control::remove_stale(&info.image_id, &uri);
     let mut text = format!(
         "deleted image {uri} ({} data object(s) removed)",
         objects.get()
@@ -994,6 +1007,12 @@ mod tests {
         assert_eq!(human_size(1536), "1.5 KiB");
         assert_eq!(human_size(10 << 30), "10 GiB");
         assert_eq!(human_size(3 << 40), "3 TiB");
+        assert_eq!(human_size(7 << 60), "7 EiB");
+        assert_eq!(exact_size(12289 << 10), "12289 KiB");
+        assert_eq!(exact_size(64 << 20), "64 MiB");
+        assert_eq!(exact_size(7 << 60), "7 EiB");
+        assert_eq!(exact_size(1536), "1536 bytes");
+        assert_eq!(exact_size(0), "0 bytes");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::signal::unix::{signal, SignalKind};
 use zeroize::Zeroizing;
 
-use crate::images::{human_size, image_or_rbd_help, info_at};
+use crate::images::{exact_size, image_or_rbd_help, info_at};
 use crate::secrets::{with_spinner, PassphraseArgs};
 
 #[derive(Args)]
@@ -61,7 +61,7 @@ pub struct ServeArgs {
     /// librbd's read-only open, no watch or exclusive lock).
     #[arg(long)]
     read_only: bool,
-    /// The export's name (clients asking for "" get it too).
+    /// The export's name (clients asking for "" get it too), at most 4096 bytes.
     #[arg(long, default_value = "", value_name = "NAME")]
     export_name: String,
     /// Memory for per-sector metadata of `object-end`, `omap-packed` and `omap-tail` images,
@@ -79,12 +79,17 @@ pub struct ServeArgs {
     json: bool,
 }
 
+// The help below names the server's connection limit.
+const _: () = assert!(ivdisk_nbd::MAX_CONNECTIONS == 256);
+
 pub fn after_help() -> String {
     String::from(
         "Runs in the foreground until SIGINT (Ctrl-C), SIGTERM or SIGQUIT, then finishes the requests in \
          flight, flushes, releases the writer lock and exits 0. Clients: qemu, qemu-img, nbdinfo, \
          nbdcopy, nbdfuse, fio (--ioengine=nbd), the kernel's nbd-client. Several clients may \
-         attach at once (they share one open image, so a flush by one covers all).\n\nWithout \
+         attach at once (they share one open image, so a flush by one covers all), up to 256 \
+         connections: one more is closed before the handshake, and the server logs why.\n\n\
+         Without \
          --socket or --listen it listens on a Unix socket only you can reach, named after the \
          image: $XDG_RUNTIME_DIR/ivdisk/NAME.sock, or /tmp/ivdisk-UID/NAME.sock (a directory \
          of mode 700).\n\nrbd://POOL/IMAGE serves a \
@@ -356,6 +361,20 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
 }
 
 /// `--socket-mode`: octal permission bits, at most 777.
+/// The NBD protocol's strings (proto.md) are at most 4096 bytes: clients refuse to ask for a
+/// longer export name, and a server listing one breaks their `NBD_OPT_LIST`.
+fn check_export_name(name: &str) -> Result<()> {
+    const MAX_EXPORT_NAME: usize = 4096;
+    if name.len() > MAX_EXPORT_NAME {
+        anyhow::bail!(
+            "--export-name: the name is {} bytes; the NBD protocol allows at most \
+             {MAX_EXPORT_NAME} (clients could not ask for it)",
+            name.len()
+        );
+    }
+    Ok(())
+}
+
 fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
     let mode = u32::from_str_radix(text, 8)
         .ok()
@@ -405,6 +424,7 @@ impl Endpoint {
 /// asked for: unusable credentials or a busy or refused address should not cost an unlock),
 /// and give a Unix socket the mode `--socket-mode` asks for.
 fn bind(args: &ServeArgs, rt: &Runtime) -> Result<Endpoint> {
+    check_export_name(&args.export_name)?;
     let tls = match &args.tls_creds {
         Some(dir) => Some(TlsCredentials::from_dir(dir).map_err(|e| {
             anyhow!("{e}. Make a set with scripts/tls-creds, or give the directory that has them")
@@ -562,7 +582,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
                 .snapshot()
                 .map(|s| format!("@{s}"))
                 .unwrap_or_default(),
-            human_size(image.size()),
+            exact_size(image.size()),
             image.suite().name()
         ),
         image.is_read_only(),
@@ -571,7 +591,10 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         rt,
         endpoint,
         export,
-        &uri.to_string(),
+        &match image.snapshot() {
+            Some(snapshot) => uri.at_snapshot(snapshot),
+            None => uri.to_string(),
+        },
         "the writer lock expires by itself",
     );
     if let Some(control) = control {
@@ -760,9 +783,9 @@ fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> R
         tls_failures = stats.tls_failures,
         "served"
     );
-    if !args.json {
-        note!("ivdisk: image {} flushed and closed", args.image);
-    }
+    // On stderr with --json too: stdout holds the one JSON line, and a script that stopped
+    // the server learns from this line (and the exit code) that the flush happened.
+    note!("ivdisk: image {} flushed and closed", args.image);
     Ok(())
 }
 
@@ -836,7 +859,7 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
         format!(
             "librbd image {} ({}, encryption {encryption}",
             image.name(),
-            human_size(image.size())
+            exact_size(image.size())
         ),
         image.is_read_only(),
     );

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
 use crate::control::{ask_the_server, held_by_a_writer};
-use crate::images::{flat, human_size};
+use crate::images::{exact_size, flat};
 
 #[derive(Subcommand)]
 pub enum SnapCommand {
@@ -107,7 +107,7 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 outln!(
                     "created snapshot {} ({}); open it read-only as {}",
                     uri.at_snapshot(&snap.name),
-                    human_size(snap.size),
+                    exact_size(snap.size),
                     uri.at_snapshot(&snap.name)
                 );
             }
@@ -129,7 +129,7 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                         "{:<24} {:>6} {:>12}  {}",
                         s.name,
                         s.id,
-                        human_size(s.size),
+                        exact_size(s.size),
                         utc(s.created)
                     );
                 }
@@ -202,7 +202,7 @@ pub fn run(command: SnapCommand, rt: &Runtime) -> Result<()> {
                 outln!(
                     "image {uri} rolled back to snapshot {} ({})",
                     snap.name,
-                    human_size(snap.size)
+                    exact_size(snap.size)
                 );
             }
         }

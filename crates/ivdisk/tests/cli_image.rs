@@ -339,6 +339,40 @@ fn resize_grows_and_shrinks_only_when_allowed() {
     assert_eq!(info(&image)["size"], 32u64 << 20);
     // The writer lock was released on the way out.
     assert_eq!(info(&image)["lock"], Value::Null);
+    // A size that is no whole number of MiB is not rounded to one ("32 MiB to 32 MiB").
+    let text = ok(&[
+        "resize",
+        p(&image),
+        "--size",
+        "32772K",
+        "--passphrase-file",
+        p(&f.pw),
+    ]);
+    assert!(text.contains("from 32 MiB to 32772 KiB"), "{text}");
+}
+
+/// The NBD protocol's strings are at most 4096 bytes: a longer export name, which no client
+/// could ask for, is refused before anything is opened.
+#[test]
+fn serve_refuses_an_export_name_clients_cannot_ask_for() {
+    let f = Fixture::new();
+    let image = f.path("disk");
+    f.create(&image, "16M", &[]);
+    let socket = f.path("s.sock");
+    let long = "x".repeat(4097);
+    let err = fails(&[
+        "serve",
+        p(&image),
+        "--socket",
+        p(&socket),
+        "--export-name",
+        &long,
+    ]);
+    assert!(
+        err.contains("4097 bytes") && err.contains("at most 4096"),
+        "{err}"
+    );
+    assert!(!socket.exists());
 }
 
 /// The largest size NBD clients take (2^63 bytes less a sector) is created and verified at

@@ -3095,3 +3095,44 @@ fn a_stop_signal_while_the_image_opens_stops_it_before_serving() {
     assert!(!socket.exists(), "{} was left behind", socket.display());
     assert_lock_free(&f.ivdisk_path(), &image);
 }
+
+/// A server killed outright leaves its control socket behind (nothing ran to remove it); the
+/// image's deletion removes it, since no server of that image will come to replace it. A
+/// server of a snapshot names the snapshot when it stops, and a `--json` server too says on
+/// stderr that it flushed and closed.
+#[test]
+fn a_killed_servers_control_socket_goes_with_its_image_and_stops_are_told_in_full() {
+    let f = Fixture::new();
+    let image = f.create("gone", "16M", &[]);
+    let id = f.ivdisk(&["info", s(&image), "--json"]).ok().json()["image_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    f.ivdisk(&["snap", "create", &format!("{}@first", s(&image))])
+        .ok();
+
+    let snapshot = PathBuf::from(format!("{}@first", s(&image)));
+    let mut server = f.serve(&snapshot, &[]);
+    server.sigterm();
+    let status = server.wait_exit(STOP_LIMIT).expect("stopped by SIGTERM");
+    let stderr = server.stderr();
+    assert!(status.success(), "{status}: {stderr}");
+    assert!(
+        stderr.contains(&format!("closing {}@first", s(&image)))
+            && stderr.contains(&format!("image {}@first flushed and closed", s(&image))),
+        "{stderr}"
+    );
+
+    let mut server = f.serve(&image, &[]);
+    assert_eq!(control_sockets(&id).len(), 1, "the server's control socket");
+    server.child.kill().unwrap();
+    server.wait_exit(STOP_LIMIT).expect("killed");
+    assert_eq!(control_sockets(&id).len(), 1, "left behind by SIGKILL");
+    f.ivdisk(&["snap", "rm", s(&snapshot)]).ok();
+    f.ivdisk(&["delete", s(&image), "--yes"]).ok();
+    assert_eq!(
+        control_sockets(&id),
+        Vec::<PathBuf>::new(),
+        "after the delete"
+    );
+}
