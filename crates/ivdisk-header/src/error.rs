@@ -71,7 +71,7 @@ pub enum HeaderError {
 
     #[error(
         "no keyslot matches this passphrase ({tried} keyslot(s) tried{})",
-        unusable_note(*unusable)
+        no_keyslots_note(*tried, *unusable)
     )]
     WrongPassphrase { tried: usize, unusable: usize },
 
@@ -156,6 +156,17 @@ fn unmet_requirements(requirements: &[String]) -> String {
              what set them with the tool that set them first"
         )
     }
+}
+
+/// What follows the count of keyslots tried: why none was usable, or that there are none.
+fn no_keyslots_note(tried: usize, unusable: usize) -> String {
+    if tried == 0 {
+        return ": the header has no keyslots left (the last one was removed), so no passphrase \
+                opens it; restore a header backup made before (`ivdisk header restore`), or \
+                add a keyslot with the volume key (`--volume-key-file`)"
+            .to_owned();
+    }
+    unusable_note(unusable)
 }
 
 fn unusable_note(unusable: usize) -> String {

@@ -827,6 +827,23 @@ fn wrong_passphrase_with_three_keyslots() {
     assert_eq!(header.unlock(&io, b"third").unwrap().keyslot, 2);
 }
 
+/// A header whose last keyslot was removed (forced) opens with no passphrase at all: the
+/// error says so and what brings access back, rather than blaming the passphrase.
+#[test]
+fn a_header_without_keyslots_says_so() {
+    let (mut io, mut header, _key) = formatted();
+    header.remove_keyslot(&mut io, 0, true).unwrap();
+    let header = Header::read(&io).unwrap();
+    assert!(header.keyslots().is_empty());
+    let err = header.unlock(&io, b"anything").unwrap_err();
+    assert!(
+        matches!(err, HeaderError::WrongPassphrase { tried: 0, .. }),
+        "{err:?}"
+    );
+    assert_contains(&err.to_string(), "the header has no keyslots left");
+    assert_contains(&err.to_string(), "ivdisk header restore");
+}
+
 // ---------------------------------------------------------------------------------------------
 // LUKS1 (read-only), built by hand per the LUKS1 on-disk format specification 1.2.3.
 

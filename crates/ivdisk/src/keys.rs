@@ -648,6 +648,33 @@ fn unlock(header: &Header, device: &File, args: &UnlockArgs) -> Result<(Option<u
     .map_err(Into::into)
 }
 
+/// `header format --force` replaces a detached header file. A LUKS volume that holds its data
+/// after its header is no such file: replaced, the volume and its data would be gone.
+fn refuse_volume_with_data(file: &Path) -> Result<()> {
+    let Ok(existing) = File::open(file) else {
+        return Ok(());
+    };
+    let Ok(header) = Header::read(&existing) else {
+        return Ok(());
+    };
+    let Ok(segment) = header.segment() else {
+        return Ok(());
+    };
+    let size = existing.metadata().map_or(0, |m| m.len());
+    if segment.offset > 0 && size > segment.offset {
+        bail!(
+            "{} is a LUKS volume with {} bytes of data after its header (from byte {}): \
+             `header format` writes a detached header, and replacing the volume with one \
+             would destroy that data, --force or not. Its passphrases are changed with \
+             `ivdisk passphrase`; to discard the volume, remove the file first",
+            file.display(),
+            size - segment.offset,
+            segment.offset
+        );
+    }
+    Ok(())
+}
+
 pub fn run_header(command: HeaderCommand) -> Result<()> {
     match command {
         HeaderCommand::Format {
@@ -718,6 +745,9 @@ pub fn run_header(command: HeaderCommand) -> Result<()> {
             // complete: it is made beside it and renamed over it. Truncated first, a format
             // that then failed (a volume key of the wrong length) left neither header.
             let replacing = force && std::fs::metadata(&file).is_ok_and(|m| m.is_file());
+            if replacing {
+                refuse_volume_with_data(&file)?;
+            }
             // Through a symbolic link, the file it names is replaced, not the link (the real
             // header kept the old keyslots, which a format meant to revoke).
             let replaced = match replacing {

@@ -576,6 +576,41 @@ fn a_forced_header_format_that_fails_keeps_the_old_header() {
     assert!(std::fs::read(&hdr).unwrap() == before);
 }
 
+/// `header format --force` replaces detached header files, not LUKS volumes holding their
+/// data: over a cryptsetup volume it is refused and the volume stays whole (it was cut to a
+/// 16 MiB detached header, its data gone).
+#[test]
+fn a_forced_header_format_leaves_a_luks_volume_with_data_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let pw = key(dir.path(), "pw", b"passphrase");
+    let volume = dir.path().join("vol.img");
+    std::fs::File::create(&volume)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    let made = Command::new("cryptsetup")
+        .args(["luksFormat", "--batch-mode", "--type", "luks2"])
+        .args(FAST)
+        .args(["--key-file", p(&pw), p(&volume)])
+        .output()
+        .expect("cryptsetup must be installed (apt-get install cryptsetup-bin)");
+    assert!(made.status.success(), "{made:?}");
+    let before = std::fs::read(&volume).unwrap();
+    let mut args = vec!["header", "format", p(&volume), "--size", "16M", "--force"];
+    args.extend(["--key-file", p(&pw)]);
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(
+        err.contains("LUKS volume with") && err.contains("would destroy that data"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&volume).unwrap() == before,
+        "the volume is intact"
+    );
+    ok(&["key", "test", p(&volume), "--key-file", p(&pw)]);
+}
+
 /// A header file holds keyslots, which allow guessing the passphrase offline: `header format`
 /// makes it its owner's only (mode 0600, as cryptsetup), `--force` keeps the mode of the file
 /// it replaces (the rename left 0644), and through a symbolic link it replaces the file the
