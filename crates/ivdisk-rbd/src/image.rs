@@ -38,6 +38,12 @@ pub struct RbdImage {
     encryption: Option<LuksFormat>,
     read_only: bool,
     snapshot: bool,
+    /// Writes that cover part of a LUKS sector hold it alone, all others share it: librbd's
+    /// crypto layer read-modify-writes such sectors and restarts when another write raced it
+    /// (`ERANGE`), and 32 small overlapping ones at once slowed to a crawl or stopped
+    /// altogether (both of librados' threads blocked in its throttle). rbd-nbd avoids them by
+    /// a 4 KiB block size, which fio's nbd engine or a raw client do not honour.
+    partial_sector_writes: tokio::sync::RwLock<()>,
 }
 
 impl fmt::Debug for RbdImage {
@@ -218,6 +224,7 @@ impl RbdImage {
             encryption,
             read_only: read_only || snapshot.is_some(),
             snapshot: snapshot.is_some(),
+            partial_sector_writes: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -319,6 +326,30 @@ impl RbdImage {
         }
     }
 
+    /// Run a write (or zeroing) of `[offset, offset + len)`: alone if it covers part of a
+    /// LUKS sector (see `partial_sector_writes`), beside the others otherwise.
+    async fn write_op<T>(
+        &self,
+        offset: u64,
+        len: u64,
+        op: impl std::future::Future<Output = T>,
+    ) -> T {
+        let sector = match self.encryption {
+            None => return op.await,
+            // Pacific's `rbd encryption format` makes LUKS2 with 4096-byte sectors; LUKS1
+            // has 512-byte ones.
+            Some(LuksFormat::Luks2) => 4096,
+            Some(LuksFormat::Luks1) => 512,
+        };
+        if offset.is_multiple_of(sector) && len.is_multiple_of(sector) {
+            let _shared = self.partial_sector_writes.read().await;
+            op.await
+        } else {
+            let _alone = self.partial_sector_writes.write().await;
+            op.await
+        }
+    }
+
     /// Wait for a request and turn a negative return value into an error.
     async fn finish<T>(
         &self,
@@ -369,12 +400,15 @@ impl RbdImage {
         if data.is_empty() {
             return Ok(());
         }
-        self.finish(
-            "write",
-            offset,
-            len,
-            self.handle.aio_write(offset, data.to_vec()),
-        )
+        self.write_op(offset, len, async {
+            self.finish(
+                "write",
+                offset,
+                len,
+                self.handle.aio_write(offset, data.to_vec()),
+            )
+            .await
+        })
         .await?;
         Ok(())
     }
@@ -387,8 +421,11 @@ impl RbdImage {
         if len == 0 {
             return Ok(());
         }
-        self.finish("discard", offset, len, self.handle.aio_discard(offset, len))
-            .await?;
+        self.write_op(offset, len, async {
+            self.finish("discard", offset, len, self.handle.aio_discard(offset, len))
+                .await
+        })
+        .await?;
         Ok(())
     }
 
@@ -411,12 +448,15 @@ impl RbdImage {
             len,
             size: self.size,
         })?;
-        self.finish(
-            "write-zeroes",
-            offset,
-            len,
-            self.handle.aio_write_zeroes(offset, n, !may_unmap),
-        )
+        self.write_op(offset, len, async {
+            self.finish(
+                "write-zeroes",
+                offset,
+                len,
+                self.handle.aio_write_zeroes(offset, n, !may_unmap),
+            )
+            .await
+        })
         .await?;
         Ok(())
     }
