@@ -152,7 +152,7 @@ pub(crate) struct WriterLock {
     /// [`LAST_WRITER_CLIENT_KEY`] away again when it closes).
     record: HolderRecord,
     /// The header object's watch that answers openers that find the lock held (RADOS).
-    _watch: Option<Watch>,
+    watch: Option<Watch>,
     stop: Option<mpsc::Sender<()>>,
     renewer: Option<JoinHandle<()>>,
     /// Why writes are refused, while they are (for good once the lock is lost, until the next
@@ -763,7 +763,7 @@ impl WriterLock {
             object,
             cookie,
             record,
-            _watch: watch,
+            watch,
             stop: Some(stop),
             renewer: Some(renewer),
             lost,
@@ -842,6 +842,9 @@ impl WriterLock {
         if let Some(why) = self.lost() {
             return Ok(Err(why));
         }
+        // Unwatched first: the OSD drops the watch of a removed object, and librados reports
+        // that as a watch lost (two warnings on every delete, which read as a sick cluster).
+        drop(self.watch.take());
         let removed = self
             .store
             .write_op(&self.object, WriteOp::new().step(WriteStep::Remove))
