@@ -73,6 +73,9 @@ pub struct HeaderRestore {
     pub restored: HeaderBackupInfo,
     /// What was there before.
     pub replaced: ReplacedHeader,
+    /// The image's data objects the store holds, counted when the header was missing: none
+    /// means the image reads as zeros everywhere (deleted, or never written).
+    pub data_objects: Option<usize>,
 }
 
 /// The object version to assert (`None`: create the object) and what a restore of image
@@ -379,9 +382,22 @@ impl Image {
         let replaced = result?;
         released?;
         tracing::info!(image = %image, uuid = saved.uuid(), replaced = ?replaced, "restored the image header from a backup");
+        // A header restored where none was may be one of a deleted image: say whether any
+        // data came back with it (on RADOS this lists the pool, as a delete does).
+        let data_objects = match replaced {
+            ReplacedHeader::Missing => Some(
+                store
+                    .list(&crate::image::data_object_prefix(&params.image_id))
+                    .await
+                    .map_err(ImageError::store(&image))?
+                    .len(),
+            ),
+            _ => None,
+        };
         Ok(HeaderRestore {
             restored: summary(&saved, params.image_id),
             replaced,
+            data_objects,
         })
     }
 }

@@ -120,7 +120,8 @@ pub enum HeaderCommand {
         #[arg(long)]
         force: bool,
         /// Print JSON: image, backup, uuid (and image_id, keyslots, replaced, size, old_size
-        /// for ivdisk images).
+        /// for ivdisk images; data_objects, the image's data objects found, when its header
+        /// was missing: 0 means it reads as zeros).
         #[arg(long)]
         json: bool,
     },
@@ -602,13 +603,21 @@ fn restore_image_header(uri: &ImageUri, backup: &Path, force: bool, json: bool) 
         ),
         ReplacedHeader::Missing => (
             "missing".to_owned(),
-            " (the header object was missing)".to_owned(),
+            match restored.data_objects {
+                Some(0) => " (the header object was missing). WARNING: the store holds no data \
+                            object of this image, so it reads as zeros everywhere: if the image \
+                            was deleted, its data is gone with it (`ivdisk restore` of a backup \
+                            made with `ivdisk backup` brings an image back whole)"
+                    .to_owned(),
+                _ => " (the header object was missing)".to_owned(),
+            },
         ),
     };
     print(
         json,
         json!({"image": uri.to_string(), "backup": json_path(backup), "uuid": info.uuid,
                "image_id": image_id, "keyslots": info.keyslots, "replaced": replaced,
+               "data_objects": restored.data_objects,
                "size": size_after, "old_size": size_before}),
         format!(
             "header of image id {image_id} (LUKS UUID {}) restored to image {uri} from {}{note}; \

@@ -689,6 +689,18 @@ fn a_header_backup_brings_back_a_destroyed_header() {
         text.contains(&format!("--size {}", size + (64 << 20))),
         "{text}"
     );
+
+    // Restored after a delete: the header comes back, the data does not, and it says so.
+    ok_bytes(&["delete", p(&image), "--yes"]);
+    let restored = json(&["header", "restore", p(&image), p(&backup)]);
+    assert_eq!(restored["replaced"], "missing");
+    assert_eq!(restored["data_objects"], 0);
+    ok_bytes(&["delete", p(&image), "--yes"]);
+    let text = String::from_utf8(ok_bytes(&["header", "restore", p(&image), p(&backup)])).unwrap();
+    assert!(
+        text.contains("WARNING") && text.contains("reads as zeros everywhere"),
+        "{text}"
+    );
 }
 
 #[test]
