@@ -122,7 +122,10 @@ pub enum HeaderError {
     UnmetRequirements(Vec<String>),
 
     #[error(
-        "this is a LUKS1 header; ivdisk opens LUKS1 volumes but changes keyslots only in LUKS2"
+        "this is a LUKS1 header; ivdisk opens LUKS1 volumes but changes keyslots only in LUKS2: \
+         change them with cryptsetup (`cryptsetup luksAddKey`, `luksChangeKey`, `luksKillSlot`), \
+         or convert the volume first (`cryptsetup convert --type luks2 FILE`, with a header \
+         backup made before)"
     )]
     Luks1ReadOnly,
 

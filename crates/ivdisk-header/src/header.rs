@@ -1134,15 +1134,8 @@ impl Header {
             }
         }
         if let Ok(current) = current {
-            if !force && current.uuid() != saved.uuid() {
-                return Err(HeaderError::Backup(format!(
-                    "it belongs to volume {} but this one is {}; pass --force to replace it",
-                    saved.uuid(),
-                    current.uuid()
-                )));
-            }
             // Not even forced: the data would be read from another place (cryptsetup refuses
-            // this too).
+            // this too). Checked first, so that no refusal suggests a --force that cannot help.
             let data_offset = |h: &Header| h.segment().ok().map(|s| s.offset);
             if let (Some(here), Some(there)) = (data_offset(&current), data_offset(&saved)) {
                 if here != there {
@@ -1154,6 +1147,13 @@ impl Header {
                         saved.version()
                     )));
                 }
+            }
+            if !force && current.uuid() != saved.uuid() {
+                return Err(HeaderError::Backup(format!(
+                    "it belongs to volume {} but this one is {}; pass --force to replace it",
+                    saved.uuid(),
+                    current.uuid()
+                )));
             }
         }
         copy_region(backup, io, saved.region_len().min(have))?;

@@ -428,6 +428,30 @@ fn a_restore_over_both_damaged_copies_checks_the_uuid_they_still_name() {
     assert!(restored.warning().is_none());
 }
 
+/// A backup whose data starts elsewhere than this volume's is refused, forced or not, and the
+/// refusal says why without suggesting a --force that could not help (it did when the
+/// volumes' UUIDs differed too).
+#[test]
+fn a_backup_whose_data_starts_elsewhere_is_refused_without_suggesting_force() {
+    let formatted_at = |data_offset: u64| {
+        let mut spec = spec();
+        spec.data_offset = data_offset;
+        let mut io = MemoryHeaderIo::default();
+        let key = VolumeKey::generate(64).unwrap();
+        Header::format(&mut io, &spec, &key, PASSPHRASE).unwrap();
+        io
+    };
+    let mut volume = formatted_at(16 << 20);
+    let detached = formatted_at(0);
+    let before = volume.0.clone();
+    for force in [false, true] {
+        let err = Header::restore(&mut volume, &detached, force).unwrap_err();
+        assert_contains(&err.to_string(), "data starts at byte 0");
+        assert!(!err.to_string().contains("--force"), "{err}");
+        assert_eq!(volume.0, before, "a refused restore wrote");
+    }
+}
+
 /// Adding a keyslot when the metadata would no longer fit its JSON area is refused before
 /// anything is written (the add wrote the new keyslot's 252 KiB of material first and then said
 /// "nothing was changed"), and the header in memory is still the device's (a change works).

@@ -217,4 +217,6 @@ fn luks1_volumes_are_read_only() {
         )
         .unwrap_err();
     assert!(matches!(err, HeaderError::Luks1ReadOnly), "{err}");
+    // What to do instead.
+    assert!(err.to_string().contains("cryptsetup luksAddKey"), "{err}");
 }

@@ -1037,7 +1037,9 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let request = pbkdf.request()?;
             // The key is checked against the header read under the lock (its digest).
             file.lock()?;
-            let slot = file.add(&key, &secret, new_key_slot, &request)?;
+            let slot = file
+                .add(&key, &secret, new_key_slot, &request)
+                .with_context(|| image.display().to_string())?;
             print(
                 json,
                 json!({"image": json_path(&image), "keyslot": slot, "keyslots": file.keyslots()}),
@@ -1065,10 +1067,15 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
                         .context("removing a keyslot by number needs a passphrase of any keyslot (or --force)")?;
                     slot
                 }
-                (None, Some(secret)) => file.unlock(secret, None)?.0,
+                (None, Some(secret)) => {
+                    file.unlock(secret, None)
+                        .with_context(|| image.display().to_string())?
+                        .0
+                }
                 (None, None) => unreachable!("a secret is read unless a keyslot is forced"),
             };
-            file.remove(slot, force)?;
+            file.remove(slot, force)
+                .with_context(|| image.display().to_string())?;
             print(
                 json,
                 json!({"image": json_path(&image), "removed": slot, "keyslots": file.keyslots()}),
@@ -1088,7 +1095,9 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             let new = new_secret(&new_key_file)?;
             let request = pbkdf.request()?;
             file.lock()?;
-            let slot = file.change(&old, &new, key_slot, &request)?;
+            let slot = file
+                .change(&old, &new, key_slot, &request)
+                .with_context(|| image.display().to_string())?;
             print(
                 json,
                 json!({"image": json_path(&image), "keyslot": slot, "keyslots": file.keyslots()}),

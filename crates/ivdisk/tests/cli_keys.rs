@@ -189,9 +189,21 @@ fn keyslot_lifecycle_through_the_command_line() {
         p(&three),
     ]);
     assert_eq!(keyslot_ids(&hdr), vec![1]);
+    // Refusals name the file, as the `passphrase` commands name the image.
     let err = fails(&["key", "remove", p(&hdr), "--key-file", p(&three)]);
-    assert!(err.contains("last one") && err.contains("--force"), "{err}");
+    assert!(
+        err.contains("last one") && err.contains("--force") && err.contains(p(&hdr)),
+        "{err}"
+    );
     assert_eq!(keyslot_ids(&hdr), vec![1]);
+    let mut args = vec!["key", "add", p(&hdr), "--key-file", p(&three)];
+    args.extend(["--new-key-file", p(&one), "--new-key-slot", "32"]);
+    args.extend(FAST);
+    let err = fails(&args);
+    assert!(
+        err.contains("out of range") && err.contains(p(&hdr)),
+        "{err}"
+    );
 
     // cryptsetup agrees with what the command line did.
     let out = Command::new("cryptsetup")
