@@ -422,17 +422,21 @@ pub fn header_change_request(change: &ivdisk_image::HeaderChange) -> Option<Valu
 /// here, or it died).
 pub fn request(image_id: &ImageId, uri: &ImageUri, mut request: Value) -> Option<Result<Value>> {
     let location = location(uri)?;
-    let name = socket_name(image_id, &location);
-    let (path, mut stream) = runtime_dirs()
-        .into_iter()
-        .filter(|dir| is_private(dir))
-        .map(|dir| dir.join(&name))
+    let (path, mut stream) = socket_paths(&socket_name(image_id, &location))
         .find_map(|path| UnixStream::connect(&path).ok().map(|s| (path, s)))?;
     request["location"] = location.into();
     Some(
         exchange(&mut stream, &request, ANSWER_LIMIT)
             .with_context(|| format!("asking the server at {}", path.display())),
     )
+}
+
+/// Where a control socket named `name` may be: in each private runtime directory.
+fn socket_paths(name: &str) -> impl Iterator<Item = PathBuf> + '_ {
+    runtime_dirs()
+        .into_iter()
+        .filter(|dir| is_private(dir))
+        .map(move |dir| dir.join(name))
 }
 
 /// Remove the control socket a server of image `image_id` at `uri` left behind when it was
@@ -442,12 +446,7 @@ pub fn remove_stale(image_id: &ImageId, uri: &ImageUri) {
     let Some(location) = location(uri) else {
         return;
     };
-    let name = socket_name(image_id, &location);
-    for path in runtime_dirs()
-        .into_iter()
-        .filter(|dir| is_private(dir))
-        .map(|dir| dir.join(&name))
-    {
+    for path in socket_paths(&socket_name(image_id, &location)) {
         let refused = matches!(
             UnixStream::connect(&path),
             Err(e) if e.kind() == ErrorKind::ConnectionRefused

@@ -360,7 +360,6 @@ fn listen_address(args: &ServeArgs) -> Result<ListenAddress> {
     Ok(ListenAddress::Tcp(bind))
 }
 
-/// `--socket-mode`: octal permission bits, at most 777.
 /// The NBD protocol's strings (proto.md) are at most 4096 bytes: clients refuse to ask for a
 /// longer export name, and a server listing one breaks their `NBD_OPT_LIST`.
 fn check_export_name(name: &str) -> Result<()> {
@@ -375,6 +374,7 @@ fn check_export_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// `--socket-mode`: octal permission bits, at most 777.
 fn parse_socket_mode(text: &str) -> std::result::Result<u32, String> {
     let mode = u32::from_str_radix(text, 8)
         .ok()
