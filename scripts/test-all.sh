@@ -405,6 +405,10 @@ if [[ -n $CEPH_CLUSTER_DIR ]]; then
   faults_exe=$(test_executables | awk -F'\t' '$1 ~ /\/ivdisk-rados$/ && $2 ~ /\/faults-[0-9a-f]+$/ { print $2 }')
   [[ -n $faults_exe ]] || die "found no test binary of crates/ivdisk-rados/tests/faults.rs to run"
   (cd crates/ivdisk-rados && "$faults_exe" --ignored --test-threads=1)
+  # The same outage under `ivdisk serve rbd://` and `ivdisk info rbd://` (librbd's requests).
+  rbd_exe=$(test_executables | awk -F'\t' '$1 ~ /\/crates\/ivdisk$/ && $2 ~ /\/nbd_rbd-[0-9a-f]+$/ { print $2 }')
+  [[ -n $rbd_exe ]] || die "found no test binary of crates/ivdisk/tests/nbd_rbd.rs to run"
+  (cd crates/ivdisk && "$rbd_exe" --ignored --exact with_every_osd_down_rbd_requests_fail_in_time_naming_the_osds)
   # The fuzz run needs no cluster: give its memory and CPU back first.
   stop_cluster
 fi

@@ -17,8 +17,10 @@ pub struct RadosConfig {
     /// `rados_mon_op_timeout`).
     pub connect_timeout: Duration,
     /// Fail an operation the OSDs have not answered after this long (librados
-    /// `rados_osd_op_timeout`). `None` (the default): wait, as librados does, for the OSDs to
-    /// come back, resending the operation; nothing is lost, the caller just waits.
+    /// `rados_osd_op_timeout`), unless the config file sets that option itself: then its
+    /// value holds. `None` (the default): as the config file says; librados' own default is
+    /// to wait for the OSDs to come back, resending the operation (nothing is lost, the
+    /// caller just waits).
     pub op_timeout: Option<Duration>,
     /// The size objects are expected to grow to (an image's object size): passed to
     /// BlueStore as an allocation hint with every data write, as librbd does. `None`: no hint.

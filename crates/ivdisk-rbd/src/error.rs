@@ -141,7 +141,23 @@ pub enum RbdError {
         source: io::Error,
     },
 
-    #[error("rbd image {image}: {what} of {len} bytes at offset {offset} failed: {source}")]
+    /// The OSDs did not answer within `rados_osd_op_timeout` (a default of
+    /// [`crate::RBD_OP_TIMEOUT`] that the Ceph config file may change).
+    #[error(
+        "rbd image {image}: {what} got no answer from the OSDs in time (rados_osd_op_timeout): \
+         the OSDs holding it are down or the cluster is stalled; check `ceph -s` and \
+         `ceph osd tree`, then retry{unsure}"
+    )]
+    OsdTimeout {
+        image: String,
+        /// `opening it`, `the write of 4096 bytes at offset 0`, ...
+        what: String,
+        /// What may or may not have happened (a change librbd may have applied in part),
+        /// from ` (`; empty for a request that changes nothing.
+        unsure: &'static str,
+    },
+
+    #[error("rbd image {image}: {} failed: {source}", describe(what, *offset, *len))]
     Io {
         image: String,
         what: &'static str,
@@ -173,7 +189,16 @@ impl RbdError {
             | RbdError::Close { source, .. }
             | RbdError::OtherWriter { source, .. } => source.raw_os_error(),
             RbdError::WriteRefused { .. } => Some(libc::EROFS),
+            RbdError::OsdTimeout { .. } => Some(libc::ETIMEDOUT),
             _ => None,
         }
+    }
+}
+
+/// `the write of 65536 bytes at offset 4096`; `the flush` (a request without a range).
+pub(crate) fn describe(what: &str, offset: u64, len: u64) -> String {
+    match len {
+        0 => format!("the {what}"),
+        _ => format!("the {what} of {len} bytes at offset {offset}"),
     }
 }

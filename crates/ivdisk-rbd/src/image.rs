@@ -156,6 +156,7 @@ impl RbdImage {
                     return Err(match e.0 {
                         // libcryptsetup's "no key available with this passphrase".
                         libc::EPERM => RbdError::WrongPassphrase { image, format },
+                        libc::ETIMEDOUT => open_error(&image, e),
                         _ => RbdError::EncryptionLoad {
                             image,
                             format,
@@ -203,6 +204,10 @@ impl RbdImage {
                         "the image has no exclusive-lock feature (`rbd feature enable {image} \
                          exclusive-lock`): librbd cannot keep a second writer out"
                     ),
+                    Err(e @ Errno(libc::ETIMEDOUT)) => {
+                        close_quietly(&image, handle, io).await;
+                        return Err(open_error(&image, e));
+                    }
                     Err(e) => {
                         close_quietly(&image, handle, io).await;
                         return Err(RbdError::OtherWriter {
@@ -309,6 +314,15 @@ impl RbdImage {
                 image,
                 what,
                 offset,
+            },
+            libc::ETIMEDOUT => RbdError::OsdTimeout {
+                image,
+                what: crate::error::describe(what, offset, len),
+                unsure: match what {
+                    "read" => "",
+                    "flush" => " (the writes before it may or may not have reached the OSDs)",
+                    _ => " (the range may hold the old or the new data)",
+                },
             },
             libc::ENOSPC | libc::EDQUOT => RbdError::NoSpace {
                 image,
@@ -551,10 +565,22 @@ async fn open_handle(
                 namespace => format!("{}/{namespace}", config.pool),
             },
         }),
-        Err((e, _)) => Err(RbdError::Open {
+        Err((e, _)) => Err(open_error(image, e)),
+    }
+}
+
+/// An error of opening `image` (or of the librbd calls right after it).
+fn open_error(image: &str, e: Errno) -> RbdError {
+    match e.0 {
+        libc::ETIMEDOUT => RbdError::OsdTimeout {
+            image: image.to_owned(),
+            what: "opening it".into(),
+            unsure: "",
+        },
+        _ => RbdError::Open {
             image: image.to_owned(),
             source: e.io_error(),
-        }),
+        },
     }
 }
 
@@ -568,12 +594,19 @@ async fn read_raw(image: &str, handle: &ImageHandle, len: u64) -> Result<Vec<u8>
     if len == 0 {
         return Ok(Vec::new());
     }
-    let io_error = |e: Errno| RbdError::Io {
-        image: image.to_owned(),
-        what: "reading the header",
-        offset: 0,
-        len: len as u64,
-        source: e.io_error(),
+    let io_error = |e: Errno| match e.0 {
+        libc::ETIMEDOUT => RbdError::OsdTimeout {
+            image: image.to_owned(),
+            what: "reading its first bytes (a LUKS header?)".into(),
+            unsure: "",
+        },
+        _ => RbdError::Io {
+            image: image.to_owned(),
+            what: "header read",
+            offset: 0,
+            len: len as u64,
+            source: e.io_error(),
+        },
     };
     let done = wait(image, handle.aio_read(0, len).map_err(io_error)?).await?;
     if done.rval < 0 {

@@ -34,4 +34,4 @@ pub use options::{
     Encryption, EncryptionKind, LuksFormat, LuksInfo, RbdInfo, RbdOpenOptions, LUKS_MAGIC,
     PROBE_LEN,
 };
-pub use uri::{image_spec, RbdUri, SCHEME};
+pub use uri::{image_spec, RbdUri, RBD_OP_TIMEOUT, SCHEME};

@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use ivdisk_rados::RadosConfig;
 
@@ -11,6 +12,10 @@ use crate::{EncryptionKind, RbdError};
 
 /// The scheme of librbd image addresses.
 pub const SCHEME: &str = "rbd://";
+
+/// How long a request may wait for the OSDs before it fails (`ETIMEDOUT`), unless the Ceph
+/// config file sets `rados_osd_op_timeout` itself; the same bound rados:// images have.
+pub const RBD_OP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A parsed `rbd://` address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,8 +66,12 @@ impl RbdUri {
                 "the snapshot name after '@' must be non-empty printable ASCII without '/' or '@'",
             ));
         }
+        let mut config = RadosConfig::new(pool);
+        // As rados:// images: with every OSD of an object down, librbd would wait forever
+        // (opens, reads, writes, the close), and so would the command or the NBD client.
+        config.op_timeout = Some(RBD_OP_TIMEOUT);
         let mut uri = RbdUri {
-            config: RadosConfig::new(pool),
+            config,
             image: image.to_owned(),
             snapshot: snapshot.map(str::to_owned),
             encryption: EncryptionKind::Auto,

@@ -471,3 +471,136 @@ fn a_second_writer_of_an_rbd_image_is_refused() {
     assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
     first.stop();
 }
+
+/// `scripts/ceph-dev-cluster` on the cluster in `IVDISK_CEPH_DIR` (for the fault test below).
+fn cluster_script(args: &[&str]) {
+    let dir = std::env::var("IVDISK_CEPH_DIR").expect(
+        "IVDISK_CEPH_DIR must name the directory of a cluster from scripts/ceph-dev-cluster \
+         (this test kills its OSDs); scripts/test-all.sh sets it",
+    );
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/ceph-dev-cluster"
+    );
+    let status = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .args(["--dir", &dir])
+        .status()
+        .unwrap();
+    assert!(status.success(), "ceph-dev-cluster {args:?}: {status}");
+}
+
+/// The ids of the OSDs of the cluster in `IVDISK_CEPH_DIR` (its `osd.N` directories).
+fn osd_ids() -> Vec<String> {
+    let dir = std::env::var("IVDISK_CEPH_DIR").unwrap_or_default();
+    let mut ids: Vec<String> = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("IVDISK_CEPH_DIR={dir}: {e}"))
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            Some(name.strip_prefix("osd.")?.to_owned())
+        })
+        .collect();
+    ids.sort();
+    assert!(!ids.is_empty(), "no OSD in {dir}");
+    ids
+}
+
+/// Starts the OSDs again if the test fails while they are down, so later tests (and the
+/// image's removal) find a cluster.
+struct OsdsBackOnPanic(bool);
+
+impl Drop for OsdsBackOnPanic {
+    fn drop(&mut self) {
+        if self.0 && thread::panicking() {
+            for id in osd_ids() {
+                cluster_script(&["osd-start", &id]);
+            }
+        }
+    }
+}
+
+/// With every OSD down, librbd would wait forever: `info` hung, and so did a served image's
+/// requests (the client saw nothing, the server logged nothing). Now each fails after
+/// `rados_osd_op_timeout` (60 s by default; 3 s here from the config file, which takes
+/// precedence) with an error naming the OSDs and what to check; the server keeps running, and
+/// serves again once they are back.
+#[test]
+#[ignore = "kills the OSDs of the cluster in IVDISK_CEPH_DIR; run by scripts/test-all.sh"]
+fn with_every_osd_down_rbd_requests_fail_in_time_naming_the_osds() {
+    let Some(mut rbd) = Rbd::create("osds-down", None) else {
+        return;
+    };
+    let conf = rbd.f.path("op-timeout.conf");
+    let mut text = fs::read_to_string(&rbd.conf).unwrap();
+    text.push_str("\n[client]\nrados_osd_op_timeout = 3\n");
+    fs::write(&conf, text).unwrap();
+    rbd.conf = p(&conf).to_owned();
+    let server = rbd.serve(&[]);
+    let wrote = tool(
+        "qemu-io",
+        &["-f", "raw", server.uri(), "-c", "write -P 0x3c 0 1M"],
+    );
+    assert!(wrote.contains("wrote 1048576/1048576"), "{wrote}");
+
+    let mut guard = OsdsBackOnPanic(true);
+    for id in osd_ids() {
+        cluster_script(&["osd-kill", &id]);
+    }
+    let started = Instant::now();
+    let out = Command::new("timeout")
+        .args(["120", "qemu-io", "-f", "raw", server.uri()])
+        .args(["-c", "read -P 0x3c 0 64k", "-c", "write -P 0x4d 1M 64k"])
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "the client waited {:?}: {said}",
+        started.elapsed()
+    );
+    assert!(
+        said.contains("read failed: Input/output error")
+            && said.contains("write failed: Input/output error"),
+        "{said}"
+    );
+    let log = server.server.stderr();
+    assert!(
+        log.contains("the read of 65536 bytes at offset 0 got no answer from the OSDs in time")
+            && log.contains("ceph osd tree"),
+        "{log}"
+    );
+    // librbd's cache may take the write and leave the failure to the flush qemu-io sends
+    // after it (writethrough): either way the client hears of it, and what may be lost.
+    assert!(
+        (log.contains("the write of 65536 bytes at offset 1048576 got no answer")
+            && log.contains("the range may hold the old or the new data"))
+            || (log.contains("the flush got no answer")
+                && log.contains("the writes before it may or may not have reached the OSDs")),
+        "{log}"
+    );
+    let info = Command::new(env!("CARGO_BIN_EXE_ivdisk"))
+        .args(["info", &rbd.uri()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&info.stderr);
+    assert_eq!(info.status.code(), Some(1), "info: {stderr}");
+    assert!(
+        stderr.contains("opening it got no answer from the OSDs in time")
+            && stderr.contains("ceph -s"),
+        "{stderr}"
+    );
+
+    for id in osd_ids() {
+        cluster_script(&["osd-start", &id]);
+    }
+    guard.0 = false;
+    // The same server serves again: what was written before the outage reads back.
+    let read = tool(
+        "qemu-io",
+        &["-f", "raw", server.uri(), "-c", "read -P 0x3c 0 1M"],
+    );
+    assert!(read.contains("read 1048576/1048576"), "{read}");
+    server.stop();
+}
