@@ -42,7 +42,7 @@ pub use header::{
     IVDISK_TOKEN_TYPE,
 };
 pub use io::{HeaderIo, MemoryHeaderIo};
-pub use kdf::{Hash, Pbkdf, PbkdfKind, PbkdfRequest};
+pub use kdf::{Hash, Pbkdf, PbkdfKind, PbkdfRequest, ARGON2_MIN_MEMORY_KIB};
 
 /// Salts, anti-forensic stripes, UUIDs and wipes come straight from the OS.
 pub(crate) fn random_bytes(out: &mut [u8]) -> Result<(), HeaderError> {

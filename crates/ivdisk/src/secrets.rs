@@ -28,10 +28,12 @@ pub struct PbkdfArgs {
     /// Key derivation for new keyslots: argon2id (default), argon2i or pbkdf2.
     #[arg(long, default_value = "argon2id")]
     pbkdf: String,
-    /// Target unlock time per keyslot on this machine, in milliseconds (cryptsetup: 2000).
+    /// Target unlock time per keyslot on this machine, in milliseconds, at least 1
+    /// (cryptsetup: 2000).
     #[arg(long, default_value_t = 2000, value_name = "MS")]
     iter_time: u64,
-    /// Upper bound for Argon2 memory in KiB (cryptsetup: 1048576, and at most half the RAM).
+    /// Upper bound for Argon2 memory in KiB, at least 32 (cryptsetup: 1048576, and at most
+    /// half the RAM).
     #[arg(long, default_value_t = 1024 * 1024, value_name = "KIB")]
     pbkdf_memory: u32,
     /// Upper bound for Argon2 threads (cryptsetup: 4, and at most the CPUs).
@@ -47,8 +49,26 @@ pub struct PbkdfArgs {
 
 impl PbkdfArgs {
     pub fn request(&self) -> Result<PbkdfRequest> {
+        let kind = self.pbkdf.parse::<PbkdfKind>()?;
+        // Both made a keyslot without a word: 0 ms gave one that unlocks, and so is guessed,
+        // in no time (cryptsetup takes 0 as its default instead), and 0 KiB one of 32 KiB.
+        if self.iter_time == 0 && self.pbkdf_force_iterations.is_none() {
+            bail!(
+                "--iter-time 0 would make a keyslot that unlocks, and so can be guessed, in no \
+                 time; give the milliseconds one unlock should take on this machine \
+                 (cryptsetup's default, and ours: 2000)"
+            );
+        }
+        if kind != PbkdfKind::Pbkdf2 && self.pbkdf_memory < ivdisk_header::ARGON2_MIN_MEMORY_KIB {
+            bail!(
+                "--pbkdf-memory {} is below Argon2's least memory, {} KiB; give the most memory \
+                 one unlock may take, in KiB (the default, 1048576, is cryptsetup's)",
+                self.pbkdf_memory,
+                ivdisk_header::ARGON2_MIN_MEMORY_KIB
+            );
+        }
         Ok(PbkdfRequest {
-            kind: self.pbkdf.parse::<PbkdfKind>()?,
+            kind,
             iter_time: Duration::from_millis(self.iter_time.max(1)),
             max_memory_kib: self.pbkdf_memory,
             max_parallel: self.pbkdf_parallel,

@@ -387,7 +387,7 @@ fn an_unusable_passphrase_file_is_named_as_such() {
 /// written: no panic, no 16 MiB file of zeros left where the header was to be, and a later
 /// format of the same name works without --force.
 #[test]
-fn impossible_kdf_costs_are_refused_and_leave_no_file() {
+fn impossible_and_weak_kdf_costs_are_refused_and_leave_no_file() {
     let dir = tempfile::tempdir().unwrap();
     let pass = key(dir.path(), "pass", b"correct horse");
     let header = dir.path().join("disk.hdr");
@@ -420,6 +420,30 @@ fn impossible_kdf_costs_are_refused_and_leave_no_file() {
     let err = fails(&args);
     assert!(err.contains("2147483647"), "{err}");
     assert_eq!(keyslot_ids(&header), vec![0]);
+
+    // No time and no memory made weak keyslots without a word (time cost 4 at 721 KiB, and
+    // 32 KiB); refused, naming the option, before the benchmark and before any file.
+    let image = dir.path().join("weak.ivd");
+    for (weak, said) in [
+        (["--iter-time", "0"], "--iter-time 0"),
+        (
+            ["--pbkdf-memory", "0"],
+            "--pbkdf-memory 0 is below Argon2's least memory",
+        ),
+    ] {
+        let mut args = vec!["create", p(&image), "--size", "16M"];
+        args.extend(["--passphrase-file", p(&pass)]);
+        args.extend(weak);
+        let err = fails(&args);
+        assert!(err.contains(said), "{err}");
+        assert!(!image.exists(), "a refused create left {}", image.display());
+        let mut args = vec!["key", "add", p(&header), "--key-file", p(&pass)];
+        args.extend(["--new-key-file", p(&new)]);
+        args.extend(weak);
+        let err = fails(&args);
+        assert!(err.contains(said), "{err}");
+        assert_eq!(keyslot_ids(&header), vec![0]);
+    }
 }
 
 /// `ivdisk key` is for LUKS files; on an ivdisk image (a directory) it says what to use.
