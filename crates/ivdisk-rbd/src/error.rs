@@ -94,15 +94,11 @@ pub enum RbdError {
     /// Another client holds the image's exclusive lock and keeps it (it took it in exclusive
     /// mode, as `ivdisk serve` and `rbd-nbd --exclusive` do).
     #[error(
-        "rbd image {image} has another writer, which holds its exclusive lock and keeps it \
-         ({source}): stop that one first (`rbd status {image}` lists the clients that have it \
-         open), or open this one read-only (`serve --read-only`)"
+        "rbd image {image} has another writer, which holds its exclusive lock and keeps it: \
+         stop that one first (`rbd status {image}` lists the clients that have it open), or \
+         open this one read-only (`serve --read-only`)"
     )]
-    OtherWriter {
-        image: String,
-        #[source]
-        source: std::io::Error,
-    },
+    OtherWriter { image: String },
 
     /// librbd refused a write with EROFS on an image opened read-write: not this handle's
     /// mode, the cluster's doing.
@@ -186,8 +182,7 @@ impl RbdError {
             | RbdError::EncryptionLoad { source, .. }
             | RbdError::NoSpace { source, .. }
             | RbdError::Io { source, .. }
-            | RbdError::Close { source, .. }
-            | RbdError::OtherWriter { source, .. } => source.raw_os_error(),
+            | RbdError::Close { source, .. } => source.raw_os_error(),
             RbdError::WriteRefused { .. } => Some(libc::EROFS),
             RbdError::OsdTimeout { .. } => Some(libc::ETIMEDOUT),
             _ => None,

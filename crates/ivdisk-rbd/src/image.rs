@@ -208,11 +208,20 @@ impl RbdImage {
                         close_quietly(&image, handle, io).await;
                         return Err(open_error(&image, e));
                     }
+                    // librbd's word for "another client keeps the lock" (its errno text,
+                    // "Read-only file system", only misled).
+                    Err(Errno(libc::EROFS | libc::EBUSY)) => {
+                        close_quietly(&image, handle, io).await;
+                        return Err(RbdError::OtherWriter { image });
+                    }
                     Err(e) => {
                         close_quietly(&image, handle, io).await;
-                        return Err(RbdError::OtherWriter {
+                        return Err(RbdError::Open {
                             image,
-                            source: e.io_error(),
+                            source: std::io::Error::new(
+                                e.io_error().kind(),
+                                format!("taking its exclusive lock failed: {e}"),
+                            ),
                         });
                     }
                 }
