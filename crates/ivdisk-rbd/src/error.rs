@@ -34,6 +34,12 @@ pub enum RbdError {
     NotFound { image: String, pool: String },
 
     #[error(
+        "Ceph pool {pool} has no rbd namespace `{namespace}`; list them (`rbd namespace ls \
+         {pool}`) or create it (`rbd namespace create {pool}/{namespace}`)"
+    )]
+    NoSuchNamespace { pool: String, namespace: String },
+
+    #[error(
         "rbd image {image} has no snapshot `{snapshot}`; list them with `rbd snap ls {image}`"
     )]
     NoSuchSnapshot { image: String, snapshot: String },

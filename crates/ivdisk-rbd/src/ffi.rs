@@ -81,6 +81,11 @@ mod sys {
             snap_name: *const c_char,
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
+        pub fn rbd_namespace_exists(
+            io: rados_ioctx_t,
+            namespace_name: *const c_char,
+            exists: *mut bool,
+        ) -> c_int;
         pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
         pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
         pub fn rbd_encryption_load(
@@ -157,6 +162,16 @@ impl fmt::Display for Errno {
 /// holding NUL is refused as `EINVAL`.
 pub fn c_string(s: &str) -> Result<CString, Errno> {
     CString::new(s).map_err(|_| Errno(libc::EINVAL))
+}
+
+/// Whether the pool of `io` has the rbd namespace `name` (blocking: reads the pool's
+/// directory of namespaces).
+pub fn namespace_exists(io: *mut c_void, name: &CStr) -> Result<bool, Errno> {
+    let mut exists = false;
+    // SAFETY: `io` is a live io context of a connected cluster (the caller keeps its owner
+    // alive); `name` is NUL-terminated and lives across the call; valid out-pointer.
+    Errno::check(unsafe { sys::rbd_namespace_exists(io, name.as_ptr(), &mut exists) })?;
+    Ok(exists)
 }
 
 /// An open librbd image (`rbd_image_t`), closed by [`ImageHandle::close`] or on drop.

@@ -535,10 +535,14 @@ async fn open_handle(
     // The store's other io contexts are not needed; `io` keeps the connection.
     drop(store);
     let read_only = read_only || snapshot.is_some();
+    let c_namespace = match config.namespace.as_str() {
+        "" => None,
+        namespace => Some(c_name(image, "namespace", namespace)?),
+    };
     let thread_io = io.clone();
     // The connection is given back after the result: if this future is dropped while the
     // thread opens, the handle it returns is closed while the connection still lives.
-    let (opened, _thread_io) = blocking(image, move || {
+    let (opened, namespace_missing, _thread_io) = blocking(image, move || {
         let open = |snap: Option<&CString>| {
             ImageHandle::open(
                 thread_io.as_ptr(),
@@ -558,7 +562,14 @@ async fn open_handle(
             },
             other => other.map_err(|e| (e, false)),
         };
-        (opened, thread_io)
+        // Not found in a namespace: the namespace itself may be what is missing.
+        let namespace_missing = match (&opened, &c_namespace) {
+            (Err((Errno(libc::ENOENT), false)), Some(namespace)) => {
+                ffi::namespace_exists(thread_io.as_ptr(), namespace) == Ok(false)
+            }
+            _ => false,
+        };
+        (opened, namespace_missing, thread_io)
     })
     .await?;
     match opened {
@@ -566,6 +577,10 @@ async fn open_handle(
         Err((Errno(libc::ENOENT), true)) => Err(RbdError::NoSuchSnapshot {
             image: image_spec(config, name, None),
             snapshot: snapshot.unwrap_or_default().to_owned(),
+        }),
+        Err((Errno(libc::ENOENT), false)) if namespace_missing => Err(RbdError::NoSuchNamespace {
+            pool: config.pool.clone(),
+            namespace: config.namespace.clone(),
         }),
         Err((Errno(libc::ENOENT), false)) => Err(RbdError::NotFound {
             image: image.to_owned(),

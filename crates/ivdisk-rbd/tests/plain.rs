@@ -191,15 +191,30 @@ async fn zeroing_read_only_snapshots_and_bad_ranges_behave_and_say_so() {
         .unwrap_err();
     assert!(matches!(err, RbdError::NotFound { .. }), "{err}");
     assert!(err.to_string().contains(&missing), "{err}");
-    // In a namespace, `rbd ls` of that namespace (the pool's lists another set of images).
+    // In a namespace that does not exist: that is what is named, not the image.
+    let namespace = format!("{}-ns", rbd.name);
     let in_namespace = RadosConfig {
-        namespace: "ivdisk-missing-ns".into(),
+        namespace: namespace.clone(),
         ..rbd.config()
     };
     let err = RbdImage::open(&in_namespace, RbdOpenOptions::new(missing.clone()))
         .await
         .unwrap_err();
-    let ls = format!("`rbd ls {}/ivdisk-missing-ns`", in_namespace.pool);
+    assert!(
+        matches!(&err, RbdError::NoSuchNamespace { namespace: n, .. } if *n == namespace),
+        "{err}"
+    );
+    let create = format!("`rbd namespace create {}/{namespace}`", in_namespace.pool);
+    assert!(err.to_string().contains(&create), "{err}");
+    // In one that exists, `rbd ls` of that namespace (the pool's lists another set).
+    let spec = format!("{}/{namespace}", in_namespace.pool);
+    rbd.rbd(&["namespace", "create", &spec]);
+    let err = RbdImage::open(&in_namespace, RbdOpenOptions::new(missing.clone()))
+        .await
+        .unwrap_err();
+    rbd.rbd(&["namespace", "remove", &spec]);
+    assert!(matches!(err, RbdError::NotFound { .. }), "{err}");
+    let ls = format!("`rbd ls {spec}`");
     assert!(err.to_string().contains(&ls), "{err}");
     let err = RbdImage::inspect(&rbd.config(), &missing, None)
         .await
