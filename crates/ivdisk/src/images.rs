@@ -467,9 +467,17 @@ fn describe_locker(locker: &Locker) -> String {
     text
 }
 
+/// A LUKS volume file (cryptsetup's), opened through the engine: it has no objects and no
+/// image id, so `info` shows neither (a 4 MiB object size and an id of zeros misled).
+fn is_luks_file(uri: &ImageUri) -> bool {
+    matches!(uri, ImageUri::Local { dir } if dir.is_file())
+}
+
 fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
-    json!({
+    let luks_file = is_luks_file(uri);
+    let mut value = json!({
         "image": uri.to_string(),
+        "format": if luks_file { "luks-file" } else { "ivdisk" },
         "size": info.size,
         "cipher": info.suite.name(),
         "layout": info.layout.name(),
@@ -479,7 +487,12 @@ fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
         "image_id": hex::encode(info.image_id.0),
         "snapshots": info.snapshots.iter().map(crate::snapshots::snapshot_json).collect::<Vec<_>>(),
         "unfinished": info.unfinished,
-    })
+    });
+    if luks_file {
+        value["object_size"] = Value::Null;
+        value["image_id"] = Value::Null;
+    }
+    value
 }
 
 fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
@@ -525,6 +538,18 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
     ];
     if let Some(why) = &info.unfinished {
         lines.push(("unfinished", why.clone()));
+    }
+    if is_luks_file(uri) {
+        lines.retain(|(key, _)| !matches!(*key, "object size" | "image id"));
+        lines.insert(
+            1,
+            (
+                "format",
+                "LUKS volume file (cryptsetup's format: the same sectors as under \
+                 cryptsetup open, no objects, no image id)"
+                    .to_owned(),
+            ),
+        );
     }
     lines
 }
@@ -614,6 +639,7 @@ fn info_rbd(args: InfoArgs, rt: &Runtime) -> Result<()> {
             "{}",
             json!({
                 "image": uri.to_string(),
+                "format": "librbd",
                 "size": info.size(),
                 "raw_size": info.raw_size,
                 "encryption": encryption,

@@ -277,6 +277,23 @@ fn luks_file_converts(kind: Luks, plain: &[u8], write: fn(&Fixture, &Path, &[u8]
     let f = Fixture::new();
     let luks = luks_format(&f, "luks.img", kind, plain.len() as u64);
     write(&f, &luks, plain);
+    // `info` of the file: no objects, no image id (it showed 4 MiB objects and an id of
+    // zeros), and its format said.
+    let shown = info(&luks);
+    assert_eq!(shown["format"], "luks-file", "{shown}");
+    assert!(
+        shown["object_size"].is_null() && shown["image_id"].is_null(),
+        "{shown}"
+    );
+    assert_eq!(shown["size"], plain.len() as u64, "{shown}");
+    let text = tool(env!("CARGO_BIN_EXE_ivdisk"), &["info", p(&luks)]);
+    assert!(
+        text.contains("LUKS volume file")
+            && !text
+                .lines()
+                .any(|l| l.starts_with("image id:") || l.starts_with("object size:")),
+        "{text}"
+    );
     let key = key_file(&f);
     let dst = f.path("converted");
     let (report, _) = convert(p(&luks), &dst, &["--key-file", p(&key)]);
