@@ -294,6 +294,9 @@ where
         peer: peer.to_owned(),
         reason,
     };
+    // Requests on the device now: what a slow shutdown is waiting for, the storage or the
+    // client.
+    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let ending = loop {
         let mut header = [0u8; REQUEST_HEADER_LEN];
         tokio::select! {
@@ -368,8 +371,10 @@ where
         }
         let context = context.clone();
         let replies = replies.clone();
+        let on_device = OnDevice::start(&running);
         tokio::spawn(async move {
             let frame = context.handle(request, payload).await;
+            drop(on_device);
             // The writer is gone only if the connection is; nothing to tell anyone then.
             let _ = replies.send(Reply {
                 frame,
@@ -393,14 +398,28 @@ where
         Some(Ok(Ok(()))) => {}
         Some(Ok(Err(e))) => tracing::debug!(peer, error = %e, "could not send every reply"),
         Some(Err(e)) => tracing::error!(peer, error = %e, "reply writer failed"),
-        None => {
-            tracing::warn!(
-                peer,
-                "client did not take its replies within {} s of shutdown; dropping them",
-                REPLY_GRACE.as_secs()
-            );
-            writer_task.abort();
-        }
+        // Requests the device has not finished are the storage's doing, not the client's.
+        None => match running.load(std::sync::atomic::Ordering::Acquire) {
+            0 => {
+                tracing::warn!(
+                    peer,
+                    "client did not take its replies within {} s of shutdown; dropping them",
+                    REPLY_GRACE.as_secs()
+                );
+                writer_task.abort();
+            }
+            n => {
+                tracing::warn!(
+                    peer,
+                    requests = n,
+                    "{n} request(s) still wait for the storage {} s after shutdown began; \
+                     waiting for them to end (a storage timeout ends them), then dropping \
+                     their replies",
+                    REPLY_GRACE.as_secs()
+                );
+                writer_task.abort();
+            }
+        },
     }
     // Every request task holds budget until its reply is written or dropped: once all of it
     // is back, no request of this connection still runs on the device.
@@ -409,6 +428,23 @@ where
         .await
         .expect("the budget semaphore is never closed");
     ending
+}
+
+/// One request of a connection running on its device: counted from before its task is
+/// spawned until the device's answer is in (not until the reply is written).
+struct OnDevice(Arc<std::sync::atomic::AtomicUsize>);
+
+impl OnDevice {
+    fn start(running: &Arc<std::sync::atomic::AtomicUsize>) -> OnDevice {
+        running.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        OnDevice(running.clone())
+    }
+}
+
+impl Drop for OnDevice {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Payloads of writes at least this large are read from the socket straight into their

@@ -534,11 +534,29 @@ fn with_every_osd_down_rbd_requests_fail_in_time_naming_the_osds() {
     let Some(mut rbd) = Rbd::create("osds-down", None) else {
         return;
     };
-    let conf = rbd.f.path("op-timeout.conf");
-    let mut text = fs::read_to_string(&rbd.conf).unwrap();
-    text.push_str("\n[client]\nrados_osd_op_timeout = 3\n");
-    fs::write(&conf, text).unwrap();
-    rbd.conf = p(&conf).to_owned();
+    let cluster_conf = fs::read_to_string(&rbd.conf).unwrap();
+    let conf_with = |name: &str, secs: u32| {
+        let conf = rbd.f.path(name);
+        let text = format!("{cluster_conf}\n[client]\nrados_osd_op_timeout = {secs}\n");
+        fs::write(&conf, text).unwrap();
+        p(&conf).to_owned()
+    };
+    let (short, long) = (conf_with("short.conf", 3), conf_with("long.conf", 16));
+    // A read-only server whose requests outlast the shutdown's 10 s of grace for replies.
+    rbd.conf = long;
+    let (mut command, reader_socket) = rbd.serve_command_at("reader.sock", &["--read-only"]);
+    let reader_stderr = rbd.f.path("reader.stderr");
+    let mut reader = command
+        .stdout(Stdio::piped())
+        .stderr(fs::File::create(&reader_stderr).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(reader.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("\"read_only\":true"), "the reader: {line}");
+    rbd.conf = short;
     let server = rbd.serve(&[]);
     let wrote = tool(
         "qemu-io",
@@ -593,6 +611,35 @@ fn with_every_osd_down_rbd_requests_fail_in_time_naming_the_osds() {
         stderr.contains("opening it got no answer from the OSDs in time")
             && stderr.contains("ceph -s"),
         "{stderr}"
+    );
+
+    // SIGTERM while a request waits for the OSDs: once the grace for replies is over, the
+    // server says it waits for the storage (it blamed the client for not taking its
+    // replies), then exits when the request's timeout ends it.
+    let reader_uri = format!("nbd+unix:///?socket={}", p(&reader_socket));
+    let stalled_read = thread::spawn(move || {
+        Command::new("timeout")
+            .args(["120", "qemu-io", "-r", "-f", "raw", &reader_uri])
+            .args(["-c", "read 0 64k"])
+            .output()
+            .unwrap()
+    });
+    thread::sleep(Duration::from_secs(2));
+    let pid = libc::pid_t::try_from(reader.id()).unwrap();
+    // SAFETY: kill(2) on our own child, not yet waited for.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while reader.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the reader did not exit");
+        thread::sleep(Duration::from_millis(50));
+    }
+    let read = stalled_read.join().unwrap();
+    assert!(!read.status.success(), "{read:?}");
+    let log = fs::read_to_string(&reader_stderr).unwrap();
+    assert!(
+        log.contains("1 request(s) still wait for the storage")
+            && !log.contains("did not take its replies"),
+        "{log}"
     );
 
     for id in osd_ids() {
