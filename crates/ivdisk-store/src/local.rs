@@ -1779,6 +1779,15 @@ impl Segments for FileSegments {
 /// Refuse a directory whose data segments are there but whose metadata database is not (it
 /// was removed, or lost with a partial copy): taken for no store at all, it was reported as an
 /// image that does not exist, and a store created there cut the old segments to nothing.
+/// Whether the store's database is missing: no file, or an empty one. SQLite takes an empty
+/// file for a new database, and so did the store, which then had an empty database beside
+/// its data segments (a file cut to nothing by a crash or by hand): every command said "no
+/// image there", and a create or import wrote over the data. A database the store made is
+/// never empty: switching it to WAL writes its first page.
+fn database_missing(meta: &Path) -> bool {
+    std::fs::metadata(meta).map_or(true, |m| m.len() == 0)
+}
+
 fn refuse_segments_without_database(dir: &Path) -> Result<(), StoreError> {
     let data = dir.join("data");
     let Ok(entries) = std::fs::read_dir(&data) else {
@@ -1795,9 +1804,9 @@ fn refuse_segments_without_database(dir: &Path) -> Result<(), StoreError> {
     }
     Err(StoreError::Corrupt(format!(
         "{} holds {files} data segment file(s) ({bytes} bytes) in {} but no metadata database \
-         ({}): it was removed or lost, and without it the data cannot be found; restore the \
-         directory, or its meta.sqlite, from a backup (to start over, remove the directory \
-         first)",
+         ({}, missing or empty): it was removed or lost, and without it the data cannot be \
+         found; restore the directory, or its meta.sqlite, from a backup (to start over, \
+         remove the directory first)",
         dir.display(),
         data.display(),
         dir.join("meta.sqlite").display()
@@ -1978,7 +1987,7 @@ impl LocalStore {
 
     fn open_for_writing(dir: &Path, options: &LocalStoreOptions) -> Result<Self, StoreError> {
         let meta = dir.join("meta.sqlite");
-        let creating = !meta.exists();
+        let creating = database_missing(&meta);
         if creating {
             refuse_segments_without_database(dir)?;
             if !options.create {
@@ -1995,7 +2004,7 @@ impl LocalStore {
         // Decided again under the lock: another process may have created the database (and
         // been killed) while this one waited for it, and an open that took itself for the
         // creator skipped the reclaim that process's unclean stop needs.
-        let creating = !meta.exists();
+        let creating = database_missing(&meta);
         if creating {
             refuse_segments_without_database(dir)?;
         }
@@ -2133,6 +2142,13 @@ impl LocalStore {
         let dir = dir.as_ref();
         let meta = dir.join("meta.sqlite");
         let id = match std::fs::metadata(&meta) {
+            Ok(m) if m.len() == 0 => {
+                refuse_segments_without_database(dir)?;
+                return Err(StoreError::Io {
+                    context: format!("{} holds no ivdisk store", dir.display()),
+                    source: std::io::ErrorKind::NotFound.into(),
+                });
+            }
             Ok(m) => (m.dev(), m.ino()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 refuse_segments_without_database(dir)?;

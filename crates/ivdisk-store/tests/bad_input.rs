@@ -1430,8 +1430,16 @@ async fn flushes_fail_once_the_store_files_are_deleted_under_it() {
 /// A store whose metadata database was removed while its data segments stayed is named as
 /// damaged by every open, and a create over it is refused: it was taken for no store at all
 /// ("does not exist"), and a store created there cut the old segments to nothing.
+/// The same with the database cut to nothing (a crash, a full disk, a stray `: > file`):
+/// SQLite takes an empty file for a new database, and so the store took it for no store.
 #[tokio::test]
 async fn segments_without_their_database_are_damage_not_an_empty_directory() {
+    for cut_to_nothing in [false, true] {
+        segments_without_their_database(cut_to_nothing).await;
+    }
+}
+
+async fn segments_without_their_database(cut_to_nothing: bool) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let store = LocalStore::open_with(&path, &CREATE).unwrap();
@@ -1443,6 +1451,9 @@ async fn segments_without_their_database_are_damage_not_an_empty_directory() {
     drop(store);
     for file in ["meta.sqlite", "meta.sqlite-wal", "meta.sqlite-shm"] {
         let _ = std::fs::remove_file(path.join(file));
+    }
+    if cut_to_nothing {
+        std::fs::write(path.join("meta.sqlite"), b"").unwrap();
     }
     let segments = || {
         std::fs::read_dir(path.join("data"))
@@ -1470,5 +1481,9 @@ async fn segments_without_their_database_are_damage_not_an_empty_directory() {
         }
     }
     assert_eq!(segments(), before, "the segments changed");
-    assert!(!path.join("meta.sqlite").exists(), "a database was made");
+    let database = std::fs::metadata(path.join("meta.sqlite")).map(|m| m.len());
+    match cut_to_nothing {
+        false => assert!(database.is_err(), "a database was made"),
+        true => assert_eq!(database.unwrap(), 0, "a database was made"),
+    }
 }

@@ -283,6 +283,11 @@ pub fn restore(args: RestoreArgs, rt: &Runtime) -> Result<()> {
         "restore reads a backup file (made by `ivdisk backup`) twice: checked whole, then \
          written",
     )?;
+    // A full restore makes the image: not inside another's store (an increment goes onto
+    // an image that exists).
+    if let Err(ImageError::NotFound { .. }) = rt.block_on(Image::info(&uri)) {
+        crate::transfer::refuse_inside_another_store(&uri)?;
+    }
     let mut bar = Bar::new(args.json);
     // A failed full restore removes what it wrote; a local store directory made for it goes too.
     let made_dir = crate::transfer::store_dir_to_make(&uri);

@@ -859,6 +859,17 @@ pub fn convert(args: ConvertArgs, rt: &Runtime) -> Result<()> {
             args.source
         );
     }
+    // A file of DST's store as SRC: `--force` deleted DST, and the file with it, then
+    // copied and "verified" the zeros left of it.
+    if let Spec::Raw(path) | Spec::Image(ImageUri::Local { dir: path }, _) = &spec {
+        crate::transfer::refuse_target_in_image(
+            &dst,
+            &dst.to_string(),
+            path,
+            "convert replaces DST, and SRC would go with it",
+        )?;
+    }
+    crate::transfer::refuse_inside_another_store(&dst)?;
     // The options are checked (with a one-sector size) before any passphrase is asked for.
     let sector = u64::from(args.format.sector_size);
     args.format.options(&dst, sector)?;

@@ -163,6 +163,7 @@ impl FormatArgs {
 /// delete` removes: the refusal suggests no delete then (it sent users to a command that
 /// refused, about an encrypted volume they may well need).
 pub fn refuse_existing(rt: &Runtime, uri: &ImageUri) -> Result<()> {
+    crate::transfer::refuse_inside_another_store(uri)?;
     match rt.block_on(Image::info(uri)) {
         Ok(_) if uri.luks_file().is_some() => bail!(
             "{uri} is a LUKS volume (a file another tool made, such as cryptsetup), not a place \

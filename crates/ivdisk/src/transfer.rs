@@ -641,6 +641,37 @@ pub(crate) fn refuse_target_in_image(
     Ok(())
 }
 
+/// Refuse a new local image inside another one's store directory (`img.ivd/data/new`): its
+/// files would mix with that store's, and `rm -r` of that image (what `delete` suggests for
+/// a store it cannot open) would take the new one along.
+pub(crate) fn refuse_inside_another_store(uri: &ImageUri) -> Result<()> {
+    let ImageUri::Local { dir } = uri else {
+        return Ok(());
+    };
+    let Ok(absolute) = std::path::absolute(dir) else {
+        return Ok(());
+    };
+    // The nearest directory that exists holds the rest (made by the command).
+    let Some(existing) = absolute.ancestors().skip(1).find(|a| a.is_dir()) else {
+        return Ok(());
+    };
+    let Ok(existing) = std::fs::canonicalize(existing) else {
+        return Ok(());
+    };
+    if let Some(store) = existing
+        .ancestors()
+        .find(|a| a.join("meta.sqlite").is_file())
+    {
+        bail!(
+            "{} lies inside {}, the store directory of another image: its files would mix with \
+             that store's; pick a path outside it; nothing was created",
+            dir.display(),
+            store.display()
+        );
+    }
+    Ok(())
+}
+
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
     let shown = image_at(&uri, snapshot.as_deref());

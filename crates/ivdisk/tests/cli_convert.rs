@@ -617,6 +617,41 @@ fn a_wrong_passphrase_or_the_same_image_creates_nothing() {
         assert!(err.contains("same image"), "{err}");
     }
     assert_eq!(info(&src)["image_id"], id);
+
+    // A file of DST's store as SRC: --force deleted DST, the file with it, and "verified"
+    // the zeros left. Refused; and a DST inside another image's store too.
+    let segment = std::fs::read_dir(src.join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("seg-"))
+        .expect("a data segment");
+    for inside in [src.join("meta.sqlite"), segment] {
+        let err = fails(&[
+            "convert",
+            p(&inside),
+            p(&src),
+            "--source-format",
+            "raw",
+            "--force",
+            "--passphrase-file",
+            p(&f.pw),
+        ]);
+        assert!(err.contains("(a file of its store)"), "{err}");
+    }
+    assert_eq!(info(&src)["image_id"], id);
+    let nested = src.join("data").join("nested");
+    let err = fails(&[
+        "convert",
+        p(&luks),
+        p(&nested),
+        "--key-file",
+        p(&key_file(&f)),
+    ]);
+    assert!(
+        err.contains("the store directory of another image"),
+        "{err}"
+    );
+    assert!(!nested.exists());
 }
 
 #[test]
