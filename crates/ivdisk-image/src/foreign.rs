@@ -199,6 +199,7 @@ pub(crate) fn info(header: &Header, info: &SegmentInfo, size: u64, object_size: 
         keyslots: header.keyslots().iter().map(|k| k.id).collect(),
         snapshots: Vec::new(),
         unfinished: None,
+        header_warning: header.warning().map(str::to_owned),
     }
 }
 

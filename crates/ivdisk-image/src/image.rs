@@ -143,6 +143,9 @@ pub struct ImageInfo {
     /// Why no open accepts the image, if a command that changes it as a whole stopped
     /// part-way (an import, a delete, a rollback, an incremental restore): that open's error.
     pub unfinished: Option<String>,
+    /// One copy of the LUKS2 header is damaged or out of date and the other was read: what
+    /// is wrong (the next header change rewrites both copies).
+    pub header_warning: Option<String>,
 }
 
 /// An open image. Cheap to clone (clones share the open image); IO methods take `&self` and
@@ -1191,6 +1194,7 @@ impl Image {
                 .await
                 .err()
                 .map(|e| e.to_string()),
+            header_warning: header.warning().map(str::to_owned),
         })
     }
 

@@ -474,6 +474,10 @@ fn is_luks_file(uri: &ImageUri) -> bool {
     matches!(uri, ImageUri::Local { dir } if dir.is_file())
 }
 
+/// How a user rewrites both copies of a header one of whose copies is damaged.
+pub(crate) const HEADER_REPAIR: &str = "`ivdisk passphrase change` (with the same passphrase \
+     as the new one, if you like) rewrites both copies";
+
 fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
     let luks_file = is_luks_file(uri);
     let mut value = json!({
@@ -488,6 +492,7 @@ fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
         "image_id": hex::encode(info.image_id.0),
         "snapshots": info.snapshots.iter().map(crate::snapshots::snapshot_json).collect::<Vec<_>>(),
         "unfinished": info.unfinished,
+        "header_warning": info.header_warning,
     });
     if luks_file {
         value["object_size"] = Value::Null;
@@ -539,6 +544,9 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
     ];
     if let Some(why) = &info.unfinished {
         lines.push(("unfinished", why.clone()));
+    }
+    if let Some(warning) = &info.header_warning {
+        lines.push(("header", format!("{warning}; {HEADER_REPAIR}")));
     }
     if is_luks_file(uri) {
         lines.retain(|(key, _)| !matches!(*key, "object size" | "image id"));

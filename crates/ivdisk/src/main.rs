@@ -145,8 +145,8 @@ enum Command {
     )]
     Export(transfer::ExportArgs),
     /// Read every allocated sector of an image and list those that fail authentication (and
-    /// those a damaged store cannot read); exit code 0 if none, 1 if some, 2 on other errors
-    /// (opens it read-only).
+    /// those a damaged store cannot read), and a damaged copy of its header; exit code 0 if
+    /// none, 1 if some, 2 on other errors (opens it read-only).
     #[command(
         after_help = "Example:\n  ivdisk verify disk.ivd\n  ivdisk verify 'rados://rbd/vm1?id=admin' --passphrase-file pw.txt --json | jq .bad_lbas\n\nOnly suites with a MAC (aegis128l-random, aegis256-random, aes-gcm-random) detect changed sectors; with the others, verify only shows that every sector reads."
     )]

@@ -1075,7 +1075,12 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
     };
     let ss = report.sector_size;
     let offsets: Vec<u64> = report.bad_lbas.iter().map(|l| l * ss).collect();
-    let ok = report.bad_lbas.is_empty() && report.unreadable.is_empty();
+    // A header that opened from its second copy: damage too, which a job checking `ok`
+    // must hear of before that copy goes as well (the log's warning alone went unseen).
+    let header_warning = crate::images::info_of(rt, &uri)
+        .ok()
+        .and_then(|info| info.header_warning);
+    let ok = report.bad_lbas.is_empty() && report.unreadable.is_empty() && header_warning.is_none();
     if json {
         let unreadable: Vec<_> = report
             .unreadable
@@ -1087,20 +1092,24 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
             json!({"image": uri.to_string(), "snapshot": snapshot, "sector_size": ss,
                    "sectors_checked": report.sectors_checked, "bad_lbas": report.bad_lbas,
                    "bad_offsets": offsets, "unreadable": unreadable, "ok": ok,
-                   "authenticated": report.authenticated})
-        );
-    } else if ok {
-        outln!(
-            "image {shown}: {} sector(s) of {ss} bytes checked ({}), all {}",
-            report.sectors_checked,
-            human_size(report.sectors_checked * ss),
-            if report.authenticated {
-                "authentic"
-            } else {
-                "readable"
-            }
+                   "authenticated": report.authenticated, "header_warning": header_warning})
         );
     } else {
+        if let Some(warning) = &header_warning {
+            outln!("image {shown}: {warning}; {}", crate::images::HEADER_REPAIR);
+        }
+        if report.bad_lbas.is_empty() && report.unreadable.is_empty() {
+            outln!(
+                "image {shown}: {} sector(s) of {ss} bytes checked ({}), all {}",
+                report.sectors_checked,
+                human_size(report.sectors_checked * ss),
+                if report.authenticated {
+                    "authentic"
+                } else {
+                    "readable"
+                }
+            );
+        }
         if !report.bad_lbas.is_empty() {
             outln!(
                 "image {shown}: {} of {} sector(s) of {ss} bytes failed authentication \

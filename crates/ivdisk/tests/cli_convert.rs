@@ -368,6 +368,28 @@ fn a_luks2_file_with_a_damaged_primary_header_converts_from_the_secondary() {
         &plain,
         "the plaintext, not the ciphertext",
     );
+
+    // `verify` and `info` tell of the damaged copy (verify said "ok", exit 0, and only a
+    // log line spoke of it); a passphrase change rewrites both copies, and then all is well.
+    let said = "the primary LUKS2 header is damaged";
+    let (out, _) = common::exits(1, &["verify", p(&luks), "--key-file", p(&key), "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["ok"], false, "{report}");
+    assert!(
+        report["header_warning"].as_str().unwrap().contains(said),
+        "{report}"
+    );
+    assert!(info(&luks)["header_warning"]
+        .as_str()
+        .unwrap()
+        .contains(said));
+    let mut change = vec!["passphrase", "change", p(&luks), "--key-file", p(&key)];
+    change.extend(["--new-key-file", p(&key)]);
+    change.extend(FAST);
+    ok(&change);
+    let report = json(&["verify", p(&luks), "--key-file", p(&key)]);
+    assert_eq!(report["ok"], true, "{report}");
+    assert!(report["header_warning"].is_null(), "{report}");
 }
 
 #[test]
