@@ -54,9 +54,11 @@ pub fn after_help() -> String {
      ivdisk convert 'rbd://rbd/vm2?conf=/etc/ceph/ceph.conf' 'rados://rbd/vm2-ivd?conf=/etc/ceph/ceph.conf' --passphrase-file pw.txt\n  \
      ivdisk convert vm.raw disk.ivd --new-passphrase-file new.txt     # an unencrypted raw disk\n  \
      ivdisk convert old.ivd new.ivd --cipher aes-xts-random --layout omap --new-passphrase-file new.txt --json\n\n\
-     SRC is opened read-only. A file or block device is unlocked when it starts with a LUKS \
-     header and read as unencrypted raw data otherwise (said on standard error; \
-     --source-format raw reads every byte as it is, a LUKS header included). rbd:// images go \
+     SRC is opened read-only. A file is unlocked when it starts with a LUKS header and read \
+     as unencrypted raw data otherwise (said on standard error; --source-format raw reads \
+     every byte as it is, a LUKS header included). A block device is read as raw data; one \
+     with a LUKS header is refused (open it with `cryptsetup open` and convert \
+     /dev/mapper/NAME). rbd:// images go \
      through librbd (encryption=auto loads librbd's LUKS1/LUKS2 when there is a header).\n\n\
      DST is a new ivdisk image, made as `ivdisk create` makes one (--cipher, --layout, \
      --sector-size, --object-size, key derivation options). Its size is SRC's size rounded up \
@@ -1025,13 +1027,14 @@ fn convert_open(
     } else {
         format!(
             "converted {} into image {dst} ({}, {}, layout {}) in {seconds:.1} s: {} written, {} \
-             of holes and zeros skipped; verified: every byte reads back as in the source",
+             of holes and zeros skipped; verified: every byte reads back as in the source{}",
             source.describe(),
             exact_size(size),
             options.suite,
             options.layout.map_or("?", |l| l.name()),
             human_size(copied.written),
             human_size(copied.skipped),
+            crate::images::fleeting_note(dst),
         )
     })
 }

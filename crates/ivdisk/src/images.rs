@@ -474,6 +474,18 @@ fn is_luks_file(uri: &ImageUri) -> bool {
     matches!(uri, ImageUri::Local { dir } if dir.is_file())
 }
 
+/// What a command that made a `mem:` image says after its report: the image went with the
+/// process (import and convert reported success on images gone as they said it).
+pub(crate) fn fleeting_note(uri: &ImageUri) -> &'static str {
+    match uri {
+        ImageUri::Memory { .. } => {
+            "\nnote: a mem: image lives in this process's memory: it is gone now that ivdisk \
+             exits (tests and benchmarks use it inside one process)"
+        }
+        _ => "",
+    }
+}
+
 /// How a user rewrites both copies of a header one of whose copies is damaged.
 pub(crate) const HEADER_REPAIR: &str = "`ivdisk passphrase change` (with the same passphrase \
      as the new one, if you like) rewrites both copies";
@@ -591,13 +603,7 @@ pub fn create(args: CreateArgs, rt: &Runtime) -> Result<()> {
     .map_err(|e| create_failed(&uri, made_dir.as_deref(), e))?;
     drop(passphrase);
     let info = info_of(rt, &uri)?;
-    let fleeting = match uri {
-        ImageUri::Memory { .. } => {
-            "\nnote: a mem: image lives in this process's memory: it is gone now that ivdisk \
-             exits (tests and benchmarks use it inside one process)"
-        }
-        _ => "",
-    };
+    let fleeting = fleeting_note(&uri);
     print(
         args.json,
         info_json(&uri, &info),

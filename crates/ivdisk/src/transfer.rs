@@ -314,11 +314,12 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
                "layout": layout.name(), "sector_size": sector_size}),
         format!(
             "imported {} ({}) into image {uri} ({suite}, layout {}, {sector_size}-byte sectors) \
-             in {seconds:.1} s: {} written, the rest zeros left unwritten",
+             in {seconds:.1} s: {} written, the rest zeros left unwritten{}",
             args.file.display(),
             human_size(bytes),
             layout.name(),
-            human_size(written)
+            human_size(written),
+            crate::images::fleeting_note(&uri)
         ),
     );
     Ok(())

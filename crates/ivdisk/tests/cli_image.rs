@@ -790,6 +790,21 @@ fn image_addresses_are_checked() {
     let said = ok(&args);
     assert!(said.contains("gone now that ivdisk exits"), "{said}");
     assert!(fails(&["info", "mem:scratch"]).contains("does not exist"));
+    // So do import's and convert's: they reported success without a word of it.
+    let raw = f.file("small.raw", &[7u8; 8192]);
+    for command in ["import", "convert"] {
+        let mut args = vec![command, p(&raw), "mem:scratch", "--passphrase-file"];
+        args.push(p(&f.pw));
+        args.extend(FAST);
+        if command == "convert" {
+            args.extend(["--new-passphrase-file", p(&f.pw)]);
+        }
+        let said = ok(&args);
+        assert!(
+            said.contains("gone now that ivdisk exits"),
+            "{command}: {said}"
+        );
+    }
 }
 
 /// A directory holding other files is not an image: opening it says so (not "create it",
