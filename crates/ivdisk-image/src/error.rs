@@ -139,13 +139,13 @@ pub enum ImageError {
     /// A removal (`delete`, `snap rm`) refused: another open reads what it would remove (a
     /// read-only open writes nothing to the store, so only its mark tells; see
     /// `ivdisk_store::reader_marks`). `pids` are the processes found holding it open.
-    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first; nothing was changed", ivdisk_store::reader_marks::describe_processes(pids))]
+    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only` or of a snapshot, an export, a backup, a verify) first; nothing was changed", ivdisk_store::reader_marks::describe_processes(pids))]
     OpenByReaders { image: String, pids: Vec<u32> },
 
     /// A removal refused: clients of a RADOS image's store read the image or the snapshot
     /// (they watch its header object, `readers.rs`). `readers` describes each: its process and
     /// host, or a watcher that did not answer.
-    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only`, an export, a backup) first; nothing was changed", readers.join("; "))]
+    #[error("image {image} is open read-only by {}; stop that reader (an `ivdisk serve --read-only` or of a snapshot, an export, a backup, a verify) first; nothing was changed", readers.join("; "))]
     WatchedByReaders { image: String, readers: Vec<String> },
 
     /// An open to read refused: another process, holding the writer lock, removes the image

@@ -95,7 +95,7 @@ pub enum StoreError {
     /// they could not be told, for example another user's).
     #[error(
         "{what} in the store at {path} is open read-only by {}; stop that reader (an `ivdisk \
-         serve --read-only`, an export, a backup) first",
+         serve --read-only` or of a snapshot, an export, a backup, a verify) first",
         crate::reader_marks::describe_processes(pids)
     )]
     OpenByReaders {

@@ -220,15 +220,38 @@ fn unexeced_child(pid: u32) -> bool {
 pub fn describe_processes(pids: &[u32]) -> String {
     match pids {
         [] => "another process".into(),
-        [pid] => format!("process {pid}"),
+        [pid] => format!("process {}", with_command(*pid)),
         pids => format!(
             "processes {}",
             pids.iter()
-                .map(u32::to_string)
+                .map(|pid| with_command(*pid))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
     }
+}
+
+/// `1234 (ivdisk serve disk.ivd@monday --socket /run/d.sock)`: which reader it is, so the
+/// user stops the right one (a hint naming `serve --read-only` misled where a snapshot's
+/// server held the image). The pid alone where its command line cannot be read.
+fn with_command(pid: u32) -> String {
+    const MOST: usize = 160;
+    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return pid.to_string();
+    };
+    let mut command = raw
+        .split(|b| *b == 0)
+        .filter(|arg| !arg.is_empty())
+        .map(|arg| String::from_utf8_lossy(arg).into_owned())
+        .collect::<Vec<_>>()
+        .join(" ");
+    if command.is_empty() {
+        return pid.to_string();
+    }
+    if command.chars().count() > MOST {
+        command = command.chars().take(MOST).collect::<String>() + "...";
+    }
+    format!("{pid} ({command})")
 }
 
 #[cfg(test)]

@@ -519,8 +519,10 @@ fn a_served_image_or_snapshot_is_not_removed_under_its_reader() {
     assert_eq!(server.ready["read_only"], true, "{}", server.ready);
     let pid = server.child.id();
     let err = fails(&["snap", "rm", &at("kept")]);
+    // Which reader, by its command line: the snapshot's server (the hint named only
+    // `serve --read-only`).
     assert!(
-        err.contains(&format!("open read-only by process {pid}")),
+        err.contains(&format!("open read-only by process {pid} (")) && err.contains(&at("kept")),
         "{err}"
     );
     assert!(err.contains("nothing was changed"), "{err}");
