@@ -132,7 +132,7 @@ enum Spec {
 /// `Some(version)` when a file starts with the LUKS magic, or holds a LUKS2 secondary header
 /// where one can be (its primary damaged: the header reads from the secondary, as
 /// `ivdisk serve` and cryptsetup read it; taken for raw, its ciphertext was copied as data).
-fn luks_version(path: &Path) -> Result<Option<u16>> {
+pub(crate) fn luks_version(path: &Path) -> Result<Option<u16>> {
     let mut head = Vec::with_capacity(8);
     let file = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     (&file)
@@ -278,12 +278,19 @@ impl BlockDevice for RawFile {
         })
         .await
         .map_err(|e| DeviceError::new(DeviceErrorKind::Io, format!("a read task failed: {e}")))?
-        .map_err(|e| {
-            self.error(
+        .map_err(|e| match e.kind() {
+            // Said plainly ("failed to fill whole buffer" was all there was).
+            std::io::ErrorKind::UnexpectedEof => DeviceError::new(
                 DeviceErrorKind::Io,
-                format!("reading bytes [{offset}, +{len})"),
-                e,
-            )
+                format!(
+                    "{} got shorter while it was read: it was {} bytes, it now ends before \
+                     byte {}",
+                    self.path.display(),
+                    self.size,
+                    offset + len as u64
+                ),
+            ),
+            _ => self.error(DeviceErrorKind::Io, "reading".into(), e),
         })?;
         buf.copy_from_slice(&data);
         Ok(())

@@ -272,6 +272,16 @@ pub fn import(args: ImportArgs, rt: &Runtime) -> Result<()> {
     let size = bytes.div_ceil(ss) * ss;
     let options = args.format.options(&uri, size)?;
     refuse_existing(rt, &uri)?;
+    // Imported as it is, ciphertext and all: say so before the passphrase is asked for.
+    if let Ok(Some(version)) = crate::convert::luks_version(&args.file) {
+        note!(
+            "ivdisk: note: {} holds a LUKS{version} volume: import copies its bytes as they \
+             are (its ciphertext, header included); to copy its plaintext, use `ivdisk \
+             convert {} NEW`",
+            args.file.display(),
+            args.file.display()
+        );
+    }
     let passphrase = args.passphrase.new_passphrase()?;
     if size != bytes {
         note!(
@@ -539,7 +549,14 @@ async fn copy_in(image: &Image, file: Arc<File>, len: u64, bar: &ProgressBar) ->
                 })
                 .await
                 .context("the file reading task failed")?
-                .with_context(|| format!("reading bytes [{offset}, +{n}) of the file"))?;
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => anyhow::anyhow!(
+                        "the file got shorter while it was read: it now ends before byte {}",
+                        offset + n
+                    ),
+                    _ => anyhow::Error::new(e)
+                        .context(format!("reading bytes [{offset}, +{n}) of the file")),
+                })?;
                 let stored = write_data_runs(&image, offset, buf).await?;
                 anyhow::Ok((n, stored))
             })

@@ -295,6 +295,18 @@ fn luks_file_converts(kind: Luks, plain: &[u8], write: fn(&Fixture, &Path, &[u8]
         "{text}"
     );
     let key = key_file(&f);
+    // `import` copies its ciphertext, as it copies any file, and now says so.
+    let imported = f.path("imported");
+    let mut args = vec!["import", p(&luks), p(&imported), "--key-file", p(&key)];
+    args.extend(FAST);
+    let out = ivdisk(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("volume: import copies its bytes as they are")
+            && stderr.contains("convert"),
+        "{stderr}"
+    );
     let dst = f.path("converted");
     let (report, _) = convert(p(&luks), &dst, &["--key-file", p(&key)]);
     let expected_kind = match kind {
