@@ -138,11 +138,24 @@ impl PassphraseArgs {
     /// options, when it may be the cause (looks at the secret's last byte only).
     pub fn unlock_hint(&self, secret: &[u8]) -> String {
         if self.key_file.is_some() && secret.ends_with(b"\n") {
-            " (--key-file keeps the file's trailing newline as part of the passphrase; \
-             --passphrase-file drops it)"
-                .to_owned()
-        } else {
-            String::new()
+            return " (--key-file keeps the file's trailing newline as part of the passphrase; \
+                    --passphrase-file drops it)"
+                .to_owned();
+        }
+        // The other way round: cryptsetup's --key-file keeps the newline `echo` wrote, so a
+        // volume it made with that file takes the passphrase with it.
+        let dropped_newline = self
+            .passphrase_file
+            .as_deref()
+            .filter(|path| *path != Path::new("-"))
+            .and_then(|path| std::fs::read(path).ok().map(Zeroizing::new))
+            .is_some_and(|bytes| bytes.ends_with(b"\n"));
+        match dropped_newline {
+            true => " (--passphrase-file dropped the file's trailing newline; a passphrase set \
+                      from this file with cryptsetup's --key-file has it: pass --key-file FILE \
+                      instead)"
+                .to_owned(),
+            false => String::new(),
         }
     }
 

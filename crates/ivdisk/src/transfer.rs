@@ -1140,8 +1140,8 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
                     ""
                 }
             );
-            for (lba, offset) in report.bad_lbas.iter().zip(&offsets) {
-                outln!("  LBA {lba} (byte offset {offset})");
+            for (first, last) in lba_runs(report.bad_lbas.iter().copied()) {
+                outln!("  {}", describe_lbas(first, last, ss));
             }
         }
         if !report.unreadable.is_empty() {
@@ -1151,8 +1151,20 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
                 report.unreadable.len(),
                 report.sectors_checked
             );
-            for (lba, reason) in &report.unreadable {
-                outln!("  LBA {lba} (byte offset {}): {reason}", lba * ss);
+            // A run of sectors a line (a cut segment made thousands of lines, each with the
+            // same words); --json lists every sector with its own reason.
+            let mut reasons = report.unreadable.iter();
+            for (first, last) in lba_runs(report.unreadable.iter().map(|(lba, _)| *lba)) {
+                let run: Vec<&String> = reasons
+                    .by_ref()
+                    .take((last - first + 1) as usize)
+                    .map(|(_, reason)| reason)
+                    .collect();
+                let alike = match run.iter().all(|r| *r == run[0]) {
+                    true => "",
+                    false => " (the first sector's; --json gives each its own)",
+                };
+                outln!("  {}: {}{alike}", describe_lbas(first, last, ss), run[0]);
             }
         }
     }
@@ -1169,6 +1181,31 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Runs of consecutive LBAs, as (first, last), of ascending `lbas`.
+fn lba_runs(lbas: impl Iterator<Item = u64>) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for lba in lbas {
+        match runs.last_mut() {
+            Some((_, last)) if lba == *last + 1 => *last = lba,
+            _ => runs.push((lba, lba)),
+        }
+    }
+    runs
+}
+
+/// `LBA 3 (byte offset 12288)`, or `LBAs 3-5 (byte offsets 12288-24575, 3 sectors)`.
+fn describe_lbas(first: u64, last: u64, sector_size: u64) -> String {
+    match first == last {
+        true => format!("LBA {first} (byte offset {})", first * sector_size),
+        false => format!(
+            "LBAs {first}-{last} (byte offsets {}-{}, {} sectors)",
+            first * sector_size,
+            (last + 1) * sector_size - 1,
+            last - first + 1
+        ),
+    }
 }
 
 /// The sectors of the chunk of `n` bytes at `offset` read one by one: those that fail
@@ -1292,6 +1329,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn lbas_are_told_in_runs() {
+        assert_eq!(
+            lba_runs([3, 4, 5, 9, 11, 12].into_iter()),
+            vec![(3, 5), (9, 9), (11, 12)]
+        );
+        assert!(lba_runs(std::iter::empty()).is_empty());
+        assert_eq!(describe_lbas(9, 9, 4096), "LBA 9 (byte offset 36864)");
+        assert_eq!(
+            describe_lbas(3, 5, 512),
+            "LBAs 3-5 (byte offsets 1536-3071, 3 sectors)"
+        );
+    }
+
+    #[test]
     fn a_failed_import_deletes_the_half_made_image() {
         let rt = runtime();
         let dir = tempfile::tempdir().unwrap();
@@ -1314,7 +1365,7 @@ mod tests {
             fill_or_delete(&rt, target, &path, file, 1 << 20, &ProgressBar::hidden()).unwrap_err();
         let text = format!("{err:#}");
         assert!(text.contains("was deleted"), "{text}");
-        assert!(text.contains("reading bytes"), "{text}");
+        assert!(text.contains("got shorter while it was read"), "{text}");
         assert!(matches!(
             rt.block_on(Image::info(&uri)),
             Err(ImageError::NotFound { .. })

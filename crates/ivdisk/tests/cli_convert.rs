@@ -619,6 +619,33 @@ fn a_wrong_passphrase_or_the_same_image_creates_nothing() {
     let err = fails(&["convert", p(&luks), p(&dst), "--passphrase-file", p(&wrong)]);
     assert!(err.contains("no keyslot matches"), "{err}");
     assert!(!dst.exists());
+    // A volume cryptsetup made from a file `echo` wrote has the newline in its passphrase;
+    // --passphrase-file drops it, and the refusal says so.
+    let echoed = f.file("echoed", b"typed with echo\n");
+    let volume = f.path("echoed.img");
+    fs::File::create(&volume)
+        .unwrap()
+        .set_len(17 * MIB)
+        .unwrap();
+    let mut args = vec!["luksFormat", "--batch-mode", "--key-file", p(&echoed)];
+    args.extend(["--type", "luks2"]);
+    args.extend(FAST);
+    args.push(p(&volume));
+    tool("cryptsetup", &args);
+    let err = fails(&[
+        "convert",
+        p(&volume),
+        p(&dst),
+        "--passphrase-file",
+        p(&echoed),
+    ]);
+    assert!(
+        err.contains("no keyslot matches") && err.contains("pass --key-file FILE instead"),
+        "{err}"
+    );
+    assert!(!dst.exists());
+    convert(p(&volume), &dst, &["--key-file", p(&echoed)]);
+    ok(&["delete", p(&dst), "--yes"]);
 
     // SRC == DST, also under another spelling of the path, and through a bind mount of it
     // (only the reader guard kept --force from deleting SRC there): refused, the image

@@ -348,6 +348,13 @@ fn verify_lists_the_sectors_a_damaged_store_cannot_read() {
             && text.contains("cannot be read"),
         "{text}"
     );
+    // A run of sectors a line, not a line (and the same long reason) per sector.
+    let lines = text.lines().filter(|l| l.starts_with("  LBA")).count();
+    assert!(
+        lines < unreadable.len() && text.contains(" sectors): "),
+        "{lines} lines for {} sectors: {text}",
+        unreadable.len()
+    );
 }
 
 #[test]
