@@ -167,8 +167,8 @@ impl RadosStore {
         let secs = |d: Duration| (d.as_millis().div_ceil(1000) as u64).max(1).to_string();
         set("client_mount_timeout", secs(config.connect_timeout))?;
         set("rados_mon_op_timeout", secs(config.connect_timeout))?;
-        // A timeout the config file sets is the user's: kept. Ours applies
-        // where librados would wait forever (`0`, its default).
+        // A timeout the config file sets is the user's: kept. Ours applies where librados
+        // would wait forever (`0`, its default).
         let configured_op_timeout = cluster
             .get_conf("rados_osd_op_timeout")
             .ok()

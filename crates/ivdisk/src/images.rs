@@ -470,7 +470,7 @@ fn describe_locker(locker: &Locker) -> String {
 
 /// A LUKS volume file (cryptsetup's), opened through the engine: it has no objects and no
 /// image id, so `info` shows neither (a 4 MiB object size and an id of zeros misled).
-fn is_luks_file(uri: &ImageUri) -> bool {
+pub(crate) fn is_luks_file(uri: &ImageUri) -> bool {
     matches!(uri, ImageUri::Local { dir } if dir.is_file())
 }
 

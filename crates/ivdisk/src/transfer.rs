@@ -1118,9 +1118,14 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
         }
         if report.bad_lbas.is_empty() && report.unreadable.is_empty() {
             outln!(
-                "image {shown}: {} sector(s) of {ss} bytes checked ({}), all {}",
+                "image {shown}: {} sector(s) of {ss} bytes checked ({}: every sector of the \
+                 {} that hold data), all {}",
                 report.sectors_checked,
                 human_size(report.sectors_checked * ss),
+                match crate::images::is_luks_file(&uri) {
+                    true => "ranges of the file",
+                    false => "objects",
+                },
                 if report.authenticated {
                     "authentic"
                 } else {
