@@ -294,9 +294,6 @@ where
         peer: peer.to_owned(),
         reason,
     };
-    // Requests on the device now: what a slow shutdown is waiting for, the storage or the
-    // client.
-    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let ending = loop {
         let mut header = [0u8; REQUEST_HEADER_LEN];
         tokio::select! {
@@ -371,10 +368,8 @@ where
         }
         let context = context.clone();
         let replies = replies.clone();
-        let on_device = OnDevice::start(&running);
         tokio::spawn(async move {
             let frame = context.handle(request, payload).await;
-            drop(on_device);
             // The writer is gone only if the connection is; nothing to tell anyone then.
             let _ = replies.send(Reply {
                 frame,
@@ -384,6 +379,9 @@ where
         });
     };
     // Tasks in flight hold clones of `replies`; the writer ends after the last one's reply.
+    // A task lets its clone go once its reply is queued, so the clones left count the
+    // requests still on the device: what a slow shutdown waits for, the storage or the client.
+    let on_device = replies.downgrade();
     drop(replies);
     let mut writer_task = writer_task;
     let written = tokio::select! {
@@ -399,7 +397,7 @@ where
         Some(Ok(Err(e))) => tracing::debug!(peer, error = %e, "could not send every reply"),
         Some(Err(e)) => tracing::error!(peer, error = %e, "reply writer failed"),
         // Requests the device has not finished are the storage's doing, not the client's.
-        None => match running.load(std::sync::atomic::Ordering::Acquire) {
+        None => match on_device.strong_count() {
             0 => {
                 tracing::warn!(
                     peer,
@@ -428,23 +426,6 @@ where
         .await
         .expect("the budget semaphore is never closed");
     ending
-}
-
-/// One request of a connection running on its device: counted from before its task is
-/// spawned until the device's answer is in (not until the reply is written).
-struct OnDevice(Arc<std::sync::atomic::AtomicUsize>);
-
-impl OnDevice {
-    fn start(running: &Arc<std::sync::atomic::AtomicUsize>) -> OnDevice {
-        running.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        OnDevice(running.clone())
-    }
-}
-
-impl Drop for OnDevice {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
 }
 
 /// Payloads of writes at least this large are read from the socket straight into their

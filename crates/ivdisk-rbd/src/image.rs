@@ -619,11 +619,8 @@ async fn read_raw(image: &str, handle: &ImageHandle, len: u64) -> Result<Vec<u8>
         return Ok(Vec::new());
     }
     let io_error = |e: Errno| match e.0 {
-        libc::ETIMEDOUT => RbdError::OsdTimeout {
-            image: image.to_owned(),
-            what: "reading its first bytes (a LUKS header?)".into(),
-            unsure: "",
-        },
+        // Part of the open (the LUKS header's detection), and said as such.
+        libc::ETIMEDOUT => open_error(image, e),
         _ => RbdError::Io {
             image: image.to_owned(),
             what: "header read",

@@ -2212,6 +2212,13 @@ impl LocalStore {
             .await
     }
 
+    /// Whether `dir` is a local store's directory (its lock file or its database is there),
+    /// whole or damaged: what a new store must not be made inside.
+    pub fn is_store_dir(dir: impl AsRef<Path>) -> bool {
+        let dir = dir.as_ref();
+        dir.join("LOCK").is_file() || dir.join("meta.sqlite").is_file()
+    }
+
     /// The process that has the store in `dir` open for writing (it holds the flock of
     /// `dir/LOCK`, and of `dir` itself, as `/proc/locks` shows), or `None`: then no lock a
     /// client of the store holds can be renewed, and the next writer takes such locks over. Looking takes no lock,

@@ -468,12 +468,6 @@ fn describe_locker(locker: &Locker) -> String {
     text
 }
 
-/// A LUKS volume file (cryptsetup's), opened through the engine: it has no objects and no
-/// image id, so `info` shows neither (a 4 MiB object size and an id of zeros misled).
-pub(crate) fn is_luks_file(uri: &ImageUri) -> bool {
-    matches!(uri, ImageUri::Local { dir } if dir.is_file())
-}
-
 /// What a command that made a `mem:` image says after its report: the image went with the
 /// process (import and convert reported success on images gone as they said it).
 pub(crate) fn fleeting_note(uri: &ImageUri) -> &'static str {
@@ -491,7 +485,9 @@ pub(crate) const HEADER_REPAIR: &str = "`ivdisk passphrase change` (with the sam
      as the new one, if you like) rewrites both copies";
 
 fn info_json(uri: &ImageUri, info: &ImageInfo) -> Value {
-    let luks_file = is_luks_file(uri);
+    // A LUKS volume file has no objects and no image id: `info` shows neither (a 4 MiB
+    // object size and an id of zeros misled).
+    let luks_file = uri.luks_file().is_some();
     let mut value = json!({
         "image": uri.to_string(),
         "format": if luks_file { "luks-file" } else { "ivdisk" },
@@ -560,7 +556,7 @@ fn info_lines(uri: &ImageUri, info: &ImageInfo) -> Vec<(&'static str, String)> {
     if let Some(warning) = &info.header_warning {
         lines.push(("header", format!("{warning}; {HEADER_REPAIR}")));
     }
-    if is_luks_file(uri) {
+    if uri.luks_file().is_some() {
         lines.retain(|(key, _)| !matches!(*key, "object size" | "image id"));
         lines.insert(
             1,

@@ -678,7 +678,7 @@ pub(crate) fn refuse_inside_another_store(uri: &ImageUri) -> Result<()> {
     };
     if let Some(store) = existing
         .ancestors()
-        .find(|a| a.join("meta.sqlite").is_file())
+        .find(|a| ivdisk_store::LocalStore::is_store_dir(a))
     {
         bail!(
             "{} lies inside {}, the store directory of another image: its files would mix with \
@@ -1122,7 +1122,7 @@ pub fn verify(args: VerifyArgs, rt: &Runtime) -> Result<()> {
                  {} that hold data), all {}",
                 report.sectors_checked,
                 human_size(report.sectors_checked * ss),
-                match crate::images::is_luks_file(&uri) {
+                match uri.luks_file().is_some() {
                     true => "ranges of the file",
                     false => "objects",
                 },
