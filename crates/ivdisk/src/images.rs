@@ -900,6 +900,21 @@ pub fn delete(args: DeleteArgs, rt: &Runtime) -> Result<()> {
 }
 
 pub fn lock(command: LockCommand, rt: &Runtime) -> Result<()> {
+    let image = match &command {
+        LockCommand::Status { image, .. } | LockCommand::Break { image, .. } => image,
+    };
+    if RbdUri::is_rbd(image) {
+        // librbd keeps its images' writer lock itself; its own tools show and break it.
+        let spec = RbdUri::parse(image)
+            .map(|uri| uri.spec())
+            .unwrap_or_else(|_| "POOL/IMAGE".into());
+        bail!(
+            "image address `{image}`: an rbd:// image's writer lock is librbd's exclusive lock, \
+             not ivdisk's: `rbd lock ls {spec}` shows its holder and `rbd status {spec}` the \
+             image's watchers. A holder that died loses it by itself once the OSDs drop its \
+             watch (about 30 s), and `ivdisk serve` then takes it over"
+        );
+    }
     match command {
         LockCommand::Status { image, json } => {
             let uri = parse_uri(&image)?;

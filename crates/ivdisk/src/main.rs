@@ -8,6 +8,8 @@
 //! The image commands run the image layer's async code on one tokio runtime, built here for
 //! them only; `suites`, `header` and `key` stay synchronous.
 
+#![deny(unsafe_code)]
+
 /// mimalloc instead of glibc's malloc: under `ivdisk serve` every request allocates its
 /// payload, ciphertext, operation and reply buffers on the runtime threads, and glibc's
 /// malloc and free were 8-9% of the server's CPU samples under random 4 KiB writes. With
@@ -43,6 +45,8 @@ macro_rules! note {
 mod backup;
 mod control;
 mod convert;
+#[allow(unsafe_code)]
+mod ffi;
 mod images;
 mod keys;
 mod passphrases;

@@ -302,7 +302,10 @@ pub fn prompt(text: &str, hint: &str) -> Result<Zeroizing<Vec<u8>>> {
     if !std::io::stdin().is_terminal() {
         bail!("no passphrase given: {hint}");
     }
+    // A signal at the prompt ends the process with the terminal's echo back on.
+    let restore = crate::ffi::TerminalRestore::arm();
     let line = Zeroizing::new(rpassword::prompt_password(text).context("reading the passphrase")?);
+    drop(restore);
     if line.is_empty() {
         bail!("empty passphrase");
     }

@@ -577,6 +577,28 @@ fn lock_status_and_break_without_a_holder() {
     assert!(fails(&["lock", "status", p(&f.path("absent"))]).contains("does not exist"));
 }
 
+/// librbd keeps an rbd:// image's writer lock: the lock commands name the rbd commands that
+/// show it (they said only that rbd:// is not an ivdisk image).
+#[test]
+fn lock_commands_of_an_rbd_image_name_librbds_tools() {
+    for args in [
+        &[
+            "lock",
+            "status",
+            "rbd://pool/vm?namespace=ns&conf=/nonexistent",
+        ][..],
+        &["lock", "break", "rbd://pool/vm?namespace=ns", "--yes"][..],
+    ] {
+        let err = fails(args);
+        assert!(
+            err.contains("librbd's exclusive lock")
+                && err.contains("`rbd lock ls pool/ns/vm`")
+                && err.contains("`rbd status pool/ns/vm`"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// A writer that has the store open but no current lock record (one that stopped renewing
 /// it: paused with SIGSTOP, hung) still keeps every other writer out: `lock status` and `info`
 /// name it instead of saying that no lock is held. Here this test process is that writer.
@@ -933,6 +955,15 @@ fn concurrent_creates_of_one_path_leave_one_image_and_clear_errors() {
     assert!(told_of_the_creator > 0);
 }
 
+/// `command` run by a shell with a terminal of its own (`script`), for at most 20 s.
+fn in_a_terminal(command: &str) -> std::process::Output {
+    std::process::Command::new("timeout")
+        .args(["20", "script", "-qec", command, "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
 /// `--passphrase-file -` with standard input a terminal is refused at once, saying how to
 /// type the passphrase unseen: read to its end from a terminal, the passphrase showed as it
 /// was typed and kept the newline that ended the line. (`script` gives the command a
@@ -946,11 +977,7 @@ fn a_secret_from_standard_input_is_not_read_from_a_terminal() {
         env!("CARGO_BIN_EXE_ivdisk"),
         p(&image)
     );
-    let out = std::process::Command::new("timeout")
-        .args(["20", "script", "-qec", &command, "/dev/null"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = in_a_terminal(&command);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("standard input is a terminal"),
@@ -958,6 +985,36 @@ fn a_secret_from_standard_input_is_not_read_from_a_terminal() {
         out.status
     );
     assert!(!image.exists());
+}
+
+/// A signal that ends `ivdisk` at its passphrase prompt (Ctrl-C, a SIGTERM) leaves the
+/// terminal as it found it: the prompt turns echo off, and the process died with it off, so
+/// the user's shell showed nothing they typed. (`script` gives the command a terminal; `sh`
+/// runs it in the background with the terminal as its input, and SIGTERM, since a
+/// background job of `sh` ignores SIGINT.)
+#[test]
+fn a_signal_at_the_passphrase_prompt_leaves_the_terminal_echoing() {
+    let f = Fixture::new();
+    let image = f.path("image");
+    f.create(&image, "1M", &[]);
+    let command = format!(
+        "sh -c '{} passphrase test {} </dev/tty & pid=$!; sleep 1; kill -TERM $pid; \
+         wait $pid; echo status=$?; stty -a'",
+        env!("CARGO_BIN_EXE_ivdisk"),
+        p(&image)
+    );
+    let out = in_a_terminal(&command);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("Enter passphrase:") && text.contains("status=143"),
+        "{:?}: {text}",
+        out.status
+    );
+    let flags: Vec<&str> = text.split([' ', ';', '\r', '\n']).collect();
+    assert!(
+        flags.contains(&"echo") && !flags.contains(&"-echo"),
+        "echo left off: {text}"
+    );
 }
 
 /// With `--json` on a terminal, the unlock spinner is not drawn either: `script` gives the
@@ -975,11 +1032,7 @@ fn json_on_a_terminal_draws_no_spinner() {
         p(&f.path("out.raw")),
         p(&f.pw)
     );
-    let out = std::process::Command::new("timeout")
-        .args(["20", "script", "-qec", &command, "/dev/null"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = in_a_terminal(&command);
     assert!(out.status.success(), "{:?}", out);
     let text = String::from_utf8_lossy(&out.stdout);
     let object: Value = serde_json::from_str(text.trim())
