@@ -165,8 +165,10 @@ fn unmet_requirements(requirements: &[String]) -> String {
 fn no_keyslots_note(tried: usize, unusable: usize) -> String {
     if tried == 0 {
         return ": the header has no keyslots left (the last one was removed), so no passphrase \
-                opens it; restore a header backup made before (`ivdisk header restore`), or \
-                add a keyslot with the volume key (`--volume-key-file`)"
+                opens it; restore a header backup made before (`ivdisk header restore`), or, \
+                with the volume key in a file, add a keyslot with `ivdisk key add HEADER \
+                --volume-key-file FILE` (of an image: `ivdisk header backup IMAGE HEADER` first, \
+                then `ivdisk header restore IMAGE HEADER`)"
             .to_owned();
     }
     unusable_note(unusable)

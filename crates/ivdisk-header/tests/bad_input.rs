@@ -866,6 +866,11 @@ fn a_header_without_keyslots_says_so() {
     );
     assert_contains(&err.to_string(), "the header has no keyslots left");
     assert_contains(&err.to_string(), "ivdisk header restore");
+    // The volume key's way back names a command that takes it (`passphrase add` does not).
+    assert_contains(
+        &err.to_string(),
+        "`ivdisk key add HEADER --volume-key-file FILE`",
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

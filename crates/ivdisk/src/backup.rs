@@ -175,6 +175,11 @@ pub fn backup(args: BackupArgs, rt: &Runtime) -> Result<()> {
             args.since.as_deref().unwrap_or_default()
         );
     }
+    crate::transfer::check_output_file(
+        &args.file,
+        args.force,
+        "a backup is a regular file (FILE.partial.PID, renamed when complete)",
+    )?;
     // Written over a file of its own store (`--force`), a backup destroyed the image (and,
     // once the store was opened again, the backup itself), and said it had made one.
     crate::transfer::refuse_target_in_image(

@@ -690,6 +690,43 @@ pub(crate) fn refuse_inside_another_store(uri: &ImageUri) -> Result<()> {
     Ok(())
 }
 
+/// Check the name a command writes its output file to (a new file renamed over it once
+/// complete): `Some` with what is there for a regular file that `force` lets it replace,
+/// `None` for a free name. Everything else is refused before any work, with the reason first:
+/// `--force` was suggested for a directory too, and failed then (after the whole copy, for a
+/// backup). `writes` says what the command writes, for what is neither file nor directory.
+pub fn check_output_file(
+    path: &Path,
+    force: bool,
+    writes: &str,
+) -> Result<Option<std::fs::Metadata>> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(None);
+    };
+    let shown = path.display();
+    if meta.is_dir() {
+        bail!("{shown} is a directory; name a file (in it, or elsewhere)");
+    }
+    if meta.is_symlink() {
+        // The new file is renamed to the name: over a link it replaces the link itself, and
+        // what the link points to stays as it was.
+        let target = std::fs::read_link(path)
+            .map(|t| format!(" (to {})", t.display()))
+            .unwrap_or_default();
+        bail!(
+            "{shown} is a symbolic link{target}; the output is a new file put in its place, \
+             which would replace the link, not write where it points: name the file itself"
+        );
+    }
+    if !meta.is_file() {
+        bail!("{shown} is not a regular file; {writes}");
+    }
+    if !force {
+        bail!("{shown} exists; pass --force to overwrite it, or pick another name");
+    }
+    Ok(Some(meta))
+}
+
 pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = parse_image_at(&args.image)?;
     let shown = image_at(&uri, snapshot.as_deref());
@@ -703,21 +740,15 @@ pub fn export(args: ExportArgs, rt: &Runtime) -> Result<()> {
                  export {shown} - > FILE), or name a file"
             );
         }
-    } else if let Ok(meta) = std::fs::symlink_metadata(&args.file) {
-        if !args.force {
-            bail!(
-                "{} exists; pass --force to overwrite it, or pick another name",
-                args.file.display()
-            );
-        }
-        if !meta.is_file() {
-            bail!(
-                "{} is not a regular file; export writes a raw file (to write a block device, \
-                 ivdisk export {shown} - > DEVICE)",
-                args.file.display()
-            );
-        }
-        replacing = Some(meta);
+    } else {
+        replacing = check_output_file(
+            &args.file,
+            args.force,
+            &format!(
+                "export writes a raw file (to write a block device, ivdisk export {shown} - > \
+                 DEVICE)"
+            ),
+        )?;
     }
     if !to_stdout {
         // Over its own source, a LUKS file (or a file of the local store) would be replaced

@@ -306,6 +306,51 @@ fn an_export_removes_the_partial_files_of_killed_exports() {
     assert!(other.exists(), "another name's partial file was removed");
 }
 
+/// An export or backup onto a directory, a symbolic link or a device is refused before any
+/// work, with the reason, also with `--force`: `--force` was suggested for a directory and
+/// then failed (a backup's only after the whole copy), and a link was called "not a regular
+/// file". Nothing is written there.
+#[test]
+fn an_output_that_is_no_regular_file_is_refused_with_the_reason() {
+    let f = Fixture::new();
+    let (image, _) = f.import("disk", &raw_disk(3));
+    let dir = f.path("somedir");
+    std::fs::create_dir(&dir).unwrap();
+    let kept = f.file("kept.raw", b"kept");
+    let link = f.path("link.raw");
+    std::os::unix::fs::symlink(&kept, &link).unwrap();
+    for force in [&[][..], &["--force"][..]] {
+        for command in ["export", "backup"] {
+            let run = |target: &Path| {
+                let mut args = vec![command, p(&image), p(target)];
+                if command == "export" {
+                    args.extend(["--passphrase-file", p(&f.pw)]);
+                }
+                args.extend(force);
+                fails(&args)
+            };
+            let err = run(&dir);
+            assert!(
+                err.contains("is a directory") && !err.contains("--force"),
+                "{command} {force:?}: {err}"
+            );
+            let err = run(&link);
+            assert!(
+                err.contains("is a symbolic link") && err.contains("kept.raw"),
+                "{command} {force:?}: {err}"
+            );
+            let err = run(Path::new("/dev/null"));
+            assert!(
+                err.contains("is not a regular file") && !err.contains("--force"),
+                "{command} {force:?}: {err}"
+            );
+        }
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    assert_eq!(std::fs::read(&kept).unwrap(), b"kept");
+    assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+}
+
 /// A segment file cut short (damage in the store, not tampering) does not end the verify with
 /// a bare read error: the sectors that cannot be read are listed as such, with the store's
 /// reason, the rest is checked, and the exit code is 1.
