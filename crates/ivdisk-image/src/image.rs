@@ -1313,8 +1313,8 @@ impl Image {
     /// after this). Other images pass: a local store names the process that has it open
     /// itself (`LocalStore::writing_process`), a LUKS file's flock is found by the open, and
     /// a lock about to expire is left to the open, which takes it once it has. A holder that
-    /// does not answer within 5 s (killed, paused) is fenced and its lock broken instead
-    /// (`writer_lock::take_over_if_silent`).
+    /// does not answer within 5 s and is gone (killed on this host, or its watch timed out)
+    /// is fenced and its lock broken instead (`writer_lock::take_over_if_silent`).
     pub async fn refuse_if_write_locked(uri: &ImageUri) -> Result<(), ImageError> {
         if !matches!(uri, ImageUri::Rados { .. }) {
             return Ok(());

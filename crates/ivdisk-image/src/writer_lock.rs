@@ -52,8 +52,10 @@ const HOLDER_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// once instead of waiting up to the lock's duration for the expiry. Only for a writer that
 /// records itself ([`LAST_WRITER_CLIENT_KEY`] names its client) and so watches the header
 /// (registered before the record is written): asked through a notify, a live one answers. One
-/// that does not (killed, crashed, paused, cut off from the cluster) is fenced: even if it
-/// runs again, nothing it sends is applied. `true` when the lock was taken from it.
+/// that does not and no longer watches (killed or cut off from the cluster for longer than
+/// the OSDs' watch timeout), or whose process on this host is gone, is fenced: even if it
+/// runs again, nothing it sends is applied. One still watching is left alone (paused or
+/// overloaded for a moment). `true` when the lock was taken from it.
 pub(crate) async fn take_over_if_silent(
     store: &dyn ObjectStore,
     object: &ObjectName,
@@ -84,6 +86,24 @@ pub(crate) async fn take_over_if_silent(
         .iter()
         .any(|(client, _)| *client == holder.client)
     {
+        return false;
+    }
+    // Not answering with its watch still registered (the OSDs sent it the notify) is a
+    // holder paused or overloaded, not one that died: the OSDs drop a dead client's watch
+    // once it times out. librbd leaves the lock of an owner that still watches alone too;
+    // fencing here failed every request of a server that had stopped for 5 s (a routine
+    // `snap create` beside it did that). A holder on this host whose process is gone is dead
+    // for sure, and is taken over before its watch times out.
+    if answers.unanswered.contains(&holder.client) && !holder_process_gone(holder) {
+        tracing::warn!(
+            image,
+            holder = %describe(holder),
+            "the writer lock's holder did not answer within {} s, but is still connected to \
+             the cluster (its watch on the header object is alive): not fencing it. It is \
+             paused or overloaded, or stopped less than the OSDs' watch timeout ago \
+             (osd_client_watch_timeout, 30 s by default), after which it is taken over",
+            HOLDER_ANSWER_TIMEOUT.as_secs()
+        );
         return false;
     }
     match store.fence_client(&holder.client, address).await {
@@ -120,6 +140,23 @@ pub(crate) async fn take_over_if_silent(
             tracing::warn!(image, error = %e, "breaking the lock of a fenced holder");
             false
         }
+    }
+}
+
+/// Whether `holder` ran on this host in a process that no longer exists (its description
+/// says `ivdisk pid PID on HOST`, see [`WriterLock::acquire`]). A process of that number that
+/// exists may be another one that reuses it: then the holder counts as alive.
+fn holder_process_gone(holder: &Locker) -> bool {
+    let Some((pid, host)) = holder
+        .description
+        .strip_prefix("ivdisk pid ")
+        .and_then(|rest| rest.split_once(" on "))
+    else {
+        return false;
+    };
+    match pid.parse::<u32>() {
+        Ok(pid) => host == host_name() && !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        Err(_) => false,
     }
 }
 

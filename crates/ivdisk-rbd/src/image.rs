@@ -79,6 +79,22 @@ async fn blocking<T: Send + 'static>(
     })
 }
 
+/// `work`'s result; `notice` runs once if it takes longer than `after`.
+async fn noticed_after<T>(
+    after: std::time::Duration,
+    work: impl std::future::Future<Output = T>,
+    notice: impl FnOnce(),
+) -> T {
+    tokio::pin!(work);
+    tokio::select! {
+        done = &mut work => done,
+        _ = tokio::time::sleep(after) => {
+            notice();
+            work.await
+        }
+    }
+}
+
 /// Close a handle that is no longer wanted (an open that failed halfway) on a helper thread,
 /// then its connection (librbd still uses the cluster while it closes). Awaited, not left
 /// to the background: a process that exits on the error would otherwise leave the image's
@@ -191,9 +207,22 @@ impl RbdImage {
         let handle = match exclusive && !read_only && snapshot.is_none() {
             true => {
                 let thread_io = io.clone();
-                let (handle, locked, _thread_io) = blocking(&image, move || {
+                // A holder that died answers no request to give the lock up; librbd takes it
+                // over only once the OSDs drop that client's watch. Said, or a served image
+                // stays silent for half a minute.
+                let locking = blocking(&image, move || {
                     let r = handle.lock_exclusive();
                     (handle, r, thread_io)
+                });
+                let (handle, locked, _thread_io) = noticed_after(LOCK_WAIT_NOTICE, locking, || {
+                    tracing::warn!(
+                        %image,
+                        "still waiting for librbd's exclusive lock of {image} after {} s: its \
+                         holder does not give it up. If that client died, librbd takes the lock \
+                         over once the OSDs drop its watch (about 30 s, \
+                         osd_client_watch_timeout); `rbd status` lists the image's watchers",
+                        LOCK_WAIT_NOTICE.as_secs()
+                    )
                 })
                 .await?;
                 match locked {
@@ -514,6 +543,9 @@ impl RbdImage {
         })
     }
 }
+
+/// How long taking librbd's exclusive lock may take before the wait is logged.
+const LOCK_WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Connect and `rbd_open` (on a helper thread).
 async fn open_handle(

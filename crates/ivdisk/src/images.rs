@@ -61,10 +61,12 @@ pub fn lock_help() -> String {
          the monitor capability `osd blocklist` (`profile rbd` grants it); without it the \
          break is refused, and `--no-fence` breaks without fencing. Never break without \
          fencing the lock of a writer that still runs: two writers lose each other's \
-         writes. A writer that opens an image whose lock holder does not answer within 5 s \
-         (killed, paused, cut off from the cluster) fences that holder the same way and takes \
-         its lock, without waiting for the expiry; so does one that takes a lock which expired \
-         without its holder closing.\n\nOn the local backend \
+         writes. A writer that opens an image whose lock holder does not answer within 5 s and \
+         is gone (its process on this host ended, or the OSDs dropped its watch: about 30 s \
+         after it was killed, paused or cut off elsewhere) fences that holder the same way and \
+         takes its lock, without waiting for the expiry; so does one that takes a lock which \
+         expired without its holder closing. A holder that does not answer but still watches \
+         (paused or overloaded for a moment) keeps its lock, as librbd leaves it.\n\nOn the local backend \
          a store directory is open for writing in one process at a time: while a writer runs \
          there, `lock break` and other writers fail, naming the process that has the store \
          open; `lock status` and `info` work beside it, and `lock status` says when the \

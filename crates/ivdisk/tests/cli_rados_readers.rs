@@ -534,11 +534,14 @@ fn a_break_that_cannot_fence_is_refused_and_names_no_fence() {
     drop(writer);
 }
 
-/// A writer that does not answer (paused, as a VM host or a stopped container pauses one, or
-/// killed) is fenced by the next writer, which takes its lock at once instead of waiting for
-/// the expiry: once the paused one runs again, nothing it sends is applied.
+/// A writer that does not answer but still watches the header (paused, as a VM host or a
+/// stopped container pauses one) keeps its lock: the next writer is refused, naming it, and
+/// the paused one writes on once it runs again (it was fenced after 5 s, and every request of
+/// its clients failed from then on). Once the OSDs drop its watch it is gone: then the next
+/// writer fences it and takes its lock, and once the paused one runs again nothing it sends
+/// is applied. One killed on this host is taken over at once, without waiting for its watch.
 #[test]
-fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
+fn a_silent_writer_is_fenced_only_once_it_is_gone() {
     let Some(pool) = pool() else {
         return;
     };
@@ -559,12 +562,37 @@ fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
     assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
     let paused_at = holder_at();
     signal(&paused.0, "-STOP");
+    // Paused for seconds: still watching, so it keeps its lock.
+    // (Under `timeout`: a server that took the lock would serve on.)
+    let out = Command::new("timeout")
+        .args(["60", env!("CARGO_BIN_EXE_ivdisk"), "serve", &image])
+        .args(["--passphrase-file", p(&f.pw)])
+        .args(["--socket", p(&socket("refused.sock"))])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let refused = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{refused}");
+    assert!(
+        refused.contains("is open for writing by") && refused.contains("still connected"),
+        "{refused}"
+    );
+    assert!(!blocklist().contains(&paused_at), "{}", blocklist());
+    signal(&paused.0, "-CONT");
+    let wrote = qemu_io(&socket("paused.sock"), "write -P 0xaa 0 64k");
+    assert!(
+        wrote.contains("wrote 65536/65536"),
+        "after the pause: {wrote}"
+    );
+    // Paused past the OSDs' watch timeout (30 s here): gone, fenced, its lock taken.
+    signal(&paused.0, "-STOP");
+    std::thread::sleep(Duration::from_secs(36));
     let started = std::time::Instant::now();
     let mut next = serve(&f, &image, "next.sock", &[]);
     let took = started.elapsed();
     assert!(
         took < Duration::from_secs(20),
-        "took {took:?}, as if waiting for the 30 s expiry"
+        "took {took:?}, as if waiting for the lock's expiry"
     );
     assert!(
         blocklist().contains(&paused_at),
@@ -590,11 +618,18 @@ fn a_silent_writer_is_fenced_and_its_lock_taken_by_the_next() {
     signal(&paused.0, "-TERM");
     assert_eq!(paused.0.wait().unwrap().code(), Some(1));
 
-    // Killed: the same, and what it acknowledged stays.
+    // Killed on this host: its process is gone, so it is fenced at once, without waiting
+    // for its watch to time out; what it acknowledged stays.
     let killed_at = holder_at();
     signal(&next.0, "-KILL");
     let _ = next.0.wait();
+    let started = std::time::Instant::now();
     let last = serve(&f, &image, "last.sock", &[]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "took {took:?}, as if waiting for the killed writer's watch"
+    );
     assert!(
         blocklist().contains(&killed_at),
         "{killed_at}: {}",

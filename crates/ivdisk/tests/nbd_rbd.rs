@@ -475,6 +475,45 @@ fn a_second_writer_of_an_rbd_image_is_refused() {
     first.stop();
 }
 
+/// A writer killed outright leaves librbd's exclusive lock to a client that no longer
+/// answers; the next `serve` waits until the OSDs drop its watch and says so meanwhile
+/// (it said nothing for half a minute), then takes the lock and writes.
+#[test]
+fn a_killed_writers_lock_is_taken_over_with_a_notice() {
+    let Some(rbd) = Rbd::create("killed", None) else {
+        return;
+    };
+    let mut first = rbd.serve(&[]);
+    let wrote = tool(
+        "qemu-io",
+        &["-f", "raw", first.uri(), "-c", "write -P 0x11 0 64k"],
+    );
+    assert!(wrote.contains("wrote 65536/65536"), "{wrote}");
+    first.server.child.kill().unwrap();
+    first.server.child.wait().unwrap();
+    first.server.stopped = true;
+    let started = Instant::now();
+    let second = rbd.serve(&[]);
+    let waited = started.elapsed();
+    let stderr = second.server.stderr();
+    assert!(
+        stderr.contains("still waiting for librbd's exclusive lock")
+            && stderr.contains("osd_client_watch_timeout"),
+        "no notice after {waited:?} of waiting: {stderr}"
+    );
+    let read = tool(
+        "qemu-io",
+        &["-f", "raw", second.uri(), "-c", "read -P 0x11 0 64k"],
+    );
+    assert!(read.contains("read 65536/65536"), "{read}");
+    let wrote = tool(
+        "qemu-io",
+        &["-f", "raw", second.uri(), "-c", "write -P 0x22 0 4k"],
+    );
+    assert!(wrote.contains("wrote 4096/4096"), "{wrote}");
+    second.stop();
+}
+
 /// `scripts/ceph-dev-cluster` on the cluster in `IVDISK_CEPH_DIR` (for the fault test below).
 fn cluster_script(args: &[&str]) {
     let dir = std::env::var("IVDISK_CEPH_DIR").expect(
