@@ -270,6 +270,8 @@ where
         device: negotiated.export.device.clone(),
         structured: negotiated.structured,
         block_status: negotiated.block_status,
+        io_failures: FailureLog::default(),
+        full_failures: FailureLog::default(),
     });
     let mut reader = RequestReader::new(reader);
     let mut reading = StallWatch::new(server_budget.clone());
@@ -765,6 +767,54 @@ struct Context {
     device: Arc<dyn BlockDevice>,
     structured: bool,
     block_status: bool,
+    /// Storage failures (IO, a full store) logged at most once per
+    /// [`FAILURE_LOG_INTERVAL`] each.
+    io_failures: FailureLog,
+    full_failures: FailureLog,
+}
+
+/// How often one kind of storage failure is logged at most. A full store or a storage outage
+/// fails every request, and each was an ERROR line of its own: one 512 MiB fill gave 339, a
+/// guest's small writes give thousands. Failed authentication is logged every time: each
+/// names its sector.
+const FAILURE_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// When one kind of failure was last logged, and how many were left out since.
+#[derive(Default)]
+struct FailureLog {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+    left_out: std::sync::atomic::AtomicU64,
+}
+
+impl FailureLog {
+    /// `Some(n)`: log this failure, after `n` left out since the last one logged; `None`:
+    /// one was logged less than [`FAILURE_LOG_INTERVAL`] before `now`.
+    fn admit(&self, now: std::time::Instant) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match *last {
+            Some(at) if now.saturating_duration_since(at) < FAILURE_LOG_INTERVAL => {
+                self.left_out.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            _ => {
+                *last = Some(now);
+                Some(self.left_out.swap(0, Ordering::Relaxed))
+            }
+        }
+    }
+}
+
+/// What a logged failure says of those of its kind left out before it.
+fn left_out_note(left_out: u64) -> String {
+    match left_out {
+        0 => String::new(),
+        n => format!(
+            " ({n} more such failure(s) since the last one logged were not logged: at most one \
+             per {} s)",
+            FAILURE_LOG_INTERVAL.as_secs()
+        ),
+    }
 }
 
 /// A request refused before reaching the device.
@@ -796,12 +846,17 @@ impl Context {
                         tracing::error!(cookie = request.cookie, offset = request.offset, length = request.length, error = %error.message, "request failed authentication")
                     }
                     DeviceErrorKind::Io => {
-                        tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed")
+                        if let Some(left_out) = self.io_failures.admit(std::time::Instant::now()) {
+                            tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed{}", left_out_note(left_out))
+                        }
                     }
                     // The client sees ENOSPC (qemu pauses its guest); whoever must free space
                     // learns it here.
                     DeviceErrorKind::NoSpace => {
-                        tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed: the storage is full")
+                        if let Some(left_out) = self.full_failures.admit(std::time::Instant::now())
+                        {
+                            tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed: the storage is full{}", left_out_note(left_out))
+                        }
                     }
                     _ => {
                         tracing::debug!(cookie = request.cookie, command = request.command, error = %error.message, "request refused")
@@ -1068,6 +1123,29 @@ impl Context {
                 format!("unknown command {other}"),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod failure_log_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Storage failures are logged once per interval, the next one saying how many were
+    /// left out (a full disk logged every refused request).
+    #[test]
+    fn failures_are_logged_once_per_interval_counting_the_rest() {
+        let log = FailureLog::default();
+        let start = Instant::now();
+        assert_eq!(log.admit(start), Some(0));
+        for i in 1..=338u64 {
+            assert_eq!(log.admit(start + Duration::from_millis(i)), None);
+        }
+        assert_eq!(log.admit(start + FAILURE_LOG_INTERVAL), Some(338));
+        assert_eq!(log.admit(start + FAILURE_LOG_INTERVAL), None);
+        assert_eq!(log.admit(start + FAILURE_LOG_INTERVAL * 3), Some(1));
+        assert!(left_out_note(338).contains("338 more"));
+        assert_eq!(left_out_note(0), "");
     }
 }
 

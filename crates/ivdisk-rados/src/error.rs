@@ -50,6 +50,15 @@ pub enum RadosError {
         source: io::Error,
     },
 
+    /// librados read the keyring but found no usable key for the client in it (EIO from
+    /// its connect: a malformed `key =` line, or no `[client.NAME]` section).
+    #[error(
+        "no usable key for client.{client} in its keyring ({keyring}): librados could not \
+         read one (Input/output error); the file needs a `[client.{client}]` section with a \
+         `key = ...` line, as `ceph auth get client.{client}` prints it"
+    )]
+    BadKeyring { client: String, keyring: String },
+
     #[error(
         "client.{client} has no keyring: no file the config's `keyring` setting names exists \
          ({searched}); give one with keyring=PATH in the address, or fix `keyring` in the \

@@ -216,6 +216,11 @@ impl RadosStore {
                 client: client_id.clone(),
                 source: e.io_error(),
             },
+            // What librados' connect says of a keyring it read without a usable key in it.
+            libc::EIO => RadosError::BadKeyring {
+                client: client_id.clone(),
+                keyring: conf_or("keyring", "none"),
+            },
             _ => RadosError::Connect {
                 client: client_id.clone(),
                 source: e.io_error(),

@@ -186,3 +186,37 @@ async fn unknown_client_is_refused_clearly() {
         .expect("unknown client");
     assert!(matches!(e, RadosError::AuthFailed { .. }), "{e:?}");
 }
+
+/// A keyring without a usable key for the client (a malformed `key =` line, no section for
+/// the client) is named, with what the file needs: it read as "connecting to the Ceph cluster
+/// as client.admin failed: Input/output error".
+#[tokio::test]
+async fn a_keyring_without_a_usable_key_is_named() {
+    if let Some(reason) = common::skip_reason() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [
+        ("malformed.keyring", "[client.admin]\n\tkey = AQBxxxx==\n"),
+        ("garbage.keyring", "garbage\n"),
+    ] {
+        let keyring = dir.path().join(name);
+        std::fs::write(&keyring, text).unwrap();
+        let config = RadosConfig {
+            keyring: Some(keyring.clone()),
+            connect_timeout: Duration::from_secs(10),
+            ..common::config()
+        };
+        let e = RadosStore::open(&config)
+            .await
+            .err()
+            .expect("no usable key");
+        assert!(matches!(e, RadosError::BadKeyring { .. }), "{name}: {e:?}");
+        let said = e.to_string();
+        assert!(
+            said.contains(&keyring.display().to_string()) && said.contains("[client."),
+            "{said}"
+        );
+    }
+}
