@@ -1102,7 +1102,7 @@ impl Header {
         backup: &dyn HeaderIo,
         force: bool,
     ) -> Result<Header, HeaderError> {
-        let saved = Header::read(backup).map_err(|e| HeaderError::Backup(e.to_string()))?;
+        let saved = Header::read(backup).map_err(|e| HeaderError::Backup(e.damage()))?;
         if let Some(w) = saved.warning() {
             return Err(HeaderError::Backup(format!("it is itself damaged: {w}")));
         }

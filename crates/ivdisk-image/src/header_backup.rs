@@ -246,7 +246,9 @@ impl Image {
         };
         // The backup first: nothing is opened or locked for a file that is no backup.
         let saved_io = MemoryHeaderIo(backup.to_vec());
-        let saved = Header::read(&saved_io).map_err(|e| invalid(e.to_string()))?;
+        // What is wrong with the file, without the advice to restore a header backup: this is
+        // that restore.
+        let saved = Header::read(&saved_io).map_err(|e| invalid(e.damage()))?;
         if let Some(warning) = saved.warning() {
             return Err(invalid(format!("it is itself damaged ({warning})")));
         }

@@ -127,6 +127,11 @@ pub enum HeaderCommand {
     },
 }
 
+/// What `ivdisk key` works on.
+const KEY_HEADER_HELP: &str = "A LUKS1/LUKS2 header file or volume (a file or block device, \
+    as cryptsetup takes it). For an ivdisk image use `ivdisk passphrase`, or change a `header \
+    backup` of it and `header restore` that";
+
 #[derive(Subcommand)]
 pub enum KeyCommand {
     /// Add a keyslot for a new passphrase or key file (up to 32).
@@ -134,6 +139,7 @@ pub enum KeyCommand {
         after_help = "Example:\n  ivdisk key add disk.hdr --key-file old.txt --new-key-file new.key"
     )]
     Add {
+        #[arg(help = KEY_HEADER_HELP)]
         image: PathBuf,
         #[command(flatten)]
         unlock: UnlockArgs,
@@ -154,6 +160,7 @@ pub enum KeyCommand {
         after_help = "Example:\n  ivdisk key remove disk.hdr --key-file old.txt\n  ivdisk key remove disk.hdr --key-slot 3 --key-file other.txt"
     )]
     Remove {
+        #[arg(help = KEY_HEADER_HELP)]
         image: PathBuf,
         /// The keyslot to remove; its removal is authorised by a passphrase of any keyslot.
         #[arg(long, short = 'S', value_name = "N")]
@@ -174,6 +181,7 @@ pub enum KeyCommand {
         after_help = "Example:\n  ivdisk key change disk.hdr --key-file old.txt --new-key-file new.txt"
     )]
     Change {
+        #[arg(help = KEY_HEADER_HELP)]
         image: PathBuf,
         /// The current passphrase's file; otherwise asked on the terminal.
         #[arg(long, short = 'd', value_name = "FILE")]
@@ -181,6 +189,8 @@ pub enum KeyCommand {
         /// The new passphrase's file; otherwise asked twice on the terminal.
         #[arg(long, value_name = "FILE")]
         new_key_file: Option<PathBuf>,
+        /// The keyslot to change (its current passphrase must open it); otherwise the one the
+        /// current passphrase opens.
         #[arg(long, short = 'S', value_name = "N")]
         key_slot: Option<u32>,
         #[command(flatten)]
@@ -189,9 +199,11 @@ pub enum KeyCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Check a passphrase, key file or volume key without changing anything.
+    /// Check a passphrase, key file or volume key without changing anything. Exit code 0 if it
+    /// matches, 1 if it does not, 2 on other errors (an unreadable file, a damaged header).
     #[command(after_help = "Example:\n  ivdisk key test disk.hdr --key-file pass.txt && echo ok")]
     Test {
+        #[arg(help = KEY_HEADER_HELP)]
         image: PathBuf,
         #[command(flatten)]
         unlock: UnlockArgs,
@@ -1109,7 +1121,12 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
             unlock: unlock_args,
             json,
         } => {
-            let (header, device) = read_header(&image)?;
+            // Exit code 1 is the answer "no"; 2 any other failure (as `verify`'s): a script
+            // tells a wrong passphrase from a file it could not read.
+            let (header, device) = match read_header(&image) {
+                Ok(read) => read,
+                Err(e) => crate::transfer::exit_with(2, &e),
+            };
             let (slot, _) = match unlock(&header, &device, &unlock_args) {
                 Ok(unlocked) => unlocked,
                 Err(e) => {
@@ -1126,7 +1143,10 @@ pub fn run_key(command: KeyCommand) -> Result<()> {
                             )
                         )
                     });
-                    if json && mismatch {
+                    if !mismatch {
+                        crate::transfer::exit_with(2, &e.context(image.display().to_string()));
+                    }
+                    if json {
                         let reason = format!("{e:#}");
                         outln!(
                             "{}",

@@ -55,7 +55,8 @@ pub enum PassphraseCommand {
     ))]
     Change(ChangeArgs),
     /// Check that a passphrase opens the image, and which keyslot it opens; changes nothing.
-    /// Exit code 0 if it opens the image, 1 otherwise (with --json, `ok` says which).
+    /// Exit code 0 if it opens the image, 1 if it does not (with --json, `ok` says which), 2 on
+    /// other errors (no such image, an unreadable passphrase file, a damaged header).
     #[command(
         after_help = "Example:\n  ivdisk passphrase test disk.ivd --passphrase-file pw.txt --json"
     )]
@@ -248,7 +249,24 @@ pub fn run(command: PassphraseCommand, rt: &Runtime) -> Result<()> {
     }
 }
 
+/// Exit code 1 is the answer "no" (the passphrase opens no keyslot); 2 any other failure, as
+/// `verify`'s: a script tells a wrong passphrase from an image it could not read.
 fn test(args: TestArgs, rt: &Runtime) -> Result<()> {
+    match test_passphrase(args, rt) {
+        Ok(Answer::Yes) => Ok(()),
+        Ok(Answer::No(refusal)) => Err(refusal),
+        Err(e) => crate::transfer::exit_with(2, &e),
+    }
+}
+
+/// What `passphrase test` found out.
+enum Answer {
+    Yes,
+    /// The passphrase opens no keyslot: why, said as the error.
+    No(anyhow::Error),
+}
+
+fn test_passphrase(args: TestArgs, rt: &Runtime) -> Result<Answer> {
     let uri = parse_uri(&args.image)?;
     if uri.luks_file().is_none() {
         // A mistyped address is named before a passphrase is asked for.
@@ -294,11 +312,11 @@ fn test(args: TestArgs, rt: &Runtime) -> Result<()> {
                     json!({"image": uri.to_string(), "ok": false, "keyslot": null, "reason": e.to_string()})
                 );
             }
-            bail!("{e}{hint}");
+            return Ok(Answer::No(anyhow::anyhow!("{e}{hint}")));
         }
         Err(e) => return Err(flat(e)),
     }
-    Ok(())
+    Ok(Answer::Yes)
 }
 
 fn add(args: AddArgs, rt: &Runtime) -> Result<()> {

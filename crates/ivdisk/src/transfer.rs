@@ -1268,7 +1268,8 @@ async fn sector_by_sector(
     Ok((bad, unreadable))
 }
 
-fn exit_with(code: i32, e: &anyhow::Error) -> ! {
+/// Report `e` as every failure is reported, and end with exit code `code`.
+pub fn exit_with(code: i32, e: &anyhow::Error) -> ! {
     crate::report_failure(e);
     std::io::stdout().flush().ok();
     std::process::exit(code)

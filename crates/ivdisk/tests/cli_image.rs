@@ -531,7 +531,7 @@ fn commands_name_a_missing_image_or_snapshot_before_asking_for_a_passphrase() {
         &["verify", missing],
     ];
     for args in commands {
-        // (verify's exit code for an error is 2, the others' 1.)
+        // (verify and passphrase test exit with 2 on an error, the others with 1.)
         let out = ivdisk(args);
         assert!(!out.status.success(), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);

@@ -731,3 +731,89 @@ fn a_keyslot_change_of_a_file_cut_short_is_refused_and_grows_nothing() {
         );
     }
 }
+
+/// `key test` and `passphrase test` answer "no" with exit code 1 and fail otherwise with 2,
+/// as `verify` does: a script tells a wrong passphrase from a file or image it could not read
+/// (both were 1).
+#[test]
+fn test_commands_tell_no_from_failure_by_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let pw = key(dir.path(), "pw", b"right");
+    let wrong = key(dir.path(), "wrong", b"wrong");
+    let absent = dir.path().join("absent");
+    let hdr = dir.path().join("disk.hdr");
+    format_header(&hdr, &pw);
+    let code = |args: &[&str]| ivdisk(args).status.code();
+    assert_eq!(
+        code(&["key", "test", p(&hdr), "--key-file", p(&pw)]),
+        Some(0)
+    );
+    assert_eq!(
+        code(&["key", "test", p(&hdr), "--key-file", p(&wrong)]),
+        Some(1)
+    );
+    assert_eq!(
+        code(&["key", "test", p(&absent), "--key-file", p(&pw)]),
+        Some(2)
+    );
+    assert_eq!(
+        code(&["key", "test", p(&hdr), "--key-file", p(&absent)]),
+        Some(2)
+    );
+
+    let image = dir.path().join("disk.ivd");
+    let mut args = vec!["create", p(&image), "--size", "16M", "--key-file", p(&pw)];
+    args.extend(FAST);
+    ok(&args);
+    let test = |image: &Path, secret: &Path| {
+        ivdisk(&[
+            "passphrase",
+            "test",
+            p(image),
+            "--key-file",
+            p(secret),
+            "--json",
+        ])
+    };
+    assert_eq!(test(&image, &pw).status.code(), Some(0));
+    let no = test(&image, &wrong);
+    assert_eq!(no.status.code(), Some(1));
+    let answer: Value = serde_json::from_slice(&no.stdout).unwrap();
+    assert_eq!(answer["ok"], false, "{answer}");
+    assert!(answer["reason"].is_string(), "{answer}");
+    for (image, secret) in [(&absent, &pw), (&image, &absent)] {
+        let failed = test(image, secret);
+        assert_eq!(
+            failed.status.code(),
+            Some(2),
+            "{}",
+            String::from_utf8_lossy(&failed.stderr)
+        );
+        let error: Value = serde_json::from_slice(&failed.stdout).unwrap();
+        assert_eq!(error["ok"], false, "{error}");
+        assert!(error["error"].is_string(), "{error}");
+    }
+}
+
+/// A file given as a header backup that holds no LUKS header is named as such, without the
+/// advice to restore a header backup with `ivdisk header restore`: the command that failed.
+#[test]
+fn a_restore_from_a_file_that_is_no_backup_gives_no_circular_advice() {
+    let dir = tempfile::tempdir().unwrap();
+    let pw = key(dir.path(), "pw", b"right");
+    let hdr = dir.path().join("disk.hdr");
+    format_header(&hdr, &pw);
+    let zeros = key(dir.path(), "zeros", &[0u8; 100_000]);
+    let image = dir.path().join("disk.ivd");
+    let mut args = vec!["create", p(&image), "--size", "16M", "--key-file", p(&pw)];
+    args.extend(FAST);
+    ok(&args);
+    for target in [&hdr, &image] {
+        let err = fails(&["header", "restore", p(target), p(&zeros)]);
+        assert!(
+            err.contains("no LUKS header found") && !err.contains("ivdisk header restore"),
+            "{err}"
+        );
+    }
+    ok(&["key", "test", p(&hdr), "--key-file", p(&pw)]);
+}
