@@ -32,8 +32,8 @@ const PASSPHRASE_IMAGE_HELP: &str = "The image: PATH or file:PATH (a local store
 const KEYSLOT_NOTE: &str = "An image has up to 32 keyslots, each opening it with its own \
     passphrase; every keyslot holds the same volume key, so the data is not re-encrypted, and an \
     image being served keeps running (while `ivdisk serve` on this machine holds a local image \
-    open, the command makes the keyslot change and the server stores it; a LUKS file being \
-    served changes only once its server stops). A header backup made earlier still opens with \
+    open, the command makes the keyslot change and the server stores it; a change of a LUKS \
+    file being served is refused, naming its server: stop it first). A header backup made earlier still opens with \
     the passphrases valid when it was made.";
 
 #[derive(Subcommand)]

@@ -36,8 +36,9 @@ pub struct PbkdfArgs {
     /// half the RAM).
     #[arg(long, default_value_t = 1024 * 1024, value_name = "KIB")]
     pbkdf_memory: u32,
-    /// Upper bound for Argon2 threads (cryptsetup: 4, and at most the CPUs).
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    /// Upper bound for Argon2 threads, at least 1 (cryptsetup: 4, and at most the CPUs).
+    #[arg(long, default_value_t = 4, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
     pbkdf_parallel: u32,
     /// Skip the benchmark: Argon2 time cost or PBKDF2 iterations, as given.
     #[arg(long, value_name = "N")]
@@ -83,8 +84,9 @@ impl PbkdfArgs {
 #[derive(Args, Debug, Clone)]
 pub struct PassphraseArgs {
     /// Read the passphrase from this file ("-" = standard input, not a terminal: without the
-    /// option ivdisk asks on the terminal, without echo). One trailing newline is
-    /// dropped, so `echo secret > FILE` gives the passphrase typed as "secret" at the prompt.
+    /// option ivdisk asks on the terminal, without echo). One trailing newline (LF or CR LF)
+    /// is dropped, so `echo secret > FILE` gives the passphrase typed as "secret" at the
+    /// prompt.
     #[arg(long, value_name = "FILE", conflicts_with = "key_file")]
     pub passphrase_file: Option<PathBuf>,
     /// Use every byte of this file as the passphrase, newlines included ("-" = standard
@@ -94,7 +96,7 @@ pub struct PassphraseArgs {
     pub key_file: Option<PathBuf>,
 }
 
-/// The secret of a `--passphrase-file` (one trailing newline dropped) or a `--key-file` (every
+/// The secret of a `--passphrase-file` (one trailing LF or CR LF dropped) or a `--key-file` (every
 /// byte), `None` if neither was given.
 fn read_secret_files(
     passphrase_file: &Option<PathBuf>,

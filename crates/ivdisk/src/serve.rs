@@ -19,7 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::signal::unix::{signal, SignalKind};
 use zeroize::Zeroizing;
 
-use crate::images::{exact_size, image_or_rbd_help, info_at};
+use crate::images::{exact_size, image_at, image_or_rbd_help, info_at};
 use crate::secrets::{with_spinner, PassphraseArgs};
 
 #[derive(Args)]
@@ -27,7 +27,10 @@ pub struct ServeArgs {
     #[arg(help = image_or_rbd_help())]
     image: String,
     /// Listen on this Unix socket (created; a stale one left by a dead server is replaced).
-    /// Only you (and root) can connect to it unless --socket-mode says otherwise.
+    /// Only you (and root) can connect to it unless --socket-mode says otherwise. Without
+    /// --socket or --listen: NAME.sock (NAME: the image's last path part) in
+    /// $XDG_RUNTIME_DIR/ivdisk, or in /tmp/ivdisk-UID without XDG_RUNTIME_DIR; the ready line
+    /// names it.
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     socket: Option<PathBuf>,
     /// Permissions of the --socket file, in octal (default 600). Connecting needs write
@@ -522,7 +525,8 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
     // A mistyped address is named before anything is bound or a passphrase asked for.
     info_at(rt, &uri, snapshot.as_deref())?;
-    let mut endpoint = bind(&args, rt).with_context(|| format!("serving image {uri}"))?;
+    let mut endpoint = bind(&args, rt)
+        .with_context(|| format!("serving image {}", image_at(&uri, snapshot.as_deref())))?;
     if !args.read_only && snapshot.is_none() {
         refuse_a_second_local_writer(&uri)?;
         rt.block_on(Image::refuse_if_write_locked(&uri))
@@ -785,7 +789,14 @@ fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> R
     );
     // On stderr with --json too: stdout holds the one JSON line, and a script that stopped
     // the server learns from this line (and the exit code) that the flush happened.
-    note!("ivdisk: image {} flushed and closed", args.image);
+    match args.read_only || args.image.contains('@') {
+        // A reader wrote nothing: "flushed" would say otherwise.
+        true => note!(
+            "ivdisk: image {} closed (read-only: nothing to flush)",
+            args.image
+        ),
+        false => note!("ivdisk: image {} flushed and closed", args.image),
+    }
     Ok(())
 }
 

@@ -274,8 +274,9 @@ fn volume_key_file_recovers_access() {
         "--json",
     ]);
     assert!(out.contains(r#""ok":false"#), "{out}");
-    // A failure that is no answer (no such file) is an error object, not a mismatch.
-    let (out, _) = exits_1(&[
+    // A failure that is no answer (no such file) is an error object, not a mismatch, and
+    // exit code 2.
+    let out = ivdisk(&[
         "key",
         "test",
         p(&dir.path().join("none")),
@@ -283,7 +284,8 @@ fn volume_key_file_recovers_access() {
         p(&lost),
         "--json",
     ]);
-    let failed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let failed: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(failed["ok"], false, "{failed}");
     assert!(
         failed["error"]
@@ -430,6 +432,8 @@ fn impossible_and_weak_kdf_costs_are_refused_and_leave_no_file() {
             ["--pbkdf-memory", "0"],
             "--pbkdf-memory 0 is below Argon2's least memory",
         ),
+        // No threads was taken as one.
+        (["--pbkdf-parallel", "0"], "'--pbkdf-parallel <N>'"),
     ] {
         let mut args = vec!["create", p(&image), "--size", "16M"];
         args.extend(["--passphrase-file", p(&pass)]);
