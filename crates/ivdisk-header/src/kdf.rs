@@ -254,18 +254,34 @@ impl PbkdfRequest {
         }
     }
 
+    /// Refuse forced costs out of range, without deriving anything: what [`Self::calibrate`]
+    /// would refuse, for a caller that checks its arguments before it makes anything.
+    pub fn check_forced(&self) -> Result<(), HeaderError> {
+        match (self.kind, self.forced_iterations) {
+            (PbkdfKind::Pbkdf2, Some(n))
+                if !(PBKDF2_MIN_ITERATIONS..=PBKDF2_MAX_ITERATIONS).contains(&n) =>
+            {
+                Err(HeaderError::InvalidParameter(format!(
+                    "pbkdf2 needs {PBKDF2_MIN_ITERATIONS}..={PBKDF2_MAX_ITERATIONS} iterations \
+                     (got {n})"
+                )))
+            }
+            (PbkdfKind::Argon2id | PbkdfKind::Argon2i, Some(time)) if time < ARGON2_MIN_TIME => {
+                Err(HeaderError::InvalidParameter(format!(
+                    "argon2 needs a time cost of at least {ARGON2_MIN_TIME} (got {time})"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Turn the request into concrete costs, benchmarking this machine unless forced. `key_len`
     /// is the derived key's length.
     pub fn calibrate(&self, key_len: usize) -> Result<Pbkdf, HeaderError> {
+        self.check_forced()?;
         match self.kind {
             PbkdfKind::Pbkdf2 => {
                 let iterations = match self.forced_iterations {
-                    Some(n) if !(PBKDF2_MIN_ITERATIONS..=PBKDF2_MAX_ITERATIONS).contains(&n) => {
-                        return Err(HeaderError::InvalidParameter(format!(
-                            "pbkdf2 needs {PBKDF2_MIN_ITERATIONS}..={PBKDF2_MAX_ITERATIONS} \
-                             iterations (got {n})"
-                        )))
-                    }
                     Some(n) => n,
                     None => calibrate_pbkdf2(self.hash, key_len, self.iter_time)?,
                 };
@@ -289,11 +305,6 @@ impl PbkdfRequest {
                     .min(half_of_ram_kib())
                     .clamp(ARGON2_MIN_MEMORY_KIB, ARGON2_MAX_MEMORY_KIB);
                 if let Some(time) = self.forced_iterations {
-                    if time < ARGON2_MIN_TIME {
-                        return Err(HeaderError::InvalidParameter(format!(
-                            "argon2 needs a time cost of at least {ARGON2_MIN_TIME} (got {time})"
-                        )));
-                    }
                     return Ok(Pbkdf::Argon2 {
                         variant,
                         time,

@@ -68,14 +68,18 @@ impl PbkdfArgs {
                 ivdisk_header::ARGON2_MIN_MEMORY_KIB
             );
         }
-        Ok(PbkdfRequest {
+        let request = PbkdfRequest {
             kind,
             iter_time: Duration::from_millis(self.iter_time.max(1)),
             max_memory_kib: self.pbkdf_memory,
             max_parallel: self.pbkdf_parallel,
             forced_iterations: self.pbkdf_force_iterations,
             hash: self.hash.parse::<Hash>()?,
-        })
+        };
+        // Before anything is made: found by the key derivation, a forced cost out of range
+        // came after a create's directories or a header file were made (and removed again).
+        request.check_forced()?;
+        Ok(request)
     }
 }
 

@@ -386,7 +386,14 @@ pub(crate) fn store_dir_to_make(uri: &ImageUri) -> Option<PathBuf> {
         return None;
     };
     if std::fs::symlink_metadata(dir).is_err() {
-        return Some(dir.clone());
+        // The store makes the directories on its way too: the first that is missing is the
+        // one to remove (its parents were left behind, `create a/b/img` left `a/b`).
+        let first_missing = dir
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_err())
+            .last()
+            .unwrap_or(dir);
+        return Some(first_missing.to_path_buf());
     }
     // An empty directory given as the image's place is the user's: a failed command leaves it
     // as it was, empty (it left the half-made store's files there, having said the image was

@@ -821,3 +821,43 @@ fn a_restore_from_a_file_that_is_no_backup_gives_no_circular_advice() {
     }
     ok(&["key", "test", p(&hdr), "--key-file", p(&pw)]);
 }
+
+/// A forced key-derivation cost out of range is refused before anything is made: found by
+/// the key derivation, it came after `create` had made the image's directories (its parents
+/// stayed behind).
+#[test]
+fn a_forced_cost_out_of_range_is_refused_before_anything_is_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let pw = key(dir.path(), "pw", b"right");
+    let image = dir.path().join("a").join("b").join("img");
+    for forced in [
+        ["--pbkdf", "argon2id", "--pbkdf-force-iterations", "1"],
+        ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "999"],
+    ] {
+        let mut args = vec!["create", p(&image), "--size", "16M", "--key-file", p(&pw)];
+        args.extend(forced);
+        let err = fails(&args);
+        assert!(err.contains("(got "), "{forced:?}: {err}");
+        assert!(
+            !dir.path().join("a").exists(),
+            "{forced:?} made directories"
+        );
+        let hdr = dir.path().join("x.hdr");
+        let mut args = vec![
+            "header",
+            "format",
+            p(&hdr),
+            "--size",
+            "16M",
+            "--key-file",
+            p(&pw),
+        ];
+        args.extend(forced);
+        let err = fails(&args);
+        assert!(
+            err.contains("(got ") && !err.contains("removed"),
+            "{forced:?}: {err}"
+        );
+        assert!(!hdr.exists());
+    }
+}

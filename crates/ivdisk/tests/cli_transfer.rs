@@ -578,7 +578,8 @@ fn passphrases_are_added_changed_and_removed() {
     assert_eq!(refused["keyslot"], Value::Null);
     assert!(err.contains("no keyslot matches"), "{err}");
     assert!(!err.contains("incorrect horse") && !out.contains("incorrect horse"));
-    let err = fails(&["key", "test", p(&image), "--key-file", p(&two)]);
+    // (An error, not the answer "no": exit code 2.)
+    let (_, err) = common::exits(2, &["key", "test", p(&image), "--key-file", p(&two)]);
     assert!(err.contains("ivdisk passphrase test"), "{err}");
 
     // Change: keyslot 1 opens with the third passphrase (a key file, byte for byte), not the
