@@ -17,9 +17,9 @@ const ENDING_SIGNALS: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIG
 static TERMINAL: AtomicI32 = AtomicI32::new(-1);
 static SETTINGS: AtomicPtr<libc::termios> = AtomicPtr::new(std::ptr::null_mut());
 
-/// While it lives, the four signals restore the terminal's settings, then end the process as
-/// their default action does (the same exit status a shell shows). Dropped: the handlers that
-/// were there before are back.
+/// While it lives, those of the four signals whose action is the default one restore the
+/// terminal's settings, then end the process as that action does (the same exit status a
+/// shell shows). Dropped: the actions that were there before are back.
 pub struct TerminalRestore {
     /// Open while armed: the handler writes to its descriptor.
     _terminal: File,
@@ -54,8 +54,11 @@ impl TerminalRestore {
             if unsafe { libc::sigaction(signal, &action, &mut old) } != 0 {
                 continue;
             }
-            if old.sa_sigaction == libc::SIG_IGN {
-                // An ignored signal stays ignored (a background job's SIGINT under `sh`).
+            if old.sa_sigaction != libc::SIG_DFL {
+                // Only the default action ends the process at the prompt. An ignored signal
+                // stays ignored (a background job's SIGINT under `sh`), and a command's own
+                // handler (a copy's stop on signals) keeps it: that command stops, and the
+                // prompt's own restore runs first.
                 // SAFETY: as above; `old` is what the kernel just gave back.
                 unsafe { libc::sigaction(signal, &old, std::ptr::null_mut()) };
                 continue;

@@ -523,6 +523,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         return run_rbd(args, rt);
     }
     let (uri, snapshot) = ImageUri::parse_with_snapshot(&args.image).map_err(|e| anyhow!("{e}"))?;
+    let at_snapshot = snapshot.is_some();
     // A mistyped address is named before anything is bound or a passphrase asked for.
     info_at(rt, &uri, snapshot.as_deref())?;
     let mut endpoint = bind(&args, rt)
@@ -617,7 +618,7 @@ pub fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         )),
         None => Ok(()),
     });
-    finish(&args, served, closed)
+    finish(&args, at_snapshot, served, closed)
 }
 
 /// Say that the export is ready: `ready` completed with where and how to reach it, as one
@@ -778,7 +779,13 @@ async fn reload_on_hangup(tls: Option<TlsCredentials>, mut hangup: tokio::signal
 }
 
 /// The end of a serve: the server's outcome first, then the image's close.
-fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> Result<()> {
+/// `at_snapshot`: the image was served at a snapshot (so read-only).
+fn finish(
+    args: &ServeArgs,
+    at_snapshot: bool,
+    served: Result<ServeStats>,
+    closed: Result<()>,
+) -> Result<()> {
     let stats = served?;
     closed?;
     tracing::info!(
@@ -789,7 +796,7 @@ fn finish(args: &ServeArgs, served: Result<ServeStats>, closed: Result<()>) -> R
     );
     // On stderr with --json too: stdout holds the one JSON line, and a script that stopped
     // the server learns from this line (and the exit code) that the flush happened.
-    match args.read_only || args.image.contains('@') {
+    match args.read_only || at_snapshot {
         // A reader wrote nothing: "flushed" would say otherwise.
         true => note!(
             "ivdisk: image {} closed (read-only: nothing to flush)",
@@ -889,7 +896,13 @@ fn run_rbd(args: ServeArgs, rt: &Runtime) -> Result<()> {
             Err(image) => image.flush().await,
         }
     });
-    finish(&args, served, closed.map_err(|e| anyhow!("{e}")))
+    let at_snapshot = uri.snapshot.is_some();
+    finish(
+        &args,
+        at_snapshot,
+        served,
+        closed.map_err(|e| anyhow!("{e}")),
+    )
 }
 
 #[cfg(test)]
