@@ -270,8 +270,8 @@ where
         device: negotiated.export.device.clone(),
         structured: negotiated.structured,
         block_status: negotiated.block_status,
-        io_failures: FailureLog::default(),
-        full_failures: FailureLog::default(),
+        io_failures: Default::default(),
+        full_failures: Default::default(),
     });
     let mut reader = RequestReader::new(reader);
     let mut reading = StallWatch::new(server_budget.clone());
@@ -768,9 +768,19 @@ struct Context {
     structured: bool,
     block_status: bool,
     /// Storage failures (IO, a full store) logged at most once per
-    /// [`FAILURE_LOG_INTERVAL`] each.
-    io_failures: FailureLog,
-    full_failures: FailureLog,
+    /// [`FAILURE_LOG_INTERVAL`] for each kind of request: a read's failure does not hide the
+    /// different one of the write or flush after it.
+    io_failures: [FailureLog; LOGGED_COMMANDS],
+    full_failures: [FailureLog; LOGGED_COMMANDS],
+}
+
+/// Request kinds whose failures are counted apart (`NBD_CMD_*` up to block status; any later
+/// command shares the last slot).
+const LOGGED_COMMANDS: usize = 8;
+
+/// The [`FailureLog`] of `command` among `logs`.
+fn failure_log(logs: &[FailureLog; LOGGED_COMMANDS], command: u16) -> &FailureLog {
+    &logs[usize::from(command).min(LOGGED_COMMANDS - 1)]
 }
 
 /// How often one kind of storage failure is logged at most. A full store or a storage outage
@@ -846,14 +856,17 @@ impl Context {
                         tracing::error!(cookie = request.cookie, offset = request.offset, length = request.length, error = %error.message, "request failed authentication")
                     }
                     DeviceErrorKind::Io => {
-                        if let Some(left_out) = self.io_failures.admit(std::time::Instant::now()) {
+                        if let Some(left_out) = failure_log(&self.io_failures, request.command)
+                            .admit(std::time::Instant::now())
+                        {
                             tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed{}", left_out_note(left_out))
                         }
                     }
                     // The client sees ENOSPC (qemu pauses its guest); whoever must free space
                     // learns it here.
                     DeviceErrorKind::NoSpace => {
-                        if let Some(left_out) = self.full_failures.admit(std::time::Instant::now())
+                        if let Some(left_out) = failure_log(&self.full_failures, request.command)
+                            .admit(std::time::Instant::now())
                         {
                             tracing::error!(cookie = request.cookie, command = request.command, error = %error.message, "request failed: the storage is full{}", left_out_note(left_out))
                         }
@@ -1145,6 +1158,13 @@ mod failure_log_tests {
         assert_eq!(log.admit(start + FAILURE_LOG_INTERVAL), None);
         assert_eq!(log.admit(start + FAILURE_LOG_INTERVAL * 3), Some(1));
         assert!(left_out_note(338).contains("338 more"));
+        // Kinds of request apart: a write's failure is not hidden by a read's.
+        let logs: [FailureLog; LOGGED_COMMANDS] = Default::default();
+        assert_eq!(failure_log(&logs, CMD_READ).admit(start), Some(0));
+        assert_eq!(failure_log(&logs, CMD_WRITE).admit(start), Some(0));
+        assert_eq!(failure_log(&logs, CMD_FLUSH).admit(start), Some(0));
+        assert_eq!(failure_log(&logs, CMD_READ).admit(start), None);
+        assert_eq!(failure_log(&logs, 99).admit(start), Some(0));
         assert_eq!(left_out_note(0), "");
     }
 }
